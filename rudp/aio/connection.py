@@ -1,0 +1,229 @@
+"""The user-facing connection: ``send``, ``recv``, ``drain``, ``close``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Generator
+from time import monotonic
+from typing import TYPE_CHECKING, Any
+
+from rudp.connection import Address
+from rudp.connection import Connection as CoreConnection
+from rudp.errors import ConnectionClosed
+from rudp.events import Disconnected, MessageReceived
+from rudp.recovery import ACKED, FAILED, OutMessage
+from rudp.stats import ConnectionStats
+
+if TYPE_CHECKING:
+    from rudp.aio.endpoint import AioEndpoint
+
+Message = MessageReceived
+"""A received message: ``.data`` (bytes), ``.channel`` (int), ``.reliable`` (bool)."""
+
+
+class SendHandle:
+    """What ``send()`` returns: await it to know the peer acknowledged the message.
+
+    Awaiting is optional and costs nothing until you do it: no future is created
+    for a message nobody waits on.
+    """
+
+    __slots__ = ("_conn", "_msg")
+
+    def __init__(self, conn: Connection, msg: OutMessage) -> None:
+        self._conn = conn
+        self._msg = msg
+
+    @property
+    def acked(self) -> bool:
+        return self._msg.state == ACKED
+
+    def done(self) -> bool:
+        return self._msg.state in (ACKED, FAILED) or (self._msg.mode == 0 and self._msg.state != 0)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait().__await__()
+
+    async def _wait(self) -> None:
+        msg = self._msg
+        if msg.mode == 0:  # unreliable: nothing will acknowledge it
+            return
+        if msg.state == ACKED:
+            return
+        if msg.state == FAILED:
+            raise self._conn._closed_error()
+        future = msg.user
+        if future is None:
+            future = self._conn._loop.create_future()
+            msg.user = future
+            msg.notify = True
+            self._conn._waiting.add(msg)
+        await asyncio.shield(future)  # type: ignore[arg-type]
+
+
+class Connection:
+    """A reliable-UDP connection. Get one from ``rudp.connect`` or a ``serve`` handler."""
+
+    def __init__(self, endpoint: AioEndpoint, core: CoreConnection) -> None:
+        self._endpoint = endpoint
+        self._core = core
+        self._loop = endpoint._loop
+        self._inbox: deque[MessageReceived] = deque()
+        self._recv_waiter: asyncio.Future[None] | None = None
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._waiting: set[OutMessage] = set()
+        self._established_future: asyncio.Future[None] = self._loop.create_future()
+        self._closed_future: asyncio.Future[Disconnected] = self._loop.create_future()
+        self.owns_endpoint = False
+
+    # -- properties --------------------------------------------------------------
+
+    @property
+    def remote_address(self) -> Address:
+        return self._core.address
+
+    @property
+    def local_address(self) -> Address:
+        return self._endpoint.local_address
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection has ended (or is ending) on our side."""
+        return self._closed_future.done() or self._core.state.value in ("closing", "closed")
+
+    @property
+    def close_reason(self) -> Disconnected | None:
+        return self._core.close_reason
+
+    @property
+    def stats(self) -> ConnectionStats:
+        return self._core.stats
+
+    @property
+    def max_message_size(self) -> int:
+        return self._core.max_message_size
+
+    @property
+    def queued(self) -> int:
+        return self._core.queued
+
+    # -- sending -------------------------------------------------------------------
+
+    def send(self, data: bytes, *, reliable: bool = True, channel: int = 0) -> SendHandle:
+        """Queue a message. Never blocks; raises ``SendQueueFull`` when the queue is full,
+        ``ConnectionClosed`` after the end. Await the result to know it was acknowledged."""
+        msg = self._core.send(data, reliable=reliable, channel=channel)
+        self._endpoint.wake()
+        return SendHandle(self, msg)
+
+    async def drain(self) -> None:
+        """Wait until the send queue is at or below ``Config.drain_low_water``."""
+        if self._closed_future.done():
+            raise self._closed_error()
+        if self._core.queued <= self._endpoint.config.drain_low_water:
+            return
+        if self._drain_waiter is None:
+            self._drain_waiter = self._loop.create_future()
+            self._endpoint.draining.add(self)
+        await asyncio.shield(self._drain_waiter)
+
+    def _check_drain(self) -> None:
+        waiter = self._drain_waiter
+        if waiter is not None and self._core.queued <= self._endpoint.config.drain_low_water:
+            self._drain_waiter = None
+            self._endpoint.draining.discard(self)
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- receiving -------------------------------------------------------------------
+
+    async def recv(self) -> MessageReceived:
+        """The next message; raises ``ConnectionClosed`` once the connection has ended
+        and every message received before the end was returned."""
+        while not self._inbox:
+            if self._closed_future.done():
+                raise self._closed_error()
+            if self._recv_waiter is None:
+                self._recv_waiter = self._loop.create_future()
+            await self._recv_waiter
+        return self._inbox.popleft()
+
+    def recv_nowait(self) -> MessageReceived | None:
+        """The next message if one is waiting, else None."""
+        return self._inbox.popleft() if self._inbox else None
+
+    def __aiter__(self) -> Connection:
+        return self
+
+    async def __anext__(self) -> MessageReceived:
+        try:
+            return await self.recv()
+        except ConnectionClosed:
+            raise StopAsyncIteration from None
+
+    # -- closing ------------------------------------------------------------------------
+
+    async def close(self, code: int = 0, reason: str = "") -> None:
+        """Deliver what is queued, send DISCONNECT, wait for its ack (bounded)."""
+        if not self._closed_future.done():
+            self._core.close(monotonic(), code, reason)
+            self._endpoint._after_io()
+        await self.wait_closed()
+
+    async def wait_closed(self) -> Disconnected:
+        return await asyncio.shield(self._closed_future)
+
+    # -- called by the endpoint ---------------------------------------------------------
+
+    def _deliver(self, message: MessageReceived) -> None:
+        self._inbox.append(message)
+        waiter = self._recv_waiter
+        if waiter is not None:
+            self._recv_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _acked(self, msg: OutMessage) -> None:
+        self._waiting.discard(msg)
+        future = msg.user
+        if isinstance(future, asyncio.Future) and not future.done():
+            future.set_result(None)
+
+    def _established(self) -> None:
+        if not self._established_future.done():
+            self._established_future.set_result(None)
+
+    async def _wait_established(self) -> None:
+        await self._established_future
+
+    def _ended(self, event: Disconnected) -> None:
+        from rudp.aio.endpoint import connect_error
+
+        if not self._established_future.done():
+            self._established_future.set_exception(connect_error(event))
+        error = self._closed_error(event)
+        for msg in self._waiting:
+            future = msg.user
+            if isinstance(future, asyncio.Future) and not future.done():
+                future.set_exception(error)
+                future.exception()  # an abandoned waiter must not log "never retrieved"
+        self._waiting.clear()
+        for waiter in (self._recv_waiter, self._drain_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        self._recv_waiter = self._drain_waiter = None
+        self._endpoint.draining.discard(self)
+        if not self._closed_future.done():
+            self._closed_future.set_result(event)
+        if self.owns_endpoint:
+            self._loop.call_soon(self._endpoint.close_now)
+
+    def _closed_error(self, event: Disconnected | None = None) -> ConnectionClosed:
+        event = event or self._core.close_reason
+        if event is None:
+            return ConnectionClosed("closed")
+        return ConnectionClosed(event.reason.value, event.code, event.text)
+
+    def __repr__(self) -> str:
+        return f"<rudp.Connection {self.remote_address!r} {self._core.state.value}>"

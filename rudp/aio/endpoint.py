@@ -1,0 +1,374 @@
+"""The asyncio adapter: moves bytes and time between a UDP socket and the core.
+
+It stays thin, as aioquic's does: one socket read callback that drains the
+socket (up to ``Config.max_datagrams_per_read`` datagrams per readiness, since
+CPython's own datagram transport reads one per loop iteration and a burst then
+overflows the kernel buffer), one ``TimerHandle`` re-armed only when the core's
+deadline moves earlier, and one flush per event-loop turn, scheduled with
+``call_soon`` whenever something is queued, so everything sent during a turn
+(messages, acks, keepalives) is coalesced into as few datagrams as possible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import random
+import socket
+from collections import deque
+from collections.abc import Awaitable, Callable
+from time import monotonic
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from rudp.config import Config
+from rudp.connection import Address
+from rudp.connection import Connection as CoreConnection
+from rudp.endpoint import Endpoint as CoreEndpoint
+from rudp.errors import ConnectRefused, ConnectTimeout, LocalProtocolError, RudpError
+from rudp.events import (
+    Connected,
+    Disconnected,
+    DisconnectReason,
+    MessageAcked,
+    MessageReceived,
+    QueryAnswered,
+    QueryReceived,
+)
+
+if TYPE_CHECKING:
+    from rudp.aio.connection import Connection
+
+log = structlog.get_logger("rudp")
+
+Handler = Callable[["Connection"], Awaitable[None]]
+QueryHandler = Callable[[bytes, Address], "bytes | None"]
+SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
+
+
+class AioEndpoint:
+    """One UDP socket, its core ``Endpoint`` and the user-facing connections.
+
+    The core's clock is ``time.monotonic()``, not ``loop.time()``: uvloop's
+    loop time has millisecond resolution, too coarse for loopback RTTs. Both
+    read CLOCK_MONOTONIC, so deadlines handed to ``call_at`` still line up.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        config: Config,
+        *,
+        accept: bool,
+        handler: Handler | None = None,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self.config = config
+        self.core = CoreEndpoint(config, now=monotonic(), rng=random.SystemRandom(), accept=accept)
+        self._handler = handler
+        self.on_query: QueryHandler | None = None
+        self._conns: dict[CoreConnection, Connection] = {}
+        self.draining: set[Connection] = set()  # connections with a drain() waiter
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._queries: dict[int, asyncio.Future[tuple[bytes, float]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._flush_pending = False
+        self._send_buffer: deque[tuple[bytes, Address]] = deque()
+        self.send_errors = 0
+        self.send_buffer_drops = 0
+        self._closed = False
+        self._closed_event = asyncio.Event()
+        self._max_read = config.max_datagrams_per_read
+        self._inbound: Any = None
+        self._outbound: Any = None
+        self._setup_netsim()
+        self.local_address: Address = sock.getsockname()
+        loop.add_reader(sock.fileno(), self._read_ready)
+
+    # -- I/O ------------------------------------------------------------------
+
+    def _setup_netsim(self) -> None:
+        sim = self.config.netsim
+        if sim is None:
+            return
+        from rudp.netsim.aio import ConditionedPipe
+
+        if sim.inbound is not None:
+            self._inbound = ConditionedPipe(
+                self._loop, sim.inbound, self._receive_one, seed=sim.seed
+            )
+        if sim.outbound is not None:
+            self._outbound = ConditionedPipe(
+                self._loop, sim.outbound, self._sendto, seed=sim.seed + 1
+            )
+
+    def _read_ready(self) -> None:
+        sock = self._sock
+        receive = self.core.receive_datagram
+        inbound = self._inbound
+        now = monotonic()
+        for _ in range(self._max_read):
+            try:
+                data, address = sock.recvfrom(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:  # e.g. an ICMP error queued on the socket
+                log.debug("recv_error", error=str(exc))
+                break
+            if inbound is not None:
+                inbound.send(data, address)
+            else:
+                receive(data, address, now)
+        self._after_io()
+
+    def _receive_one(self, data: bytes, address: Address) -> None:
+        """Deliver one datagram released by the inbound link conditioner."""
+        if not self._closed:
+            self.core.receive_datagram(data, address, monotonic())
+            self._after_io()
+
+    def _after_io(self) -> None:
+        self._dispatch_events()
+        self._schedule_flush()
+        self._rearm_timer()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_pending and not self._closed:
+            self._flush_pending = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._closed:
+            return
+        send = self._outbound.send if self._outbound is not None else self._sendto
+        for data, address in self.core.datagrams_to_send(monotonic()):
+            send(data, address)
+        self._rearm_timer()
+
+    def _sendto(self, data: bytes, address: Address) -> None:
+        if self._send_buffer:
+            self._buffer(data, address)
+            return
+        try:
+            self._sock.sendto(data, address)
+        except (BlockingIOError, InterruptedError):
+            self._buffer(data, address)
+            self._loop.add_writer(self._sock.fileno(), self._write_ready)
+        except OSError as exc:
+            self._send_failed(exc, address)
+
+    def _buffer(self, data: bytes, address: Address) -> None:
+        if len(self._send_buffer) >= SEND_BUFFER_LIMIT:
+            # Reliable data in it will be resent; the count says what happened.
+            self.send_buffer_drops += 1
+            return
+        self._send_buffer.append((data, address))
+
+    def _write_ready(self) -> None:
+        buffer = self._send_buffer
+        while buffer:
+            data, address = buffer[0]
+            try:
+                self._sock.sendto(data, address)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._send_failed(exc, address)
+            buffer.popleft()
+        self._loop.remove_writer(self._sock.fileno())
+
+    def _send_failed(self, exc: OSError, address: Address) -> None:
+        self.send_errors += 1
+        if exc.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
+            log.warning("send_error", error=str(exc), peer=str(address))
+
+    # -- timers ---------------------------------------------------------------
+
+    def _rearm_timer(self) -> None:
+        deadline = self.core.get_timer()
+        if deadline is None or self._closed:
+            return
+        if self._timer_at is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = deadline
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        deadline = self._timer_at or 0.0
+        self._timer = None
+        self._timer_at = None
+        # call_at may fire within the clock resolution before the deadline.
+        self.core.handle_timer(max(monotonic(), deadline))
+        self._after_io()
+
+    # -- events ----------------------------------------------------------------
+
+    def _dispatch_events(self) -> None:
+        next_event = self.core.next_event
+        conns = self._conns
+        while (item := next_event()) is not None:
+            core_conn, event = item
+            if core_conn is None:
+                self._endpoint_event(event)
+                continue
+            kind = type(event)
+            conn = conns.get(core_conn)
+            if conn is None:
+                if kind is not Connected:
+                    continue
+                conn = self._adopt(core_conn)
+            if kind is MessageReceived:
+                conn._deliver(event)  # type: ignore[arg-type]
+            elif kind is MessageAcked:
+                conn._acked(event.handle)  # type: ignore[union-attr]
+            elif kind is Connected:
+                conn._established()
+            elif kind is Disconnected:
+                del conns[core_conn]
+                conn._ended(event)  # type: ignore[arg-type]
+        if self.draining:
+            for conn in list(self.draining):
+                conn._check_drain()
+
+    def _adopt(self, core_conn: CoreConnection) -> Connection:
+        from rudp.aio.connection import Connection
+
+        conn = Connection(self, core_conn)
+        self._conns[core_conn] = conn
+        if not core_conn.client and self._handler is not None:
+            task = self._loop.create_task(self._run_handler(conn, self._handler))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return conn
+
+    async def _run_handler(self, conn: Connection, handler: Handler) -> None:
+        try:
+            await handler(conn)
+        except asyncio.CancelledError:
+            raise
+        except RudpError as exc:
+            log.debug("handler_ended", peer=str(conn.remote_address), error=str(exc))
+        except Exception:
+            log.exception("handler_failed", peer=str(conn.remote_address))
+        if not conn.closed:
+            with contextlib.suppress(RudpError):
+                await conn.close()
+
+    def _endpoint_event(self, event: object) -> None:
+        if isinstance(event, QueryReceived):
+            self._answer_query(event)
+        elif isinstance(event, QueryAnswered):
+            future = self._queries.pop(event.nonce, None)
+            if future is not None and not future.done():
+                future.set_result((event.payload, event.rtt))
+
+    def _answer_query(self, event: QueryReceived) -> None:
+        if self.on_query is None:
+            return
+        try:
+            reply = self.on_query(event.payload, event.address)
+            if reply is not None:
+                self.core.reply_query(event, reply)
+        except Exception:
+            log.exception("query_handler_failed", peer=str(event.address))
+
+    # -- operations used by Server / Connection ------------------------------------
+
+    def wake(self) -> None:
+        """Something was queued: flush at the end of this loop turn."""
+        self._schedule_flush()
+
+    async def connect(self, address: Address) -> Connection:
+        from rudp.aio.connection import Connection
+
+        if self._closed:
+            raise LocalProtocolError("endpoint is closed")
+        core_conn = self.core.connect(address, monotonic())
+        conn = Connection(self, core_conn)
+        self._conns[core_conn] = conn
+        self._after_io()
+        try:
+            await conn._wait_established()
+        except asyncio.CancelledError:
+            core_conn.abort()
+            self._after_io()
+            raise
+        return conn
+
+    async def query(self, address: Address, payload: bytes, timeout: float) -> tuple[bytes, float]:
+        nonce = self.core.query(address, payload, monotonic())
+        future: asyncio.Future[tuple[bytes, float]] = self._loop.create_future()
+        self._queries[nonce] = future
+        self._schedule_flush()
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._queries.pop(nonce, None)
+            self.core.cancel_query(nonce)
+
+    def connections(self) -> list[Connection]:
+        return [c for c in self._conns.values() if c._core.client is False]
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Close every connection gracefully, then the socket."""
+        if self._closed:
+            await self._closed_event.wait()
+            return
+        limit = timeout if timeout is not None else self.config.close_timeout + 1.0
+        self.core.close(monotonic())
+        self._after_io()
+        waiters = [c.wait_closed() for c in list(self._conns.values())]
+        if waiters:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waiters), limit)
+        self.core.abort()
+        self._dispatch_events()
+        if self._tasks:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), limit)
+            for task in list(self._tasks):
+                task.cancel()
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Release the socket; connections still open end with reason "aborted"."""
+        if self._closed:
+            return
+        self.core.abort()
+        self._dispatch_events()
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for pipe in (self._inbound, self._outbound):
+            if pipe is not None:
+                pipe.close()
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_writer(self._sock.fileno())
+        self._sock.close()
+        for future in self._queries.values():
+            future.cancel()
+        self._closed_event.set()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    async def wait_closed(self) -> None:
+        await self._closed_event.wait()
+
+
+def connect_error(event: Disconnected) -> Exception:
+    """The exception ``connect()`` raises when the handshake ends without success."""
+    if event.reason is DisconnectReason.REFUSED:
+        return ConnectRefused(event.text or "refused")
+    if event.reason is DisconnectReason.CONNECT_TIMEOUT:
+        return ConnectTimeout("no answer from the server within the connect timeout")
+    return ConnectRefused(event.reason.value)

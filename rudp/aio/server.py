@@ -1,0 +1,184 @@
+"""``serve()``, ``connect()`` and the ``Server`` they share the socket code with."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from types import TracebackType
+from typing import Any
+
+from rudp.aio.connection import Connection
+from rudp.aio.endpoint import AioEndpoint, Handler, QueryHandler
+from rudp.config import Config
+from rudp.connection import Address
+from rudp.stats import EndpointStats
+
+
+def _set_buffers(sock: socket.socket, size: int) -> None:
+    if size <= 0:
+        return
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        # The kernel clamps to its maximum; a smaller buffer still works.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, size)
+
+
+async def _resolve(host: str, port: int, family: int = 0) -> tuple[int, Address]:
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM)
+    if not infos:
+        raise OSError(f"cannot resolve {host!r}")
+    fam, _, _, _, sockaddr = infos[0]
+    return fam, tuple(sockaddr)
+
+
+async def _open_socket(host: str | None, port: int, family: int, config: Config) -> socket.socket:
+    if host is None:
+        host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    fam, sockaddr = await _resolve(host, port, family)
+    sock = socket.socket(fam, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        if fam == socket.AF_INET6 and sockaddr[0] == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        _set_buffers(sock, config.socket_buffer_size)
+        sock.bind(sockaddr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Server:
+    """A UDP socket accepting rudp connections; also connects out from the same socket.
+
+    An async context manager: leaving the block closes every connection gracefully.
+    """
+
+    def __init__(self, endpoint: AioEndpoint) -> None:
+        self._endpoint = endpoint
+
+    @property
+    def address(self) -> Address:
+        """The bound (host, port); port 0 was replaced by the one the OS picked."""
+        return self._endpoint.local_address[:2]
+
+    @property
+    def connections(self) -> list[Connection]:
+        """The accepted connections that are still open."""
+        return self._endpoint.connections()
+
+    @property
+    def stats(self) -> EndpointStats:
+        return self._endpoint.core.stats
+
+    @property
+    def endpoint(self) -> AioEndpoint:
+        return self._endpoint
+
+    @property
+    def on_query(self) -> QueryHandler | None:
+        """``fn(payload, addr) -> bytes | None`` answering unconnected queries.
+
+        A reply larger than the request is not sent (no amplification).
+        """
+        return self._endpoint.on_query
+
+    @on_query.setter
+    def on_query(self, handler: QueryHandler | None) -> None:
+        self._endpoint.on_query = handler
+
+    async def connect(self, host: str, port: int) -> Connection:
+        """Open an outgoing connection from this server's socket (NAT traversal)."""
+        _, address = await _resolve(host, port, _family(self))
+        return await self._endpoint.connect(address)
+
+    async def query(
+        self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
+    ) -> tuple[bytes, float]:
+        """Send an unconnected query; returns (reply, round-trip seconds)."""
+        _, resolved = await _resolve(address[0], address[1], _family(self))
+        return await self._endpoint.query(resolved, payload, timeout)
+
+    async def close(self) -> None:
+        """Close every connection gracefully (bounded by ``close_timeout``), then the socket."""
+        await self._endpoint.close()
+
+    async def wait_closed(self) -> None:
+        await self._endpoint.wait_closed()
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+def _family(server: Server) -> int:
+    return server._endpoint._sock.family
+
+
+async def open_endpoint(
+    host: str | None = None,
+    port: int = 0,
+    *,
+    handler: Handler | None = None,
+    config: Config | None = None,
+    family: int = 0,
+) -> Server:
+    """Bind a UDP socket; with ``handler`` it accepts connections, else it only connects out."""
+    loop = asyncio.get_running_loop()
+    cfg = config or Config()
+    sock = await _open_socket(host, port, family, cfg)
+    endpoint = AioEndpoint(loop, sock, cfg, accept=handler is not None, handler=handler)
+    return Server(endpoint)
+
+
+async def serve(
+    handler: Handler, host: str | None, port: int, *, config: Config | None = None
+) -> Server:
+    """Accept rudp connections on ``host:port``; run ``await handler(conn)`` for each.
+
+    When the handler returns, its connection is closed gracefully.
+    """
+    return await open_endpoint(host, port, handler=handler, config=config)
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    config: Config | None = None,
+    local_addr: tuple[str, int] | None = None,
+) -> Connection:
+    """Connect to a rudp server. Raises ``ConnectRefused`` or ``ConnectTimeout``."""
+    cfg = config or Config()
+    family, address = await _resolve(host, port)
+    local_host = local_addr[0] if local_addr else ("::" if family == socket.AF_INET6 else "0.0.0.0")
+    server = await open_endpoint(
+        local_host, local_addr[1] if local_addr else 0, config=cfg, family=family
+    )
+    try:
+        conn = await server.endpoint.connect(address)
+    except BaseException:
+        server.endpoint.close_now()
+        raise
+    conn.owns_endpoint = True
+    return conn
+
+
+def run(main: Any, *, use_uvloop: bool | None = None) -> Any:
+    """Run a coroutine like ``asyncio.run``, on uvloop where installed.
+
+    Opt out with ``use_uvloop=False`` or the environment variable ``RUDP_NO_UVLOOP=1``.
+    """
+    from rudp.aio.loop import new_event_loop
+
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(use_uvloop)) as runner:
+        return runner.run(main)

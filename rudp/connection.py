@@ -1,0 +1,708 @@
+"""One connection's protocol state: sans-IO, no sockets, no clock, no asyncio.
+
+Theory of operation
+-------------------
+Every DATA datagram is a *packet* with its own 16-bit sequence number and, in
+its header, an acknowledgment of the newest packet received plus a 32-bit
+bitfield of the 32 before it. Each packet therefore re-acknowledges 33 packets,
+so a lost ack costs nothing; and a gap in the bitfield, with later packets
+acknowledged, reveals a loss within one round trip (see ``recovery``).
+
+Packets carry *frames*: messages, PING and DISCONNECT. Reliability is per
+message, not per packet: when a packet is lost, the reliable messages in it
+that were not acknowledged some other way go back to the front of the queue
+and are sent again in a new packet, coalesced with whatever else is due. A
+message is acknowledged when any packet carrying it is.
+
+The receiver orders reliable messages per channel by a 16-bit per-channel
+sequence number, buffering what arrives early (bounded by
+``Config.recv_buffer_bytes``), so a loss on one channel never holds up another.
+Duplicate packets are dropped by the packet-level window; duplicate messages by
+the channel sequence. Unreliable messages are never resent, and the packet
+window keeps them from ever being delivered twice.
+
+All state transitions happen in ``_set_state``; the states are::
+
+    CONNECTING -> CONNECTED -> CLOSING (our close: flush, DISCONNECT, its ack) -> CLOSED
+                           \\-> DRAINING (peer's DISCONNECT: linger to re-ack it) -> CLOSED
+    any -> CLOSED (timeout, NOCONN, refusal, abort)
+
+Sequence numbers are unwrapped into unbounded ints on arrival (``seqnum``), so
+wraparound is handled in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from rudp import wire
+from rudp.config import Config
+from rudp.errors import ConnectionClosed, LocalProtocolError, MessageTooLarge, SendQueueFull
+from rudp.events import (
+    Connected,
+    Disconnected,
+    DisconnectReason,
+    Event,
+    MessageAcked,
+    MessageReceived,
+)
+from rudp.recovery import ACKED, FAILED, SENT, OutMessage, RttEstimator, SentPacket
+from rudp.seqnum import SEQ_MASK, unwrap
+from rudp.stats import ConnectionStats
+from rudp.wire import Delivery, DropReason
+
+Address = tuple[Any, ...]
+RX_WINDOW = 64  # packets remembered for duplicate detection
+RX_MASK = (1 << RX_WINDOW) - 1
+NOCONN_SPAN = 4096  # a NOCONN must echo one of our last few thousand packets
+UNRELIABLE = Delivery.UNRELIABLE
+RELIABLE_ORDERED = Delivery.RELIABLE_ORDERED
+
+
+class State(enum.Enum):
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    CLOSING = "closing"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+_TRANSITIONS = {
+    State.CONNECTING: {State.CONNECTED, State.CLOSED},
+    State.CONNECTED: {State.CLOSING, State.DRAINING, State.CLOSED},
+    State.CLOSING: {State.DRAINING, State.CLOSED},
+    State.DRAINING: {State.CLOSED},
+    State.CLOSED: set(),
+}
+
+
+class Connection:
+    """The protocol core of one connection. Created by ``Endpoint``."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        address: Address,
+        now: float,
+        rng: random.Random,
+        client: bool,
+        salt: int,
+        events: deque[tuple[Connection, Event]] | None = None,
+        dirty: set[Connection] | None = None,
+        on_closed: Callable[[Connection], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.address = address
+        self.client = client
+        self.salt = salt
+        self.token = 0
+        self.state = State.CONNECTING
+        self.stats = ConnectionStats()
+        self.close_reason: Disconnected | None = None
+        self._events: deque[tuple[Connection, Event]] = deque() if events is None else events
+        self._dirty: set[Connection] = set() if dirty is None else dirty
+        self._on_closed = on_closed
+        self._rtt = RttEstimator(config)
+        self.stats.rtt = self._rtt
+        self.armed: float | None = None  # the endpoint's timer bookkeeping
+        # -- send side
+        self._isn = rng.getrandbits(16)
+        self._tx_next = self._isn
+        self._sent: dict[int, SentPacket] = {}
+        self._in_flight = 0
+        self._largest_acked = self._isn - 1
+        self._loss_time: float | None = None
+        self._rel_queue: deque[OutMessage] = deque()
+        self._unrel_queue: deque[OutMessage] = deque()
+        self._retx: deque[OutMessage] = deque()
+        self._control: list[bytes] = []
+        self._ping = False
+        self._ack_pending = False
+        self._queued = 0  # messages not yet sent, plus reliable ones not yet acked
+        self._unacked_reliable = 0
+        self._tx_ch_next = [0] * config.channels
+        self._tx_ch_unacked: list[deque[OutMessage]] = [deque() for _ in range(config.channels)]
+        self._last_eliciting = now
+        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
+        # -- receive side
+        self._rx_largest = 0
+        self._rx_bits = 0
+        self._rx_ch_next = [0] * config.channels
+        self._rx_ch_buf: list[dict[int, bytes]] = [{} for _ in range(config.channels)]
+        self._rx_buffered_bytes = 0
+        self._last_recv = now
+        # -- handshake and close
+        self._cookie = b""
+        self._send_connect = client
+        self._connect_deadline = now + config.connect_timeout
+        self._next_connect = now + config.connect_retry_interval
+        self.accept_datagram = b""  # server side: the ACCEPT, resent on duplicate CONNECTs
+        self._close_code = 0
+        self._close_text = ""
+        self._disconnect_queued = False
+        self._deadline: float | None = None  # close or drain deadline
+
+    # -- public API -----------------------------------------------------------------
+
+    @property
+    def isn(self) -> int:
+        return self._isn
+
+    @property
+    def queued(self) -> int:
+        """Messages not yet sent plus reliable messages not yet acknowledged."""
+        return self._queued
+
+    @property
+    def max_message_size(self) -> int:
+        return self._max_payload - wire.MESSAGE_OVERHEAD
+
+    def send(self, data: bytes, *, reliable: bool = True, channel: int = 0) -> OutMessage:
+        """Queue a message; returns its handle. Raises at once on misuse or a full queue."""
+        if self.state is not State.CONNECTED and self.state is not State.CONNECTING:
+            if self.close_reason is not None:
+                raise ConnectionClosed(
+                    self.close_reason.reason, self.close_reason.code, self.close_reason.text
+                )
+            raise LocalProtocolError(f"cannot send on a connection that is {self.state.value}")
+        if type(data) is not bytes:
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise TypeError(f"message data must be bytes-like, not {type(data).__name__}")
+            data = bytes(data)
+        if not 0 <= channel < self.config.channels:
+            raise LocalProtocolError(
+                f"channel must be in [0, {self.config.channels}), got {channel}"
+            )
+        if len(data) > self.max_message_size:
+            raise MessageTooLarge(
+                f"message of {len(data)} bytes exceeds the {self.max_message_size}-byte limit"
+            )
+        if self._queued >= self.config.send_queue_limit:
+            raise SendQueueFull(
+                f"send queue is full ({self._queued} messages); await drain() before sending"
+            )
+        if reliable:
+            msg = OutMessage(data, RELIABLE_ORDERED, channel, self._tx_ch_next[channel])
+            self._tx_ch_next[channel] += 1
+            self._rel_queue.append(msg)
+            self._tx_ch_unacked[channel].append(msg)
+            self._unacked_reliable += 1
+        else:
+            msg = OutMessage(data, UNRELIABLE, channel, 0)
+            self._unrel_queue.append(msg)
+        self._queued += 1
+        self._dirty.add(self)
+        return msg
+
+    def close(self, now: float, code: int = 0, text: str = "") -> None:
+        """Start a graceful close: flush what is queued reliably, then DISCONNECT."""
+        if not 0 <= code <= 0xFFFF:
+            raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
+        if self.state is State.CONNECTING:
+            self._end(DisconnectReason.CLOSED, code, text, by_peer=False)
+        elif self.state is State.CONNECTED:
+            self._close_code, self._close_text = code, text
+            self._set_state(State.CLOSING)
+            self._maybe_send_disconnect(now)
+
+    def abort(
+        self, reason: DisconnectReason = DisconnectReason.ABORTED, *, by_peer: bool = False
+    ) -> None:
+        """End at once without telling the peer (it will learn by NOCONN or timeout)."""
+        if self.state is State.DRAINING:
+            self._set_state(State.CLOSED)  # its Disconnected was already reported
+        elif self.state is not State.CLOSED:
+            self._end(reason, 0, "", by_peer=by_peer)
+
+    def get_timer(self) -> float | None:
+        """When ``handle_timer`` must next run, or None."""
+        state = self.state
+        if state is State.CLOSED:
+            return None
+        if state is State.CONNECTING:
+            return min(self._connect_deadline, self._next_connect)
+        if state is State.DRAINING:
+            return self._deadline
+        t = self._last_recv + self.config.idle_timeout
+        if self._sent:
+            first = next(iter(self._sent.values()))
+            t = min(t, first.time_sent + self._rtt.backed_off_rto)
+            if self._loss_time is not None:
+                t = min(t, self._loss_time)
+        elif not self._ping:  # a pending PING goes out with the next flush
+            t = min(t, self._last_eliciting + self.config.keepalive_interval)
+        if self._deadline is not None:
+            t = min(t, self._deadline)
+        return t
+
+    def handle_timer(self, now: float) -> None:
+        state = self.state
+        if state is State.CONNECTING:
+            self._connecting_timer(now)
+        elif state is State.DRAINING:
+            if self._deadline is not None and now >= self._deadline:
+                self._set_state(State.CLOSED)
+        elif state is not State.CLOSED:
+            self._connected_timer(now)
+
+    def datagrams_to_send(self, now: float) -> list[bytes]:
+        """Everything due now, coalesced into as few datagrams as possible."""
+        out: list[bytes] = []
+        if self.state is State.CONNECTING:
+            if self._send_connect:
+                self._send_connect = False
+                cfg = self.config
+                out.append(
+                    wire.encode_connect(self.salt, self._isn, self._cookie, cfg.max_datagram_size)
+                )
+            return out
+        if self.state is State.CLOSED:
+            return out
+        while True:
+            datagram = self._build_packet(now)
+            if datagram is None:
+                break
+            out.append(datagram)
+        if out:
+            self.stats.packets_sent += len(out)
+            self.stats.bytes_sent += sum(map(len, out))
+        return out
+
+    # -- handshake (called by the endpoint) ----------------------------------------------
+
+    def receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
+        if self.state is not State.CONNECTING or challenge.salt != self.salt:
+            return DropReason.UNEXPECTED
+        self._cookie = challenge.cookie
+        self._send_connect = True
+        self._dirty.add(self)
+        return None
+
+    def receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
+        if accept.salt != self.salt:
+            return DropReason.UNEXPECTED
+        if self.state is not State.CONNECTING:
+            return DropReason.DUPLICATE
+        self.establish(accept.token, accept.isn, now)
+        return None
+
+    def receive_reject(self, reject: wire.Reject) -> DropReason | None:
+        if self.state is not State.CONNECTING or reject.salt != self.salt:
+            return DropReason.UNEXPECTED
+        self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
+        return None
+
+    def establish(self, token: int, peer_isn: int, now: float) -> None:
+        """Handshake done: both sides know the token and each other's first sequence."""
+        self.token = token
+        self._rx_largest = peer_isn - 1
+        self._last_recv = now
+        self._last_eliciting = now
+        self._set_state(State.CONNECTED)
+        self._events.append((self, Connected()))
+        self._dirty.add(self)
+
+    def receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
+        """The peer says it has no connection with us; believe it only if it echoes
+        a packet we really sent, so an off-path attacker can't end connections."""
+        seq = unwrap(noconn.seq, self._tx_next - 1)
+        if self.state is State.CONNECTING or not self._tx_next - NOCONN_SPAN <= seq < self._tx_next:
+            return DropReason.UNEXPECTED
+        if self.state is State.CLOSING and self._disconnect_queued:
+            # The peer already forgot us: our DISCONNECT has nothing left to do.
+            self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
+        elif self.state is State.DRAINING:
+            self._set_state(State.CLOSED)
+        else:
+            self._end(DisconnectReason.NO_CONNECTION, 0, "", by_peer=True)
+        return None
+
+    # -- receive path -------------------------------------------------------------------------
+
+    def receive_data(
+        self, data: bytes, seq16: int, ack16: int, ack_bits: int, now: float
+    ) -> DropReason | None:
+        """Process one DATA packet whose CRC and token the endpoint checked."""
+        state = self.state
+        if state is State.CONNECTING or state is State.CLOSED:
+            return DropReason.UNEXPECTED
+        seq = unwrap(seq16, self._rx_largest)
+        delta = seq - self._rx_largest
+        if delta <= 0:
+            if -delta >= RX_WINDOW:
+                return DropReason.STALE
+            if (self._rx_bits >> -delta) & 1:
+                return DropReason.DUPLICATE
+        frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
+        if frames.messages and not self._can_buffer(frames.messages):
+            return DropReason.RECV_BUFFER_FULL
+        if delta > 0:
+            self._rx_bits = ((self._rx_bits << delta) | 1) & RX_MASK
+            self._rx_largest = seq
+        else:
+            self._rx_bits |= 1 << -delta
+        stats = self.stats
+        stats.packets_received += 1
+        stats.bytes_received += len(data)
+        self._last_recv = now
+        self._process_ack(ack16, ack_bits, now)
+        eliciting = frames.ping or frames.disconnect is not None
+        if frames.messages and state is not State.DRAINING:
+            eliciting = self._deliver(frames.messages) or eliciting
+        elif frames.messages:
+            eliciting = True
+        if eliciting:
+            self._ack_pending = True
+            self._dirty.add(self)
+        if frames.disconnect is not None:
+            self._on_peer_disconnect(frames.disconnect, now)
+        return None
+
+    def _can_buffer(self, messages: list[wire.MessageFrame]) -> bool:
+        """Whether every early reliable message in the packet fits the reorder buffer.
+
+        A packet is accepted whole or not at all: acknowledging it while dropping a
+        message in it would lose that message for good.
+        """
+        extra = 0
+        channels = self.config.channels
+        window = self.config.channel_window
+        for mode, channel, seq16, payload in messages:
+            if channel >= channels:
+                return False
+            if mode == RELIABLE_ORDERED:
+                expected = self._rx_ch_next[channel]
+                ahead = unwrap(seq16, expected) - expected
+                if ahead >= window:
+                    return False
+                if ahead > 0:
+                    extra += len(payload)
+        return self._rx_buffered_bytes + extra <= self.config.recv_buffer_bytes
+
+    def _deliver(self, messages: list[wire.MessageFrame]) -> bool:
+        """Deliver or buffer each message; returns whether any was reliable."""
+        events = self._events
+        stats = self.stats
+        reliable_seen = False
+        for mode, channel, seq16, payload in messages:
+            if mode == UNRELIABLE:
+                events.append((self, MessageReceived(payload, channel, False)))
+                stats.messages_received += 1
+                continue
+            reliable_seen = True
+            expected = self._rx_ch_next[channel]
+            seq = unwrap(seq16, expected)
+            if seq == expected:
+                events.append((self, MessageReceived(payload, channel, True)))
+                stats.messages_received += 1
+                expected += 1
+                buf = self._rx_ch_buf[channel]
+                while buf:
+                    early = buf.pop(expected, None)
+                    if early is None:
+                        break
+                    self._rx_buffered_bytes -= len(early)
+                    events.append((self, MessageReceived(early, channel, True)))
+                    stats.messages_received += 1
+                    expected += 1
+                self._rx_ch_next[channel] = expected
+            elif seq > expected:
+                buf = self._rx_ch_buf[channel]
+                if seq not in buf:
+                    buf[seq] = payload
+                    self._rx_buffered_bytes += len(payload)
+                else:
+                    stats.duplicate_messages += 1
+            else:
+                stats.duplicate_messages += 1
+        return reliable_seen
+
+    def _process_ack(self, ack16: int, bits: int, now: float) -> None:
+        sent = self._sent
+        if not sent:
+            return
+        largest = unwrap(ack16, self._tx_next - 1)
+        if largest >= self._tx_next:
+            self.stats.bad_acks += 1
+            return
+        newly = False
+        pkt = sent.pop(largest, None)
+        if pkt is not None:
+            self._rtt.on_sample(now - pkt.time_sent)
+            self._on_acked(pkt, now)
+            newly = True
+        oldest = next(iter(sent)) if sent else largest
+        span = min(32, largest - oldest)
+        i = 1
+        while bits and i <= span:
+            if bits & 1:
+                pkt = sent.pop(largest - i, None)
+                if pkt is not None:
+                    self._on_acked(pkt, now)
+                    newly = True
+            bits >>= 1
+            i += 1
+        if newly:
+            self._rtt.backoff = 0
+            if largest > self._largest_acked:
+                self._largest_acked = largest
+            self._detect_losses(now)
+            if self.state is State.CLOSING:
+                self._maybe_send_disconnect(now)
+
+    def _on_acked(self, pkt: SentPacket, now: float) -> None:
+        self._in_flight -= 1
+        for msg in pkt.messages:
+            msg.copies -= 1
+            if msg.state != ACKED:
+                msg.state = ACKED
+                self._queued -= 1
+                self._unacked_reliable -= 1
+                if msg.notify:
+                    self._events.append((self, MessageAcked(msg)))
+                unacked = self._tx_ch_unacked[msg.channel]
+                while unacked and unacked[0].state == ACKED:
+                    unacked.popleft()
+        if pkt.disconnect and self.state is State.CLOSING:
+            self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
+
+    def _detect_losses(self, now: float) -> None:
+        largest = self._largest_acked
+        delay = self._rtt.loss_delay
+        cutoff = now - delay
+        threshold = largest - self.config.reorder_threshold
+        self._loss_time = None
+        lost: list[int] = []
+        for seq, pkt in self._sent.items():
+            if seq >= largest:
+                break
+            if seq <= threshold or pkt.time_sent <= cutoff:
+                lost.append(seq)
+            else:
+                self._loss_time = pkt.time_sent + delay
+                break
+        for seq in lost:
+            self._on_lost(self._sent.pop(seq))
+
+    def _on_lost(self, pkt: SentPacket) -> None:
+        self._in_flight -= 1
+        self.stats.packets_lost += 1
+        for msg in pkt.messages:
+            msg.copies -= 1
+            if msg.state != ACKED and msg.copies == 0:
+                self._retx.append(msg)
+        if pkt.control and self.state is State.CLOSING:
+            self._control.extend(pkt.control)
+        self._dirty.add(self)
+
+    # -- send path ---------------------------------------------------------------------------
+
+    def _build_packet(self, now: float) -> bytes | None:
+        budget = self._max_payload
+        parts: list[bytes] = []
+        messages: list[OutMessage] = []
+        control: list[bytes] = []
+        if self._control:
+            control, self._control = self._control, []
+            for frame in control:
+                parts.append(frame)
+                budget -= len(frame)
+        if self._in_flight < self.config.window:
+            budget = self._take_retransmissions(parts, messages, budget)
+        budget = self._take_unreliable(parts, budget)
+        if self._in_flight < self.config.window and not self._retx:
+            budget = self._take_new_reliable(parts, messages, budget)
+        eliciting = bool(messages or control)
+        if self._ping and not eliciting and self.state is not State.DRAINING:
+            parts.append(wire.PING_FRAME)
+            eliciting = True
+        if not parts and not self._ack_pending:
+            return None
+        self._ping = False
+        self._ack_pending = False
+        seq = self._tx_next
+        self._tx_next = seq + 1
+        rest = b"".join(
+            [
+                wire.data_header(
+                    self.token,
+                    seq & SEQ_MASK,
+                    self._rx_largest & SEQ_MASK,
+                    (self._rx_bits >> 1) & 0xFFFFFFFF,
+                ),
+                *parts,
+            ]
+        )
+        datagram = wire.seal_rest(rest)
+        if eliciting:
+            self._sent[seq] = SentPacket(
+                seq, now, messages, control, self._disconnect_in(control), len(datagram)
+            )
+            self._in_flight += 1
+            self._last_eliciting = now
+            self.stats.eliciting_sent += 1
+            for msg in messages:
+                msg.copies += 1
+        return datagram
+
+    def _disconnect_in(self, control: list[bytes]) -> bool:
+        return any(frame[0] == wire.FrameType.DISCONNECT for frame in control)
+
+    def _take_retransmissions(
+        self, parts: list[bytes], messages: list[OutMessage], budget: int
+    ) -> int:
+        retx = self._retx
+        while retx:
+            msg = retx[0]
+            if msg.state == ACKED or msg.copies:
+                retx.popleft()
+                continue
+            size = wire.message_frame_size(msg.mode, msg.channel, len(msg.data))
+            if size > budget:
+                break
+            retx.popleft()
+            parts.append(wire.message_frame(msg.mode, msg.channel, msg.seq & SEQ_MASK, msg.data))
+            messages.append(msg)
+            budget -= size
+            self.stats.messages_resent += 1
+        return budget
+
+    def _take_unreliable(self, parts: list[bytes], budget: int) -> int:
+        queue = self._unrel_queue
+        while queue:
+            msg = queue[0]
+            size = wire.message_frame_size(UNRELIABLE, msg.channel, len(msg.data))
+            if size > budget:
+                break
+            queue.popleft()
+            parts.append(wire.message_frame(UNRELIABLE, msg.channel, 0, msg.data))
+            msg.state = SENT
+            self._queued -= 1
+            budget -= size
+            self.stats.messages_sent += 1
+        return budget
+
+    def _take_new_reliable(
+        self, parts: list[bytes], messages: list[OutMessage], budget: int
+    ) -> int:
+        queue = self._rel_queue
+        window = self.config.channel_window
+        unacked = self._tx_ch_unacked
+        while queue:
+            msg = queue[0]
+            if msg.seq - unacked[msg.channel][0].seq >= window:
+                break  # the receiver could not buffer it yet
+            size = wire.message_frame_size(RELIABLE_ORDERED, msg.channel, len(msg.data))
+            if size > budget:
+                break
+            queue.popleft()
+            parts.append(
+                wire.message_frame(RELIABLE_ORDERED, msg.channel, msg.seq & SEQ_MASK, msg.data)
+            )
+            msg.state = SENT
+            messages.append(msg)
+            budget -= size
+            self.stats.messages_sent += 1
+        return budget
+
+    # -- timers -----------------------------------------------------------------------------
+
+    def _connecting_timer(self, now: float) -> None:
+        if now >= self._connect_deadline:
+            self._end(DisconnectReason.CONNECT_TIMEOUT, 0, "", by_peer=False)
+        elif now >= self._next_connect:
+            self._next_connect = now + self.config.connect_retry_interval
+            self._send_connect = True
+            self._dirty.add(self)
+
+    def _connected_timer(self, now: float) -> None:
+        cfg = self.config
+        if now - self._last_recv >= cfg.idle_timeout:
+            self._end(DisconnectReason.TIMEOUT, 0, "", by_peer=False)
+            return
+        if self._deadline is not None and now >= self._deadline:
+            # Our DISCONNECT was never acknowledged: end anyway, with our reason.
+            self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
+            return
+        if self._loss_time is not None and now >= self._loss_time:
+            self._detect_losses(now)
+        if self._sent:
+            rto = self._rtt.backed_off_rto
+            first = next(iter(self._sent.values()))
+            if now >= first.time_sent + rto:
+                self.stats.timeouts += 1
+                expired = [s for s, p in self._sent.items() if p.time_sent + rto <= now]
+                for seq in expired:
+                    self._on_lost(self._sent.pop(seq))
+                self._rtt.on_timeout()
+        elif now - self._last_eliciting >= cfg.keepalive_interval:
+            self._ping = True
+            self._dirty.add(self)
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def _maybe_send_disconnect(self, now: float) -> None:
+        if self._disconnect_queued or self._unacked_reliable:
+            return
+        self._disconnect_queued = True
+        self._control.append(wire.disconnect_frame(self._close_code, self._close_text))
+        self._deadline = now + self.config.close_timeout
+        self._dirty.add(self)
+
+    def _on_peer_disconnect(self, frame: wire.DisconnectFrame, now: float) -> None:
+        if self.state is State.DRAINING:
+            return
+        if self.state is State.CLOSING:
+            # Both sides closed at once; each reports its own close.
+            event = Disconnected(DisconnectReason.CLOSED, self._close_code, self._close_text, False)
+        else:
+            event = Disconnected(DisconnectReason.CLOSED, frame.code, frame.text, True)
+        self._fail_pending()
+        self.close_reason = event
+        self._events.append((self, event))
+        self._set_state(State.DRAINING)
+        # Linger to re-acknowledge a resent DISCONNECT whose ack was lost.
+        self._deadline = now + max(3 * self._rtt.rto, 0.05)
+
+    def _end(self, reason: DisconnectReason, code: int, text: str, *, by_peer: bool) -> None:
+        self._fail_pending()
+        event = Disconnected(reason, code, text, by_peer)
+        self.close_reason = event
+        self._events.append((self, event))
+        self._set_state(State.CLOSED)
+
+    def _fail_pending(self) -> None:
+        for queue in (self._rel_queue, self._unrel_queue, self._retx):
+            for msg in queue:
+                if msg.state != ACKED:
+                    msg.state = FAILED
+            queue.clear()
+        for unacked in self._tx_ch_unacked:
+            for msg in unacked:
+                if msg.state != ACKED:
+                    msg.state = FAILED
+            unacked.clear()
+        self._sent.clear()
+        self._control.clear()
+        self._in_flight = 0
+        self._queued = 0
+        self._unacked_reliable = 0
+        self._rx_ch_buf = [{} for _ in range(self.config.channels)]
+        self._rx_buffered_bytes = 0
+
+    def _set_state(self, new: State) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise LocalProtocolError(f"illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+        if new is State.CLOSED:
+            self._dirty.discard(self)
+            if self._on_closed is not None:
+                self._on_closed(self)
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.address!r} {self.state.value}>"

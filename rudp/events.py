@@ -1,0 +1,97 @@
+"""Events the sans-IO core reports; small frozen dataclasses, named in the past tense."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class DisconnectReason(enum.StrEnum):
+    """Why a connection ended. The string values appear in logs and exceptions."""
+
+    CLOSED = "closed"
+    """Closed gracefully by ``close()`` on one side; both sides report this."""
+    TIMEOUT = "timeout"
+    """Heard nothing from the peer for ``Config.idle_timeout``."""
+    NO_CONNECTION = "peer has no connection"
+    """The peer answered NOCONN: it forgot us (restart, or its own timeout)."""
+    REFUSED = "refused"
+    """The server refused the handshake."""
+    CONNECT_TIMEOUT = "connect timed out"
+    """The server never answered the handshake."""
+    PROTOCOL_ERROR = "protocol error"
+    """The peer broke the protocol in a way that cannot be dropped and forgotten."""
+    ABORTED = "aborted"
+    """Ended locally without a handshake (the endpoint was shut down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """The handshake completed."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived:
+    """A message was delivered to the application."""
+
+    data: bytes
+    """The payload, exactly as sent."""
+    channel: int
+    """The channel it was sent on."""
+    reliable: bool
+    """Whether it was sent reliably."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageAcked:
+    """The peer acknowledged a reliable message whose sender asked to be told."""
+
+    handle: Any
+    """The object ``Connection.send`` returned."""
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    """The connection ended. Nothing more will be delivered or sent."""
+
+    reason: DisconnectReason
+    """Why it ended."""
+    code: int = 0
+    """Application close code (graceful close only)."""
+    text: str = ""
+    """Application close text (graceful close only)."""
+    by_peer: bool = False
+    """True when the peer started the ending (its DISCONNECT, NOCONN or refusal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueryReceived:
+    """An unconnected QUERY arrived; answer with ``Endpoint.reply_query`` (optional)."""
+
+    address: tuple[Any, ...]
+    """Who asked."""
+    nonce: int
+    """Echo this in the reply."""
+    payload: bytes
+    """The application's request."""
+    max_reply: int
+    """The largest reply payload allowed (never larger than the request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueryAnswered:
+    """A reply to our ``Endpoint.query`` arrived."""
+
+    address: tuple[Any, ...]
+    """Who answered."""
+    nonce: int
+    """The nonce ``query()`` returned."""
+    payload: bytes
+    """The reply."""
+    rtt: float
+    """Seconds from the request to the reply."""
+
+
+Event = Connected | MessageReceived | MessageAcked | Disconnected
+EndpointEvent = QueryReceived | QueryAnswered

@@ -1,0 +1,261 @@
+"""Thin asyncio glue: a lockstep host or client over rudp connections.
+
+All protocol decisions live in the sans-IO :class:`LockstepHost` and
+:class:`LockstepClient`; this module only moves bytes and time in and out, the
+aioquic way. After every call into a core it *pumps*: sends the core's queued
+messages (reliable, ordered, channel ``channel``), closes the connections it
+asks to close, queues its events, and re-arms one ``TimerHandle`` for
+``get_timer()``. Time is ``loop.time()`` (monotonic).
+
+Host::
+
+    server = await LockstepServer.serve("0.0.0.0", 9000, config=LockstepConfig())
+    ...                      # wait for ClientJoined events
+    server.start()
+    async for event in server.events(): ...
+
+Client::
+
+    game = await LockstepSession.connect("192.168.1.10", 9000, name="alice")
+    async for event in game.events():
+        if isinstance(event, TurnsReady):
+            while (turn := game.next_turn()) is not None:
+                game.complete_turn(turn.number, sim.step(turn.number, turn.commands))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import rudp
+from rudp.lockstep.client import LockstepClient, Turn
+from rudp.lockstep.config import LockstepConfig
+from rudp.lockstep.events import Event
+from rudp.lockstep.host import LockstepHost
+
+__all__ = ["LockstepServer", "LockstepSession"]
+
+log = logging.getLogger(__name__)
+
+
+def _check_message_size(conn: rudp.Connection, config: LockstepConfig) -> None:
+    if conn.max_message_size < config.max_message_size:
+        # Full NETTURNs would fail to send; the game would stall, so say why.
+        log.warning(
+            "lockstep.message_size_too_large lockstep=%d rudp=%d",
+            config.max_message_size,
+            conn.max_message_size,
+        )
+
+
+class _Pump:
+    """Shared plumbing: one timer, an event queue, and close tasks."""
+
+    def __init__(
+        self, get_timer: Callable[[], float | None], on_timer: Callable[[float], None]
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._get_timer = get_timer
+        self._on_timer = on_timer
+        self._timer: asyncio.TimerHandle | None = None
+        self._events: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False
+
+    def now(self) -> float:
+        return self._loop.time()
+
+    def rearm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._stopped:
+            return  # closing: no more timers, or a dead game would tick forever
+        deadline = self._get_timer()
+        self._timer = None if deadline is None else self._loop.call_at(deadline, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._on_timer(self.now())
+
+    def spawn_close(self, conn: rudp.Connection) -> None:
+        task = self._loop.create_task(self._close(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _close(conn: rudp.Connection) -> None:
+        with contextlib.suppress(rudp.RudpError):
+            await conn.close()
+
+    def put(self, event: Event | None) -> None:
+        self._events.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Events until the end (``None`` marks the end)."""
+        while (event := await self._events.get()) is not None:
+            yield event
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class LockstepServer:
+    """A :class:`LockstepHost` serving rudp connections; peers are the connections."""
+
+    def __init__(self, host: LockstepHost[rudp.Connection], *, channel: int = 0) -> None:
+        self.host = host
+        self.channel = channel
+        self._pump = _Pump(host.get_timer, self._handle_timer)
+        self._server: rudp.Server | None = None
+
+    @classmethod
+    async def serve(
+        cls,
+        address: str | None,
+        port: int,
+        *,
+        config: LockstepConfig | None = None,
+        rudp_config: rudp.Config | None = None,
+        channel: int = 0,
+    ) -> LockstepServer:
+        self = cls(LockstepHost[rudp.Connection](config=config), channel=channel)
+        self._server = await rudp.serve(self.handle, address, port, config=rudp_config)
+        return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._server is not None
+        host, port = self._server.address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        """Close the lobby and start the turn clock."""
+        self.host.start(self._pump.now())
+        self._flush()
+
+    def events(self) -> AsyncIterator[Event]:
+        return self._pump.events()
+
+    async def close(self) -> None:
+        self._pump.stop()
+        if self._server is not None:
+            await self._server.close()
+        self._pump.put(None)
+
+    async def handle(self, conn: rudp.Connection) -> None:
+        """The per-connection rudp handler (usable with any ``rudp.serve``)."""
+        _check_message_size(conn, self.host.config)
+        try:
+            async for msg in conn:
+                if msg.channel == self.channel:
+                    self.host.receive(conn, msg.data, self._pump.now())
+                    self._flush()
+        finally:
+            self.host.peer_disconnected(conn, self._pump.now())
+            self._flush()
+
+    def _handle_timer(self, now: float) -> None:
+        self.host.handle_timer(now)
+        self._flush()
+
+    def _flush(self) -> None:
+        while messages := self.host.messages_to_send():
+            for conn, data in messages:
+                try:
+                    conn.send(data, channel=self.channel)
+                except rudp.RudpError as exc:  # closed, or its queue is full: it is gone
+                    log.info(
+                        "lockstep.server.send_failed peer=%s error=%s", conn.remote_address, exc
+                    )
+                    self.host.peer_disconnected(conn, self._pump.now())
+        for conn in self.host.peers_to_close():
+            self._pump.spawn_close(conn)
+        while (event := self.host.next_event()) is not None:
+            self._pump.put(event)
+        self._pump.rearm()
+
+
+class LockstepSession:
+    """A :class:`LockstepClient` talking to its host over one rudp connection."""
+
+    def __init__(self, conn: rudp.Connection, client: LockstepClient, *, channel: int = 0) -> None:
+        self.conn = conn
+        self.client = client
+        self.channel = channel
+        self._pump = _Pump(client.get_timer, self._handle_timer)
+        _check_message_size(conn, client.config)
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._flush()
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        name: str = "",
+        config: LockstepConfig | None = None,
+        rudp_config: rudp.Config | None = None,
+        channel: int = 0,
+    ) -> LockstepSession:
+        conn = await rudp.connect(host, port, config=rudp_config)
+        return cls(conn, LockstepClient(name=name, config=config), channel=channel)
+
+    def events(self) -> AsyncIterator[Event]:
+        """Events until the connection ends."""
+        return self._pump.events()
+
+    def next_turn(self) -> Turn | None:
+        return self.client.next_turn()
+
+    def complete_turn(self, number: int, checksum: int) -> None:
+        self.client.complete_turn(number, checksum)
+        self._flush()
+
+    def send_command(self, data: bytes) -> int:
+        turn = self.client.send_command(data)
+        self._flush()
+        return turn
+
+    async def leave(self) -> None:
+        """Say LEAVE, then close the connection gracefully (LEAVE is delivered first)."""
+        self.client.leave()
+        self._flush()
+        await self.close()
+
+    async def close(self) -> None:
+        self._pump.stop()
+        with contextlib.suppress(rudp.RudpError):
+            await self.conn.close()
+        await self._reader
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self.conn:
+                if msg.channel == self.channel:
+                    self.client.receive(msg.data, self._pump.now())
+                    self._flush()
+        finally:
+            self._pump.stop()
+            self._pump.put(None)
+
+    def _handle_timer(self, now: float) -> None:
+        self.client.handle_timer(now)
+        self._flush()
+
+    def _flush(self) -> None:
+        for data in self.client.messages_to_send():
+            try:
+                self.conn.send(data, channel=self.channel)
+            except rudp.RudpError as exc:
+                log.info("lockstep.session.send_failed error=%s", exc)
+        while (event := self.client.next_event()) is not None:
+            self._pump.put(event)
+        self._pump.rearm()

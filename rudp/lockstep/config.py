@@ -1,0 +1,98 @@
+"""Every tunable of the lockstep layer, in one frozen dataclass.
+
+The host is authoritative for the pacing values (``turn_interval``,
+``input_delay``): it sends them to each client in WELCOME and clients adopt
+them, so only the host's copy of those matters. The limits apply on whichever
+side receives the message they bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Bumped whenever the message layout changes; JOIN carries it.
+PROTOCOL_VERSION = 1
+#: Client ids are small integers so they fit one msgpack byte.
+MAX_CLIENTS_LIMIT = 128
+#: Turn numbers stay below 2**31 (68 years at 1 turn/s): no wraparound to handle.
+MAX_TURN = 2**31 - 1
+#: Checksums are unsigned 64-bit integers (a truncated hash or a CRC).
+MAX_CHECKSUM = 2**64 - 1
+#: Player names longer than this many UTF-8 bytes are refused as malformed.
+MAX_NAME_LENGTH = 32
+#: Worst-case msgpack bytes around the commands of a NETTURN (array, type, turn, list).
+NETTURN_OVERHEAD = 16
+#: Worst-case msgpack bytes around one command in a NETTURN (pair, client id, bin header).
+COMMAND_OVERHEAD = 6
+#: Worst-case msgpack bytes of one WELCOME roster or DESYNC entry.
+ROSTER_ENTRY_MAX = MAX_NAME_LENGTH + 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class LockstepConfig:
+    """Lockstep settings. Times are in seconds, turns are counts of turns."""
+
+    turn_interval: float = 0.1
+    """Wall time between NETTURNs. 100 ms (10 turns/s) is the classic RTS figure:
+    orders feel immediate enough and the command stream stays tiny."""
+
+    input_delay: int = 2
+    """A command issued while the latest received turn is ``t`` is scheduled for
+    ``t + input_delay``. Two turns (200 ms) hide a typical Internet one-way
+    latency; commands that still arrive late run in the next unsent turn."""
+
+    max_catchup: int = 5
+    """Most turns the host's :class:`TurnClock` emits in one tick after falling
+    behind; older time is dropped (the game slows down) rather than sending a
+    burst that makes every client fall behind too (the "well of despair")."""
+
+    max_clients: int = 8
+    """Players admitted before further JOINs get TOOMANYCL."""
+
+    unresponsive_after: float = 2.0
+    """A client with unacknowledged turns that has acknowledged nothing for this
+    long is flagged unresponsive to everyone (the article's CLSTATE). Clients use
+    it too: no NETTURN from the host for this long reports the host unresponsive."""
+
+    drop_after: float = 10.0
+    """A client stalled this long is dropped; the others never wait for it."""
+
+    game_version: str = ""
+    """The application's version; a JOIN with a different one gets WRONGVERSION."""
+
+    max_command_size: int = 256
+    """Largest single command payload, in bytes. RTS orders are tens of bytes."""
+
+    max_command_lead: int = 64
+    """Commands for turns further ahead than this are refused (bounds host memory)."""
+
+    max_pending_commands: int = 256
+    """Commands one client may have queued for unsent turns; more are refused."""
+
+    max_message_size: int = 1100
+    """Largest lockstep message, either way. rudp sends each message in one
+    datagram (``rudp.Connection.max_message_size``, 1176 bytes with the default
+    1200-byte datagrams), so this must not exceed that. The host fills each
+    NETTURN up to this size and defers the remaining commands to the next
+    turn; incoming messages larger than this are dropped unparsed."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.turn_interval) and 0.001 <= self.turn_interval <= 10.0):
+            raise ValueError("turn_interval must be between 0.001 and 10 seconds")
+        if not 1 <= self.input_delay <= 1000:
+            raise ValueError("input_delay must be between 1 and 1000 turns")
+        if self.max_catchup < 1:
+            raise ValueError("max_catchup must be at least 1")
+        if not 1 <= self.max_clients <= MAX_CLIENTS_LIMIT:
+            raise ValueError(f"max_clients must be between 1 and {MAX_CLIENTS_LIMIT}")
+        if not 0 < self.unresponsive_after <= self.drop_after:
+            raise ValueError("need 0 < unresponsive_after <= drop_after")
+        if self.max_command_lead < self.input_delay:
+            raise ValueError("max_command_lead must be at least input_delay")
+        if min(self.max_command_size, self.max_pending_commands) < 1:
+            raise ValueError("size limits must be positive")
+        if self.max_command_size + COMMAND_OVERHEAD + NETTURN_OVERHEAD > self.max_message_size:
+            raise ValueError("max_message_size must fit a NETTURN carrying one largest command")
+        if self.max_clients * ROSTER_ENTRY_MAX + NETTURN_OVERHEAD > self.max_message_size:
+            raise ValueError("max_message_size must fit a roster of max_clients players")

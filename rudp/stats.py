@@ -1,0 +1,110 @@
+"""Counters, kept as plain attributes on the hot path and read at scrape time."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rudp.recovery import RttEstimator
+    from rudp.wire import DropReason
+
+
+class ConnectionStats:
+    """Per-connection transport statistics (``Connection.stats``)."""
+
+    __slots__ = (
+        "bad_acks",
+        "bytes_received",
+        "bytes_sent",
+        "duplicate_messages",
+        "eliciting_sent",
+        "messages_received",
+        "messages_resent",
+        "messages_sent",
+        "packets_lost",
+        "packets_received",
+        "packets_sent",
+        "rtt",
+        "timeouts",
+    )
+
+    def __init__(self) -> None:
+        self.packets_sent = 0
+        self.packets_received = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.messages_sent = 0
+        self.messages_received = 0
+        self.messages_resent = 0
+        self.eliciting_sent = 0
+        self.packets_lost = 0
+        self.duplicate_messages = 0
+        self.bad_acks = 0
+        self.timeouts = 0
+        self.rtt: RttEstimator | None = None
+
+    @property
+    def srtt(self) -> float:
+        """Smoothed round-trip time in seconds (0 before the first sample)."""
+        return self.rtt.srtt if self.rtt else 0.0
+
+    @property
+    def rttvar(self) -> float:
+        """Round-trip time variation in seconds."""
+        return self.rtt.rttvar if self.rtt else 0.0
+
+    @property
+    def min_rtt(self) -> float:
+        return self.rtt.min_rtt if self.rtt else 0.0
+
+    @property
+    def rto(self) -> float:
+        """The current resend timeout, backoff included."""
+        return self.rtt.backed_off_rto if self.rtt else 0.0
+
+    @property
+    def loss_estimate(self) -> float:
+        """Fraction of ack-eliciting packets declared lost."""
+        return self.packets_lost / self.eliciting_sent if self.eliciting_sent else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {n: getattr(self, n) for n in self.__slots__ if n != "rtt"}
+        out.update(
+            srtt=self.srtt, rttvar=self.rttvar, rto=self.rto, loss_estimate=self.loss_estimate
+        )
+        return out
+
+    def __repr__(self) -> str:
+        return f"ConnectionStats({self.as_dict()!r})"
+
+
+class EndpointStats:
+    """Per-socket statistics: traffic, drops by reason, handshakes."""
+
+    __slots__ = (
+        "bytes_received",
+        "bytes_sent",
+        "connections_accepted",
+        "connections_refused",
+        "datagrams_received",
+        "datagrams_sent",
+        "dropped",
+        "unvalidated_bytes_received",
+        "unvalidated_bytes_sent",
+    )
+
+    def __init__(self) -> None:
+        self.datagrams_received = 0
+        self.datagrams_sent = 0
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.dropped: Counter[DropReason] = Counter()
+        self.unvalidated_bytes_received = 0
+        self.unvalidated_bytes_sent = 0
+        self.connections_accepted = 0
+        self.connections_refused = 0
+
+    @property
+    def datagrams_dropped(self) -> int:
+        return sum(self.dropped.values())

@@ -1,0 +1,388 @@
+"""The wire format: packet layouts, frames, integrity check. Pure functions.
+
+Every datagram starts with the same 6 bytes (network byte order)::
+
+    offset size field
+    0      4    crc32  zlib CRC-32 of bytes 4.. seeded with PROTOCOL_ID
+    4      1    version  PROTOCOL_VERSION
+    5      1    type     PacketType
+
+The CRC replaces the seed article's parity bit: a parity bit misses every even
+number of flipped bits, a CRC-32 catches all bursts up to 32 bits. Seeding it
+with the protocol id also rejects stray traffic from other UDP programs.
+
+Then, by type (see docs/protocol.md for the full tables)::
+
+    CONNECT      salt u64, isn u16, cookie_len u8, cookie, zero padding
+    CHALLENGE    salt u64, cookie_len u8, cookie
+    ACCEPT       salt u64, token u32, isn u16
+    REJECT       salt u64, text_len u8, text (utf-8)
+    DATA         token u32, seq u16, ack u16, ack_bits u32, frames...
+    NOCONN       token u32, seq u16            (echo of the packet that caused it)
+    QUERY        nonce u32, len u16, payload, zero padding
+    QUERY_REPLY  nonce u32, len u16, payload
+
+DATA frames::
+
+    0x01 PING                                  ack-eliciting, no body
+    0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
+    0x80|flags MESSAGE                         flags: bits 0-2 Delivery mode,
+         [channel u8]  if flag 0x08            bit 3 channel byte present,
+         [seq u16]     if the mode is reliable bits 4-6 reserved (must be 0)
+         len u16, payload
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from typing import NamedTuple
+
+PROTOCOL_ID = 0x52554450  # "RUDP"
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct("!IBB")
+DATA_HEADER = struct.Struct("!IBBIHHI")
+CONNECT_BODY = struct.Struct("!QHB")
+CHALLENGE_BODY = struct.Struct("!QB")
+ACCEPT_BODY = struct.Struct("!QIH")
+REJECT_BODY = struct.Struct("!QB")
+NOCONN_BODY = struct.Struct("!IH")
+QUERY_BODY = struct.Struct("!IH")
+U16 = struct.Struct("!H")
+DISCONNECT_FRAME = struct.Struct("!BHB")
+
+HEADER_SIZE = HEADER.size
+DATA_HEADER_SIZE = DATA_HEADER.size
+MAX_REJECT_TEXT = 96
+MAX_CLOSE_TEXT = 200
+MAX_COOKIE = 64
+# The smallest CONNECT a server answers. Every handshake reply is smaller than
+# this, so no spoofed CONNECT can make us send more than we received.
+MIN_CONNECT_SIZE = 256
+
+FLAG_MESSAGE = 0x80
+FLAG_CHANNEL = 0x08
+MODE_MASK = 0x07
+RESERVED_MASK = 0x70
+# Frame overhead upper bound: flags, channel, seq, len.
+MESSAGE_OVERHEAD = 6
+
+
+class PacketType(enum.IntEnum):
+    CONNECT = 1
+    CHALLENGE = 2
+    ACCEPT = 3
+    REJECT = 4
+    DATA = 5
+    NOCONN = 6
+    QUERY = 7
+    QUERY_REPLY = 8
+
+
+class FrameType(enum.IntEnum):
+    PING = 0x01
+    DISCONNECT = 0x02
+
+
+class Delivery(enum.IntEnum):
+    """Delivery mode of a message (3 bits on the wire; 2..7 are reserved)."""
+
+    UNRELIABLE = 0
+    RELIABLE_ORDERED = 1
+
+
+class DropReason(enum.StrEnum):
+    """Why an incoming datagram was dropped; each has its own counter."""
+
+    TRUNCATED = "truncated"
+    BAD_CHECKSUM = "bad_checksum"
+    WRONG_VERSION = "wrong_version"
+    UNKNOWN_TYPE = "unknown_type"
+    MALFORMED = "malformed"
+    UNKNOWN_PEER = "unknown_peer"
+    BAD_TOKEN = "bad_token"
+    BAD_COOKIE = "bad_cookie"
+    REPLAYED_COOKIE = "replayed_cookie"
+    STALE = "stale"
+    DUPLICATE = "duplicate"
+    BAD_ACK = "bad_ack"
+    RECV_BUFFER_FULL = "recv_buffer_full"
+    UNEXPECTED = "unexpected"
+    RATE_LIMITED = "rate_limited"
+
+
+class DecodeError(Exception):
+    """Internal: the datagram is not valid. Never escapes the endpoint."""
+
+    def __init__(self, reason: DropReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+class MessageFrame(NamedTuple):
+    mode: int
+    channel: int
+    seq: int
+    data: bytes
+
+
+class DisconnectFrame(NamedTuple):
+    code: int
+    text: str
+
+
+class DataFrames(NamedTuple):
+    messages: list[MessageFrame]
+    ping: bool
+    disconnect: DisconnectFrame | None
+
+
+class Connect(NamedTuple):
+    salt: int
+    isn: int
+    cookie: bytes
+
+
+class Challenge(NamedTuple):
+    salt: int
+    cookie: bytes
+
+
+class Accept(NamedTuple):
+    salt: int
+    token: int
+    isn: int
+
+
+class Reject(NamedTuple):
+    salt: int
+    text: str
+
+
+class NoConn(NamedTuple):
+    token: int
+    seq: int
+
+
+class Query(NamedTuple):
+    nonce: int
+    payload: bytes
+
+
+_TYPES = frozenset(PacketType)
+
+
+def _crc(data: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(data, PROTOCOL_ID) & 0xFFFFFFFF
+
+
+def seal(buf: bytearray) -> bytes:
+    """Write the CRC of ``buf[4:]`` into ``buf[0:4]`` and return the datagram."""
+    struct.pack_into("!I", buf, 0, _crc(memoryview(buf)[4:]))
+    return bytes(buf)
+
+
+def _packet(ptype: PacketType, body: bytes) -> bytes:
+    buf = bytearray(HEADER.pack(0, PROTOCOL_VERSION, ptype))
+    buf += body
+    return seal(buf)
+
+
+def decode_type(data: bytes) -> PacketType:
+    """Check length, CRC and version; return the packet type or raise DecodeError."""
+    if len(data) < HEADER_SIZE:
+        raise DecodeError(DropReason.TRUNCATED)
+    crc, version, ptype = HEADER.unpack_from(data)
+    if crc != _crc(memoryview(data)[4:]):
+        raise DecodeError(DropReason.BAD_CHECKSUM)
+    if version != PROTOCOL_VERSION:
+        raise DecodeError(DropReason.WRONG_VERSION)
+    if ptype not in _TYPES:
+        raise DecodeError(DropReason.UNKNOWN_TYPE)
+    return PacketType(ptype)
+
+
+# -- handshake -----------------------------------------------------------------
+
+
+def encode_connect(salt: int, isn: int, cookie: bytes, pad_to: int) -> bytes:
+    body = CONNECT_BODY.pack(salt, isn, len(cookie)) + cookie
+    padding = max(0, pad_to - HEADER_SIZE - len(body))
+    return _packet(PacketType.CONNECT, body + bytes(padding))
+
+
+def decode_connect(data: bytes) -> Connect:
+    salt, isn, n = _unpack(CONNECT_BODY, data)
+    cookie = _take(data, HEADER_SIZE + CONNECT_BODY.size, n, MAX_COOKIE)
+    return Connect(salt, isn, cookie)
+
+
+def encode_challenge(salt: int, cookie: bytes) -> bytes:
+    return _packet(PacketType.CHALLENGE, CHALLENGE_BODY.pack(salt, len(cookie)) + cookie)
+
+
+def decode_challenge(data: bytes) -> Challenge:
+    salt, n = _unpack(CHALLENGE_BODY, data)
+    return Challenge(salt, _take(data, HEADER_SIZE + CHALLENGE_BODY.size, n, MAX_COOKIE))
+
+
+def encode_accept(salt: int, token: int, isn: int) -> bytes:
+    return _packet(PacketType.ACCEPT, ACCEPT_BODY.pack(salt, token, isn))
+
+
+def decode_accept(data: bytes) -> Accept:
+    return Accept(*_unpack(ACCEPT_BODY, data))
+
+
+def encode_reject(salt: int, text: str) -> bytes:
+    raw = _clip_utf8(text, MAX_REJECT_TEXT)
+    return _packet(PacketType.REJECT, REJECT_BODY.pack(salt, len(raw)) + raw)
+
+
+def decode_reject(data: bytes) -> Reject:
+    salt, n = _unpack(REJECT_BODY, data)
+    raw = _take(data, HEADER_SIZE + REJECT_BODY.size, n, MAX_REJECT_TEXT)
+    return Reject(salt, raw.decode("utf-8", "replace"))
+
+
+def encode_noconn(token: int, seq: int) -> bytes:
+    return _packet(PacketType.NOCONN, NOCONN_BODY.pack(token, seq))
+
+
+def decode_noconn(data: bytes) -> NoConn:
+    return NoConn(*_unpack(NOCONN_BODY, data))
+
+
+def encode_query(ptype: PacketType, nonce: int, payload: bytes, pad_to: int = 0) -> bytes:
+    body = QUERY_BODY.pack(nonce, len(payload)) + payload
+    padding = max(0, pad_to - HEADER_SIZE - len(body))
+    return _packet(ptype, body + bytes(padding))
+
+
+def decode_query(data: bytes) -> Query:
+    nonce, n = _unpack(QUERY_BODY, data)
+    return Query(nonce, _take(data, HEADER_SIZE + QUERY_BODY.size, n, len(data)))
+
+
+def _unpack(fmt: struct.Struct, data: bytes) -> tuple[int, ...]:
+    if len(data) < HEADER_SIZE + fmt.size:
+        raise DecodeError(DropReason.TRUNCATED)
+    return fmt.unpack_from(data, HEADER_SIZE)
+
+
+def _take(data: bytes, offset: int, n: int, limit: int) -> bytes:
+    if n > limit:
+        raise DecodeError(DropReason.MALFORMED)
+    if offset + n > len(data):
+        raise DecodeError(DropReason.TRUNCATED)
+    return data[offset : offset + n]
+
+
+def _clip_utf8(text: str, limit: int) -> bytes:
+    return text.encode("utf-8")[:limit].decode("utf-8", "ignore").encode("utf-8")
+
+
+# -- DATA packets ----------------------------------------------------------------
+
+
+_DATA_REST = struct.Struct("!BBIHHI")
+_CRC = struct.Struct("!I")
+
+
+def data_header(token: int, seq: int, ack: int, ack_bits: int) -> bytes:
+    """A DATA header without its CRC; join the frames to it, then ``seal_rest()``."""
+    return _DATA_REST.pack(PROTOCOL_VERSION, PacketType.DATA, token, seq, ack, ack_bits)
+
+
+def seal_rest(rest: bytes) -> bytes:
+    """Prefix the CRC to a datagram body that starts at the version byte."""
+    return _CRC.pack(zlib.crc32(rest, PROTOCOL_ID) & 0xFFFFFFFF) + rest
+
+
+def decode_data_header(data: bytes) -> tuple[int, int, int, int]:
+    """(token, seq, ack, ack_bits) of a DATA packet whose CRC was checked."""
+    if len(data) < DATA_HEADER_SIZE:
+        raise DecodeError(DropReason.TRUNCATED)
+    _, _, _, token, seq, ack, bits = DATA_HEADER.unpack_from(data)
+    return token, seq, ack, bits
+
+
+def message_frame(mode: int, channel: int, seq: int, data: bytes) -> bytes:
+    """Encode one MESSAGE frame (the caller checked the sizes)."""
+    n = len(data)
+    if mode == Delivery.UNRELIABLE:
+        if channel:
+            head = bytes((FLAG_MESSAGE | FLAG_CHANNEL | mode, channel, n >> 8, n & 0xFF))
+        else:
+            head = bytes((FLAG_MESSAGE | mode, n >> 8, n & 0xFF))
+    elif channel:
+        head = bytes(
+            (FLAG_MESSAGE | FLAG_CHANNEL | mode, channel, seq >> 8, seq & 0xFF, n >> 8, n & 0xFF)
+        )
+    else:
+        head = bytes((FLAG_MESSAGE | mode, seq >> 8, seq & 0xFF, n >> 8, n & 0xFF))
+    return head + data
+
+
+def message_frame_size(mode: int, channel: int, size: int) -> int:
+    return 3 + (1 if channel else 0) + (2 if mode != Delivery.UNRELIABLE else 0) + size
+
+
+PING_FRAME = bytes((FrameType.PING,))
+
+
+def disconnect_frame(code: int, text: str) -> bytes:
+    raw = _clip_utf8(text, MAX_CLOSE_TEXT)
+    return DISCONNECT_FRAME.pack(FrameType.DISCONNECT, code, len(raw)) + raw
+
+
+def decode_frames(data: bytes, offset: int = DATA_HEADER_SIZE) -> DataFrames:
+    """Parse every frame of a DATA packet, or raise DecodeError; all or nothing."""
+    try:
+        return _decode_frames(data, offset)
+    except (IndexError, struct.error):
+        raise DecodeError(DropReason.TRUNCATED) from None
+
+
+def _decode_frames(data: bytes, off: int) -> DataFrames:
+    messages: list[MessageFrame] = []
+    ping = False
+    disconnect: DisconnectFrame | None = None
+    end = len(data)
+    while off < end:
+        kind = data[off]
+        off += 1
+        if kind & FLAG_MESSAGE:
+            if kind & RESERVED_MASK:
+                raise DecodeError(DropReason.MALFORMED)
+            mode = kind & MODE_MASK
+            channel = 0
+            if kind & FLAG_CHANNEL:
+                channel = data[off]
+                off += 1
+            seq = 0
+            if mode == Delivery.RELIABLE_ORDERED:
+                seq = (data[off] << 8) | data[off + 1]
+                off += 2
+            elif mode != Delivery.UNRELIABLE:
+                raise DecodeError(DropReason.MALFORMED)
+            n = (data[off] << 8) | data[off + 1]
+            off += 2
+            if off + n > end:
+                raise DecodeError(DropReason.TRUNCATED)
+            messages.append(MessageFrame(mode, channel, seq, data[off : off + n]))
+            off += n
+        elif kind == FrameType.PING:
+            ping = True
+        elif kind == FrameType.DISCONNECT:
+            code, n = U16.unpack_from(data, off)[0], data[off + 2]
+            off += 3
+            if off + n > end:
+                raise DecodeError(DropReason.TRUNCATED)
+            disconnect = DisconnectFrame(code, data[off : off + n].decode("utf-8", "replace"))
+            off += n
+        else:
+            raise DecodeError(DropReason.MALFORMED)
+    return DataFrames(messages, ping, disconnect)

@@ -1,0 +1,374 @@
+"""LAN discovery: codec, responder rules, loopback plumbing, and a real LAN in namespaces.
+
+Nothing here asserts on timing. Where a test needs to know the responder has
+processed earlier datagrams, it relies on loopback delivering datagrams to one
+socket in order: once a later call is answered, every earlier one was handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rudp import lan
+from rudp.lan import Kind, MalformedDatagram, decode_packet, encode_packet
+from tests.netns import NetLab, netlab_fixture  # noqa: F401  (provides fixture `netlab`)
+
+GAME = "skirmish"
+NONCE = bytes(range(8))
+
+
+# ----------------------------------------------------------------------------- codec
+
+
+def test_call_roundtrip_and_padding() -> None:
+    data = encode_packet(Kind.CALL, NONCE, {"game": GAME}, pad_to=300)
+    assert len(data) == 300
+    packet = decode_packet(data)
+    assert packet == lan.Packet(Kind.CALL, NONCE, {"game": GAME})
+
+
+def test_answer_roundtrip() -> None:
+    body = {"id": b"12345678", "game": GAME, "info": {"players": 3}}
+    assert decode_packet(encode_packet(Kind.ANSWER, NONCE, body)).body == body
+
+
+def test_every_truncation_is_malformed() -> None:
+    data = encode_packet(Kind.ANSWER, NONCE, {"id": b"12345678", "game": GAME, "info": {}})
+    for cut in range(len(data)):
+        with pytest.raises(MalformedDatagram):
+            decode_packet(data[:cut])
+
+
+def test_answer_with_trailing_garbage_is_malformed() -> None:
+    data = encode_packet(Kind.ANSWER, NONCE, {"id": b"12345678", "game": GAME, "info": {}})
+    with pytest.raises(MalformedDatagram):
+        decode_packet(data + b"\x00")
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: b"XLAN" + d[4:],  # magic
+        lambda d: d[:4] + b"\x09" + d[5:],  # version
+        lambda d: d[:5] + b"\x07" + d[6:],  # kind
+        lambda d: d[:16] + b"\xc1" + d[17:],  # msgpack: reserved byte
+    ],
+)
+def test_header_defects_are_malformed(mutate: Any) -> None:
+    data = encode_packet(Kind.CALL, NONCE, {"game": GAME}, pad_to=64)
+    with pytest.raises(MalformedDatagram):
+        decode_packet(mutate(data))
+
+
+def test_body_must_be_a_map() -> None:
+    raw = lan.HEADER.pack(lan.MAGIC, lan.VERSION, Kind.CALL, NONCE, 1) + b"\x01"
+    with pytest.raises(MalformedDatagram):
+        decode_packet(raw)
+
+
+@given(st.binary(max_size=200))
+def test_decoder_only_ever_raises_malformed(data: bytes) -> None:
+    with contextlib.suppress(MalformedDatagram):
+        decode_packet(data)
+
+
+@given(st.binary(max_size=64))
+def test_decoder_with_valid_header_and_garbage_body(body: bytes) -> None:
+    raw = lan.HEADER.pack(lan.MAGIC, lan.VERSION, Kind.CALL, NONCE, len(body)) + body
+    with contextlib.suppress(MalformedDatagram):
+        decode_packet(raw)
+
+
+# ----------------------------------------------------------------------------- responder rules
+
+
+def _responder(info: Any = None) -> lan.DiscoveryResponder:
+    return lan.DiscoveryResponder(info if info is not None else {"name": "h"}, game=GAME)
+
+
+ADDR = ("127.0.0.1", 9)
+
+
+def _call(game: str | None = GAME, size: int = lan.DEFAULT_REQUEST_SIZE) -> bytes:
+    return encode_packet(Kind.CALL, NONCE, {"game": game}, pad_to=size)
+
+
+def test_responder_answers_with_info_and_echoes_nonce() -> None:
+    r = _responder({"name": "h", "players": 2})
+    answer = r._answer_for(_call(), ADDR)
+    assert answer is not None
+    packet = decode_packet(answer)
+    assert packet.kind == Kind.ANSWER and packet.nonce == NONCE
+    assert packet.body == {"id": r.instance_id, "game": GAME, "info": {"name": "h", "players": 2}}
+    assert r.stats.requests == 1
+
+
+def test_responder_calls_info_callable_each_time() -> None:
+    players = iter(range(10))
+    r = _responder(lambda: {"players": next(players)})
+    answers = [r._answer_for(_call(), ADDR) for _ in range(2)]
+    assert [decode_packet(a).body["info"]["players"] for a in answers if a] == [0, 1]
+
+
+def test_responder_never_amplifies() -> None:
+    r = _responder({"blob": "x" * 500})
+    assert r._answer_for(_call(size=200), ADDR) is None
+    assert r.stats.oversize == 1
+    assert r._answer_for(_call(size=1200), ADDR) is not None
+
+
+def test_responder_filters_other_games_but_answers_any_game() -> None:
+    r = _responder()
+    assert r._answer_for(_call(game="chess"), ADDR) is None
+    assert r._answer_for(_call(game=None), ADDR) is not None
+    assert (r.stats.other_game, r.stats.answered + r.stats.requests) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"rLAN",
+        b"\xff" * 1200,
+        encode_packet(Kind.ANSWER, NONCE, {"id": b"x" * 8, "game": GAME, "info": {}}),
+        encode_packet(Kind.CALL, NONCE, {"game": 5}, pad_to=100),
+        encode_packet(Kind.CALL, NONCE, {"game": "g" * 65}, pad_to=200),
+    ],
+)
+def test_responder_counts_malformed(data: bytes) -> None:
+    r = _responder()
+    assert r._answer_for(data, ADDR) is None
+    assert r.stats.malformed == 1 and r.stats.requests == 0
+
+
+def test_failing_info_callable_is_counted_not_raised() -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("boom")
+
+    r = _responder(broken)
+    assert r._answer_for(_call(), ADDR) is None
+    assert r.stats.info_errors == 1
+    r2 = _responder({"not-serialisable": object()})
+    assert r2._answer_for(_call(), ADDR) is None
+    assert r2.stats.info_errors == 1
+
+
+def test_game_name_is_validated() -> None:
+    with pytest.raises(ValueError):
+        lan.DiscoveryResponder({}, game="")
+
+
+# ----------------------------------------------------------------------------- client collector
+
+
+def _answer(nonce: bytes, instance: bytes = b"A" * 8, game: str = GAME) -> bytes:
+    return encode_packet(Kind.ANSWER, nonce, {"id": instance, "game": game, "info": {"n": 1}})
+
+
+class _FakeLoop:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def _collector(game: str | None = None) -> tuple[lan._Collector, _FakeLoop]:
+    loop = _FakeLoop()
+    collector = lan._Collector(game, loop)  # type: ignore[arg-type]
+    collector.sent_at[NONCE] = 0.0
+    return collector, loop
+
+
+def test_collector_ignores_unknown_nonce_and_calls() -> None:
+    c, _ = _collector()
+    c.datagram_received(_answer(b"\x99" * 8), ADDR)
+    c.datagram_received(_call(), ADDR)
+    assert c.hosts == {} and c.malformed == 0
+
+
+def test_collector_keeps_fastest_answer_per_instance() -> None:
+    c, loop = _collector()
+    c.sent_at[b"second!!"] = 1.0
+    loop.now = 1.5
+    c.datagram_received(_answer(NONCE), ("10.0.0.1", 1))  # rtt 1.5
+    c.datagram_received(_answer(b"second!!"), ("fe80::1", 1, 0, 0))  # rtt 0.5
+    c.datagram_received(_answer(NONCE, instance=b"B" * 8), ("10.0.0.2", 1))
+    assert sorted((h.address[0], h.rtt) for h in c.hosts.values()) == [
+        ("10.0.0.2", 1.5),
+        ("fe80::1", 0.5),
+    ]
+
+
+def test_collector_filters_game_and_counts_malformed() -> None:
+    c, _ = _collector(game=GAME)
+    c.datagram_received(_answer(NONCE, game="chess"), ADDR)
+    c.datagram_received(encode_packet(Kind.ANSWER, NONCE, {"id": 3}), ADDR)
+    c.datagram_received(b"junk", ADDR)
+    assert c.hosts == {} and c.malformed == 2
+
+
+# ----------------------------------------------------------------------------- loopback
+
+
+@pytest.fixture
+def loop_errors() -> Iterator[list[dict[str, Any]]]:
+    """Fails the test if anything reached the event loop's exception handler."""
+    errors: list[dict[str, Any]] = []
+    yield errors
+    assert errors == []
+
+
+async def test_loopback_discovery(loop_errors: list[dict[str, Any]]) -> None:
+    asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: loop_errors.append(ctx))
+    players = [1]
+    info = lambda: {"name": "den", "port": 7777, "players": players[0]}  # noqa: E731
+    async with await lan.serve_discovery(info, 0, game=GAME, host="127.0.0.1") as responder:
+        target = [("127.0.0.1", responder.port)]
+        kwargs: dict[str, Any] = {"targets": target, "broadcast": False, "ipv6": False}
+        hosts = await lan.discover(responder.port, timeout=10.0, expected=1, **kwargs)
+        assert len(hosts) == 1
+        host = hosts[0]
+        assert host.address == ("127.0.0.1", responder.port)
+        assert host.info == {"name": "den", "port": 7777, "players": 1}
+        assert host.game == GAME and host.rtt >= 0
+        players[0] = 2
+        hosts = await lan.discover(responder.port, timeout=10.0, expected=1, **kwargs)
+        assert hosts[0].info["players"] == 2
+
+
+async def test_loopback_bad_input_is_counted_and_service_continues(
+    loop_errors: list[dict[str, Any]],
+) -> None:
+    asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: loop_errors.append(ctx))
+    async with await lan.serve_discovery({"n": 1}, 0, game=GAME, host="127.0.0.1") as responder:
+        addr = ("127.0.0.1", responder.port)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
+            for junk in (b"", b"garbage", b"rLAN\x01\x01" + b"\xff" * 30):
+                raw.sendto(junk, addr)
+            raw.sendto(_call(game="chess"), addr)
+            raw.sendto(encode_packet(Kind.CALL, NONCE, {"game": GAME}), addr)  # unpadded
+        # Loopback keeps order per socket: when this call is answered, the
+        # datagrams above have all been handled.
+        # One attempt only, so "answered" cannot depend on how fast the answer came.
+        hosts = await lan.discover(
+            responder.port,
+            timeout=10.0,
+            expected=1,
+            attempts=1,
+            targets=[addr],
+            broadcast=False,
+            ipv6=False,
+        )
+        assert len(hosts) == 1
+        stats = responder.stats
+        assert (stats.malformed, stats.other_game, stats.oversize) == (3, 1, 1)
+        assert stats.answered == 1
+
+
+async def test_discover_argument_checks() -> None:
+    with pytest.raises(ValueError):
+        await lan.discover(timeout=0)
+    with pytest.raises(ValueError):
+        await lan.discover(request_size=4)
+
+
+def test_list_interfaces_includes_loopback() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("interface enumeration is Linux-only")
+    names = {i.name for i in lan.list_interfaces()}
+    assert "lo" in names
+
+
+# ----------------------------------------------------------------------------- real LAN (netns)
+
+RESPONDER = """
+import asyncio, dataclasses, json, sys
+from rudp import lan
+args = json.loads(sys.argv[1])
+async def main():
+    r = await lan.serve_discovery(args["info"], args["port"], game=args["game"])
+    print(json.dumps({"ready": r.addresses}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    r.close()
+    print(json.dumps(dataclasses.asdict(r.stats)), flush=True)
+asyncio.run(main())
+"""
+
+CLIENT = """
+import asyncio, json, sys
+from rudp import lan
+args = json.loads(sys.argv[1])
+async def main():
+    hosts = await lan.discover(**args)
+    print(json.dumps([[list(h.address), h.game, h.info] for h in hosts]))
+asyncio.run(main())
+"""
+
+PORT = 47474
+
+
+@pytest.fixture
+def lan_with_two_hosts(netlab: NetLab) -> tuple[NetLab, list[Any]]:
+    """Hosts in nodes 1 and 2 answering for GAME, a client node 3; all on one bridge."""
+    host_a, host_b, client = netlab.add_node(), netlab.add_node(), netlab.add_node()
+    procs = []
+    for node, name in ((host_a, "alpha"), (host_b, "beta")):
+        args = {"info": {"name": name, "port": 7000}, "port": PORT, "game": GAME}
+        proc = netlab.spawn(node, RESPONDER, json.dumps(args))
+        assert "ready" in json.loads(netlab.read_line(proc))
+        procs.append(proc)
+    return netlab, [host_a, host_b, client, procs]
+
+
+def _discover_in(lab: NetLab, node: Any, **kwargs: Any) -> list[Any]:
+    args = {"port": PORT, "timeout": 10.0, "game": GAME, "expected": 2, **kwargs}
+    out = lab.run(node, CLIENT, json.dumps(args)).stdout
+    return sorted(json.loads(out), key=lambda h: h[2]["name"])
+
+
+@pytest.mark.netns
+def test_netns_ipv4_broadcast_finds_both_hosts(
+    lan_with_two_hosts: tuple[NetLab, list[Any]],
+) -> None:
+    lab, (host_a, host_b, client, procs) = lan_with_two_hosts
+    hosts = _discover_in(lab, client, ipv6=False)
+    assert [(h[0][0], h[2]["name"]) for h in hosts] == [
+        (host_a.ipv4, "alpha"),
+        (host_b.ipv4, "beta"),
+    ]
+    assert all(h[0][1] == PORT and h[1] == GAME for h in hosts)
+    for proc in procs:  # each responder saw at least one well-formed call
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        stats = json.loads(lab.read_line(proc))
+        assert stats["requests"] >= 1 and stats["malformed"] == 0
+
+
+@pytest.mark.netns
+def test_netns_ipv6_multicast_finds_both_hosts(
+    lan_with_two_hosts: tuple[NetLab, list[Any]],
+) -> None:
+    lab, (host_a, host_b, client, _) = lan_with_two_hosts
+    hosts = _discover_in(lab, client, broadcast=False)
+    assert [(h[0][0], h[2]["name"]) for h in hosts] == [
+        (f"{host_a.ipv6}%eth0", "alpha"),
+        (f"{host_b.ipv6}%eth0", "beta"),
+    ]
+
+
+@pytest.mark.netns
+def test_netns_game_filter_crosses_the_lan(lan_with_two_hosts: tuple[NetLab, list[Any]]) -> None:
+    lab, (_, _, client, _) = lan_with_two_hosts
+    # Nobody serves "chess": every call is filtered, so this waits out its short timeout.
+    assert _discover_in(lab, client, game="chess", timeout=0.3, expected=None) == []
