@@ -56,8 +56,7 @@ from rudp.stats import ConnectionStats
 from rudp.wire import Delivery, DropReason
 
 Address = tuple[Any, ...]
-RX_WINDOW = 64  # packets remembered for duplicate detection
-RX_MASK = (1 << RX_WINDOW) - 1
+ACK_SPAN = 32  # a header acknowledges its largest packet and this many before it
 NOCONN_SPAN = 4096  # a NOCONN must echo one of our last few thousand packets
 UNRELIABLE = Delivery.UNRELIABLE
 RELIABLE_ORDERED = Delivery.RELIABLE_ORDERED
@@ -123,6 +122,11 @@ class Connection:
         self._control: list[bytes] = []
         self._ping = False
         self._ack_pending = False
+        # Oldest ack-eliciting packet received since our last packet reported the receive
+        # window, and ack-only packets built early because it was about to leave the 33
+        # packets one header can acknowledge (see ``receive_data``).
+        self._ack_low: int | None = None
+        self._early_acks: list[bytes] = []
         self._queued = 0  # messages not yet sent, plus reliable ones not yet acked
         self._unacked_reliable = 0
         self._tx_ch_next = [0] * config.channels
@@ -131,7 +135,12 @@ class Connection:
         self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
         # -- receive side
         self._rx_largest = 0
-        self._rx_bits = 0
+        self._rx_bits = 0  # bit i: packet (largest - i) was received
+        # Packets remembered for duplicate detection; older ones are dropped as
+        # stale (their reliable messages were resent anyway). Twice the window,
+        # so reordering within a full window is never mistaken for staleness.
+        self._rx_window = max(1024, 2 * config.window)
+        self._rx_mask = (1 << self._rx_window) - 1
         self._rx_ch_next = [0] * config.channels
         self._rx_ch_buf: list[dict[int, bytes]] = [{} for _ in range(config.channels)]
         self._rx_buffered_bytes = 0
@@ -263,6 +272,9 @@ class Connection:
             return out
         if self.state is State.CLOSED:
             return out
+        if self._early_acks:
+            out.extend(self._early_acks)
+            self._early_acks.clear()
         while True:
             datagram = self._build_packet(now)
             if datagram is None:
@@ -334,15 +346,21 @@ class Connection:
         seq = unwrap(seq16, self._rx_largest)
         delta = seq - self._rx_largest
         if delta <= 0:
-            if -delta >= RX_WINDOW:
+            if -delta >= self._rx_window:
                 return DropReason.STALE
             if (self._rx_bits >> -delta) & 1:
                 return DropReason.DUPLICATE
         frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
         if frames.messages and not self._can_buffer(frames.messages):
             return DropReason.RECV_BUFFER_FULL
+        low = self._ack_low
+        if low is not None and seq - low > ACK_SPAN:
+            # A header acknowledges its largest packet and the 32 before it. When more than
+            # that arrive between two flushes (one socket read drains up to 256 datagrams),
+            # acknowledge the older ones now, or the sender would declare them lost and resend.
+            self._early_acks.append(self._ack_only_packet())
         if delta > 0:
-            self._rx_bits = ((self._rx_bits << delta) | 1) & RX_MASK
+            self._rx_bits = ((self._rx_bits << delta) | 1) & self._rx_mask
             self._rx_largest = seq
         else:
             self._rx_bits |= 1 << -delta
@@ -359,6 +377,9 @@ class Connection:
         if eliciting:
             self._ack_pending = True
             self._dirty.add(self)
+            low = self._ack_low
+            if seq >= self._rx_largest - ACK_SPAN and (low is None or seq < low):
+                self._ack_low = seq
         if frames.disconnect is not None:
             self._on_peer_disconnect(frames.disconnect, now)
         return None
@@ -452,6 +473,10 @@ class Connection:
             if largest > self._largest_acked:
                 self._largest_acked = largest
             self._detect_losses(now)
+            if self._rel_queue or self._retx:
+                # The ack opened the window: what waited for room can go out now, not at the
+                # next timer (an ack-only packet does not otherwise schedule a flush).
+                self._dirty.add(self)
             if self.state is State.CLOSING:
                 self._maybe_send_disconnect(now)
 
@@ -474,17 +499,19 @@ class Connection:
     def _detect_losses(self, now: float) -> None:
         largest = self._largest_acked
         delay = self._rtt.loss_delay
-        cutoff = now - delay
         threshold = largest - self.config.reorder_threshold
         self._loss_time = None
         lost: list[int] = []
         for seq, pkt in self._sent.items():
             if seq >= largest:
                 break
-            if seq <= threshold or pkt.time_sent <= cutoff:
+            # One expression for the test and the deadline: a deadline computed
+            # differently could round to ``now`` and never be reached.
+            deadline = pkt.time_sent + delay
+            if seq <= threshold or deadline <= now:
                 lost.append(seq)
             else:
-                self._loss_time = pkt.time_sent + delay
+                self._loss_time = deadline
                 break
         for seq in lost:
             self._on_lost(self._sent.pop(seq))
@@ -525,6 +552,7 @@ class Connection:
             return None
         self._ping = False
         self._ack_pending = False
+        self._ack_low = None
         seq = self._tx_next
         self._tx_next = seq + 1
         rest = b"".join(
@@ -549,6 +577,20 @@ class Connection:
             for msg in messages:
                 msg.copies += 1
         return datagram
+
+    def _ack_only_packet(self) -> bytes:
+        """A packet carrying nothing but the current acknowledgment state."""
+        self._ack_low = None
+        seq = self._tx_next
+        self._tx_next = seq + 1
+        return wire.seal_rest(
+            wire.data_header(
+                self.token,
+                seq & SEQ_MASK,
+                self._rx_largest & SEQ_MASK,
+                (self._rx_bits >> 1) & 0xFFFFFFFF,
+            )
+        )
 
     def _disconnect_in(self, control: list[bytes]) -> bool:
         return any(frame[0] == wire.FrameType.DISCONNECT for frame in control)

@@ -353,6 +353,7 @@ class Endpoint:
     def _forget(self, conn: Connection) -> None:
         if self._conns.get(conn.address) is conn:
             del self._conns[conn.address]
+        self.stats.absorb(conn.stats)
 
     def _schedule(self, conn: Connection) -> None:
         """Keep one heap entry per connection at its earliest deadline.

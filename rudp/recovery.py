@@ -2,7 +2,7 @@
 
 The seed article resends every 30 ms, then 60, 90... whatever the path. We
 measure instead, as TCP does (RFC 6298): a smoothed RTT and its variance give
-the resend timeout ``RTO = SRTT + 4 * RTTVAR``, clamped to
+the resend timeout ``RTO = SRTT + max(4 * RTTVAR, SRTT / 8)``, clamped to
 ``[rto_min, rto_max]`` and doubled on each consecutive timeout (capped).
 
 Karn's rule says never to take an RTT sample from a retransmitted packet,
@@ -60,7 +60,10 @@ class RttEstimator:
         if self.samples == 0:
             base = cfg.rto_initial
         else:
-            base = self.srtt + max(GRANULARITY, 4 * self.rttvar)
+            # The variance term never falls below SRTT/8: on a steady path RTTVAR
+            # decays towards zero and an RTO equal to the RTT would fire just
+            # before every ack (Linux keeps a similar floor under RTTVAR).
+            base = self.srtt + max(GRANULARITY, 4 * self.rttvar, self.srtt / 8)
         return min(max(base, cfg.rto_min), cfg.rto_max)
 
     @property

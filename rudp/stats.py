@@ -85,6 +85,7 @@ class EndpointStats:
     __slots__ = (
         "bytes_received",
         "bytes_sent",
+        "closed_totals",
         "connections_accepted",
         "connections_refused",
         "datagrams_received",
@@ -104,6 +105,15 @@ class EndpointStats:
         self.unvalidated_bytes_sent = 0
         self.connections_accepted = 0
         self.connections_refused = 0
+        # Counters of connections that have ended, so exported totals never go back.
+        self.closed_totals: Counter[str] = Counter()
+
+    def absorb(self, conn: ConnectionStats) -> None:
+        """Fold an ended connection's counters into the endpoint totals."""
+        totals = self.closed_totals
+        for name in conn.__slots__:
+            if name != "rtt":
+                totals[name] += getattr(conn, name)
 
     @property
     def datagrams_dropped(self) -> int:

@@ -1,0 +1,112 @@
+"""Network addresses as the matchmaker sees them.
+
+Every host in the registry is keyed by its *observed* public address: the
+source address of its rudp connection, never what the host claims.  A
+restarted host that comes back from the same address therefore replaces its
+old entry (issue 5), and nobody can register on somebody else's behalf.
+
+Addresses are normalised once, here: IPv4-mapped IPv6 (``::ffff:a.b.c.d``,
+what a dual-stack socket reports for IPv4 peers) becomes plain IPv4, and IPv6
+is written in its compressed form, so the same peer always gets the same key.
+
+`non_public_reason` is the bogon check: loopback, link-local, private,
+shared (CGNAT), multicast, unspecified and reserved ranges never appear in a
+public list unless the operator runs a LAN/dev matchmaker.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import NamedTuple
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class Address(NamedTuple):
+    """A normalised (ip, port) pair."""
+
+    ip: str
+    port: int
+
+    @property
+    def family(self) -> int:
+        """4 or 6."""
+        return 6 if ":" in self.ip else 4
+
+    @property
+    def key(self) -> str:
+        """``1.2.3.4:5`` or ``[2001:db8::1]:5``: the registry key."""
+        return f"[{self.ip}]:{self.port}" if self.family == 6 else f"{self.ip}:{self.port}"
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def normalise_ip(ip: str) -> str:
+    """Canonical text form of an IP; raises ValueError if `ip` is not one."""
+    parsed = ipaddress.ip_address(ip.split("%", 1)[0])  # drop an IPv6 zone id
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        parsed = parsed.ipv4_mapped
+    return parsed.compressed
+
+
+def make_address(ip: str, port: int) -> Address:
+    """Validated, normalised Address; raises ValueError."""
+    if not 0 < port < 65536:
+        raise ValueError(f"port out of range: {port}")
+    return Address(normalise_ip(ip), port)
+
+
+def from_sockaddr(sockaddr: tuple[object, ...]) -> Address:
+    """Address from what asyncio reports (2-tuple for IPv4, 4-tuple for IPv6)."""
+    ip, port = sockaddr[0], sockaddr[1]
+    if not isinstance(ip, str) or not isinstance(port, int):
+        raise ValueError(f"not a socket address: {sockaddr!r}")
+    return make_address(ip, port)
+
+
+def parse_key(key: str) -> Address:
+    """Inverse of `Address.key`; raises ValueError."""
+    host, sep, port = key.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"not an address key: {key!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return make_address(host, int(port))
+
+
+def non_public_reason(ip: str) -> str | None:
+    """Why `ip` must not be listed publicly, or None if it is a global unicast address."""
+    parsed: IPAddress = ipaddress.ip_address(normalise_ip(ip))
+    # Order matters: the most specific explanation first, for the logs.
+    checks = (
+        ("unspecified", parsed.is_unspecified),
+        ("loopback", parsed.is_loopback),
+        ("link_local", parsed.is_link_local),
+        ("multicast", parsed.is_multicast),
+        ("private", parsed.is_private),
+        ("reserved", parsed.is_reserved),
+    )
+    for reason, hit in checks:
+        if hit:
+            return reason
+    # is_global is False for what is left of the special-purpose registry,
+    # e.g. 100.64.0.0/10 (shared address space, carrier-grade NAT).
+    return None if parsed.is_global else "bogon"
+
+
+def same_public_ip(a: Address, b: Address) -> bool:
+    """True when two peers sit behind the same NAT (the LAN-address case)."""
+    return a.ip == b.ip
+
+
+def rate_key(ip: str) -> str:
+    """The unit a rate limit applies to: one IPv4 address, or one IPv6 /64.
+
+    An IPv6 end site usually gets at least a /64, so limiting single IPv6
+    addresses would let one machine rotate through 2**64 buckets.
+    """
+    parsed = ipaddress.ip_address(normalise_ip(ip))
+    if isinstance(parsed, ipaddress.IPv6Address):
+        return ipaddress.IPv6Network((parsed, 64), strict=False).compressed
+    return parsed.compressed

@@ -1,0 +1,401 @@
+"""What game hosts and game clients import to talk to the matchmaker.
+
+Theory of operation
+-------------------
+One `MatchmakerClient` holds one rudp connection to the matchmaker, opened
+lazily and reopened when it ends.  Requests carry a fresh request id and wait
+for the reply with that id, so several can be in flight; `list_servers`
+collects `ListPage`s (which may arrive in any order) until the page marked
+``end`` and all before it are in.
+
+A host calls `register(...)` once.  From then on a background task keeps the
+registration alive: a `Heartbeat` every ``keepalive`` seconds (the interval
+comes from the matchmaker's `Registered` reply), and a fresh `Register` with
+the latest info whenever the connection ends (matchmaker restart, failover to
+another replica) or the matchmaker says ``not_registered`` (the entry expired),
+retrying with exponential backoff.  `update(...)` changes what is listed and
+what a re-registration sends.
+
+A host should open the client *via its game server's rudp socket*
+(``MatchmakerClient.to(host, port, via=server)``) so that the address the
+matchmaker observes, lists and introduces is the game port.  Introductions
+for the host (a client wants to join) arrive on `introductions`; the host then
+connects out to ``peer`` (and ``peer_lan``) from that same server to open its
+NAT, while the client, having got its own `Introduction` from `introduce`,
+connects to the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import structlog
+
+import rudp
+from matchmaker.addresses import Address, make_address
+from matchmaker.messages import (
+    DEFAULT_LIMITS,
+    MAX_REQUEST_ID,
+    Error,
+    ErrorReason,
+    Heartbeat,
+    HostEntry,
+    HostInfo,
+    HostUpdate,
+    InfoReply,
+    InfoRequest,
+    Introduce,
+    Introduction,
+    Limits,
+    ListFilter,
+    ListPage,
+    ListRequest,
+    Message,
+    MessageError,
+    Ok,
+    Register,
+    Registered,
+    Role,
+    Unregister,
+    Update,
+    WrongVersion,
+    decode,
+    encode,
+)
+from matchmaker.transport import TRANSPORT_ERRORS, Connector, Peer, rudp_connector
+
+log = structlog.get_logger("matchmaker.client")
+
+M = TypeVar("M", bound=Message)
+_RETRYABLE = frozenset({ErrorReason.RATE_LIMITED, ErrorReason.UNAVAILABLE, ErrorReason.INTERNAL})
+
+
+class MatchmakerError(Exception):
+    """The matchmaker refused a request."""
+
+    def __init__(self, reason: ErrorReason, detail: str = "") -> None:
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+        self.reason = reason
+        self.detail = detail
+
+
+class ConnectionLost(ConnectionError):
+    """The connection ended before the reply arrived."""
+
+
+_KEEPER_ERRORS: tuple[type[BaseException], ...] = (
+    MatchmakerError,
+    ConnectionLost,
+    TimeoutError,
+    *TRANSPORT_ERRORS,
+)
+
+
+@dataclass(slots=True)
+class _PendingList:
+    future: asyncio.Future[list[ListPage]]
+    pages: dict[int, ListPage]
+
+
+class MatchmakerClient:
+    def __init__(
+        self,
+        connect: Connector,
+        *,
+        timeout: float = 5.0,
+        reconnect_delay: float = 0.5,
+        max_reconnect_delay: float = 30.0,
+        limits: Limits = DEFAULT_LIMITS,
+        max_introductions: int = 64,
+    ) -> None:
+        self._connect = connect
+        self._timeout = timeout
+        self._reconnect_delay = reconnect_delay
+        self._max_reconnect_delay = max_reconnect_delay
+        self._limits = limits
+        self._conn: Peer | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._connecting = asyncio.Lock()
+        self._ids = itertools.cycle(range(1, MAX_REQUEST_ID + 1))
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._lists: dict[int, _PendingList] = {}
+        self._host: HostInfo | None = None
+        self._keepalive = 5.0
+        self._needs_register = asyncio.Event()
+        self._keeper: asyncio.Task[None] | None = None
+        self.address: Address | None = None
+        """Our public address as the matchmaker sees it (after `register`)."""
+        self.introductions: asyncio.Queue[Introduction] = asyncio.Queue(max_introductions)
+        """Introductions for a registered host: clients that want to join."""
+        self.registrations = 0
+        """How many times `Register` succeeded (re-registrations included)."""
+
+    @classmethod
+    def to(
+        cls,
+        host: str,
+        port: int,
+        *,
+        via: rudp.Server | None = None,
+        config: rudp.Config | None = None,
+        **kwargs: Any,
+    ) -> MatchmakerClient:
+        """A client for the matchmaker at host:port over rudp."""
+        return cls(rudp_connector(host, port, via=via, config=config), **kwargs)
+
+    async def __aenter__(self) -> MatchmakerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ hosts
+
+    async def register(
+        self,
+        *,
+        name: str,
+        game: str,
+        version: str,
+        max_players: int,
+        map: str = "",
+        players: int = 0,
+        password: bool = False,
+        tags: Iterable[str] = (),
+        region: str = "",
+        info: bytes = b"",
+        lan: tuple[str, int] | None = None,
+    ) -> Address:
+        """Register this host and keep it registered until `unregister`/`close`.
+
+        Returns the public address the matchmaker observed.  Raises
+        MatchmakerError if the matchmaker refuses (bad field, per-IP cap,
+        forbidden address, rate limit).
+        """
+        host = HostInfo(
+            name=name,
+            game=game,
+            version=version,
+            max_players=max_players,
+            map=map,
+            players=players,
+            password=password,
+            tags=tuple(tags),
+            region=region,
+            info=info,
+            lan=make_address(*lan) if lan else None,
+        )
+        address = await self._register_now(host)
+        self._host = host
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.create_task(self._keep_registered(), name="mm-keepalive")
+        return address
+
+    async def update(self, **changes: Any) -> None:
+        """Change what is listed: any of name, map, players, max_players,
+        password, tags, region, info."""
+        if self._host is None:
+            raise MatchmakerError(ErrorReason.NOT_REGISTERED, "register first")
+        if "tags" in changes:
+            changes["tags"] = tuple(changes["tags"])
+        upd = HostUpdate(**changes)
+        try:
+            merged = upd.apply(self._host)
+        except MessageError as exc:
+            raise MatchmakerError(exc.reason, exc.detail) from None
+        await self._expect(Update(changes=upd), Ok)
+        self._host = merged
+
+    async def unregister(self) -> None:
+        """Leave the list now and stop keeping the registration alive."""
+        self._host = None
+        await self._stop_keeper()
+        if self._conn is not None:
+            await self._expect(Unregister(), Ok)
+
+    async def _register_now(self, host: HostInfo) -> Address:
+        reply = await self._expect(Register(host=host), Registered)
+        self._keepalive = reply.keepalive
+        self.address = reply.address
+        self.registrations += 1
+        self._needs_register.clear()
+        return reply.address
+
+    async def _keep_registered(self) -> None:
+        delay = self._reconnect_delay
+        while self._host is not None:
+            try:
+                await self._keep_once()
+                delay = self._reconnect_delay
+            except _KEEPER_ERRORS as exc:
+                if isinstance(exc, MatchmakerError) and exc.reason not in _RETRYABLE:
+                    log.warning("registration_refused", reason=exc.reason, detail=exc.detail)
+                    return
+                log.info("matchmaker_retry", error=type(exc).__name__, delay=delay)
+                self._needs_register.set()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._max_reconnect_delay)
+
+    async def _keep_once(self) -> None:
+        host = self._host
+        if host is None:
+            return
+        if self._needs_register.is_set():
+            await self._register_now(host)
+            log.info("reregistered")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._needs_register.wait(), self._keepalive)
+        if not self._needs_register.is_set():
+            conn = await self._connection()
+            conn.send(encode(Heartbeat()))
+
+    async def _stop_keeper(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+            self._keeper = None
+
+    # ------------------------------------------------------------------ clients
+
+    async def list_servers(self, *, game: str, **filters: Any) -> list[HostEntry]:
+        """Hosts of `game` matching the filters (see ListFilter), in the matchmaker's
+        fair random order."""
+        for key in ("tags_all", "tags_any"):
+            if key in filters:
+                filters[key] = tuple(filters[key])
+        rid = next(self._ids)
+        request = ListRequest(request_id=rid, filter=ListFilter(game=game, **filters))
+        loop = asyncio.get_running_loop()
+        pending = _PendingList(loop.create_future(), {})
+        self._lists[rid] = pending
+        try:
+            conn = await self._connection()
+            conn.send(encode(request))
+            pages = await asyncio.wait_for(pending.future, self._timeout)
+        finally:
+            self._lists.pop(rid, None)
+        return [entry for page in pages for entry in page.hosts]
+
+    async def introduce(
+        self, host: Address | tuple[str, int], *, lan: tuple[str, int] | None = None
+    ) -> Introduction:
+        """Ask to join `host`; returns where to connect (and the shared nonce)."""
+        target = make_address(*host)
+        lan_address = make_address(*lan) if lan else None
+        return await self._expect(Introduce(host=target, lan=lan_address), Introduction)
+
+    async def info(self) -> InfoReply:
+        return await self._expect(InfoRequest(), InfoReply)
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def close(self) -> None:
+        """Stop keeping alive and close the connection (the entry goes at once)."""
+        self._host = None
+        await self._stop_keeper()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                await conn.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+
+    async def _connection(self) -> Peer:
+        async with self._connecting:
+            if self._conn is None:
+                self._conn = await asyncio.wait_for(self._connect(), self._timeout)
+                self._reader = asyncio.create_task(self._read(self._conn), name="mm-reader")
+            return self._conn
+
+    async def _expect(self, request: Message, reply_type: type[M]) -> M:
+        reply = await self._request(request)
+        if not isinstance(reply, reply_type):
+            raise MatchmakerError(ErrorReason.MALFORMED, f"unexpected {type(reply).__name__}")
+        return reply
+
+    async def _request(self, request: Message) -> Message:
+        rid = next(self._ids)
+        request = _with_id(request, rid)
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        try:
+            conn = await self._connection()
+            conn.send(encode(request))
+            return await asyncio.wait_for(future, self._timeout)
+        finally:
+            self._pending.pop(rid, None)
+
+    async def _read(self, conn: Peer) -> None:
+        try:
+            async for received in conn:
+                self._on_message(received.data)
+        finally:
+            if self._conn is conn:
+                self._conn = None
+            self._fail_all(ConnectionLost("connection to the matchmaker ended"))
+            if self._host is not None:
+                self._needs_register.set()
+
+    def _on_message(self, data: bytes) -> None:
+        try:
+            msg = decode(data, self._limits)
+        except MessageError as exc:
+            log.warning("bad_reply", reason=exc.reason, detail=exc.detail)
+            return
+        if isinstance(msg, Introduction) and msg.role is Role.HOST:
+            self._queue_introduction(msg)
+        elif isinstance(msg, ListPage):
+            self._on_page(msg)
+        elif isinstance(msg, Error) and msg.reason is ErrorReason.NOT_REGISTERED:
+            self._needs_register.set()
+            self._resolve(msg)
+        else:
+            self._resolve(msg)
+
+    def _resolve(self, msg: Message) -> None:
+        future: asyncio.Future[Any] | None = self._pending.get(msg.request_id)
+        pending_list = self._lists.get(msg.request_id)
+        if pending_list is not None:
+            future = pending_list.future
+        if future is None or future.done():
+            return
+        if isinstance(msg, Error):
+            future.set_exception(MatchmakerError(msg.reason, msg.detail))
+        elif isinstance(msg, WrongVersion):
+            future.set_exception(MatchmakerError(ErrorReason.WRONG_VERSION, str(msg.supported)))
+        else:
+            future.set_result(msg)
+
+    def _on_page(self, page: ListPage) -> None:
+        pending = self._lists.get(page.request_id)
+        if pending is None or pending.future.done():
+            return
+        pending.pages[page.seq] = page
+        last = next((p for p in pending.pages.values() if p.end), None)
+        if last is not None and len(pending.pages) == last.seq + 1:
+            pending.future.set_result([pending.pages[i] for i in range(last.seq + 1)])
+
+    def _queue_introduction(self, intro: Introduction) -> None:
+        if self.introductions.full():
+            self.introductions.get_nowait()  # keep the newest: older ones are stale
+        self.introductions.put_nowait(intro)
+
+    def _fail_all(self, exc: Exception) -> None:
+        futures: list[asyncio.Future[Any]] = [*self._pending.values()]
+        futures += [p.future for p in self._lists.values()]
+        for future in futures:
+            if not future.done():
+                future.set_exception(exc)
+
+
+def _with_id(msg: Message, rid: int) -> Message:
+    return replace(msg, request_id=rid)

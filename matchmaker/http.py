@@ -1,0 +1,300 @@
+"""A small, strict, GET-only HTTP/1.1 server for operators and web server browsers.
+
+Endpoints
+---------
+``/metrics``   Prometheus text exposition (``prometheus_client.generate_latest``).
+``/healthz``   200 while the process runs its event loop (liveness).
+``/readyz``    200 once the registry is loaded and the daemon is not shutting
+               down, else 503; the JSON body says whether the list is stale.
+``/servers``   The server list as JSON; query parameters are the list filters
+               (``game`` required; ``tags_all``/``tags_any`` comma-separated or
+               repeated; booleans as 1/0/true/false), validated by the same code
+               as the wire protocol; rate limited per source like list requests.
+
+Why not a framework: this is four read-only endpoints, and a dependency for
+them would be most of the daemon's attack surface.  The server here reads one
+request per connection (``Connection: close``) with hard limits: a request
+head of at most 8 KiB and 64 header lines, read within ``http_timeout``
+seconds, at most ``http_max_connections`` connections at once (more are
+refused with 503).  Bodies are not accepted; anything but GET/HEAD gets 405.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from matchmaker.addresses import from_sockaddr, rate_key
+from matchmaker.messages import (
+    ErrorReason,
+    Limits,
+    ListFilter,
+    ListRequest,
+    MessageError,
+    filter_from_mapping,
+)
+from matchmaker.metrics import Metrics
+from matchmaker.ratelimit import RateLimiter
+from matchmaker.registry import Registry
+
+log = structlog.get_logger("matchmaker.http")
+
+MAX_HEAD_BYTES = 8192
+MAX_HEADER_LINES = 64
+MAX_QUERY_FIELDS = 32
+_BOOL_FIELDS = ("not_full", "not_empty", "password")
+_INT_FIELDS = ("family", "limit")
+_LIST_FIELDS = ("tags_all", "tags_any")
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+    @classmethod
+    def json(cls, status: int, payload: object) -> Response:
+        return cls(status, json.dumps(payload, separators=(",", ":")).encode())
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+
+
+ListServers = Callable[[ListRequest], Awaitable[list[dict[str, Any]]]]
+
+
+class HttpApi:
+    """Request routing; the socket side is `HttpServer`."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        metrics: Metrics,
+        list_servers: ListServers,
+        limits: Limits,
+        list_limiter: RateLimiter,
+        is_shutting_down: Callable[[], bool],
+    ) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self._list_servers = list_servers
+        self._limits = limits
+        self._limiter = list_limiter
+        self._shutting_down = is_shutting_down
+
+    async def route(self, target: str, client_ip: str) -> tuple[str, Response]:
+        """(path label, response) for a GET of `target`."""
+        parts = urlsplit(target)
+        path = parts.path
+        if path == "/metrics":
+            body = generate_latest(self._metrics.registry)
+            return path, Response(200, body, CONTENT_TYPE_LATEST)
+        if path == "/healthz":
+            return path, Response.json(200, {"status": "ok"})
+        if path == "/readyz":
+            return path, self._ready()
+        if path == "/servers":
+            return path, await self._servers(parts.query, client_ip)
+        return "other", Response.json(404, {"error": "not_found"})
+
+    def _ready(self) -> Response:
+        ready = self._registry.ready and not self._shutting_down()
+        body = {"ready": ready, "stale": self._registry.stale, "hosts": len(self._registry.index())}
+        return Response.json(200 if ready else 503, body)
+
+    async def _servers(self, query: str, client_ip: str) -> Response:
+        if not self._limiter.allow(rate_key(client_ip)):
+            self._metrics.rate_limited.labels("list").inc()
+            return Response.json(429, {"error": ErrorReason.RATE_LIMITED.value})
+        try:
+            f = parse_filter(query, self._limits)
+        except MessageError as exc:
+            return Response.json(400, {"error": exc.reason.value, "detail": exc.detail})
+        servers = await self._list_servers(ListRequest(filter=f))
+        return Response.json(200, {"total": len(servers), "servers": servers})
+
+
+def parse_filter(query: str, limits: Limits) -> ListFilter:
+    """A ListFilter from a URL query string; raises MessageError like the wire decoder."""
+    try:
+        pairs = parse_qsl(query, strict_parsing=bool(query), max_num_fields=MAX_QUERY_FIELDS)
+    except ValueError as exc:
+        raise MessageError(ErrorReason.MALFORMED, str(exc)[:100]) from None
+    fields: dict[str, object] = {}
+    lists: dict[str, list[str]] = {}
+    for key, value in pairs:
+        if key in _LIST_FIELDS:
+            lists.setdefault(key, []).extend(v for v in value.split(",") if v)
+        elif key in fields:
+            raise MessageError(ErrorReason.BAD_FIELD, f"{key}: given twice")
+        else:
+            fields[key] = _typed(key, value)
+    return filter_from_mapping(fields | lists, limits)
+
+
+def _typed(key: str, value: str) -> object:
+    if key in _BOOL_FIELDS:
+        lowered = value.lower()
+        if lowered in ("1", "true", "yes"):
+            return True
+        if lowered in ("0", "false", "no"):
+            return False
+        raise MessageError(ErrorReason.BAD_FIELD, f"{key}: boolean")
+    if key in _INT_FIELDS:
+        if not value.isdigit() or len(value) > 9:
+            raise MessageError(ErrorReason.BAD_FIELD, f"{key}: integer")
+        return int(value)
+    return value
+
+
+def entry_json(fields: dict[str, Any]) -> dict[str, Any]:
+    """JSON-safe form of a wire list entry: the info blob as base64, the address as text."""
+    out = dict(fields)
+    ip, port = out.pop("addr")
+    out["address"] = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    out["ip"], out["port"] = ip, port
+    out["info"] = base64.b64encode(out["info"]).decode()
+    return out
+
+
+class HttpServer:
+    """asyncio streams server in front of `HttpApi`."""
+
+    def __init__(
+        self, api: HttpApi, metrics: Metrics, *, timeout: float, max_connections: int
+    ) -> None:
+        self._api = api
+        self._metrics = metrics
+        self._timeout = timeout
+        self._slots = asyncio.Semaphore(max_connections)
+        self._server: asyncio.Server | None = None
+        self._clients: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._server is not None, "not started"
+        sockname = self._server.sockets[0].getsockname()
+        return sockname[0], sockname[1]
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(
+            self._client, host, port, limit=MAX_HEAD_BYTES, reuse_address=True
+        )
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._clients):
+            task.cancel()
+        await asyncio.gather(*self._clients, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._clients.add(task)
+        try:
+            if self._slots.locked():
+                await self._respond(writer, Response.json(503, {"error": "busy"}), head=False)
+                return
+            async with self._slots:
+                await self._serve_one(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; nothing to answer
+        finally:
+            if task is not None:
+                self._clients.discard(task)
+            writer.close()
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        client_ip = from_sockaddr(tuple(peer)).ip if peer else "0.0.0.0"
+        try:
+            method, target = await asyncio.wait_for(read_head(reader), self._timeout)
+        except TimeoutError:
+            await self._respond(writer, Response.json(408, {"error": "timeout"}), head=False)
+            return
+        except BadRequest as exc:
+            body = {"error": exc.reason, "detail": exc.detail}
+            await self._respond(writer, Response.json(exc.status, body), head=False)
+            return
+        if method not in ("GET", "HEAD"):
+            resp = Response.json(405, {"error": "method_not_allowed"})
+            await self._respond(writer, resp, head=False, extra=b"Allow: GET, HEAD\r\n")
+            return
+        label, resp = await self._api.route(target, client_ip)
+        self._metrics.observe_http(label, resp.status)
+        await self._respond(writer, resp, head=method == "HEAD")
+
+    async def _respond(
+        self, writer: asyncio.StreamWriter, resp: Response, *, head: bool, extra: bytes = b""
+    ) -> None:
+        status_line = f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, 'Error')}\r\n"
+        headers = (
+            f"Content-Type: {resp.content_type}\r\n"
+            f"Content-Length: {len(resp.body)}\r\n"
+            "Cache-Control: no-store\r\nConnection: close\r\n"
+        )
+        writer.write(status_line.encode() + headers.encode() + extra + b"\r\n")
+        if not head:
+            writer.write(resp.body)
+        await asyncio.wait_for(writer.drain(), self._timeout)
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[str, str]:
+    """(method, target) of one request; headers are read, bounded, and ignored."""
+    line = await _read_line(reader)
+    parts = line.split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise BadRequest(400, "bad_request_line")
+    method, target, _version = parts
+    if not target.startswith("/"):
+        raise BadRequest(400, "bad_target")
+    used = len(line)
+    for _ in range(MAX_HEADER_LINES):
+        header = await _read_line(reader)
+        used += len(header) + 2
+        if used > MAX_HEAD_BYTES:
+            raise BadRequest(431, "head_too_large")
+        if not header:
+            return method, target
+        if ":" not in header:
+            raise BadRequest(400, "bad_header")
+    raise BadRequest(431, "too_many_headers")
+
+
+async def _read_line(reader: asyncio.StreamReader) -> str:
+    try:
+        raw = await reader.readuntil(b"\r\n")
+    except asyncio.LimitOverrunError:
+        raise BadRequest(431, "line_too_long") from None
+    try:
+        return raw[:-2].decode("ascii")
+    except UnicodeDecodeError:
+        raise BadRequest(400, "not_ascii") from None

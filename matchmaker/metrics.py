@@ -1,0 +1,201 @@
+"""Every matchmaker metric, in one place, on an injectable CollectorRegistry.
+
+Conventions (Prometheus naming): base units (seconds, bytes), ``_total`` on
+counters, histograms for latencies, and only *bounded* label values: result
+and reason codes from enums in the code, registry operation names, HTTP paths
+from a fixed list.  Never an IP address or any other peer-chosen value: the one
+peer-chosen label, ``game`` on the hosts-listed gauge, is capped to the
+`max_games` largest games with everything else summed under ``_other``.
+
+Gauges that mirror state (hosts listed, registry staleness, open connections)
+are read at scrape time through callbacks, so they are never out of date and
+cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from matchmaker import __version__
+from matchmaker.messages import ErrorReason
+from matchmaker.registry.base import RemovalReason
+
+OTHER_GAME = "_other"
+
+REGISTRATION_RESULTS = ("created", "replaced", "rejected", "rate_limited", "unavailable")
+UPDATE_RESULTS = ("ok", "rejected", "not_registered", "rate_limited", "unavailable")
+LIST_RESULTS = ("ok", "rate_limited", "failed")
+INTRODUCTION_RESULTS = ("local", "relayed", "not_found", "rate_limited", "unavailable")
+RATE_LIMITED_KINDS = ("register", "list", "introduce")
+REGISTRY_OPS = (
+    "upsert",
+    "update",
+    "touch",
+    "remove",
+    "expire",
+    "publish",
+    "xread",
+    "xrevrange",
+    "zrange",
+    "load",
+    "time",
+)
+HTTP_PATHS = ("/metrics", "/healthz", "/readyz", "/servers", "other")
+DROP_REASONS = (*(r.value for r in ErrorReason), "send_failed")
+
+# Latency buckets: list requests and registry ops are sub-millisecond to ~1 s.
+_FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _StateCollector(Collector):
+    """Scrape-time gauges: hosts listed per game, registry staleness, connections."""
+
+    def __init__(
+        self,
+        hosts_by_game: Callable[[], dict[str, int]],
+        stale: Callable[[], bool],
+        connections: Callable[[], int],
+        max_games: int,
+    ) -> None:
+        self._hosts_by_game = hosts_by_game
+        self._stale = stale
+        self._connections = connections
+        self._max_games = max_games
+
+    def collect(self) -> Iterable[Metric]:
+        hosts = GaugeMetricFamily(
+            "matchmaker_hosts_listed",
+            "Hosts currently visible in server lists, by game (largest games; rest in _other).",
+            labels=["game"],
+        )
+        for game, n in capped_games(self._hosts_by_game(), self._max_games):
+            hosts.add_metric([game], n)
+        yield hosts
+        yield GaugeMetricFamily(
+            "matchmaker_registry_stale",
+            "1 while the shared registry is unreachable and lists are served from the last copy.",
+            value=1 if self._stale() else 0,
+        )
+        yield GaugeMetricFamily(
+            "matchmaker_connections", "Open rudp connections.", value=self._connections()
+        )
+
+
+def capped_games(counts: dict[str, int], max_games: int) -> list[tuple[str, int]]:
+    """The `max_games` largest games by count, plus the sum of the rest as _other."""
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    top = ranked[:max_games]
+    rest = sum(n for _, n in ranked[max_games:])
+    return [*top, (OTHER_GAME, rest)] if rest else top
+
+
+class Metrics:
+    """The matchmaker's metrics; pass a fresh CollectorRegistry in tests."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.registrations = Counter(
+            "matchmaker_registrations", "Host registrations, by result.", ["result"], registry=r
+        )
+        self.updates = Counter(
+            "matchmaker_updates", "Host info updates, by result.", ["result"], registry=r
+        )
+        self.removals = Counter(
+            "matchmaker_removals",
+            "Hosts removed from the registry, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.list_requests = Counter(
+            "matchmaker_list_requests", "Server list requests, by result.", ["result"], registry=r
+        )
+        self.list_duration = Histogram(
+            "matchmaker_list_request_duration_seconds",
+            "Time from a list request to its last page handed to the transport.",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.list_hosts_sent = Counter(
+            "matchmaker_list_hosts_sent", "Host entries sent in list pages.", registry=r
+        )
+        self.introductions = Counter(
+            "matchmaker_introductions", "NAT introductions, by result.", ["result"], registry=r
+        )
+        self.rate_limited = Counter(
+            "matchmaker_rate_limited_requests",
+            "Requests refused by a rate limit, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "matchmaker_dropped_datagrams",
+            "Incoming messages refused or dropped, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.registry_latency = Histogram(
+            "matchmaker_registry_operation_duration_seconds",
+            "Latency of shared-registry operations, by operation.",
+            ["op"],
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.registry_errors = Counter(
+            "matchmaker_registry_errors",
+            "Failed registry operations, by operation.",
+            ["op"],
+            registry=r,
+        )
+        self.http_requests = Counter(
+            "matchmaker_http_requests",
+            "HTTP requests, by path and status.",
+            ["path", "code"],
+            registry=r,
+        )
+        build = Info("matchmaker_build", "Build information.", registry=r)
+        build.info({"version": __version__, "python": platform.python_version()})
+        self._init_series()
+
+    def _init_series(self) -> None:
+        # Create every known series at zero, so rates work from the first scrape.
+        for label in REGISTRATION_RESULTS:
+            self.registrations.labels(label)
+        for label in UPDATE_RESULTS:
+            self.updates.labels(label)
+        for reason in RemovalReason:
+            self.removals.labels(reason.value)
+        for label in LIST_RESULTS:
+            self.list_requests.labels(label)
+        for label in INTRODUCTION_RESULTS:
+            self.introductions.labels(label)
+        for label in RATE_LIMITED_KINDS:
+            self.rate_limited.labels(label)
+        for label in DROP_REASONS:
+            self.dropped.labels(label)
+
+    def bind_state(
+        self,
+        *,
+        hosts_by_game: Callable[[], dict[str, int]],
+        stale: Callable[[], bool],
+        connections: Callable[[], int],
+        max_games: int,
+    ) -> None:
+        """Register the scrape-time gauges (once, when the daemon's parts exist)."""
+        self.registry.register(_StateCollector(hosts_by_game, stale, connections, max_games))
+
+    def observe_registry_op(self, op: str, seconds: float, failed: bool) -> None:
+        """The Redis registry's OpObserver."""
+        label = op if op in REGISTRY_OPS else "other"
+        self.registry_latency.labels(label).observe(seconds)
+        if failed:
+            self.registry_errors.labels(label).inc()
+
+    def observe_http(self, path: str, code: int) -> None:
+        self.http_requests.labels(path if path in HTTP_PATHS else "other", str(code)).inc()

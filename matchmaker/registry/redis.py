@@ -1,0 +1,770 @@
+"""The shared registry: several matchmaker replicas over one Redis.
+
+Theory of operation
+-------------------
+**Storage.**  All keys share one prefix (default ``{mm}:``; the braces are a
+Redis Cluster hash tag, so every key lands in one slot):
+
+==================  ======  =====================================================
+key                 type    content
+==================  ======  =====================================================
+``h:<addr>``        hash    ``info`` (msgpack HostInfo), ``owner``, ``token``, ``reg``
+``seen``            zset    addr -> last seen, ms of Redis ``TIME``
+``ip:<ip>``         set     addrs registered from one IP (the per-IP cap)
+``events``          stream  every change, in commit order (``MAXLEN ~``)
+``sweep``/``grace`` string  last expiry sweep, and end of a post-outage grace period
+``notice:<id>``     pubsub  payloads for hosts connected to replica ``<id>``
+==================  ======  =====================================================
+
+Every write is one Lua script that reads ``TIME`` inside Redis, changes the
+keys and appends the change to ``events`` atomically, so the stream order *is*
+the commit order and replica clocks never matter.
+
+**Reads.**  Each replica keeps a `LocalIndex`, loaded once at start (and after
+every reconnection) and then fed by ``XREAD BLOCK`` on the stream.  List
+queries read only the index: no Redis round trip, no SCAN per request.  A
+replica's own writes are applied to its index at once (read-your-writes);
+`_ahead` remembers the stream id of each such write so that older events
+still in flight on the stream cannot roll the entry back.
+
+**Time.**  Scripts return Redis ``TIME``; the replica keeps the offset from
+its monotonic clock, so `now()` estimates Redis time between calls.  Hiding
+(``hide_after``) is evaluated locally against that estimate; expiry runs in
+Redis (``expire`` script, run by every replica about once a second, idempotent).
+
+**Outage.**  When a Redis call fails the registry turns *stale*: `now()` freezes
+at the last known Redis time (so nobody gets hidden for silence that is our
+fault), queries keep answering from the index, writes by this replica's own
+hosts are applied to the index and remembered (`_owned`, `_pending_removals`),
+and `expire()` does nothing.  A background task retries; on success it reloads
+the index, re-asserts every host this replica still owns (same token, unless
+the address was re-registered elsewhere meanwhile) and replays removals.
+
+**No mass expiry.**  If Redis itself was down (or every replica was), the
+hosts' ``seen`` scores are old when it returns.  The expiry script notices
+that no sweep ran for ``sweep_gap`` seconds and opens a grace period of
+``expire_after`` during which nothing expires: enough for every replica to
+reconnect and re-assert its hosts.  A single replica cut off while the others
+still sweep loses its hosts from the *shared* list after ``expire_after``
+(they look dead from outside) and puts them back when it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from matchmaker.addresses import Address, parse_key
+from matchmaker.messages import HostInfo, MessageError, Register, decode, encode
+from matchmaker.registry.base import (
+    Change,
+    ChangeKind,
+    HostRecord,
+    LocalIndex,
+    Notice,
+    NotRegistered,
+    Registry,
+    RegistryUnavailable,
+    RemovalReason,
+    TooManyHosts,
+    new_token,
+)
+
+log = structlog.get_logger("matchmaker.registry.redis")
+
+OpObserver = Callable[[str, float, bool], None]
+"""Called as (operation, seconds, failed) after every Redis operation."""
+
+StreamId = tuple[int, int]
+
+# Connection-level failures turn the registry stale; anything else is a bug
+# or a misconfiguration and propagates.
+_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, asyncio.TimeoutError)
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: h, seen, ip, events.  ARGV: addr, info, owner, token, max_per_ip, maxlen, mode.
+# mode "new": a fresh registration.  mode "reassert": put back a registration
+# this replica still holds after an outage, unless the address now belongs to
+# a newer registration.
+_UPSERT = (
+    _NOW
+    + """
+local cur = redis.call('HGET', KEYS[1], 'token')
+if ARGV[7] == 'reassert' and cur and cur ~= ARGV[4] then return {2, now, ''} end
+if not cur and redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, ''} end
+redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now)
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1])
+local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'op', 'upsert',
+  'addr', ARGV[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now, 'seen', now)
+return {1, now, id}
+"""
+)
+
+# KEYS: h, seen, events.  ARGV: addr, token, info, maxlen.
+_UPDATE = (
+    _NOW
+    + """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[2] then return {0, now, '', '', 0} end
+redis.call('HSET', KEYS[1], 'info', ARGV[3])
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+local h = redis.call('HMGET', KEYS[1], 'owner', 'reg')
+local id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'op', 'upsert',
+  'addr', ARGV[1], 'info', ARGV[3], 'owner', h[1], 'token', ARGV[2], 'reg', h[2], 'seen', now)
+return {1, now, id, h[1], tonumber(h[2])}
+"""
+)
+
+# KEYS: seen, events.  ARGV: maxlen, addr...
+_TOUCH = (
+    _NOW
+    + """
+local touched, missing = {}, {}
+for i = 2, #ARGV do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], now, ARGV[i])
+    touched[#touched + 1] = ARGV[i]
+  else
+    missing[#missing + 1] = ARGV[i]
+  end
+end
+if #touched > 0 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'op', 'touch',
+    'addrs', table.concat(touched, ' '), 'seen', now)
+end
+return {now, missing}
+"""
+)
+
+_REMOVE_ONE = """
+local function remove_one(prefix, seen, events, maxlen, addr, reason, token)
+  local hk = prefix .. 'h:' .. addr
+  local cur = redis.call('HGET', hk, 'token')
+  if not cur or (token ~= '' and cur ~= token) then return false end
+  local ip = string.match(addr, '^%[(.*)%]:%d+$') or string.match(addr, '^(.*):%d+$')
+  local h = redis.call('HMGET', hk, 'info', 'owner', 'reg')
+  local last = redis.call('ZSCORE', seen, addr) or '0'
+  redis.call('DEL', hk)
+  redis.call('ZREM', seen, addr)
+  redis.call('SREM', prefix .. 'ip:' .. ip, addr)
+  local id = redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 'op', 'remove',
+    'addr', addr, 'reason', reason, 'token', cur)
+  return {id, h[1], h[2], cur, h[3], last}
+end
+"""
+
+# KEYS: seen, events.  ARGV: prefix, maxlen, addr, reason, token ('' = any).
+_REMOVE = (
+    _NOW
+    + _REMOVE_ONE
+    + """
+local gone = remove_one(ARGV[1], KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+if gone then return {1, now, gone[1]} end
+return {0, now, ''}
+"""
+)
+
+# KEYS: seen, events, sweep, grace.  ARGV: prefix, maxlen, expire_ms, gap_ms, batch.
+_EXPIRE = (
+    _NOW
+    + _REMOVE_ONE
+    + """
+local last = tonumber(redis.call('GET', KEYS[3]) or '0')
+redis.call('SET', KEYS[3], now)
+if now - last > tonumber(ARGV[4]) then
+  redis.call('SET', KEYS[4], now + tonumber(ARGV[3]))
+  return {now, {}, 1}
+end
+if now < tonumber(redis.call('GET', KEYS[4]) or '0') then return {now, {}, 1} end
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[3]),
+  'LIMIT', 0, tonumber(ARGV[5]))
+local out = {}
+for _, addr in ipairs(dead) do
+  local gone = remove_one(ARGV[1], KEYS[1], KEYS[2], ARGV[2], addr, 'expired', '')
+  if gone then
+    out[#out + 1] = addr
+    for _, v in ipairs(gone) do out[#out + 1] = v end
+  end
+end
+return {now, out, 0}
+"""
+)
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{new_token()[:6]}"
+
+
+def _sid(raw: bytes | str) -> StreamId:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _pack_info(info: HostInfo) -> bytes:
+    # The wire encoding of a Register message is the one validated schema we
+    # have; storing it means a record read back is re-validated like input.
+    return encode(Register(host=info))
+
+
+def _unpack_info(blob: bytes) -> HostInfo:
+    msg = decode(blob)
+    if not isinstance(msg, Register):
+        raise ValueError("stored info is not a Register message")
+    return msg.host
+
+
+class RedisRegistry(Registry):
+    def __init__(
+        self,
+        url: str,
+        *,
+        hide_after: float = 15.0,
+        expire_after: float = 30.0,
+        replica_id: str | None = None,
+        prefix: str = "{mm}:",
+        clock: Callable[[], float] = time.monotonic,
+        op_timeout: float = 2.0,
+        retry_interval: float = 1.0,
+        sweep_gap: float | None = None,
+        stream_maxlen: int = 100_000,
+        observer: OpObserver | None = None,
+    ) -> None:
+        super().__init__(
+            replica_id=replica_id or default_replica_id(),
+            hide_after=hide_after,
+            expire_after=expire_after,
+        )
+        self.url = url
+        self._p = prefix
+        self._clock = clock
+        self._retry_interval = retry_interval
+        # A sweep gap longer than this means nobody could sweep: open a grace period.
+        self._sweep_gap = sweep_gap if sweep_gap is not None else max(expire_after / 3, 2.0)
+        self._maxlen = stream_maxlen
+        self._observer = observer
+        self._redis: aioredis.Redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=op_timeout,
+            socket_connect_timeout=op_timeout,
+            decode_responses=False,
+            # One immediate retry on a fresh connection: after Redis restarts,
+            # every pooled socket is dead once.  More retries would only delay
+            # noticing a real outage (each costs up to op_timeout).
+            retry=Retry(NoBackoff(), 1),
+        )
+        self._scripts = {
+            name: self._redis.register_script(src)
+            for name, src in (
+                ("upsert", _UPSERT),
+                ("update", _UPDATE),
+                ("touch", _TOUCH),
+                ("remove", _REMOVE),
+                ("expire", _EXPIRE),
+            )
+        }
+        self._index = LocalIndex()
+        self._owned: dict[Address, HostRecord] = {}
+        self._pending_removals: dict[Address, str] = {}
+        self._ahead: dict[Address, StreamId] = {}
+        self._offset = 0.0
+        self._frozen_now: float | None = 0.0  # stale until the first sync
+        self._synced = asyncio.Event()
+        self._went_stale = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_id = "0-0"
+        self._loaded_once = False
+        self._closing = False
+        self._grace_until = 0.0
+        self._block_ms = max(1, min(1000, int(op_timeout * 500)))
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def stale(self) -> bool:
+        return self._frozen_now is not None
+
+    @property
+    def ready(self) -> bool:
+        # Stale but loaded still serves its last known list; never loaded has nothing.
+        return self._loaded_once
+
+    def now(self) -> float:
+        if self._frozen_now is not None:
+            return self._frozen_now
+        return self._clock() + self._offset
+
+    def index(self) -> LocalIndex:
+        return self._index
+
+    def is_visible(self, record: HostRecord, now: float) -> bool:
+        # During a post-outage grace period silence is not the hosts' fault.
+        return now < self._grace_until or super().is_visible(record, now)
+
+    def owned(self) -> list[HostRecord]:
+        """Registrations this replica holds (and re-asserts after an outage)."""
+        return list(self._owned.values())
+
+    async def wait_synced(self) -> None:
+        await self._synced.wait()
+
+    async def wait_stale(self) -> None:
+        await self._went_stale.wait()
+
+    def _set_redis_now(self, now_ms: int) -> None:
+        self._offset = now_ms / 1000.0 - self._clock()
+
+    def _mark_stale(self, exc: BaseException) -> None:
+        if self._frozen_now is None:
+            self._frozen_now = self._clock() + self._offset
+            log.warning("registry_stale", error=type(exc).__name__, detail=str(exc)[:200])
+        self._synced.clear()
+        self._went_stale.set()
+
+    def _mark_fresh(self) -> None:
+        if self._frozen_now is not None and self._loaded_once:
+            log.info("registry_resynced", hosts=len(self._index))
+        self._frozen_now = None
+        self._loaded_once = True
+        self._went_stale.clear()
+        self._synced.set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start syncing in the background; returns at once (stale until loaded)."""
+        self._tasks = [
+            asyncio.create_task(self._sync_loop(), name="registry-sync"),
+            asyncio.create_task(self._notice_loop(), name="registry-notices"),
+        ]
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        # redis-py can hold a cancelled blocking read until its socket closes;
+        # dropping the pool's connections ends such reads at once.
+        await self._redis.connection_pool.disconnect()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self._redis.aclose()
+        await super().close()
+
+    # ------------------------------------------------------------------ redis calls
+
+    async def _op(self, name: str, call: Awaitable[Any]) -> Any:
+        """Run one Redis call, timing it; connection failures turn us stale."""
+        start = self._clock()
+        try:
+            result = await call
+        except _DOWN as exc:
+            self._observe(name, start, failed=True)
+            self._mark_stale(exc)
+            raise RegistryUnavailable(name) from exc
+        except RedisError:
+            self._observe(name, start, failed=True)
+            raise
+        self._observe(name, start, failed=False)
+        return result
+
+    def _observe(self, name: str, start: float, *, failed: bool) -> None:
+        if self._observer is not None:
+            self._observer(name, self._clock() - start, failed)
+
+    async def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return await self._op(name, self._scripts[name](keys=keys, args=args))
+
+    def _k(self, *parts: str) -> str:
+        return self._p + ":".join(parts)
+
+    # ------------------------------------------------------------------ writes
+
+    async def upsert(self, address: Address, info: HostInfo, *, max_per_ip: int) -> HostRecord:
+        token = new_token()
+        if self.stale:
+            return self._upsert_local(address, info, token, max_per_ip)
+        try:
+            rec, _ = await self._upsert_remote(address, info, token, max_per_ip, "new")
+        except RegistryUnavailable:
+            return self._upsert_local(address, info, token, max_per_ip)
+        if rec is None:
+            raise TooManyHosts(address.ip)
+        return rec
+
+    async def _upsert_remote(
+        self, address: Address, info: HostInfo, token: str, max_per_ip: int, mode: str
+    ) -> tuple[HostRecord | None, int]:
+        keys = [self._k("h", address.key), self._k("seen"), self._k("ip", address.ip)]
+        keys.append(self._k("events"))
+        args = [address.key, _pack_info(info), self.replica_id, token, max_per_ip, self._maxlen]
+        status, now_ms, sid = await self._script("upsert", keys, [*args, mode])
+        self._set_redis_now(now_ms)
+        if status != 1:
+            return None, status
+        now = now_ms / 1000.0
+        rec = HostRecord(
+            address=address,
+            info=info,
+            owner=self.replica_id,
+            token=token,
+            registered_at=now,
+            last_seen=now,
+        )
+        self._apply_own(rec, _sid(sid))
+        return rec, status
+
+    def _upsert_local(
+        self, address: Address, info: HostInfo, token: str, max_per_ip: int
+    ) -> HostRecord:
+        if self._index.get(address) is None and self._index.ip_count(address.ip) >= max_per_ip:
+            raise TooManyHosts(address.ip)
+        now = self.now()
+        rec = HostRecord(
+            address=address,
+            info=info,
+            owner=self.replica_id,
+            token=token,
+            registered_at=now,
+            last_seen=now,
+        )
+        self._apply_own(rec, None)
+        return rec
+
+    def _apply_own(self, rec: HostRecord, sid: StreamId | None) -> None:
+        # The follower may have applied this very write from the stream while
+        # the script's reply was on its way: then there is nothing new to tell.
+        known = self._index.put(rec) == rec
+        self._owned[rec.address] = rec
+        self._pending_removals.pop(rec.address, None)
+        if sid is not None and self._last_id_tuple() < sid:
+            self._ahead[rec.address] = sid
+        if not known:
+            self._publish(Change(kind=ChangeKind.UPSERT, address=rec.address, record=rec))
+
+    def _last_id_tuple(self) -> StreamId:
+        return _sid(self._last_id)
+
+    async def update(self, address: Address, token: str, info: HostInfo) -> HostRecord:
+        cur = self._index.get(address)
+        if cur is None or cur.token != token:
+            raise NotRegistered(str(address))
+        if not self.stale:
+            keys = [self._k("h", address.key), self._k("seen"), self._k("events")]
+            args = [address.key, token, _pack_info(info), self._maxlen]
+            try:
+                ok, now_ms, sid, _owner, _reg = await self._script("update", keys, args)
+            except RegistryUnavailable:
+                pass
+            else:
+                self._set_redis_now(now_ms)
+                if not ok:
+                    raise NotRegistered(str(address))
+                rec = _replace(cur, info=info, last_seen=now_ms / 1000.0)
+                self._apply_own(rec, _sid(sid))
+                return rec
+        rec = _replace(cur, info=info, last_seen=self.now())
+        self._apply_own(rec, None)
+        return rec
+
+    async def touch(self, addresses: Collection[Address]) -> set[Address]:
+        if not addresses:
+            return set()
+        if not self.stale:
+            with contextlib.suppress(RegistryUnavailable):
+                return await self._touch_remote(addresses)
+        now = self.now()
+        return {a for a in addresses if not self._index.touch(a, now)}
+
+    async def _touch_remote(self, addresses: Collection[Address]) -> set[Address]:
+        args: list[Any] = [self._maxlen, *(a.key for a in addresses)]
+        now_ms, missing = await self._script("touch", [self._k("seen"), self._k("events")], args)
+        self._set_redis_now(now_ms)
+        gone = {parse_key(m.decode()) for m in missing}
+        for a in addresses:
+            if a not in gone:
+                self._index.touch(a, now_ms / 1000.0)
+        return gone
+
+    async def remove(
+        self, address: Address, reason: RemovalReason, *, token: str | None = None
+    ) -> bool:
+        cur = self._index.get(address)
+        if not self.stale:
+            keys = [self._k("seen"), self._k("events")]
+            args = [self._p, self._maxlen, address.key, reason.value, token or ""]
+            try:
+                ok, now_ms, sid = await self._script("remove", keys, args)
+            except RegistryUnavailable:
+                pass
+            else:
+                self._set_redis_now(now_ms)
+                if ok:
+                    self._remove_local(address, reason, _sid(sid))
+                return bool(ok)
+        if cur is None or (token is not None and cur.token != token):
+            return False
+        self._pending_removals[address] = cur.token
+        self._remove_local(address, reason, None)
+        return True
+
+    def _remove_local(self, address: Address, reason: RemovalReason, sid: StreamId | None) -> None:
+        self._owned.pop(address, None)
+        if sid is not None and self._last_id_tuple() < sid:
+            self._ahead[address] = sid
+        if self._index.pop(address) is not None:
+            self._publish(Change(kind=ChangeKind.REMOVE, address=address, reason=reason))
+
+    async def expire(self) -> list[HostRecord]:
+        if self.stale:
+            return []  # never expire on a clock we cannot see
+        keys = [self._k("seen"), self._k("events"), self._k("sweep"), self._k("grace")]
+        args = [self._p, self._maxlen, int(self.expire_after * 1000)]
+        args += [int(self._sweep_gap * 1000), 1000]
+        try:
+            now_ms, dead, grace = await self._script("expire", keys, args)
+        except RegistryUnavailable:
+            return []
+        self._set_redis_now(now_ms)
+        if grace and self._grace_until < now_ms / 1000.0:
+            self._grace_until = now_ms / 1000.0 + self.expire_after
+            log.info("expiry_grace", seconds=self.expire_after)
+        # Records come from the script, not the index: the follower may
+        # already have applied these removals.
+        out: list[HostRecord] = []
+        for i in range(0, len(dead), 7):
+            key, sid, info, owner, token, reg, seen = dead[i : i + 7]
+            row = {b"info": info, b"owner": owner, b"token": token, b"reg": reg}
+            rec = _record(key.decode(), row, float(seen) / 1000.0)
+            if rec is not None:
+                out.append(rec)
+                self._remove_local(rec.address, RemovalReason.EXPIRED, _sid(sid))
+        return out
+
+    # ------------------------------------------------------------------ notices
+
+    async def deliver(self, owner: str, notice: Notice) -> None:
+        if owner == self.replica_id:
+            self._receive_notice(notice)
+            return
+        payload = msgpack.packb([notice.target.key, notice.payload], use_bin_type=True)
+        await self._op("publish", self._redis.publish(self._k("notice", owner), payload))
+
+    async def _notice_loop(self) -> None:
+        channel = self._k("notice", self.replica_id)
+        up = True
+        while not self._closing:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                up = True
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None:
+                        self._on_notice(msg.get("data"))
+            except _DOWN as exc:
+                if up:  # once per outage, not once per retry
+                    log.info("notice_channel_down", error=type(exc).__name__)
+                up = False
+                await asyncio.sleep(self._retry_interval)
+            finally:
+                with contextlib.suppress(*_DOWN, RedisError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _on_notice(self, data: object) -> None:
+        try:
+            key, payload = msgpack.unpackb(data, raw=False)  # type: ignore[arg-type]
+            self._receive_notice(Notice(parse_key(key), payload))
+        except Exception as exc:  # another replica's bug must not kill the loop
+            log.warning("bad_notice", error=type(exc).__name__)
+
+    # ------------------------------------------------------------------ sync
+
+    async def _sync_loop(self) -> None:
+        while not self._closing:
+            try:
+                await self._resync()
+                self._mark_fresh()
+                await self._follow()
+            except (RegistryUnavailable, *_DOWN) as exc:
+                self._mark_stale(exc)
+                await asyncio.sleep(self._retry_interval)
+
+    async def _resync(self) -> None:
+        """Reload the index, then replay removals and re-assert what we own.
+
+        The stream position is read *before* the load, so every change made
+        during the load is also replayed afterwards; replaying an upsert,
+        remove or touch over a state that already has it changes nothing.
+        Hosts may register or leave on this replica while this runs (the
+        registry is still stale), hence the loop until nothing is left to do.
+        """
+        last = await self._op("xrevrange", self._redis.xrevrange(self._k("events"), count=1))
+        self._last_id = last[0][0].decode() if last else "0-0"
+        fresh = await self._load()
+        self._index = fresh
+        self._ahead.clear()
+        done: set[Address] = set()
+        while True:
+            removals = dict(self._pending_removals)
+            todo = {a: r for a, r in self._owned.items() if a not in done}
+            if not removals and not todo:
+                return
+            for address, token in removals.items():
+                await self._replay_removal(address, token)
+            await self._reassert(todo, fresh)
+            done.update(todo)
+
+    async def _replay_removal(self, address: Address, token: str) -> None:
+        keys = [self._k("seen"), self._k("events")]
+        args = [self._p, self._maxlen, address.key, RemovalReason.DISCONNECTED.value, token]
+        await self._script("remove", keys, args)
+        if self._pending_removals.get(address) == token:
+            del self._pending_removals[address]
+        there = self._index.get(address)
+        if there is not None and there.token == token:
+            self._index.pop(address)
+
+    async def _load(self) -> LocalIndex:
+        seen = await self._op("zrange", self._redis.zrange(self._k("seen"), 0, -1, withscores=True))
+        fresh = LocalIndex()
+        batch = 500
+        for i in range(0, len(seen), batch):
+            chunk = seen[i : i + batch]
+            pipe = self._redis.pipeline(transaction=False)
+            for member, _score in chunk:
+                pipe.hgetall(self._k("h", member.decode()))
+            rows = await self._op("load", pipe.execute())
+            for (member, score), row in zip(chunk, rows, strict=True):
+                rec = _record(member.decode(), row, score / 1000.0)
+                if rec is not None:
+                    fresh.put(rec)
+        await self._load_clock()
+        return fresh
+
+    async def _load_clock(self) -> None:
+        """Redis time, and whether expiry is (or is about to be) in a grace period."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.get(self._k("sweep"))
+        pipe.get(self._k("grace"))
+        t, sweep, grace = await self._op("time", pipe.execute())
+        now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
+        self._set_redis_now(now_ms)
+        grace_ms = int(grace or 0)
+        if now_ms - int(sweep or 0) > self._sweep_gap * 1000:
+            # Nobody swept for a while: the next sweep opens a grace period.
+            grace_ms = max(grace_ms, now_ms + int(self.expire_after * 1000))
+        self._grace_until = grace_ms / 1000.0
+
+    async def _reassert(self, todo: dict[Address, HostRecord], fresh: LocalIndex) -> None:
+        still_ours: list[Address] = []
+        for address, rec in todo.items():
+            there = fresh.get(address)
+            if there is not None and there.token == rec.token:
+                still_ours.append(address)
+                continue
+            # 10**6: the host was accepted under the cap once; do not evict it
+            # because others registered from its IP while we were away.
+            got, status = await self._upsert_remote(address, rec.info, rec.token, 10**6, "reassert")
+            if got is None:
+                log.info("reassert_lost", host=address.key, status=status)
+                self._owned.pop(address, None)
+        if still_ours:
+            await self._touch_remote(still_ours)
+
+    async def _follow(self) -> None:
+        stream = self._k("events")
+        while not self._closing:
+            if self.stale:
+                # Another operation failed meanwhile: what we have may have
+                # missed writes (ours went local only), so start over.
+                raise RegistryUnavailable("resync")
+            resp = await self._op(
+                "xread",
+                self._redis.xread({stream: self._last_id}, count=1000, block=self._block_ms),
+            )
+            for _name, entries in resp or ():
+                for sid, fields in entries:
+                    self._last_id = sid.decode()
+                    self._apply_event(_sid(sid), fields)
+
+    def _apply_event(self, sid: StreamId, fields: dict[bytes, bytes]) -> None:
+        op = fields.get(b"op")
+        if op == b"touch":
+            seen = int(fields[b"seen"]) / 1000.0
+            for key in fields[b"addrs"].decode().split():
+                self._index.touch(parse_key(key), seen)
+            return
+        address = parse_key(fields[b"addr"].decode())
+        mine = self._ahead.get(address)
+        if mine is not None:
+            if sid == mine:
+                del self._ahead[address]
+            if sid <= mine:
+                return  # our own write (or an older one): already applied locally
+            del self._ahead[address]
+        if op == b"upsert":
+            self._apply_upsert_event(address, fields)
+        elif op == b"remove":
+            owned = self._owned.get(address)
+            if owned is not None and owned.token == fields.get(b"token", b"").decode():
+                self._owned.pop(address)
+            reason = RemovalReason(fields[b"reason"].decode())
+            if self._index.pop(address) is not None:
+                self._publish(Change(kind=ChangeKind.REMOVE, address=address, reason=reason))
+
+    def _apply_upsert_event(self, address: Address, fields: dict[bytes, bytes]) -> None:
+        row = {k: v for k, v in fields.items() if k in (b"info", b"owner", b"token", b"reg")}
+        rec = _record(address.key, row, int(fields[b"seen"]) / 1000.0)
+        if rec is None:
+            return
+        owned = self._owned.get(address)
+        if owned is not None and owned.token != rec.token:
+            self._owned.pop(address)  # re-registered elsewhere: not ours any more
+        self._index.put(rec)
+        self._publish(Change(kind=ChangeKind.UPSERT, address=address, record=rec))
+
+
+def _record(key: str, row: dict[bytes, bytes], seen: float) -> HostRecord | None:
+    """A HostRecord from a stored hash, or None if it is incomplete or invalid."""
+    try:
+        return HostRecord(
+            address=parse_key(key),
+            info=_unpack_info(row[b"info"]),
+            owner=row[b"owner"].decode(),
+            token=row[b"token"].decode(),
+            registered_at=int(row[b"reg"]) / 1000.0,
+            last_seen=seen,
+        )
+    except (KeyError, ValueError, MessageError) as exc:
+        log.warning("bad_record", host=key, error=type(exc).__name__)
+        return None
+
+
+def _replace(r: HostRecord, *, info: HostInfo, last_seen: float) -> HostRecord:
+    return HostRecord(
+        address=r.address,
+        info=info,
+        owner=r.owner,
+        token=r.token,
+        registered_at=r.registered_at,
+        last_seen=last_seen,
+    )

@@ -1,0 +1,165 @@
+"""Daemon lifecycle: `start()`, run until told to stop, bounded `shutdown()`.
+
+Start order: registry (it may need to load), then the rudp port, then HTTP,
+then the background loops (expiry sweeps, relayed notices).  Shutdown runs the
+other way round and is bounded by ``shutdown_timeout``: connections get a
+graceful close first; whatever is still running when the time is up is
+cancelled.  Signal handlers only set the stop event (see `run`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+import structlog
+
+import rudp
+from matchmaker.http import HttpApi, HttpServer, entry_json
+from matchmaker.messages import ListRequest, entry_fields
+from matchmaker.metrics import Metrics
+from matchmaker.ratelimit import RateLimiter
+from matchmaker.registry import MemoryRegistry, Registry
+from matchmaker.registry.redis import RedisRegistry
+from matchmaker.service import MatchmakerService
+from matchmaker.settings import Settings
+
+log = structlog.get_logger("matchmaker.server")
+
+
+def build_registry(settings: Settings, metrics: Metrics) -> Registry:
+    if settings.uses_redis:
+        return RedisRegistry(
+            settings.store,
+            hide_after=settings.hide_after,
+            expire_after=settings.expire_after,
+            replica_id=settings.replica_id or None,
+            prefix=settings.redis_prefix,
+            observer=metrics.observe_registry_op,
+        )
+    return MemoryRegistry(
+        hide_after=settings.hide_after,
+        expire_after=settings.expire_after,
+        replica_id=settings.replica_id or "local",
+    )
+
+
+class Matchmaker:
+    """The whole daemon: rudp port, HTTP port, registry and background loops."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        metrics: Metrics | None = None,
+        registry: Registry | None = None,
+        rudp_config: rudp.Config | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.registry = registry or build_registry(settings, self.metrics)
+        self.service = MatchmakerService(settings, self.registry, self.metrics, rng=rng)
+        # rudp's idle timeout ends a silent host's connection (and so removes
+        # it) no later than it would be hidden anyway.
+        self._rudp_config = rudp_config or rudp.Config(
+            idle_timeout=min(10.0, settings.hide_after), max_connections=settings.max_connections
+        )
+        self._udp: rudp.Server | None = None
+        self._http: HttpServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.metrics.bind_state(
+            hosts_by_game=self.registry.count_by_game,
+            stale=lambda: self.registry.stale,
+            connections=lambda: self.service.connections,
+            max_games=settings.metrics_max_games,
+        )
+
+    @property
+    def udp_address(self) -> tuple[str, int]:
+        assert self._udp is not None, "not started"
+        host, port = self._udp.address[:2]
+        return str(host), int(port)
+
+    @property
+    def http_address(self) -> tuple[str, int]:
+        assert self._http is not None, "not started"
+        return self._http.address
+
+    async def start(self) -> None:
+        s = self.settings
+        await self.registry.start()
+        self._udp = await rudp.serve(self.service.handle, s.bind, s.port, config=self._rudp_config)
+        self._udp.on_query = self.service.answer_query
+        api = HttpApi(
+            registry=self.registry,
+            metrics=self.metrics,
+            list_servers=self._servers_json,
+            limits=s.limits,
+            list_limiter=RateLimiter(s.list_bucket, max_keys=s.rate_limit_keys),
+            is_shutting_down=lambda: self.service.shutting_down,
+        )
+        self._http = HttpServer(
+            api, self.metrics, timeout=s.http_timeout, max_connections=s.http_max_connections
+        )
+        await self._http.start(s.http_bind, s.http_port)
+        self._spawn(self.service.run_sweeper(), "sweeper")
+        self._spawn(self.service.run_notices(), "notices")
+        log.info(
+            "matchmaker_started",
+            udp=f"{self.udp_address[0]}:{self.udp_address[1]}",
+            http=f"{self.http_address[0]}:{self.http_address[1]}",
+            store="redis" if s.uses_redis else "memory",
+        )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))
+
+    async def _servers_json(self, req: ListRequest) -> list[dict[str, Any]]:
+        pages = await self.service.build_pages(req)
+        return [entry_json(entry_fields(e)) for page in pages for e in page.hosts]
+
+    async def shutdown(self) -> None:
+        """Stop serving, bounded by ``shutdown_timeout``; safe to call twice."""
+        log.info("matchmaker_stopping")
+        try:
+            await asyncio.wait_for(self._close_gracefully(), self.settings.shutdown_timeout)
+        except TimeoutError:
+            log.warning("shutdown_timeout", seconds=self.settings.shutdown_timeout)
+        finally:
+            await self._close_now()
+        log.info("matchmaker_stopped")
+
+    async def _close_gracefully(self) -> None:
+        await self.service.close_all()
+        if self._udp is not None:
+            await self._udp.close()
+
+    async def _close_now(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._http is not None:
+            await self._http.close()
+        if self._udp is not None:
+            self._udp.endpoint.close_now()  # no-op after a graceful close
+        await self.registry.close()
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Start, wait for SIGTERM/SIGINT (or `stop`), shut down."""
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # Handlers only set the flag; the shutdown itself runs here.
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await self.start()
+            await stop.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await self.shutdown()

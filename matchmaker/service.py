@@ -1,0 +1,517 @@
+"""The matchmaker service: rudp connections in, registry operations and replies out.
+
+Theory of operation
+-------------------
+`MatchmakerService.handle` is the rudp ``serve`` handler: it runs once per
+accepted connection, reads messages until the connection ends, and answers
+each one.  The transport is anything shaped like `Peer` (a `rudp.Connection`
+is one; the tests use an in-memory fake), so this module never touches a
+socket.
+
+Per message: decode and validate (`messages.decode_request`; a bad message
+gets an `Error` with the reason code, a foreign protocol version gets
+`WrongVersion`), apply the per-source rate limit, then one handler per type.
+A host is keyed by the connection's *observed* address, so a host can only
+register itself, and a restarted host replaces its own old entry.
+
+Liveness: a registered host sends `Heartbeat` every ``keepalive`` seconds.
+Heartbeats are batched and written to the registry once per sweep (one
+registry call per second, not one per host); a host the registry no longer
+knows gets ``not_registered`` back and re-registers.  When a host's
+connection ends its entry is removed at once, naming the registration token
+so an old connection cannot remove a newer registration.  On shutdown the
+entries are left to expire instead: their hosts reconnect to another replica
+and re-register, and lists do not flicker meanwhile.
+
+List answers are cut into pages (`listing.paginate`, then by encoded size) and
+sent by a task of their own with at most ``pages_in_flight`` unacknowledged
+pages, so a long list neither blocks the connection's other requests nor
+floods a slow client.
+
+Introductions: the client and the host each get an `Introduction` with the
+other's public address, the LAN address too when both share a public IP, and
+the same random nonce.  When the host's connection lives on another replica
+the registry relays the payload (`Registry.deliver`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import structlog
+
+from matchmaker import __version__
+from matchmaker.addresses import (
+    Address,
+    from_sockaddr,
+    non_public_reason,
+    rate_key,
+    same_public_ip,
+)
+from matchmaker.listing import paginate, shuffled, split_by_size
+from matchmaker.messages import (
+    DEFAULT_LIMITS,
+    NONCE_BYTES,
+    Error,
+    ErrorReason,
+    Heartbeat,
+    HostEntry,
+    InfoReply,
+    InfoRequest,
+    Introduce,
+    Introduction,
+    ListPage,
+    ListRequest,
+    Message,
+    MessageError,
+    Ok,
+    Register,
+    Registered,
+    Request,
+    Role,
+    Unregister,
+    Update,
+    WrongVersion,
+    WrongVersionError,
+    decode_request,
+    encode,
+    entry_fields,
+)
+from matchmaker.metrics import Metrics
+from matchmaker.ratelimit import RateLimiter
+from matchmaker.registry import (
+    HostRecord,
+    Notice,
+    NotRegistered,
+    Registry,
+    RegistryUnavailable,
+    RemovalReason,
+    TooManyHosts,
+)
+from matchmaker.settings import Settings
+from matchmaker.transport import TRANSPORT_ERRORS, Peer
+
+log = structlog.get_logger("matchmaker.service")
+
+SOFTWARE = f"matchmaker/{__version__}"
+_LIST_ABANDONED: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, asyncio.CancelledError)
+# msgpack overhead of a page around its entries (envelope, seq, total, end).
+_PAGE_OVERHEAD = 48
+
+
+@dataclass(eq=False)
+class _Session:
+    """One connection's state."""
+
+    peer: Peer
+    address: Address
+    record: HostRecord | None = None
+    """The registration made over this connection, if any."""
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+class MatchmakerService:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        metrics: Metrics,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        nonce: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.metrics = metrics
+        self._limits = settings.limits
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._nonce = nonce
+        keys = settings.rate_limit_keys
+        self._register_limit = RateLimiter(settings.register_bucket, max_keys=keys, clock=clock)
+        self._list_limit = RateLimiter(settings.list_bucket, max_keys=keys, clock=clock)
+        self._introduce_limit = RateLimiter(settings.introduce_bucket, max_keys=keys, clock=clock)
+        self._sessions: dict[Address, _Session] = {}
+        self._heartbeats: set[_Session] = set()
+        self._ids = itertools.count(1)
+        self.shutting_down = False
+
+    @property
+    def connections(self) -> int:
+        return len(self._sessions)
+
+    # ------------------------------------------------------------------ connections
+
+    async def handle(self, peer: Peer) -> None:
+        """Serve one connection until it ends (the rudp ``serve`` handler)."""
+        address = from_sockaddr(peer.remote_address)
+        session = _Session(peer=peer, address=address)
+        previous = self._sessions.get(address)
+        self._sessions[address] = session
+        with structlog.contextvars.bound_contextvars(peer=address.key, conn=next(self._ids)):
+            log.debug("connection_opened", replaced=previous is not None)
+            try:
+                async for received in peer:
+                    await self._on_data(session, received.data)
+            finally:
+                await self._end(session)
+
+    async def _end(self, session: _Session) -> None:
+        for task in session.tasks:
+            task.cancel()
+        self._heartbeats.discard(session)
+        if self._sessions.get(session.address) is session:
+            del self._sessions[session.address]
+        record, session.record = session.record, None
+        if record is not None and not self.shutting_down:
+            await self._remove(record, RemovalReason.DISCONNECTED)
+        log.debug("connection_closed")
+
+    async def _remove(self, record: HostRecord, reason: RemovalReason) -> None:
+        try:
+            removed = await self.registry.remove(record.address, reason, token=record.token)
+        except RegistryUnavailable:
+            return  # the entry expires on its own
+        if removed:
+            self.metrics.removals.labels(reason.value).inc()
+            log.info("host_removed", host=record.address.key, game=record.info.game, reason=reason)
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def _on_data(self, session: _Session, data: bytes) -> None:
+        try:
+            request = decode_request(data, self._limits)
+        except WrongVersionError as exc:
+            self._drop(exc, data)
+            self._send(session, WrongVersion(request_id=exc.request_id))
+            return
+        except MessageError as exc:
+            self._drop(exc, data)
+            self._send(session, _error(exc))
+            return
+        try:
+            await self._dispatch(session, request)
+        except MessageError as exc:
+            self._drop(exc, data)
+            self._send(session, _error(exc))
+        # A bug in a handler must cost one request, not the connection or the daemon.
+        except Exception:
+            log.exception("request_failed", type=type(request).__name__)
+            reply = Error(request_id=request.request_id, reason=ErrorReason.INTERNAL)
+            self._send(session, reply)
+
+    def _drop(self, exc: MessageError, data: bytes) -> None:
+        self.metrics.dropped.labels(exc.reason.value).inc()
+        # Rate-limited requests come in floods: the counter is enough at info level.
+        level = log.debug if exc.reason is ErrorReason.RATE_LIMITED else log.info
+        level("request_rejected", reason=exc.reason, detail=exc.detail, size=len(data))
+
+    async def _dispatch(self, session: _Session, request: Request) -> None:
+        match request:
+            case Register():
+                await self._register(session, request)
+            case Update():
+                await self._update(session, request)
+            case Unregister():
+                await self._unregister(session, request)
+            case Heartbeat():
+                self._heartbeat(session, request)
+            case ListRequest():
+                self._list(session, request)
+            case InfoRequest():
+                self._send(session, self.info_reply(request.request_id))
+            case Introduce():
+                await self._introduce(session, request)
+
+    def _send(self, session: _Session, msg: Message) -> Awaitable[None] | None:
+        """Queue `msg`; None (and the connection closed) if the transport refused it."""
+        try:
+            return session.peer.send(encode(msg))
+        # Queue full or connection over: this connection cannot be served any more.
+        except TRANSPORT_ERRORS as exc:
+            self.metrics.dropped.labels("send_failed").inc()
+            log.info("send_failed", error=type(exc).__name__)
+            self._spawn(session, session.peer.close(reason="send failed"))
+            return None
+
+    def _spawn(self, session: _Session, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except Exception:  # a background reply must not fail silently
+                log.exception("background_reply_failed")
+
+        task = asyncio.create_task(run())
+        session.tasks.add(task)
+        task.add_done_callback(session.tasks.discard)
+
+    def _rate_limited(self, limiter: RateLimiter, kind: str, session: _Session) -> bool:
+        if limiter.allow(rate_key(session.address.ip)):
+            return False
+        self.metrics.rate_limited.labels(kind).inc()
+        return True
+
+    # ------------------------------------------------------------------ hosts
+
+    async def _register(self, session: _Session, req: Register) -> None:
+        rid = req.request_id
+        if self._rate_limited(self._register_limit, "register", session):
+            self.metrics.registrations.labels("rate_limited").inc()
+            raise MessageError(ErrorReason.RATE_LIMITED, "registrations", request_id=rid)
+        why = None if self.settings.allow_private else non_public_reason(session.address.ip)
+        if why is not None:
+            self.metrics.registrations.labels("rejected").inc()
+            raise MessageError(ErrorReason.FORBIDDEN_ADDRESS, why, request_id=rid)
+        replacing = self.registry.get(session.address) is not None
+        try:
+            record = await self.registry.upsert(
+                session.address, req.host, max_per_ip=self.settings.max_hosts_per_ip
+            )
+        except TooManyHosts:
+            self.metrics.registrations.labels("rejected").inc()
+            raise MessageError(ErrorReason.TOO_MANY_HOSTS, request_id=rid) from None
+        except RegistryUnavailable:
+            self.metrics.registrations.labels("unavailable").inc()
+            raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
+        session.record = record
+        result = "replaced" if replacing else "created"
+        self.metrics.registrations.labels(result).inc()
+        log.info("host_registered", host=record.address.key, game=req.host.game, result=result)
+        reply = Registered(
+            request_id=rid, address=session.address, keepalive=self.settings.keepalive
+        )
+        self._send(session, reply)
+
+    async def _update(self, session: _Session, req: Update) -> None:
+        rid = req.request_id
+        if self._rate_limited(self._register_limit, "register", session):
+            self.metrics.updates.labels("rate_limited").inc()
+            raise MessageError(ErrorReason.RATE_LIMITED, "updates", request_id=rid)
+        record = session.record
+        if record is None:
+            self.metrics.updates.labels("not_registered").inc()
+            raise MessageError(ErrorReason.NOT_REGISTERED, request_id=rid)
+        try:
+            info = req.changes.apply(record.info)
+        except MessageError as exc:
+            self.metrics.updates.labels("rejected").inc()
+            raise MessageError(exc.reason, exc.detail, request_id=rid) from None
+        try:
+            session.record = await self.registry.update(session.address, record.token, info)
+        except NotRegistered:
+            session.record = None
+            self.metrics.updates.labels("not_registered").inc()
+            raise MessageError(ErrorReason.NOT_REGISTERED, request_id=rid) from None
+        except RegistryUnavailable:
+            self.metrics.updates.labels("unavailable").inc()
+            raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
+        self.metrics.updates.labels("ok").inc()
+        self._send(session, Ok(request_id=rid))
+
+    async def _unregister(self, session: _Session, req: Unregister) -> None:
+        record, session.record = session.record, None
+        self._heartbeats.discard(session)
+        if record is not None:
+            await self._remove(record, RemovalReason.UNREGISTERED)
+        self._send(session, Ok(request_id=req.request_id))
+
+    def _heartbeat(self, session: _Session, req: Heartbeat) -> None:
+        if session.record is None:
+            raise MessageError(ErrorReason.NOT_REGISTERED, request_id=req.request_id)
+        self._heartbeats.add(session)
+
+    async def flush_heartbeats(self) -> None:
+        """Write the heartbeats received since the last flush; tell unknown hosts."""
+        batch, self._heartbeats = self._heartbeats, set()
+        live = {s.address: s for s in batch if s.record is not None}
+        if not live:
+            return
+        try:
+            missing = await self.registry.touch(list(live))
+        except RegistryUnavailable:
+            return
+        for address in missing:
+            session = live[address]
+            session.record = None
+            self._send(session, Error(reason=ErrorReason.NOT_REGISTERED, detail="expired"))
+
+    async def expire(self) -> None:
+        """One expiry sweep; local sessions of expired hosts forget their registration."""
+        try:
+            expired = await self.registry.expire()
+        except RegistryUnavailable:
+            return
+        for record in expired:
+            self.metrics.removals.labels(RemovalReason.EXPIRED.value).inc()
+            log.info("host_removed", host=record.address.key, reason=RemovalReason.EXPIRED)
+            session = self._sessions.get(record.address)
+            if session is not None and session.record and session.record.token == record.token:
+                session.record = None
+
+    async def run_sweeper(self) -> None:
+        """Flush heartbeats and expire hosts every ``sweep_interval`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval)
+            await self.flush_heartbeats()
+            await self.expire()
+
+    # ------------------------------------------------------------------ lists
+
+    def _list(self, session: _Session, req: ListRequest) -> None:
+        if self._rate_limited(self._list_limit, "list", session):
+            self.metrics.list_requests.labels("rate_limited").inc()
+            raise MessageError(ErrorReason.RATE_LIMITED, "lists", request_id=req.request_id)
+        self._spawn(session, self._send_list(session, req, self._clock()))
+
+    async def build_pages(self, req: ListRequest) -> list[ListPage]:
+        """The pages answering `req` (also what ``GET /servers`` uses, joined)."""
+        matched = await self.registry.query(req.filter)
+        limit = min(req.filter.limit, self._limits.list_limit)
+        chosen = shuffled(matched, self._rng, limit)
+        budget = self.settings.page_bytes - _PAGE_OVERHEAD
+        pages: list[list[HostRecord]] = []
+        for page in paginate(chosen, self.settings.page_hosts, self.settings.page_per_ip):
+            pages.extend(split_by_size(page, budget, _entry_size))
+        pages = pages or [[]]
+        return [
+            ListPage(
+                request_id=req.request_id,
+                seq=i,
+                total=len(chosen),
+                end=i == len(pages) - 1,
+                hosts=tuple(HostEntry(address=r.address, info=r.info) for r in page),
+            )
+            for i, page in enumerate(pages)
+        ]
+
+    async def _send_list(self, session: _Session, req: ListRequest, started: float) -> None:
+        pages = await self.build_pages(req)
+        window: list[Awaitable[None]] = []
+        try:
+            for page in pages:
+                if len(window) >= self.settings.pages_in_flight:
+                    await window.pop(0)  # wait for the oldest page's ack
+                pending = self._send(session, page)
+                if pending is None:
+                    raise ConnectionError("page refused")
+                window.append(pending)
+        # The ack of a page fails when the connection ends (or the end of the
+        # connection cancels this task): the rest cannot be sent.
+        except _LIST_ABANDONED as exc:
+            self.metrics.list_requests.labels("failed").inc()
+            log.debug("list_abandoned", error=type(exc).__name__)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        self.metrics.list_requests.labels("ok").inc()
+        self.metrics.list_hosts_sent.inc(sum(len(p.hosts) for p in pages))
+        self.metrics.list_duration.observe(self._clock() - started)
+
+    # ------------------------------------------------------------------ info
+
+    def info_reply(self, request_id: int = 0) -> InfoReply:
+        # len(index) is O(1); counting only visible hosts would cost O(hosts)
+        # per request, and unconnected info queries are anyone's to send.
+        hosts = len(self.registry.index())
+        return InfoReply(
+            request_id=request_id, software=SOFTWARE, hosts=hosts, keepalive=self.settings.keepalive
+        )
+
+    def answer_query(self, payload: bytes, sockaddr: tuple[Any, ...]) -> bytes | None:
+        """rudp ``on_query``: answers an unconnected `InfoRequest` (a server-browser ping)."""
+        try:
+            request = decode_request(payload, self._limits)
+        except MessageError as exc:
+            self.metrics.dropped.labels(exc.reason.value).inc()
+            return None
+        if not isinstance(request, InfoRequest):
+            return None
+        return encode(self.info_reply(request.request_id))
+
+    # ------------------------------------------------------------------ introductions
+
+    async def _introduce(self, session: _Session, req: Introduce) -> None:
+        rid = req.request_id
+        if self._rate_limited(self._introduce_limit, "introduce", session):
+            self.metrics.introductions.labels("rate_limited").inc()
+            raise MessageError(ErrorReason.RATE_LIMITED, "introductions", request_id=rid)
+        target = self.registry.get(req.host)
+        if target is None or not self.registry.is_visible(target, self.registry.now()):
+            self.metrics.introductions.labels("not_found").inc()
+            raise MessageError(ErrorReason.NOT_FOUND, req.host.key, request_id=rid)
+        nonce = self._nonce(NONCE_BYTES)
+        shared = same_public_ip(session.address, target.address)
+        to_host = Introduction(
+            role=Role.HOST, peer=session.address, peer_lan=req.lan if shared else None, nonce=nonce
+        )
+        to_client = Introduction(
+            request_id=rid,
+            role=Role.CLIENT,
+            peer=target.address,
+            peer_lan=target.info.lan if shared else None,
+            nonce=nonce,
+        )
+        result = await self._reach_host(target, encode(to_host), rid)
+        self.metrics.introductions.labels(result).inc()
+        log.info("introduced", host=target.address.key, result=result)
+        self._send(session, to_client)
+
+    async def _reach_host(self, target: HostRecord, payload: bytes, rid: int) -> str:
+        if target.owner == self.registry.replica_id:
+            host = self._sessions.get(target.address)
+            if host is None:
+                self.metrics.introductions.labels("not_found").inc()
+                raise MessageError(ErrorReason.NOT_FOUND, "host connection gone", request_id=rid)
+            self._send_raw(host, payload)
+            return "local"
+        try:
+            await self.registry.deliver(target.owner, Notice(target.address, payload))
+        except RegistryUnavailable:
+            self.metrics.introductions.labels("unavailable").inc()
+            raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
+        return "relayed"
+
+    def _send_raw(self, session: _Session, payload: bytes) -> None:
+        try:
+            session.peer.send(payload)
+        except TRANSPORT_ERRORS as exc:
+            self.metrics.dropped.labels("send_failed").inc()
+            log.info("send_failed", error=type(exc).__name__)
+
+    async def run_notices(self) -> None:
+        """Deliver payloads relayed by other replicas to local hosts, until cancelled."""
+        while True:
+            notice = await self.registry.next_notice()
+            session = self._sessions.get(notice.target)
+            if session is not None:
+                self._send_raw(session, notice.payload)
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def close_all(self) -> None:
+        """Close every connection gracefully, keeping registrations (see module doc)."""
+        self.shutting_down = True
+        sessions = list(self._sessions.values())
+        await asyncio.gather(
+            *(s.peer.close(reason="matchmaker shutting down") for s in sessions),
+            return_exceptions=True,
+        )
+
+
+def _error(exc: MessageError) -> Error:
+    detail = exc.detail[: DEFAULT_LIMITS.detail_chars]
+    return Error(request_id=exc.request_id, reason=exc.reason, detail=detail)
+
+
+def _entry_size(record: HostRecord) -> int:
+    entry = entry_fields(HostEntry(address=record.address, info=record.info))
+    return len(msgpack.packb(entry, use_bin_type=True))

@@ -1,0 +1,247 @@
+"""Daemon settings: one frozen dataclass, every default written and explained once.
+
+Theory of operation
+-------------------
+Each field of `Settings` is one setting.  Its command-line flag is the field
+name with dashes (``--hide-after``) and its environment variable is
+``MATCHMAKER_`` plus the upper-cased name (``MATCHMAKER_HIDE_AFTER``); a flag
+beats the environment, which beats the default.  `Settings.from_sources`
+converts the strings and validates every value and the relations between them,
+collecting *all* problems into one `SettingsError` so an operator fixes a
+broken config in one go.  `cli.py` builds its parser from the same fields, so
+the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from matchmaker.addresses import normalise_ip
+from matchmaker.messages import Limits
+from matchmaker.ratelimit import Rate
+from matchmaker.registry import REDIS_SCHEMES
+
+ENV_PREFIX = "MATCHMAKER_"
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class SettingsError(ValueError):
+    """One or more settings are invalid; the message lists every problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid settings:\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
+def _s(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    # -- network
+    bind: str = _s("0.0.0.0", "address the UDP (rudp) port listens on")
+    port: int = _s(27950, "UDP port for the matchmaker protocol")
+    http_bind: str = _s("0.0.0.0", "address of the HTTP port (/metrics /healthz /readyz /servers)")
+    http_port: int = _s(27951, "HTTP port")
+    max_connections: int = _s(20000, "rudp connections at once (every listed host holds one)")
+    # -- registry
+    store: str = _s("memory://", "registry: memory:// or redis://host:port/db")
+    redis_prefix: str = _s("{mm}:", "key prefix in Redis (braces: one cluster slot)")
+    replica_id: str = _s("", "this replica's id in a shared registry (default: host-pid-random)")
+    hide_after: float = _s(15.0, "seconds without a heartbeat before a host is left out of lists")
+    expire_after: float = _s(30.0, "seconds without a heartbeat before a host is removed")
+    keepalive: float = _s(5.0, "heartbeat interval asked of hosts, seconds")
+    sweep_interval: float = _s(1.0, "seconds between expiry sweeps")
+    # -- abuse limits
+    max_hosts_per_ip: int = _s(16, "registered hosts allowed per public IP")
+    register_rate: float = _s(1.0, "registrations+updates per second per source (IPv4 / IPv6 /64)")
+    register_burst: float = _s(10.0, "registration burst per source")
+    list_rate: float = _s(2.0, "list requests per second per source")
+    list_burst: float = _s(10.0, "list request burst per source")
+    introduce_rate: float = _s(2.0, "introductions per second per source")
+    introduce_burst: float = _s(10.0, "introduction burst per source")
+    rate_limit_keys: int = _s(65536, "sources tracked by each rate limiter (LRU beyond)")
+    allow_private: bool = _s(False, "LAN/dev: list loopback, private and link-local hosts")
+    max_message_bytes: int = _s(4096, "largest accepted request, bytes")
+    max_info_bytes: int = _s(512, "largest opaque host info blob, bytes")
+    max_tags: int = _s(16, "tags per host and per filter")
+    list_limit: int = _s(1000, "most hosts one list request returns")
+    # -- list paging
+    page_hosts: int = _s(32, "most hosts per list page")
+    page_bytes: int = _s(1100, "target size of one list page, bytes (one datagram)")
+    page_per_ip: int = _s(2, "most hosts from one IP in one page")
+    pages_in_flight: int = _s(4, "unacknowledged list pages per request")
+    # -- HTTP
+    http_timeout: float = _s(5.0, "seconds to read one HTTP request")
+    http_max_connections: int = _s(256, "concurrent HTTP connections")
+    metrics_max_games: int = _s(20, "games with their own hosts-listed series; the rest: _other")
+    # -- process
+    shutdown_timeout: float = _s(10.0, "seconds to close connections on SIGTERM before cancelling")
+    log_format: str = _s("auto", "auto (console on a TTY, else JSON), json or console")
+    log_level: str = _s("info", "debug, info, warning or error")
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_message_bytes=self.max_message_bytes,
+            info_bytes=self.max_info_bytes,
+            max_tags=self.max_tags,
+            list_limit=self.list_limit,
+        )
+
+    @property
+    def register_bucket(self) -> Rate:
+        return Rate(rate=self.register_rate, burst=self.register_burst)
+
+    @property
+    def list_bucket(self) -> Rate:
+        return Rate(rate=self.list_rate, burst=self.list_burst)
+
+    @property
+    def introduce_bucket(self) -> Rate:
+        return Rate(rate=self.introduce_rate, burst=self.introduce_burst)
+
+    @property
+    def uses_redis(self) -> bool:
+        return self.store.startswith(REDIS_SCHEMES)
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_sources(
+        cls, flags: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None
+    ) -> Settings:
+        """Settings from parsed flags (field name -> value) over env vars over defaults."""
+        flags = flags or {}
+        env = env or {}
+        values: dict[str, Any] = {}
+        problems: list[str] = []
+        for f in dataclasses.fields(cls):
+            raw = flags.get(f.name)
+            origin = flag_name(f.name)
+            if raw is None and env_name(f.name) in env:
+                raw, origin = env[env_name(f.name)], env_name(f.name)
+            if raw is None:
+                continue
+            try:
+                values[f.name] = _convert(raw, type(f.default))
+            except ValueError as exc:
+                problems.append(f"{origin}: {exc}")
+        if problems:
+            raise SettingsError(problems)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        """Raise SettingsError listing every invalid value."""
+        problems = [f"{flag_name(name)} ({env_name(name)}): {msg}" for name, msg in _checks(self)]
+        if problems:
+            raise SettingsError(problems)
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _convert(raw: object, kind: type) -> object:
+    if not isinstance(raw, str):
+        return raw  # argparse already typed it (booleans)
+    text = raw.strip()
+    if kind is bool:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true/false, got {raw!r}")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+    if kind is float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"expected a finite number, got {raw!r}")
+        return value
+    return text
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        normalise_ip(text)
+    except ValueError:
+        return False
+    return True
+
+
+Check = tuple[str, Callable[["Settings"], bool], str]
+
+_RULES: list[Check] = [
+    ("bind", lambda s: _is_ip(s.bind), "must be an IP address"),
+    ("http_bind", lambda s: _is_ip(s.http_bind), "must be an IP address"),
+    ("port", lambda s: 0 <= s.port <= 65535, "must be in 0..65535 (0: any free port)"),
+    ("http_port", lambda s: 0 <= s.http_port <= 65535, "must be in 0..65535 (0: any free port)"),
+    ("max_connections", lambda s: 1 <= s.max_connections <= 1_000_000, "must be 1..1000000"),
+    (
+        "store",
+        lambda s: s.store == "memory://" or s.store.startswith(REDIS_SCHEMES),
+        "must be memory:// or a redis://, rediss:// or unix:// URL",
+    ),
+    ("redis_prefix", lambda s: 0 < len(s.redis_prefix) <= 64, "must be 1..64 characters"),
+    ("replica_id", lambda s: len(s.replica_id) <= 64, "must be at most 64 characters"),
+    ("hide_after", lambda s: s.hide_after > 0, "must be > 0"),
+    ("expire_after", lambda s: s.expire_after >= s.hide_after, "must be >= --hide-after"),
+    ("keepalive", lambda s: 0 < s.keepalive * 2 <= s.hide_after, "must be in (0, hide_after/2]"),
+    (
+        "sweep_interval",
+        lambda s: 0 < s.sweep_interval <= s.hide_after,
+        "must be in (0, hide_after]",
+    ),
+    ("max_hosts_per_ip", lambda s: s.max_hosts_per_ip >= 1, "must be >= 1"),
+    ("register_rate", lambda s: s.register_rate > 0, "must be > 0"),
+    ("list_rate", lambda s: s.list_rate > 0, "must be > 0"),
+    ("introduce_rate", lambda s: s.introduce_rate > 0, "must be > 0"),
+    ("register_burst", lambda s: s.register_burst >= 1, "must be >= 1"),
+    ("list_burst", lambda s: s.list_burst >= 1, "must be >= 1"),
+    ("introduce_burst", lambda s: s.introduce_burst >= 1, "must be >= 1"),
+    ("rate_limit_keys", lambda s: s.rate_limit_keys >= 1, "must be >= 1"),
+    ("max_message_bytes", lambda s: 256 <= s.max_message_bytes <= 65536, "must be 256..65536"),
+    (
+        "max_info_bytes",
+        lambda s: 1 <= s.max_info_bytes <= s.max_message_bytes // 2,
+        "must be 1..max_message_bytes/2",
+    ),
+    ("max_tags", lambda s: 1 <= s.max_tags <= 64, "must be 1..64"),
+    ("list_limit", lambda s: 1 <= s.list_limit <= 100_000, "must be 1..100000"),
+    ("page_hosts", lambda s: 1 <= s.page_hosts <= 1000, "must be 1..1000"),
+    ("page_bytes", lambda s: 256 <= s.page_bytes <= 65536, "must be 256..65536"),
+    ("page_per_ip", lambda s: s.page_per_ip >= 1, "must be >= 1"),
+    ("pages_in_flight", lambda s: 1 <= s.pages_in_flight <= 64, "must be 1..64"),
+    ("http_timeout", lambda s: s.http_timeout > 0, "must be > 0"),
+    ("http_max_connections", lambda s: s.http_max_connections >= 1, "must be >= 1"),
+    ("metrics_max_games", lambda s: 0 <= s.metrics_max_games <= 1000, "must be 0..1000"),
+    ("shutdown_timeout", lambda s: s.shutdown_timeout > 0, "must be > 0"),
+    ("log_format", lambda s: s.log_format in LOG_FORMATS, f"must be one of {LOG_FORMATS}"),
+    ("log_level", lambda s: s.log_level in LOG_LEVELS, f"must be one of {LOG_LEVELS}"),
+]
+
+
+def _checks(s: Settings) -> list[tuple[str, str]]:
+    return [(name, msg) for name, ok, msg in _RULES if not ok(s)]

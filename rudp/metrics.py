@@ -1,0 +1,146 @@
+"""Prometheus export of transport statistics, read at scrape time.
+
+Nothing here runs on the datagram path: the core keeps plain integer counters
+and this collector reads them only when Prometheus scrapes. Counters of
+connections that have ended are folded into per-endpoint totals so they never
+go backwards. RTT is exported as a gauge histogram of the smoothed RTT of the
+connections open at scrape time (a snapshot, not a history).
+
+Usage::
+
+    registry = prometheus_client.CollectorRegistry()
+    rudp.metrics.RudpCollector([server], registry=registry)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+from weakref import WeakSet
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeHistogramMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
+
+from rudp.wire import DropReason
+
+if TYPE_CHECKING:
+    from rudp.endpoint import Endpoint
+
+RTT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_CONN_COUNTERS = (
+    ("packets_sent", "rudp_packets_sent_total", "DATA packets sent."),
+    ("packets_received", "rudp_packets_received_total", "DATA packets accepted."),
+    ("packets_lost", "rudp_packets_lost_total", "Ack-eliciting packets declared lost."),
+    ("messages_sent", "rudp_messages_sent_total", "Messages sent for the first time."),
+    ("messages_received", "rudp_messages_received_total", "Messages delivered."),
+    ("messages_resent", "rudp_retransmissions_total", "Reliable messages sent again."),
+    ("timeouts", "rudp_resend_timeouts_total", "Resend timer expirations."),
+)
+
+
+class HasCoreEndpoint(Protocol):
+    @property
+    def endpoint(self) -> object: ...
+
+
+class RudpCollector(Collector):
+    """Collects from any number of endpoints (``Server`` objects or core ``Endpoint``s)."""
+
+    def __init__(
+        self,
+        endpoints: Iterable[object] = (),
+        *,
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        self._endpoints: WeakSet[Endpoint] = WeakSet()
+        for endpoint in endpoints:
+            self.add(endpoint)
+        if registry is not None:
+            registry.register(self)
+
+    def add(self, endpoint: object) -> None:
+        """Track an endpoint: a ``rudp.Server`` or a core ``rudp.endpoint.Endpoint``."""
+        from rudp.endpoint import Endpoint
+
+        core = endpoint
+        if not isinstance(core, Endpoint):
+            core = getattr(getattr(endpoint, "endpoint", None), "core", None)
+        if not isinstance(core, Endpoint):
+            raise TypeError(f"cannot collect rudp metrics from {endpoint!r}")
+        self._endpoints.add(core)
+
+    def collect(self) -> Iterable[Metric]:
+        endpoints = list(self._endpoints)
+        yield from _endpoint_counters(endpoints)
+        yield from _connection_counters(endpoints)
+        yield _rtt_histogram(endpoints)
+
+
+def _endpoint_counters(endpoints: Sequence[Endpoint]) -> Iterable[Metric]:
+    simple = (
+        ("datagrams_received", "rudp_datagrams_received_total", "Datagrams read from the socket."),
+        ("datagrams_sent", "rudp_datagrams_sent_total", "Datagrams written to the socket."),
+        ("bytes_received", "rudp_received_bytes_total", "Bytes read from the socket."),
+        ("bytes_sent", "rudp_sent_bytes_total", "Bytes written to the socket."),
+        ("connections_accepted", "rudp_connections_accepted_total", "Handshakes accepted."),
+        ("connections_refused", "rudp_connections_refused_total", "Handshakes refused."),
+        (
+            "unvalidated_bytes_received",
+            "rudp_unvalidated_received_bytes_total",
+            "Bytes from addresses with no connection.",
+        ),
+        (
+            "unvalidated_bytes_sent",
+            "rudp_unvalidated_sent_bytes_total",
+            "Bytes sent to addresses with no connection (never more than received).",
+        ),
+    )
+    for attr, name, doc in simple:
+        yield CounterMetricFamily(name, doc, value=sum(getattr(e.stats, attr) for e in endpoints))
+    dropped = CounterMetricFamily(
+        "rudp_datagrams_dropped_total", "Datagrams dropped, by reason.", labels=["reason"]
+    )
+    for reason in DropReason:
+        dropped.add_metric([reason.value], sum(e.stats.dropped[reason] for e in endpoints))
+    yield dropped
+    yield GaugeMetricFamily(
+        "rudp_connections", "Open connections.", value=sum(len(e.connections) for e in endpoints)
+    )
+
+
+def _connection_counters(endpoints: Sequence[Endpoint]) -> Iterable[Metric]:
+    for attr, name, doc in _CONN_COUNTERS:
+        total = 0
+        for endpoint in endpoints:
+            total += endpoint.stats.closed_totals.get(attr, 0)
+            total += sum(getattr(c.stats, attr) for c in endpoint.connections)
+        yield CounterMetricFamily(name, doc, value=total)
+
+
+def _rtt_histogram(endpoints: Sequence[Endpoint]) -> Metric:
+    counts = [0] * (len(RTT_BUCKETS) + 1)
+    total = 0.0
+    for endpoint in endpoints:
+        for conn in endpoint.connections:
+            if conn.stats.rtt is None or not conn.stats.rtt.samples:
+                continue
+            srtt = conn.stats.srtt
+            counts[bisect.bisect_left(RTT_BUCKETS, srtt)] += 1
+            total += srtt
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, n in zip((*map(str, RTT_BUCKETS), "+Inf"), counts, strict=True):
+        running += n
+        buckets.append((bound, running))
+    return GaugeHistogramMetricFamily(
+        "rudp_rtt_seconds",
+        "Smoothed round-trip time of the open connections.",
+        buckets=buckets,
+        gsum_value=total,
+    )

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import pytest
+
+from matchmaker.addresses import (
+    Address,
+    from_sockaddr,
+    make_address,
+    non_public_reason,
+    normalise_ip,
+    parse_key,
+    rate_key,
+    same_public_ip,
+)
+
+
+def test_normalise() -> None:
+    assert normalise_ip("::ffff:192.0.2.1") == "192.0.2.1"
+    assert normalise_ip("2001:0db8:0000::0001") == "2001:db8::1"
+    assert normalise_ip("fe80::1%eth0") == "fe80::1"
+    with pytest.raises(ValueError):
+        normalise_ip("example.com")
+
+
+def test_keys_round_trip() -> None:
+    for a in (Address("192.0.2.1", 1), Address("2001:db8::1", 65535)):
+        assert parse_key(a.key) == a
+    assert Address("2001:db8::1", 5).key == "[2001:db8::1]:5"
+    assert Address("2001:db8::1", 5).family == 6 and Address("192.0.2.1", 5).family == 4
+    for bad in ("1.2.3.4", "1.2.3.4:x", "[::1]:0", "host:80", "1.2.3.4:70000"):
+        with pytest.raises(ValueError):
+            parse_key(bad)
+
+
+def test_from_sockaddr() -> None:
+    assert from_sockaddr(("::ffff:198.51.100.1", 9, 0, 0)) == Address("198.51.100.1", 9)
+    with pytest.raises(ValueError):
+        from_sockaddr((b"x", 1))
+    with pytest.raises(ValueError):
+        make_address("1.2.3.4", 0)
+
+
+@pytest.mark.parametrize(
+    ("ip", "reason"),
+    [
+        ("0.0.0.0", "unspecified"),
+        ("::", "unspecified"),
+        ("127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("169.254.1.1", "link_local"),
+        ("fe80::1", "link_local"),
+        ("224.0.0.1", "multicast"),
+        ("ff02::1", "multicast"),
+        ("10.1.2.3", "private"),
+        ("172.16.0.1", "private"),
+        ("192.168.0.1", "private"),
+        ("fc00::1", "private"),
+        ("192.0.2.1", "private"),  # TEST-NET-1, documentation
+        ("240.0.0.1", "private"),  # reserved, reported by ipaddress as private too
+        ("100.64.0.1", "bogon"),  # shared address space (CGNAT)
+        ("8.8.8.8", None),
+        ("2606:4700:4700::1111", None),
+    ],
+)
+def test_non_public(ip: str, reason: str | None) -> None:
+    assert non_public_reason(ip) == reason
+
+
+def test_rate_key_groups_ipv6_by_64() -> None:
+    assert (
+        rate_key("2001:db8:1:2:aaaa::1") == rate_key("2001:db8:1:2:bbbb::2") == "2001:db8:1:2::/64"
+    )
+    assert rate_key("2001:db8:1:3::1") != rate_key("2001:db8:1:2::1")
+    assert rate_key("::ffff:198.51.100.1") == "198.51.100.1"
+
+
+def test_same_public_ip() -> None:
+    assert same_public_ip(Address("198.51.100.1", 1), Address("198.51.100.1", 2))
+    assert not same_public_ip(Address("198.51.100.1", 1), Address("198.51.100.2", 1))

@@ -1,0 +1,169 @@
+"""The client library against the real service, over the in-memory fake transport."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from matchmaker.addresses import Address
+from matchmaker.client import ConnectionLost, MatchmakerClient, MatchmakerError
+from matchmaker.messages import ErrorReason, Role
+from matchmaker.registry import RemovalReason
+from tests.matchmaker.fakes import FakeConnection, pipe
+from tests.matchmaker.test_registry import eventually
+from tests.matchmaker.test_service import Harness, info, pub
+
+
+class Switchboard:
+    """Connects clients to whichever Harness is "the matchmaker" right now."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.harness = harness
+        self.links: list[FakeConnection] = []
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def connector(self, ip: str, port: int = 27960) -> Any:
+        async def connect() -> FakeConnection:
+            server_side, client_side = pipe((ip, port))
+            self.tasks.append(asyncio.create_task(self.harness.service.handle(server_side)))
+            self.links.append(client_side)
+            return client_side
+
+        return connect
+
+    async def restart(self) -> Harness:
+        """The matchmaker restarts: every connection drops, the registry is empty."""
+        for link in self.links:
+            link.abort()
+        await asyncio.gather(*self.tasks)
+        self.harness = Harness(keepalive=self.harness.settings.keepalive)
+        return self.harness
+
+
+def client(board: Switchboard, ip: str, port: int = 27960, **kw: Any) -> MatchmakerClient:
+    kw.setdefault("reconnect_delay", 0.01)
+    return MatchmakerClient(board.connector(ip, port), **kw)
+
+
+HOST: dict[str, Any] = {"name": "srv", "game": "q3", "version": "1", "max_players": 8}
+
+
+async def test_register_keepalive_update_unregister() -> None:
+    board = Switchboard(Harness(keepalive=0.02))
+    async with client(board, pub(1)) as host:
+        address = await host.register(**HOST, tags=["ctf"], lan=("192.168.1.2", 27960))
+        assert address == Address(pub(1), 27960) == host.address
+        rec = board.harness.registry.get(address)
+        assert rec is not None and rec.info.tags == ("ctf",)
+        await eventually(lambda: bool(board.harness.service._heartbeats))  # heartbeats flow
+        await host.update(players=2, map="dm6")
+        rec = board.harness.registry.get(address)
+        assert rec is not None and (rec.info.players, rec.info.map) == (2, "dm6")
+        with pytest.raises(MatchmakerError) as refused:
+            await host.update(players=99)
+        assert refused.value.reason is ErrorReason.BAD_FIELD
+        await host.unregister()
+        assert board.harness.registry.get(address) is None
+
+
+async def test_reregisters_after_matchmaker_restart_with_latest_info() -> None:
+    board = Switchboard(Harness(keepalive=0.02))
+    async with client(board, pub(1)) as host:
+        await host.register(**HOST)
+        await host.update(players=5)
+        fresh = await board.restart()
+        address = Address(pub(1), 27960)
+        await eventually(lambda: fresh.registry.get(address) is not None)
+        rec = fresh.registry.get(address)
+        assert rec is not None and rec.info.players == 5
+        assert host.registrations == 2
+
+
+async def test_reregisters_when_told_not_registered() -> None:
+    board = Switchboard(Harness(keepalive=0.02))
+    async with client(board, pub(1)) as host:
+        await host.register(**HOST)
+        address = Address(pub(1), 27960)
+        rec = board.harness.registry.get(address)
+        assert rec is not None
+        await board.harness.registry.remove(address, RemovalReason.EXPIRED)
+        # The next heartbeat is answered with not_registered (the session
+        # still thinks it is registered until the flush says otherwise).
+        await eventually(lambda: bool(board.harness.service._heartbeats))
+        await board.harness.service.flush_heartbeats()
+        await eventually(lambda: board.harness.registry.get(address) is not None)
+        assert host.registrations == 2
+
+
+async def test_close_removes_the_host() -> None:
+    board = Switchboard(Harness())
+    host = client(board, pub(1))
+    await host.register(**HOST)
+    await host.close()
+    await eventually(lambda: board.harness.registry.get(Address(pub(1), 27960)) is None)
+
+
+async def test_list_servers_collects_every_page() -> None:
+    board = Switchboard(Harness(page_hosts=2, max_hosts_per_ip=20))
+    for i in range(15):
+        await board.harness.registry.upsert(
+            Address(pub(i % 5 + 1), 20000 + i), info(players=i % 3), max_per_ip=20
+        )
+    async with client(board, pub(100)) as browser:
+        hosts = await browser.list_servers(game="q3")
+        assert len({h.address for h in hosts}) == 15
+        busy = await browser.list_servers(game="q3", not_empty=True, tags_all=[])
+        assert len(busy) == 10 and all(h.info.players for h in busy)
+        assert await browser.list_servers(game="ut") == []
+        with pytest.raises(MatchmakerError) as refused:
+            await browser.list_servers(game="q3", limit=0)
+        assert refused.value.reason is ErrorReason.BAD_FIELD
+
+
+async def test_introduce_reaches_both_sides() -> None:
+    board = Switchboard(Harness())
+    async with client(board, pub(1)) as host, client(board, pub(2), 5000) as joiner:
+        address = await host.register(**HOST)
+        intro = await joiner.introduce(address)
+        assert intro.role is Role.CLIENT and intro.peer == address
+        to_host = await asyncio.wait_for(host.introductions.get(), 2)
+        assert to_host.role is Role.HOST and to_host.peer == Address(pub(2), 5000)
+        assert to_host.nonce == intro.nonce
+        with pytest.raises(MatchmakerError) as refused:
+            await joiner.introduce((pub(9), 1))
+        assert refused.value.reason is ErrorReason.NOT_FOUND
+
+
+async def test_refusals_are_errors_and_permanent_ones_stop_the_keeper() -> None:
+    board = Switchboard(Harness())
+    async with client(board, "127.0.0.1") as host:
+        with pytest.raises(MatchmakerError) as refused:
+            await host.register(**HOST)
+        assert refused.value.reason is ErrorReason.FORBIDDEN_ADDRESS
+        assert (await host.info()).hosts == 0  # the client is still usable
+
+
+async def test_request_timeout_and_connection_loss() -> None:
+    async def silent() -> FakeConnection:
+        _server_side, client_side = pipe((pub(1), 1))
+        return client_side  # nobody serves the other end
+
+    async with MatchmakerClient(silent, timeout=0.05) as c:
+        with pytest.raises(TimeoutError):
+            await c.info()
+
+    links: list[FakeConnection] = []
+
+    async def dropping() -> FakeConnection:
+        _server_side, client_side = pipe((pub(1), 1))
+        links.append(client_side)
+        return client_side
+
+    async with MatchmakerClient(dropping, timeout=2) as c:
+        pending = asyncio.create_task(c.info())
+        await eventually(lambda: bool(links))
+        links[0].abort()
+        with pytest.raises(ConnectionLost):
+            await pending

@@ -1,0 +1,190 @@
+"""End to end over real rudp sockets on loopback: daemon, client library, HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import rudp
+from matchmaker.addresses import Address
+from matchmaker.client import MatchmakerClient
+from matchmaker.server import Matchmaker
+from matchmaker.settings import Settings
+from tests.matchmaker.conftest import RedisProcess, free_port
+from tests.matchmaker.test_registry import eventually
+
+HOST: dict[str, Any] = {"name": "e2e", "game": "q3", "version": "1", "max_players": 8}
+
+
+@pytest.fixture(autouse=True)
+def watchdog() -> Iterator[None]:
+    # A hang in a socket test must fail loudly, not stall the run.
+    faulthandler.dump_traceback_later(60, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def settings(**kw: Any) -> Settings:
+    options: dict[str, Any] = {
+        "bind": "127.0.0.1",
+        "port": 0,
+        "http_bind": "127.0.0.1",
+        "http_port": 0,
+        "allow_private": True,  # everything here is loopback
+        "keepalive": 0.2,
+        "sweep_interval": 0.1,
+        "shutdown_timeout": 3.0,
+    }
+    options.update(kw)
+    return Settings(**options)
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Matchmaker]:
+    mm = Matchmaker(settings())
+    await mm.start()
+    yield mm
+    await mm.shutdown()
+
+
+async def http_get(address: tuple[str, int], target: str) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(f"GET {target} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body
+
+
+async def accepting_endpoint() -> tuple[rudp.Server, asyncio.Queue[rudp.Connection]]:
+    """A game's own rudp socket: accepts peers and talks to the matchmaker."""
+    accepted: asyncio.Queue[rudp.Connection] = asyncio.Queue()
+
+    async def handler(conn: rudp.Connection) -> None:
+        await accepted.put(conn)
+        await conn.wait_closed()
+
+    server = await rudp.serve(handler, "127.0.0.1", 0)
+    return server, accepted
+
+
+async def test_register_list_introduce_join(daemon: Matchmaker) -> None:
+    mm_host, mm_port = daemon.udp_address
+    game, game_accepted = await accepting_endpoint()
+    joiner_ep, _ = await accepting_endpoint()
+    host = MatchmakerClient.to(mm_host, mm_port, via=game)
+    joiner = MatchmakerClient.to(mm_host, mm_port, via=joiner_ep)
+    try:
+        address = await host.register(**HOST, lan=("127.0.0.1", game.address[1]))
+        assert address == Address("127.0.0.1", game.address[1])  # the game port itself
+        listed = await joiner.list_servers(game="q3")
+        assert [e.address for e in listed] == [address]
+
+        intro = await joiner.introduce(address)
+        to_host = await asyncio.wait_for(host.introductions.get(), 5)
+        assert to_host.peer == Address("127.0.0.1", joiner_ep.address[1])
+        assert to_host.nonce == intro.nonce and intro.peer_lan is not None
+        # What a NAT punch amounts to on loopback: both sides connect out.
+        conn = await joiner_ep.connect(intro.peer.ip, intro.peer.port)
+        await conn.send(intro.nonce)
+        inbound = await asyncio.wait_for(game_accepted.get(), 5)
+        assert (await asyncio.wait_for(inbound.recv(), 5)).data == intro.nonce
+        await conn.close()
+
+        status, body = await http_get(daemon.http_address, "/servers?game=q3")
+        assert status == 200 and json.loads(body)["total"] == 1
+        assert (await http_get(daemon.http_address, "/readyz"))[0] == 200
+        _, metrics = await http_get(daemon.http_address, "/metrics")
+        names = {f.name for f in text_string_to_metric_families(metrics.decode())}
+        assert {"matchmaker_registrations", "matchmaker_hosts_listed"} <= names
+
+        await host.close()
+        await eventually(lambda: daemon.registry.get(address) is None)
+    finally:
+        await host.close()
+        await joiner.close()
+        await game.close()
+        await joiner_ep.close()
+
+
+async def test_host_reregisters_after_matchmaker_restart() -> None:
+    first = Matchmaker(settings())
+    await first.start()
+    port = first.udp_address[1]
+    game, _ = await accepting_endpoint()
+    host = MatchmakerClient.to("127.0.0.1", port, via=game, reconnect_delay=0.05)
+    second: Matchmaker | None = None
+    try:
+        address = await host.register(**HOST)
+        await first.shutdown()  # graceful: the host's connection is closed
+        second = Matchmaker(settings(port=port))
+        await second.start()
+        registry = second.registry
+        # The Registered reply reaches the client just after the entry exists.
+        await eventually(lambda: registry.get(address) is not None and host.registrations == 2, 15)
+    finally:
+        await host.close()
+        await game.close()
+        if second is not None:
+            await second.shutdown()
+
+
+async def test_two_daemons_share_redis(redis_server: RedisProcess) -> None:
+    a = Matchmaker(settings(store=redis_server.url, replica_id="a"))
+    b = Matchmaker(settings(store=redis_server.url, replica_id="b"))
+    await a.start()
+    await b.start()
+    game, _ = await accepting_endpoint()
+    host = MatchmakerClient.to(*a.udp_address, via=game)
+    joiner = MatchmakerClient.to(*b.udp_address)
+    try:
+        address = await host.register(**HOST)
+        await eventually(lambda: b.registry.get(address) is not None)
+        assert [e.address for e in await joiner.list_servers(game="q3")] == [address]
+        # b relays the introduction to a, which holds the host's connection.
+        intro = await joiner.introduce(address)
+        to_host = await asyncio.wait_for(host.introductions.get(), 5)
+        assert to_host.nonce == intro.nonce
+        assert (
+            b.metrics.registry.get_sample_value(
+                "matchmaker_introductions_total", {"result": "relayed"}
+            )
+            == 1
+        )
+    finally:
+        await host.close()
+        await joiner.close()
+        await game.close()
+        await a.shutdown()
+        await b.shutdown()
+
+
+def test_daemon_process_stops_on_sigterm() -> None:
+    port, http_port = free_port(), free_port()
+    env = dict(os.environ, MATCHMAKER_HTTP_PORT=str(http_port), MATCHMAKER_LOG_FORMAT="json")
+    args = [sys.executable, "-m", "matchmaker", "--bind", "127.0.0.1", "--port", str(port)]
+    args += ["--http-bind", "127.0.0.1", "--shutdown-timeout", "2"]
+    proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        started = json.loads(proc.stderr.readline())
+        assert started["event"] == "matchmaker_started"
+        assert started["http"] == f"127.0.0.1:{http_port}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        events = [json.loads(line)["event"] for line in proc.stderr.read().splitlines()]
+        assert events[-2:] == ["matchmaker_stopping", "matchmaker_stopped"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

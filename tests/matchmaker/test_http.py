@@ -1,0 +1,231 @@
+"""The HTTP endpoints over loopback, and the metrics they expose."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from matchmaker.addresses import Address
+from matchmaker.http import HttpApi, HttpServer, entry_json
+from matchmaker.messages import ListRequest, entry_fields
+from matchmaker.metrics import capped_games
+from matchmaker.ratelimit import RateLimiter
+from tests.matchmaker.test_service import Harness, collect_list, info, pub
+
+
+class Site:
+    def __init__(self, harness: Harness, server: HttpServer) -> None:
+        self.harness = harness
+        self.server = server
+        self.shutting_down = False
+
+    async def raw(self, request: bytes) -> tuple[int, dict[str, str], bytes]:
+        host, port = self.server.address
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(request)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        return status, headers, body
+
+    async def get(self, target: str) -> tuple[int, Any]:
+        status, headers, body = await self.raw(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert int(headers["Content-Length"]) == len(body)
+        if headers["Content-Type"] == "application/json":
+            return status, json.loads(body)
+        return status, body.decode()
+
+
+async def start_site(harness: Harness, *, timeout: float = 5.0, max_connections: int = 8) -> Site:
+    async def servers(req: ListRequest) -> list[dict[str, Any]]:
+        pages = await harness.service.build_pages(req)
+        return [entry_json(entry_fields(e)) for p in pages for e in p.hosts]
+
+    site: Site
+    api = HttpApi(
+        registry=harness.registry,
+        metrics=harness.metrics,
+        list_servers=servers,
+        limits=harness.settings.limits,
+        list_limiter=RateLimiter(harness.settings.list_bucket, clock=harness.clock),
+        is_shutting_down=lambda: site.shutting_down,
+    )
+    server = HttpServer(api, harness.metrics, timeout=timeout, max_connections=max_connections)
+    await server.start("127.0.0.1", 0)
+    site = Site(harness, server)
+    return site
+
+
+@pytest.fixture
+async def site() -> AsyncIterator[Site]:
+    harness = Harness()
+    harness.metrics.bind_state(
+        hosts_by_game=harness.registry.count_by_game,
+        stale=lambda: harness.registry.stale,
+        connections=lambda: harness.service.connections,
+        max_games=2,
+    )
+    s = await start_site(harness)
+    yield s
+    await s.server.close()
+
+
+async def test_health_and_readiness(site: Site) -> None:
+    assert await site.get("/healthz") == (200, {"status": "ok"})
+    assert await site.get("/readyz") == (200, {"ready": True, "stale": False, "hosts": 0})
+    site.shutting_down = True
+    assert (await site.get("/readyz"))[0] == 503
+
+
+async def test_servers_json_with_filters(site: Site) -> None:
+    reg = site.harness.registry
+    await reg.upsert(
+        Address(pub(1), 1), info("Alpha", tags=("ctf",), info=b"\x00\xff"), max_per_ip=9
+    )
+    await reg.upsert(Address(pub(2), 2), info("beta", players=8, password=True), max_per_ip=9)
+    await reg.upsert(Address("2606:4700::1", 3), info("gamma", game="ut"), max_per_ip=9)
+    status, body = await site.get("/servers?game=q3")
+    assert status == 200 and body["total"] == 2
+    alpha = next(s for s in body["servers"] if s["name"] == "Alpha")
+    assert alpha["address"] == f"{pub(1)}:1" and alpha["port"] == 1
+    assert base64.b64decode(alpha["info"]) == b"\x00\xff"
+    assert "lan" not in alpha
+    cases = {
+        "/servers?game=q3&not_full=1": {"Alpha"},
+        "/servers?game=q3&password=false": {"Alpha"},
+        "/servers?game=q3&tags_all=ctf": {"Alpha"},
+        "/servers?game=q3&tags_any=ctf,insta&tags_any=x": {"Alpha"},
+        "/servers?game=q3&name=ALP": {"Alpha"},
+        "/servers?game=q3&not_empty=true": {"beta"},
+        "/servers?game=ut&family=6": {"gamma"},
+        "/servers?game=ut&family=4": set(),
+        "/servers?game=q3&limit=1": None,
+    }
+    for target, names in cases.items():
+        status, body = await site.get(target)
+        assert status == 200, target
+        if names is None:
+            assert body["total"] == 1
+        else:
+            assert {s["name"] for s in body["servers"]} == names, target
+
+
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [
+        ("/servers", "missing_field"),
+        ("/servers?game=q3&bogus=1", "unknown_field"),
+        ("/servers?game=q3&game=ut", "bad_field"),
+        ("/servers?game=q3&not_full=maybe", "bad_field"),
+        ("/servers?game=q3&limit=-1", "bad_field"),
+        ("/servers?game=q3&limit=99999999999", "bad_field"),
+        ("/servers?game=has%20space", "bad_field"),
+        ("/servers?game", "malformed"),
+    ],
+)
+async def test_servers_rejects_bad_queries(site: Site, target: str, reason: str) -> None:
+    status, body = await site.get(target)
+    assert (status, body["error"]) == (400, reason)
+
+
+async def test_servers_is_rate_limited(site: Site) -> None:
+    codes = [(await site.get("/servers?game=q3"))[0] for _ in range(101)]
+    assert codes[:100] == [200] * 100 and codes[100] == 429
+    site.harness.clock.advance(60)
+    assert (await site.get("/servers?game=q3"))[0] == 200
+
+
+async def test_protocol_errors(site: Site) -> None:
+    assert (await site.raw(b"POST /servers HTTP/1.1\r\n\r\n"))[0] == 405
+    assert (await site.raw(b"GET /nope HTTP/1.1\r\n\r\n"))[0] == 404
+    assert (await site.raw(b"GARBAGE\r\n\r\n"))[0] == 400
+    assert (await site.raw(b"GET x HTTP/1.1\r\n\r\n"))[0] == 400
+    assert (await site.raw(b"GET / HTTP/1.1\r\nno colon\r\n\r\n"))[0] == 400
+    assert (await site.raw(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n"))[0] == 431
+    many = b"".join(b"X-%d: y\r\n" % i for i in range(100))
+    assert (await site.raw(b"GET / HTTP/1.1\r\n" + many + b"\r\n"))[0] == 431
+    status, headers, body = await site.raw(b"HEAD /healthz HTTP/1.1\r\n\r\n")
+    assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
+
+
+async def test_slow_clients_time_out() -> None:
+    site = await start_site(Harness(), timeout=0.05)
+    try:
+        host, port = site.server.address
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never finishes the head
+        data = await asyncio.wait_for(reader.read(), 5)
+        assert data.startswith(b"HTTP/1.1 408")
+        writer.close()
+    finally:
+        await site.server.close()
+
+
+async def test_connection_cap() -> None:
+    site = await start_site(Harness(), max_connections=1)
+    try:
+        host, port = site.server.address
+        _r1, w1 = await asyncio.open_connection(host, port)
+        w1.write(b"GET /healthz HTTP/1.1\r\n")  # holds the only slot
+        await asyncio.sleep(0.05)
+        status, _, _ = await site.raw(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert status == 503
+        w1.close()
+    finally:
+        await site.server.close()
+
+
+# ------------------------------------------------------------------ metrics
+
+
+async def test_metrics_exposition(site: Site) -> None:
+    h = site.harness
+    for i, game in enumerate(["q3", "q3", "q3", "ut", "ut", "cs", "tf"]):
+        await h.host(pub(i + 1), name=f"h{i}", game=game)
+    await collect_list(h.connect(pub(50)))
+    await site.get("/servers?game=q3")
+    status, text = await site.get("/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    listed = {s.labels["game"]: s.value for s in families["matchmaker_hosts_listed"].samples}
+    assert listed == {"q3": 3, "ut": 2, "_other": 2}  # max_games=2
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
+    assert samples[("matchmaker_registrations_total", (("result", "created"),))] == 7
+    assert samples[("matchmaker_list_requests_total", (("result", "ok"),))] == 1
+    assert samples[("matchmaker_connections", ())] == 8
+    assert samples[("matchmaker_registry_stale", ())] == 0
+    assert families["matchmaker_list_request_duration_seconds"].type == "histogram"
+    build = families["matchmaker_build_info"].samples[0]
+    assert build.value == 1 and build.labels["version"]
+    http = ("matchmaker_http_requests_total", (("code", "200"), ("path", "/servers")))
+    assert samples[http] == 1
+    # Counters follow the _total convention and no label value is ever an IP.
+    for f in families.values():
+        if f.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in f.samples), f.name
+        for s in f.samples:
+            for value in s.labels.values():
+                with pytest.raises(ValueError):
+                    ipaddress.ip_address(value)
+
+
+def test_capped_games() -> None:
+    counts = {"a": 5, "b": 3, "c": 3, "d": 1}
+    assert capped_games(counts, 2) == [("a", 5), ("b", 3), ("_other", 4)]
+    assert capped_games(counts, 10) == sorted(counts.items(), key=lambda kv: -kv[1])
+    assert capped_games({}, 3) == []

@@ -1,0 +1,218 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from matchmaker.addresses import Address
+from matchmaker.listing import matches, paginate, select, shuffled, split_by_size
+from matchmaker.messages import HostInfo, ListFilter
+
+GAMES = ("q3", "ut", "cs")
+VERSIONS = ("1.0", "1.1", "2.0")
+MAPS = ("dm1", "dm2", "ctf1", "")
+REGIONS = ("eu", "us", "asia", "")
+TAGS = ("ctf", "ffa", "insta", "mod", "ranked")
+NAMES = ("Alpha", "bravo", "CHARLIE", "Delta Force", "echo")
+
+
+@dataclass(frozen=True)
+class Entry:
+    address: Address
+    info: HostInfo
+
+
+def make_hosts(n: int = 1000, seed: int = 1) -> list[Entry]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if rng.random() < 0.3:
+            ip = f"2001:db8::{rng.randrange(1, 60):x}"
+        else:
+            ip = f"198.51.100.{rng.randrange(1, 120)}"
+        max_players = rng.choice((2, 8, 16))
+        info = HostInfo(
+            name=f"{rng.choice(NAMES)} #{i}",
+            game=rng.choice(GAMES),
+            version=rng.choice(VERSIONS),
+            map=rng.choice(MAPS),
+            max_players=max_players,
+            players=rng.choice((0, max_players, rng.randrange(0, max_players + 1))),
+            password=rng.random() < 0.25,
+            tags=tuple(t for t in TAGS if rng.random() < 0.3),
+            region=rng.choice(REGIONS),
+        )
+        out.append(Entry(Address(ip, 20000 + i), info))
+    return out
+
+
+HOSTS = make_hosts()
+
+
+def reference(e: Entry, f: ListFilter) -> bool:
+    """The filter semantics, written out longhand and independently of listing.py."""
+    h = e.info
+    ok = h.game == f.game
+    if f.version is not None:
+        ok = ok and h.version == f.version
+    if f.map is not None:
+        ok = ok and h.map == f.map
+    if f.region is not None:
+        ok = ok and h.region == f.region
+    if f.not_full:
+        ok = ok and h.players < h.max_players
+    if f.not_empty:
+        ok = ok and h.players != 0
+    if f.password is True:
+        ok = ok and h.password
+    if f.password is False:
+        ok = ok and not h.password
+    for t in f.tags_all:
+        ok = ok and t in h.tags
+    if f.tags_any:
+        ok = ok and any(t in h.tags for t in f.tags_any)
+    if f.name is not None:
+        ok = ok and f.name.lower() in h.name.lower()
+    if f.family == 4:
+        ok = ok and ":" not in e.address.ip
+    if f.family == 6:
+        ok = ok and ":" in e.address.ip
+    return ok
+
+
+SINGLE_FILTERS = (
+    [ListFilter(game=g) for g in (*GAMES, "none")]
+    + [ListFilter(game="q3", version=v) for v in VERSIONS]
+    + [ListFilter(game="q3", map=m) for m in MAPS]
+    + [ListFilter(game="q3", region=r) for r in REGIONS]
+    + [ListFilter(game="q3", not_full=True), ListFilter(game="q3", not_empty=True)]
+    + [ListFilter(game="q3", password=p) for p in (True, False)]
+    + [ListFilter(game="q3", tags_all=(t,)) for t in TAGS]
+    + [ListFilter(game="q3", tags_all=("ctf", "insta")), ListFilter(game="q3", tags_any=TAGS[:2])]
+    + [ListFilter(game="q3", name=n) for n in ("alpha", "FORCE", "#99", "zzz")]
+    + [ListFilter(game="q3", family=4), ListFilter(game="q3", family=6)]
+)
+
+
+@pytest.mark.parametrize("f", SINGLE_FILTERS, ids=repr)
+def test_each_filter_matches_reference(f: ListFilter) -> None:
+    got = select(HOSTS, f)
+    assert got == [e for e in HOSTS if reference(e, f)]
+
+
+def test_every_filter_selects_something_and_not_everything() -> None:
+    # Guards the dataset: a filter that matches all or nothing would test little.
+    for f in SINGLE_FILTERS:
+        if f.game == "none" or f.name == "zzz":
+            continue
+        n = len(select(HOSTS, f))
+        assert 0 < n < len(HOSTS), f
+
+
+filters = st.builds(
+    ListFilter,
+    game=st.sampled_from(GAMES),
+    version=st.none() | st.sampled_from(VERSIONS),
+    map=st.none() | st.sampled_from(MAPS),
+    region=st.none() | st.sampled_from(REGIONS),
+    not_full=st.booleans(),
+    not_empty=st.booleans(),
+    password=st.none() | st.booleans(),
+    tags_all=st.lists(st.sampled_from(TAGS), max_size=2, unique=True).map(tuple),
+    tags_any=st.lists(st.sampled_from(TAGS), max_size=3, unique=True).map(tuple),
+    name=st.none() | st.sampled_from(("a", "ALPHA", "o #1", "x")),
+    family=st.none() | st.sampled_from((4, 6)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(filters)
+def test_combined_filters_match_reference(f: ListFilter) -> None:
+    assert all(matches(e, f) == reference(e, f) for e in HOSTS)
+
+
+# ------------------------------------------------------------------ order and pages
+
+
+def test_shuffle_is_fresh_and_fair() -> None:
+    rng = random.Random(7)
+    entries = HOSTS[:10]
+    first = Counter(shuffled(entries, rng)[0].address for _ in range(5000))
+    # Each of 10 hosts should be first ~500 times; 350..650 is > 6 sigma wide.
+    assert set(first) == {e.address for e in entries}
+    assert all(350 < n < 650 for n in first.values()), first
+
+
+def test_limit_is_a_random_sample() -> None:
+    rng = random.Random(3)
+    a = shuffled(HOSTS, rng, limit=20)
+    b = shuffled(HOSTS, rng, limit=20)
+    assert len(a) == len(b) == 20 and a != b
+    assert len(set(map(id, a))) == 20
+    assert len(shuffled(HOSTS[:5], rng, limit=20)) == 5
+
+
+def check_pages(entries: list[Entry], pages: list[list[Entry]], size: int, cap: int) -> None:
+    flat = [e for p in pages for e in p]
+    assert sorted(map(id, flat)) == sorted(map(id, entries))  # each exactly once
+    for page in pages:
+        assert 0 < len(page) <= size
+        assert max(Counter(e.address.ip for e in page).values()) <= cap
+
+
+def test_paginate_1000_hosts() -> None:
+    order = shuffled(HOSTS, random.Random(5))
+    pages = paginate(order, 32, 2)
+    check_pages(order, pages, 32, 2)
+    # Plenty of distinct IPs: all pages but the tail are full.
+    assert all(len(p) == 32 for p in pages[:-3])
+
+
+def test_paginate_one_ip_floods() -> None:
+    flood = [Entry(Address("198.51.100.1", p), HOSTS[0].info) for p in range(1, 41)]
+    others = HOSTS[:20]
+    order = flood + others  # the flooder came first in the shuffle
+    pages = paginate(order, 10, 2)
+    check_pages(order, pages, 10, 2)
+    # The first page has 2 flood entries and is then filled by the others.
+    assert sum(e.address.ip == "198.51.100.1" for e in pages[0]) == 2
+    assert len(pages[0]) == 10
+
+
+def test_paginate_keeps_order_of_deferred_entries() -> None:
+    a = [Entry(Address("198.51.100.1", p), HOSTS[0].info) for p in (1, 2, 3)]
+    b = [Entry(Address("198.51.100.2", p), HOSTS[0].info) for p in (1, 2)]
+    pages = paginate([a[0], a[1], a[2], b[0], b[1]], 3, 2)
+    assert pages == [[a[0], a[1], b[0]], [a[2], b[1]]]
+
+
+def test_paginate_edge_cases() -> None:
+    assert paginate([], 10, 2) == []
+    with pytest.raises(ValueError):
+        paginate(HOSTS, 0, 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), max_size=60),
+    st.integers(1, 8),
+    st.integers(1, 3),
+)
+def test_paginate_properties(ips: list[int], size: int, cap: int) -> None:
+    entries = [
+        Entry(Address(f"198.51.100.{ip + 1}", i + 1), HOSTS[0].info) for i, ip in enumerate(ips)
+    ]
+    check_pages(entries, paginate(entries, size, cap), size, cap)
+
+
+def test_split_by_size() -> None:
+    entries = HOSTS[:10]
+    pages = split_by_size(entries, 100, lambda e: 30)
+    assert [len(p) for p in pages] == [3, 3, 3, 1]
+    assert [e for p in pages for e in p] == entries
+    assert split_by_size(entries[:2], 10, lambda e: 50) == [[entries[0]], [entries[1]]]
+    assert split_by_size([], 10, lambda e: 1) == []

@@ -1,0 +1,366 @@
+from __future__ import annotations
+
+import contextlib
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from matchmaker.addresses import Address
+from matchmaker.messages import (
+    DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
+    Error,
+    ErrorReason,
+    Heartbeat,
+    HostEntry,
+    HostInfo,
+    HostUpdate,
+    InfoReply,
+    InfoRequest,
+    Introduce,
+    Introduction,
+    Limits,
+    ListFilter,
+    ListPage,
+    ListRequest,
+    Message,
+    MessageError,
+    MsgType,
+    Ok,
+    Register,
+    Registered,
+    Role,
+    Unregister,
+    Update,
+    WrongVersion,
+    WrongVersionError,
+    decode,
+    decode_request,
+    encode,
+    filter_from_mapping,
+)
+
+HOST = HostInfo(
+    name="Friday night — ünïcode",
+    game="q3",
+    version="1.32c",
+    max_players=16,
+    map="q3dm17",
+    players=3,
+    password=True,
+    tags=("ctf", "insta"),
+    region="eu-west",
+    info=b"\x00\x01opaque",
+    lan=Address("192.168.1.5", 27960),
+)
+A = Address("198.51.100.7", 27960)
+B = Address("2001:db8::1", 27961)
+
+ALL_MESSAGES: list[Message] = [
+    Register(request_id=1, host=HOST),
+    Register(host=HostInfo(name="x", game="g", version="1", max_players=1)),
+    Registered(request_id=2, address=A, keepalive=5.0),
+    Update(request_id=3, changes=HostUpdate(players=4, map="dm6", tags=(), info=b"")),
+    Update(request_id=3, changes=HostUpdate(password=False)),
+    Unregister(request_id=4),
+    Ok(request_id=4),
+    Heartbeat(),
+    ListRequest(request_id=5, filter=ListFilter(game="q3")),
+    ListRequest(
+        request_id=2**32 - 1,
+        filter=ListFilter(
+            game="q3",
+            version="1.32c",
+            map="q3dm17",
+            region="eu",
+            not_full=True,
+            not_empty=True,
+            password=False,
+            tags_all=("ctf",),
+            tags_any=("a", "b"),
+            name="fri",
+            family=6,
+            limit=10,
+        ),
+    ),
+    ListPage(
+        request_id=5,
+        seq=0,
+        total=2,
+        end=True,
+        hosts=(
+            HostEntry(address=A, info=HostInfo(name="a", game="q3", version="1", max_players=8)),
+            HostEntry(address=B, info=HostInfo(name="b", game="q3", version="1", max_players=8)),
+        ),
+    ),
+    ListPage(request_id=5, seq=3, total=0, end=False, hosts=()),
+    InfoRequest(request_id=6),
+    InfoReply(request_id=6, software="matchmaker/0.1.0", hosts=10, keepalive=5.0),
+    Introduce(request_id=7, host=A),
+    Introduce(request_id=7, host=B, lan=Address("10.0.0.2", 5000)),
+    Introduction(request_id=7, role=Role.CLIENT, peer=A, nonce=bytes(16)),
+    Introduction(role=Role.HOST, peer=B, peer_lan=Address("10.0.0.2", 1), nonce=b"n" * 16),
+    Error(request_id=8, reason=ErrorReason.RATE_LIMITED, detail="slow down"),
+    WrongVersion(request_id=9),
+]
+
+
+@pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: Message) -> None:
+    assert decode(encode(msg)) == msg
+
+
+def raw(t: int, **fields: object) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": t, **fields}, use_bin_type=True)
+
+
+def reg(**overrides: object) -> bytes:
+    fields: dict[str, object] = {"name": "n", "game": "g", "version": "1", "max_players": 4}
+    fields.update(overrides)
+    return raw(MsgType.REGISTER, **{k: v for k, v in fields.items() if v is not None})
+
+
+def reason_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> ErrorReason:
+    with pytest.raises(MessageError) as info:
+        decode(data, limits)
+    return info.value.reason
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"", ErrorReason.MALFORMED),
+        (b"\xc1", ErrorReason.MALFORMED),  # never-used msgpack byte
+        (msgpack.packb([1, 2]), ErrorReason.MALFORMED),
+        (msgpack.packb({1: 2}), ErrorReason.MALFORMED),
+        (msgpack.packb({"v": 1, "t": 8}) + b"x", ErrorReason.MALFORMED),  # trailing garbage
+        (msgpack.packb({"t": 8}), ErrorReason.WRONG_VERSION),
+        (msgpack.packb({"v": 2, "t": 8}), ErrorReason.WRONG_VERSION),
+        (msgpack.packb({"v": True, "t": 8}), ErrorReason.WRONG_VERSION),
+        (raw(99), ErrorReason.UNKNOWN_TYPE),
+        (raw(8.0), ErrorReason.UNKNOWN_TYPE),  # type: ignore[arg-type]
+        (msgpack.packb({"v": 1, "t": "register"}), ErrorReason.UNKNOWN_TYPE),
+        (raw(MsgType.HEARTBEAT, id=-1), ErrorReason.BAD_FIELD),
+        (raw(MsgType.HEARTBEAT, id=2**32), ErrorReason.BAD_FIELD),
+        (raw(MsgType.HEARTBEAT, id=True), ErrorReason.BAD_FIELD),
+        (raw(MsgType.HEARTBEAT, extra=1), ErrorReason.UNKNOWN_FIELD),
+        (reg(name=None), ErrorReason.MISSING_FIELD),
+        (reg(game=None), ErrorReason.MISSING_FIELD),
+        (reg(max_players=None), ErrorReason.MISSING_FIELD),
+        (reg(name=""), ErrorReason.BAD_FIELD),
+        (reg(name="   "), ErrorReason.BAD_FIELD),
+        (reg(name="x" * 65), ErrorReason.BAD_FIELD),
+        (reg(name="evil\nlog line"), ErrorReason.BAD_FIELD),
+        (reg(name="bidi\u2028"), ErrorReason.BAD_FIELD),
+        (reg(name=b"bytes"), ErrorReason.BAD_FIELD),
+        (reg(game="has space"), ErrorReason.BAD_FIELD),
+        (reg(game=""), ErrorReason.BAD_FIELD),
+        (reg(game="-leading"), ErrorReason.BAD_FIELD),
+        (reg(version="v" * 33), ErrorReason.BAD_FIELD),
+        (reg(max_players=0), ErrorReason.BAD_FIELD),
+        (reg(max_players=1025), ErrorReason.BAD_FIELD),
+        (reg(max_players=True), ErrorReason.BAD_FIELD),
+        (reg(max_players=4.0), ErrorReason.BAD_FIELD),
+        (reg(players=5), ErrorReason.BAD_FIELD),  # > max_players
+        (reg(players=-1), ErrorReason.BAD_FIELD),
+        (reg(password=1), ErrorReason.BAD_FIELD),
+        (reg(tags="ctf"), ErrorReason.BAD_FIELD),
+        (reg(tags=["ok", ""]), ErrorReason.BAD_FIELD),
+        (reg(tags=["a b"]), ErrorReason.BAD_FIELD),
+        (reg(tags=[1]), ErrorReason.BAD_FIELD),
+        (reg(tags=[f"t{i}" for i in range(17)]), ErrorReason.BAD_FIELD),
+        (reg(region="eu west"), ErrorReason.BAD_FIELD),
+        (reg(info="text"), ErrorReason.BAD_FIELD),
+        (reg(info=b"x" * 513), ErrorReason.BAD_FIELD),
+        (reg(lan=["10.0.0.1"]), ErrorReason.BAD_FIELD),
+        (reg(lan=["10.0.0.1", 0]), ErrorReason.BAD_FIELD),
+        (reg(lan=["10.0.0.1", 65536]), ErrorReason.BAD_FIELD),
+        (reg(lan=["not-an-ip", 1]), ErrorReason.BAD_FIELD),
+        (reg(lan=["10.0.0.1", True]), ErrorReason.BAD_FIELD),
+        (raw(MsgType.UPDATE, players=2000), ErrorReason.BAD_FIELD),
+        (raw(MsgType.UPDATE, game="other"), ErrorReason.UNKNOWN_FIELD),  # not updatable
+        (raw(MsgType.UPDATE, name=""), ErrorReason.BAD_FIELD),
+        (raw(MsgType.LIST), ErrorReason.MISSING_FIELD),
+        (raw(MsgType.LIST, game="g", family=5), ErrorReason.BAD_FIELD),
+        (raw(MsgType.LIST, game="g", family=4.0), ErrorReason.BAD_FIELD),
+        (raw(MsgType.LIST, game="g", limit=0), ErrorReason.BAD_FIELD),
+        (raw(MsgType.LIST, game="g", limit=1001), ErrorReason.BAD_FIELD),
+        (raw(MsgType.LIST, game="g", not_full="yes"), ErrorReason.BAD_FIELD),
+        (raw(MsgType.INTRODUCE), ErrorReason.MISSING_FIELD),
+        (raw(MsgType.INTRODUCE, host=["1.2.3.4", 5, 6]), ErrorReason.BAD_FIELD),
+        (
+            raw(MsgType.INTRODUCTION, role="host", peer=["1.2.3.4", 5], nonce=b"short"),
+            ErrorReason.BAD_FIELD,
+        ),
+        (
+            raw(MsgType.INTRODUCTION, role="boss", peer=["1.2.3.4", 5], nonce=bytes(16)),
+            ErrorReason.BAD_FIELD,
+        ),
+        (
+            raw(MsgType.LIST_PAGE, seq=0, total=1, end=True, hosts=[{"addr": ["1.2.3.4", 5]}]),
+            ErrorReason.MISSING_FIELD,
+        ),
+        (
+            raw(MsgType.REGISTERED, addr=["1.2.3.4", 5], keepalive=float("nan")),
+            ErrorReason.BAD_FIELD,
+        ),
+        (raw(MsgType.WRONG_VERSION, supported=[]), ErrorReason.BAD_FIELD),
+    ],
+)
+def test_rejects(data: bytes, reason: ErrorReason) -> None:
+    assert reason_of(data) == reason
+
+
+def test_size_caps_before_parsing() -> None:
+    limits = Limits(max_message_bytes=300)
+    assert reason_of(reg(info=b"x" * 400), limits) == ErrorReason.TOO_LARGE
+    # A length prefix claiming a huge string inside a small message is refused too.
+    assert reason_of(b"\x81\xdb\xff\xff\xff\xff", limits) == ErrorReason.MALFORMED
+
+
+def test_request_id_survives_into_errors() -> None:
+    with pytest.raises(MessageError) as info:
+        decode(reg(id=77, max_players=0))
+    assert info.value.request_id == 77
+    with pytest.raises(WrongVersionError) as wrong:
+        decode(msgpack.packb({"v": 9, "t": 8, "id": 5}))
+    assert wrong.value.request_id == 5 and wrong.value.version == 9
+
+
+def test_decode_request_refuses_replies() -> None:
+    assert isinstance(decode_request(encode(Heartbeat())), Heartbeat)
+    with pytest.raises(MessageError) as info:
+        decode_request(encode(Ok(request_id=3)))
+    assert info.value.reason is ErrorReason.NOT_A_REQUEST
+    assert info.value.request_id == 3
+
+
+def test_tags_are_deduplicated_in_order() -> None:
+    msg = decode(reg(tags=["b", "a", "b"]))
+    assert isinstance(msg, Register)
+    assert msg.host.tags == ("b", "a")
+
+
+def test_unknown_error_reason_is_kept_as_text() -> None:
+    msg = decode(raw(MsgType.ERROR, reason="from_the_future", detail="x"))
+    assert isinstance(msg, Error)
+    assert msg.reason is ErrorReason.INTERNAL and "from_the_future" in msg.detail
+
+
+def test_list_entries_never_carry_lan() -> None:
+    host = {"addr": ["1.2.3.4", 5], "name": "n", "game": "g", "version": "1", "max_players": 2}
+    page = raw(MsgType.LIST_PAGE, seq=0, total=1, end=True, hosts=[host | {"lan": ["10.0.0.1", 1]}])
+    assert reason_of(page) == ErrorReason.BAD_FIELD
+
+
+def test_update_apply_checks_players_against_max() -> None:
+    merged = HostUpdate(players=5, max_players=5).apply(HOST)
+    assert (merged.players, merged.max_players, merged.name) == (5, 5, HOST.name)
+    with pytest.raises(MessageError):
+        HostUpdate(max_players=2).apply(HOST)  # 3 players > 2
+
+
+def test_filter_from_mapping_validates_like_the_wire() -> None:
+    assert filter_from_mapping({"game": "g", "tags_any": ["a"]}).tags_any == ("a",)
+    with pytest.raises(MessageError) as info:
+        filter_from_mapping({"game": "g", "bogus": 1})
+    assert info.value.reason is ErrorReason.UNKNOWN_FIELD
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        Limits(max_tags=0)
+
+
+# ------------------------------------------------------------------ fuzzing
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_only_raise_message_error(data: bytes) -> None:
+    with contextlib.suppress(MessageError):
+        decode(data)
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=40)
+    | st.binary(max_size=40)
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+_field_names = st.sampled_from(
+    [
+        "name",
+        "game",
+        "version",
+        "max_players",
+        "players",
+        "map",
+        "password",
+        "tags",
+        "region",
+        "info",
+        "lan",
+        "addr",
+        "host",
+        "peer",
+        "nonce",
+        "role",
+        "seq",
+        "total",
+        "end",
+        "hosts",
+        "reason",
+        "detail",
+        "supported",
+        "keepalive",
+        "software",
+        "limit",
+        "family",
+        "tags_all",
+        "tags_any",
+        "not_full",
+        "id",
+        "x",
+    ]
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.sampled_from([int(t) for t in MsgType]),
+    st.dictionaries(_field_names, _values, max_size=10),
+)
+def test_structured_garbage_only_raises_message_error(kind: int, fields: dict[str, object]) -> None:
+    data = msgpack.packb({**fields, "v": PROTOCOL_VERSION, "t": kind}, use_bin_type=True)
+    try:
+        msg = decode(data)
+    except MessageError:
+        return
+    # Whatever decoded must encode back to something that decodes the same.
+    assert decode(encode(msg)) == msg
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(ALL_MESSAGES), st.data())
+def test_truncated_and_bit_flipped_messages(msg: Message, data: st.DataObject) -> None:
+    encoded = encode(msg)
+    cut = data.draw(st.integers(0, len(encoded) - 1))
+    with contextlib.suppress(MessageError):
+        decode(encoded[:cut])
+    flip = data.draw(st.integers(0, len(encoded) - 1))
+    mutated = bytearray(encoded)
+    mutated[flip] ^= data.draw(st.integers(1, 255))
+    with contextlib.suppress(MessageError):
+        decode(bytes(mutated))

@@ -1,0 +1,195 @@
+"""The Registry contract, run against both implementations, plus the memory
+registry's time rules on a stepped clock.  Redis-only behaviour (replicas,
+outages) is in test_registry_redis.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from matchmaker.addresses import Address
+from matchmaker.messages import HostInfo, ListFilter
+from matchmaker.registry import (
+    ChangeKind,
+    FeedOverflow,
+    MemoryRegistry,
+    Notice,
+    NotRegistered,
+    Registry,
+    RemovalReason,
+    TooManyHosts,
+)
+from matchmaker.registry.redis import RedisRegistry
+from tests.matchmaker.conftest import RedisProcess
+from tests.matchmaker.fakes import FakeClock
+
+A = Address("198.51.100.1", 27960)
+A2 = Address("198.51.100.1", 27961)
+A3 = Address("198.51.100.1", 27962)
+B = Address("2001:db8::b", 27960)
+
+
+def host(name: str = "h", game: str = "q3", **kw: object) -> HostInfo:
+    return HostInfo(name=name, game=game, version="1", max_players=8, **kw)  # type: ignore[arg-type]
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (bounded) for state another task or process is bringing about."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+RegistryFactory = Callable[..., Awaitable[Registry]]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_registry(request: pytest.FixtureRequest) -> AsyncIterator[RegistryFactory]:
+    made: list[Registry] = []
+    server: RedisProcess | None = None
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+
+    async def make(**kw: object) -> Registry:
+        reg: Registry
+        if server is None:
+            reg = MemoryRegistry(**kw)  # type: ignore[arg-type]
+        else:
+            reg = RedisRegistry(server.url, retry_interval=0.05, op_timeout=0.5, **kw)  # type: ignore[arg-type]
+        await reg.start()
+        if isinstance(reg, RedisRegistry):
+            await asyncio.wait_for(reg.wait_synced(), 5)
+        made.append(reg)
+        return reg
+
+    yield make
+    for reg in made:
+        await reg.close()
+
+
+async def test_upsert_get_query(make_registry: RegistryFactory) -> None:
+    reg = await make_registry()
+    rec = await reg.upsert(A, host("one", tags=("ctf",)), max_per_ip=5)
+    assert rec.owner == reg.replica_id and rec.token
+    assert reg.get(A) == rec
+    await reg.upsert(B, host("two", game="ut"), max_per_ip=5)
+    assert [r.address for r in await reg.query(ListFilter(game="q3"))] == [A]
+    assert await reg.query(ListFilter(game="q3", tags_all=("ffa",))) == []
+    assert reg.count_by_game() == {"q3": 1, "ut": 1}
+    assert reg.ready and not reg.stale
+
+
+async def test_restart_replaces_and_old_token_cannot_remove(make_registry: RegistryFactory) -> None:
+    reg = await make_registry()
+    old = await reg.upsert(A, host("old"), max_per_ip=5)
+    new = await reg.upsert(A, host("new"), max_per_ip=5)
+    assert new.token != old.token
+    assert not await reg.remove(A, RemovalReason.DISCONNECTED, token=old.token)
+    got = reg.get(A)
+    assert got is not None and got.info.name == "new"
+    assert await reg.remove(A, RemovalReason.DISCONNECTED, token=new.token)
+    assert reg.get(A) is None
+    assert not await reg.remove(A, RemovalReason.DISCONNECTED)
+
+
+async def test_per_ip_cap(make_registry: RegistryFactory) -> None:
+    reg = await make_registry()
+    await reg.upsert(A, host(), max_per_ip=2)
+    await reg.upsert(A2, host(), max_per_ip=2)
+    with pytest.raises(TooManyHosts):
+        await reg.upsert(A3, host(), max_per_ip=2)
+    await reg.upsert(A2, host("again"), max_per_ip=2)  # replacing is not adding
+    await reg.upsert(B, host(), max_per_ip=2)  # another IP
+    await reg.remove(A, RemovalReason.UNREGISTERED)
+    await reg.upsert(A3, host(), max_per_ip=2)
+
+
+async def test_update(make_registry: RegistryFactory) -> None:
+    reg = await make_registry()
+    rec = await reg.upsert(A, host("before"), max_per_ip=5)
+    updated = await reg.update(A, rec.token, host("after", players=3))
+    assert updated.info.players == 3 and updated.token == rec.token
+    assert [r.info.name for r in await reg.query(ListFilter(game="q3", not_empty=True))] == [
+        "after"
+    ]
+    with pytest.raises(NotRegistered):
+        await reg.update(A, "wrong-token", host())
+    with pytest.raises(NotRegistered):
+        await reg.update(B, rec.token, host())
+
+
+async def test_touch_reports_unknown_hosts(make_registry: RegistryFactory) -> None:
+    reg = await make_registry()
+    await reg.upsert(A, host(), max_per_ip=5)
+    assert await reg.touch([A, B]) == {B}
+    assert await reg.touch([]) == set()
+
+
+async def test_change_feed(make_registry: RegistryFactory) -> None:
+    reg = await make_registry()
+    feed = reg.subscribe()
+    rec = await reg.upsert(A, host(), max_per_ip=5)
+    await reg.remove(A, RemovalReason.UNREGISTERED, token=rec.token)
+    first = await asyncio.wait_for(anext(feed), 2)
+    second = await asyncio.wait_for(anext(feed), 2)
+    assert (first.kind, first.address, first.record) == (ChangeKind.UPSERT, A, rec)
+    assert (second.kind, second.reason) == (ChangeKind.REMOVE, RemovalReason.UNREGISTERED)
+    await reg.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(feed), 2)
+
+
+async def test_slow_subscriber_is_cut_off(make_registry: RegistryFactory) -> None:
+    reg = await make_registry()
+    feed = reg.subscribe(maxsize=3)
+    for port in range(1, 6):
+        await reg.upsert(Address("198.51.100.9", port), host(), max_per_ip=10)
+    with pytest.raises(FeedOverflow):
+        for _ in range(5):
+            await asyncio.wait_for(anext(feed), 2)
+
+
+async def test_notice_to_self(make_registry: RegistryFactory) -> None:
+    reg = await make_registry()
+    await reg.deliver(reg.replica_id, Notice(A, b"payload"))
+    assert await asyncio.wait_for(reg.next_notice(), 2) == Notice(A, b"payload")
+
+
+# ------------------------------------------------------------------ time, on a stepped clock
+
+
+async def test_hide_then_expire() -> None:
+    clock = FakeClock()
+    reg = MemoryRegistry(hide_after=15, expire_after=30, clock=clock)
+    await reg.upsert(A, host(), max_per_ip=5)
+    await reg.upsert(B, host(), max_per_ip=5)
+    clock.advance(10)
+    await reg.touch([B])
+    clock.advance(5.5)  # A silent for 15.5 s, B for 5.5 s
+    assert [r.address for r in await reg.query(ListFilter(game="q3"))] == [B]
+    assert reg.count_by_game() == {"q3": 1}
+    assert await reg.expire() == []  # hidden, not removed
+    assert reg.get(A) is not None
+    clock.advance(15)  # A silent for 30.5 s
+    assert [r.address for r in await reg.expire()] == [A]
+    assert reg.get(A) is None and reg.get(B) is not None
+
+
+async def test_update_counts_as_alive() -> None:
+    clock = FakeClock()
+    reg = MemoryRegistry(hide_after=15, expire_after=30, clock=clock)
+    rec = await reg.upsert(A, host(), max_per_ip=5)
+    clock.advance(14)
+    await reg.update(A, rec.token, host("renamed"))
+    clock.advance(14)
+    assert len(await reg.query(ListFilter(game="q3"))) == 1
+
+
+def test_hide_must_not_exceed_expire() -> None:
+    with pytest.raises(ValueError):
+        MemoryRegistry(hide_after=30, expire_after=15)

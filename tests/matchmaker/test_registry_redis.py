@@ -1,0 +1,241 @@
+"""The shared registry against a real redis-server: replicas, Redis time, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from matchmaker.addresses import Address
+from matchmaker.messages import ListFilter
+from matchmaker.registry import Notice, RemovalReason
+from matchmaker.registry.redis import RedisRegistry
+from tests.matchmaker.conftest import RedisProcess
+from tests.matchmaker.fakes import FakeClock
+from tests.matchmaker.test_registry import eventually, host
+
+Q3 = ListFilter(game="q3")
+Factory = Callable[..., Awaitable[RedisRegistry]]
+
+
+@pytest.fixture
+async def replica(redis_server: RedisProcess) -> AsyncIterator[Factory]:
+    made: list[RedisRegistry] = []
+
+    async def make(**kw: object) -> RedisRegistry:
+        options: dict[str, object] = {"retry_interval": 0.05, "op_timeout": 0.5}
+        options.update(kw)
+        reg = RedisRegistry(redis_server.url, **options)  # type: ignore[arg-type]
+        await reg.start()
+        await asyncio.wait_for(reg.wait_synced(), 5)
+        made.append(reg)
+        return reg
+
+    yield make
+    for reg in made:
+        await reg.close()
+
+
+def addr(i: int, ip: str = "198.51.100.1") -> Address:
+    return Address(ip, 20000 + i)
+
+
+async def listed(reg: RedisRegistry) -> set[Address]:
+    return {r.address for r in await reg.query(Q3)}
+
+
+async def test_register_on_one_list_on_the_other(replica: Factory) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    rec = await a.upsert(addr(1), host("from a"), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    seen = b.get(addr(1))
+    assert seen is not None and (seen.owner, seen.token, seen.info) == ("a", rec.token, rec.info)
+    assert await listed(b) == {addr(1)}
+    # Updates and removals travel too.
+    await a.update(addr(1), rec.token, host("renamed", players=2))
+    await eventually(lambda: (r := b.get(addr(1))) is not None and r.info.players == 2)
+    await a.remove(addr(1), RemovalReason.UNREGISTERED, token=rec.token)
+    await eventually(lambda: b.get(addr(1)) is None)
+    # A replica started later loads what exists.
+    await b.upsert(addr(2), host(), max_per_ip=10)
+    c = await replica(replica_id="c")
+    assert await listed(c) == {addr(2)}
+
+
+async def test_per_ip_cap_is_global(replica: Factory) -> None:
+    a = await replica()
+    b = await replica()
+    await a.upsert(addr(1), host(), max_per_ip=2)
+    await b.upsert(addr(2), host(), max_per_ip=2)
+    with pytest.raises(Exception, match=r"198\.51\.100\.1"):
+        await a.upsert(addr(3), host(), max_per_ip=2)
+
+
+async def test_notices_reach_the_owning_replica(replica: Factory) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    await asyncio.sleep(0)  # let b's subscriber task subscribe
+    notice = Notice(addr(1), b"introduction bytes")
+
+    async def deliver_until_received() -> Notice:
+        # Pub/sub drops what is published before the subscription exists.
+        while True:
+            await a.deliver("b", notice)
+            try:
+                return await asyncio.wait_for(b.next_notice(), 0.2)
+            except TimeoutError:
+                continue
+
+    assert await asyncio.wait_for(deliver_until_received(), 5) == notice
+
+
+async def test_queries_do_not_touch_redis(replica: Factory, redis_server: RedisProcess) -> None:
+    a = await replica()
+    for i in range(50):
+        await a.upsert(addr(i, f"198.51.100.{i + 1}"), host(), max_per_ip=10)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        before = await admin.info("commandstats")
+        for _ in range(200):
+            assert len(await a.query(Q3)) == 50
+        after = await admin.info("commandstats")
+    finally:
+        await admin.aclose()
+    reads = ("cmdstat_scan", "cmdstat_keys", "cmdstat_hgetall", "cmdstat_zrange")
+    for name in reads:
+        assert before.get(name) == after.get(name), name
+
+
+async def test_local_clocks_do_not_matter(replica: Factory) -> None:
+    # Two replicas whose clocks disagree by a year and do not move at all:
+    # ages are measured in Redis time, so both agree on what is visible.
+    a = await replica(clock=FakeClock(0.0), hide_after=5, expire_after=10)
+    b = await replica(clock=FakeClock(3.2e7), hide_after=5, expire_after=10)
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    assert await listed(a) == await listed(b) == {addr(1)}
+
+
+async def test_hide_and_expire_follow_redis_time(replica: Factory) -> None:
+    a = await replica(hide_after=0.3, expire_after=0.6, sweep_gap=5.0)
+    b = await replica(hide_after=0.3, expire_after=0.6, sweep_gap=5.0)
+    await a.expire()  # the very first sweep opens a grace period: let it pass
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    await a.upsert(addr(2), host(), max_per_ip=10)
+
+    async def keep_two_alive() -> None:
+        while True:
+            await a.touch([addr(2)])
+            await asyncio.sleep(0.05)
+
+    keeper = asyncio.create_task(keep_two_alive())
+    try:
+        await eventually(lambda: b.is_visible(b.get(addr(1)), b.now()) is False)  # type: ignore[arg-type]
+        assert await listed(b) == {addr(2)}
+        removed: list[Address] = []
+
+        async def sweep() -> bool:
+            removed.extend(r.address for r in await b.expire())
+            return bool(removed)
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while not await sweep():
+            assert loop.time() < deadline, "never expired"
+            await asyncio.sleep(0.05)
+        assert removed == [addr(1)]
+        await eventually(lambda: a.get(addr(1)) is None)
+        assert a.get(addr(2)) is not None
+    finally:
+        keeper.cancel()
+
+
+async def test_outage_stale_mode_no_mass_expiry_and_resync(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    opts = {"hide_after": 0.5, "expire_after": 1.0, "sweep_gap": 0.4}
+    a = await replica(replica_id="a", **opts)
+    b = await replica(replica_id="b", **opts)
+    await a.expire()
+    rec_a = await a.upsert(addr(1), host("on a"), max_per_ip=10)
+    rec_b = await b.upsert(addr(2, "198.51.100.2"), host("on b"), max_per_ip=10)
+    gone = await b.upsert(addr(3, "198.51.100.3"), host("leaves"), max_per_ip=10)
+    await eventually(lambda: len(a.index()) == len(b.index()) == 3)
+
+    redis_server.kill()
+    await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
+    assert a.stale and b.stale and a.ready
+    # Stale mode: lists are still served, from the last known copy...
+    assert await listed(a) == await listed(b) == {addr(1), addr(2, "198.51.100.2"), gone.address}
+    # ...hosts keep registering, leaving and heartbeating on their own replica...
+    late = await a.upsert(addr(4, "198.51.100.4"), host("registered during outage"), max_per_ip=10)
+    assert await b.remove(gone.address, RemovalReason.UNREGISTERED, token=gone.token)
+    assert await a.touch([addr(1), late.address]) == set()
+    # ...and nothing expires on a clock nobody can read.
+    assert await a.expire() == [] and await b.expire() == []
+
+    await asyncio.sleep(1.5)  # longer than expire_after: every `seen` in Redis is now too old
+    redis_server.start()
+    await asyncio.wait_for(asyncio.gather(a.wait_synced(), b.wait_synced()), 10)
+    assert not a.stale and not b.stale
+
+    # The first sweeps after the outage open a grace period instead of expiring everyone.
+    assert await a.expire() == [] and await b.expire() == []
+    want = {addr(1), addr(2, "198.51.100.2"), late.address}
+    await eventually(lambda: {r.address for r in a.index()} == want)
+    await eventually(lambda: {r.address for r in b.index()} == want)
+    assert await listed(a) == await listed(b) == want
+    # Tokens survived, so the owners can still update and remove their hosts.
+    await a.update(addr(1), rec_a.token, host("still a"))
+    assert await b.remove(rec_b.address, RemovalReason.UNREGISTERED, token=rec_b.token)
+    await eventually(lambda: a.get(rec_b.address) is None)
+
+
+async def test_redis_data_loss_is_repaired_by_owners(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    await b.upsert(addr(2, "198.51.100.2"), host(), max_per_ip=10)
+    redis_server.kill()
+    await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
+    shutil.rmtree(redis_server.directory)
+    redis_server.directory.mkdir()
+    redis_server.start()  # empty
+    await asyncio.wait_for(asyncio.gather(a.wait_synced(), b.wait_synced()), 10)
+    want = {addr(1), addr(2, "198.51.100.2")}
+    await eventually(lambda: {r.address for r in a.index()} == want)
+    await eventually(lambda: {r.address for r in b.index()} == want)
+
+
+async def test_reassert_yields_to_a_newer_registration(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    await a.upsert(addr(1), host("old"), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    # The host moves to replica b while a is cut off from Redis.
+    a._mark_stale(ConnectionError("test partition"))
+    newer = await b.upsert(addr(1), host("new"), max_per_ip=10)
+    await a._resync()
+    a._mark_fresh()
+    await eventually(lambda: (r := a.get(addr(1))) is not None and r.token == newer.token)
+    assert a.owned() == []
+
+
+async def test_observer_sees_operations_and_failures(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    seen: list[tuple[str, bool]] = []
+    a = await replica(observer=lambda op, seconds, failed: seen.append((op, failed)))
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    assert ("upsert", False) in seen
+    redis_server.kill()
+    await asyncio.wait_for(a.wait_stale(), 5)
+    assert any(failed for _, failed in seen)

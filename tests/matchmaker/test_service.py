@@ -1,0 +1,457 @@
+"""The service over the in-memory fake transport, on a stepped clock."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import msgpack
+import pytest
+import structlog
+from prometheus_client import CollectorRegistry
+
+from matchmaker.addresses import Address
+from matchmaker.messages import (
+    Error,
+    ErrorReason,
+    Heartbeat,
+    HostInfo,
+    HostUpdate,
+    InfoReply,
+    InfoRequest,
+    Introduce,
+    Introduction,
+    ListFilter,
+    ListPage,
+    ListRequest,
+    Message,
+    Ok,
+    Register,
+    Registered,
+    Role,
+    Unregister,
+    Update,
+    WrongVersion,
+    encode,
+)
+from matchmaker.metrics import Metrics
+from matchmaker.registry import MemoryRegistry, Registry, RemovalReason
+from matchmaker.service import MatchmakerService
+from matchmaker.settings import Settings
+from tests.matchmaker.fakes import FakeClock, Wire, attach, settle
+
+NONCE = b"N" * 16
+
+
+def pub(n: int) -> str:
+    """A global (listable) IPv4 address."""
+    return f"93.184.216.{n}"
+
+
+def info(name: str = "srv", **kw: Any) -> HostInfo:
+    fields: dict[str, Any] = {"name": name, "game": "q3", "version": "1", "max_players": 8}
+    fields.update(kw)
+    return HostInfo(**fields)
+
+
+class Harness:
+    def __init__(self, registry: Registry | None = None, **overrides: Any) -> None:
+        self.clock = FakeClock()
+        self.registry = registry or MemoryRegistry(clock=self.clock)
+        self.metrics = Metrics(CollectorRegistry())
+        options: dict[str, Any] = {"register_burst": 100.0, "list_burst": 100.0}
+        options["introduce_burst"] = 100.0
+        options.update(overrides)
+        self.settings = Settings(**options)
+        self.service = MatchmakerService(
+            self.settings,
+            self.registry,
+            self.metrics,
+            rng=random.Random(1),
+            clock=self.clock,
+            nonce=lambda n: NONCE[:n],
+        )
+
+    def connect(self, ip: str, port: int = 27960) -> Wire:
+        return attach(self.service.handle, (ip, port))
+
+    async def host(self, ip: str, port: int = 27960, **kw: Any) -> Wire:
+        wire = self.connect(ip, port)
+        reply = await wire.request(Register(request_id=1, host=info(**kw)))
+        assert isinstance(reply, Registered), reply
+        return wire
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+async def error_of(wire: Wire, msg: Message) -> Error:
+    reply = await wire.request(msg)
+    assert isinstance(reply, Error), reply
+    return reply
+
+
+async def collect_list(wire: Wire, request_id: int = 9, **filters: Any) -> list[ListPage]:
+    wire.send(ListRequest(request_id=request_id, filter=ListFilter(game="q3", **filters)))
+    pages = []
+    while True:
+        page = await wire.recv()
+        assert isinstance(page, ListPage), page
+        pages.append(page)
+        if page.end:
+            return pages
+
+
+# ------------------------------------------------------------------ registration
+
+
+async def test_register_replies_with_observed_address() -> None:
+    h = Harness()
+    wire = h.connect(pub(1), 4000)
+    reply = await wire.request(Register(request_id=7, host=info(lan=Address("10.0.0.5", 4000))))
+    assert reply == Registered(request_id=7, address=Address(pub(1), 4000), keepalive=5.0)
+    rec = h.registry.get(Address(pub(1), 4000))
+    assert rec is not None and rec.info.lan == Address("10.0.0.5", 4000)
+    assert h.sample("matchmaker_registrations_total", result="created") == 1
+    await wire.request(Register(request_id=8, host=info("renamed")))
+    assert h.sample("matchmaker_registrations_total", result="replaced") == 1
+
+
+async def test_bad_messages_get_reasons_and_the_connection_survives() -> None:
+    h = Harness()
+    wire = h.connect(pub(1))
+    wire.send_raw(b"\xc1garbage")
+    assert (await wire.recv()) == Error(reason=ErrorReason.MALFORMED, detail="FormatError")
+    wire.send_raw(msgpack.packb({"v": 1, "t": 8, "id": 3, "name": "x"}))
+    reply = await wire.recv()
+    assert isinstance(reply, Error) and reply.request_id == 3
+    assert reply.reason is ErrorReason.MISSING_FIELD
+    wire.send_raw(msgpack.packb({"v": 2, "t": 8, "id": 4}))
+    assert await wire.recv() == WrongVersion(request_id=4)
+    assert (await error_of(wire, Ok(request_id=5))).reason is ErrorReason.NOT_A_REQUEST
+    wire.send_raw(b"x" * 5000)
+    assert (await wire.recv()).reason is ErrorReason.TOO_LARGE  # type: ignore[union-attr]
+    assert isinstance(await wire.request(Register(host=info())), Registered)
+    assert h.sample("matchmaker_dropped_datagrams_total", reason="malformed") == 1
+    assert h.sample("matchmaker_dropped_datagrams_total", reason="wrong_version") == 1
+
+
+@pytest.mark.parametrize("ip", ["127.0.0.1", "10.1.1.1", "169.254.3.3", "::1", "100.64.0.9"])
+async def test_non_public_addresses_are_refused_unless_allowed(ip: str) -> None:
+    wire = Harness().connect(ip)
+    err = await error_of(wire, Register(request_id=2, host=info()))
+    assert (err.reason, err.request_id) == (ErrorReason.FORBIDDEN_ADDRESS, 2)
+    lan = Harness(allow_private=True).connect(ip)
+    assert isinstance(await lan.request(Register(host=info())), Registered)
+
+
+async def test_per_ip_host_cap() -> None:
+    h = Harness(max_hosts_per_ip=2)
+    await h.host(pub(1), 1)
+    await h.host(pub(1), 2)
+    third = h.connect(pub(1), 3)
+    assert (await error_of(third, Register(host=info()))).reason is ErrorReason.TOO_MANY_HOSTS
+    await h.host(pub(2), 3)
+
+
+async def test_registration_rate_limit_per_source() -> None:
+    h = Harness(register_rate=1.0, register_burst=2.0)
+    wire = await h.host(pub(1))
+    assert isinstance(await wire.request(Update(changes=HostUpdate(players=1))), Ok)
+    err = await error_of(wire, Update(request_id=5, changes=HostUpdate(players=2)))
+    assert (err.reason, err.request_id) == (ErrorReason.RATE_LIMITED, 5)
+    other = h.connect(pub(2))  # another source has its own bucket
+    assert isinstance(await other.request(Register(host=info())), Registered)
+    h.clock.advance(1.0)
+    assert isinstance(await wire.request(Update(changes=HostUpdate(players=2))), Ok)
+    assert h.sample("matchmaker_rate_limited_requests_total", kind="register") == 1
+
+
+async def test_update_and_unregister() -> None:
+    h = Harness()
+    wire = h.connect(pub(1))
+    err = await error_of(wire, Update(changes=HostUpdate(players=1)))
+    assert err.reason is ErrorReason.NOT_REGISTERED
+    await wire.request(Register(host=info(max_players=4)))
+    assert isinstance(await wire.request(Update(changes=HostUpdate(players=3, map="dm6"))), Ok)
+    rec = h.registry.get(Address(pub(1), 27960))
+    assert rec is not None and (rec.info.players, rec.info.map) == (3, "dm6")
+    err = await error_of(wire, Update(changes=HostUpdate(max_players=2)))
+    assert err.reason is ErrorReason.BAD_FIELD
+    assert await wire.request(Unregister(request_id=4)) == Ok(request_id=4)
+    assert h.registry.get(Address(pub(1), 27960)) is None
+    assert h.sample("matchmaker_removals_total", reason="unregistered") == 1
+    assert await wire.request(Unregister(request_id=5)) == Ok(request_id=5)  # idempotent
+
+
+async def test_disconnect_removes_at_once() -> None:
+    h = Harness()
+    wire = await h.host(pub(1))
+    await wire.close()
+    assert h.registry.get(Address(pub(1), 27960)) is None
+    assert h.sample("matchmaker_removals_total", reason="disconnected") == 1
+    assert h.service.connections == 0
+
+
+async def test_restarted_host_replaces_and_old_connection_cannot_remove_it() -> None:
+    h = Harness()
+    old = await h.host(pub(1), name="old")
+    new = await h.host(pub(1), name="new")  # same address: the host restarted
+    await old.close()
+    rec = h.registry.get(Address(pub(1), 27960))
+    assert rec is not None and rec.info.name == "new"
+    await new.close()
+    assert h.registry.get(Address(pub(1), 27960)) is None
+
+
+# ------------------------------------------------------------------ liveness
+
+
+async def test_heartbeats_keep_hosts_listed() -> None:
+    h = Harness()
+    alive = await h.host(pub(1))
+    await h.host(pub(2))
+    for _ in range(4):
+        h.clock.advance(5)
+        alive.send(Heartbeat())
+        await settle()
+        await h.service.flush_heartbeats()
+        await h.service.expire()
+    listed = [r.address.ip for r in await h.registry.query(ListFilter(game="q3"))]
+    assert listed == [pub(1)]  # pub(2) went silent 20 s ago: hidden
+    h.clock.advance(11)
+    await h.service.expire()
+    assert h.registry.get(Address(pub(2), 27960)) is None
+    assert h.sample("matchmaker_removals_total", reason="expired") == 1
+
+
+async def test_heartbeat_for_an_expired_host_asks_it_to_register() -> None:
+    h = Harness()
+    wire = await h.host(pub(1))
+    h.clock.advance(31)
+    await h.service.expire()
+    err = await error_of(wire, Heartbeat(request_id=3))
+    assert (err.reason, err.request_id) == (ErrorReason.NOT_REGISTERED, 3)
+
+
+async def test_flush_reports_hosts_the_registry_lost() -> None:
+    h = Harness()
+    wire = await h.host(pub(1))
+    wire.send(Heartbeat())
+    await settle()
+    rec = h.registry.get(Address(pub(1), 27960))
+    assert rec is not None
+    await h.registry.remove(rec.address, RemovalReason.EXPIRED)  # e.g. by another replica
+    await h.service.flush_heartbeats()
+    err = await wire.recv()
+    assert isinstance(err, Error) and err.reason is ErrorReason.NOT_REGISTERED
+
+
+# ------------------------------------------------------------------ lists
+
+
+async def test_list_pages_total_end_marker_and_per_ip_cap() -> None:
+    h = Harness(page_hosts=16, page_per_ip=2, max_hosts_per_ip=10)
+    for i in range(200):
+        await h.registry.upsert(
+            Address(pub(i // 10 + 1), 20000 + i), info(f"h{i}", players=i % 9 % 8), max_per_ip=10
+        )
+    client = h.connect(pub(250))
+    pages = await collect_list(client)
+    assert [p.seq for p in pages] == list(range(len(pages)))
+    assert all(p.total == 200 and p.request_id == 9 for p in pages)
+    assert [p.end for p in pages].count(True) == 1
+    hosts = [e.address for p in pages for e in p.hosts]
+    assert len(hosts) == len(set(hosts)) == 200
+    for page in pages:
+        assert len(page.hosts) <= 16
+        per_ip: dict[str, int] = {}
+        for e in page.hosts:
+            per_ip[e.address.ip] = per_ip.get(e.address.ip, 0) + 1
+        assert max(per_ip.values()) <= 2
+        assert len(encode(page)) <= h.settings.page_bytes
+        assert all(e.info.lan is None for e in page.hosts)
+    # Filters and limit.
+    pages = await collect_list(client, not_empty=True, limit=50)
+    assert sum(len(p.hosts) for p in pages) == pages[0].total == 50
+    assert all(e.info.players > 0 for p in pages for e in p.hosts)
+    assert h.sample("matchmaker_list_requests_total", result="ok") == 2
+    assert h.sample("matchmaker_list_request_duration_seconds_count") == 2
+
+
+async def test_empty_list_is_one_end_page() -> None:
+    pages = await collect_list(Harness().connect(pub(1)))
+    assert pages == [ListPage(request_id=9, seq=0, total=0, end=True, hosts=())]
+
+
+async def test_at_most_pages_in_flight_unacknowledged() -> None:
+    h = Harness(page_hosts=1, pages_in_flight=3)
+    for i in range(10):
+        await h.registry.upsert(Address(pub(i + 1), 1), info(), max_per_ip=10)
+    client = h.connect(pub(100))
+    server_side = client.conn.other
+    assert server_side is not None
+    server_side.manual_acks = True
+    client.send(ListRequest(filter=ListFilter(game="q3")))
+    await settle()
+    assert client.pending() == 3  # the window is full
+    server_side.unacked.pop(0).set_result(None)
+    await settle()
+    assert client.pending() == 4
+    while server_side.unacked:
+        server_side.unacked.pop(0).set_result(None)
+        await settle()
+    assert client.pending() == 10
+
+
+async def test_list_abandoned_when_connection_ends() -> None:
+    h = Harness(page_hosts=1, pages_in_flight=1)
+    for i in range(5):
+        await h.registry.upsert(Address(pub(i + 1), 1), info(), max_per_ip=10)
+    client = h.connect(pub(100))
+    server_side = client.conn.other
+    assert server_side is not None
+    server_side.manual_acks = True
+    client.send(ListRequest(filter=ListFilter(game="q3")))
+    await settle()
+    await client.close()
+    await settle()
+    assert h.sample("matchmaker_list_requests_total", result="failed") == 1
+
+
+async def test_list_rate_limit() -> None:
+    h = Harness(list_rate=1.0, list_burst=1.0)
+    client = h.connect(pub(1))
+    await collect_list(client)
+    err = await error_of(client, ListRequest(request_id=4, filter=ListFilter(game="q3")))
+    assert (err.reason, err.request_id) == (ErrorReason.RATE_LIMITED, 4)
+    assert h.sample("matchmaker_list_requests_total", result="rate_limited") == 1
+
+
+async def test_hidden_hosts_are_not_listed() -> None:
+    h = Harness()
+    await h.host(pub(1))
+    h.clock.advance(16)
+    assert (await collect_list(h.connect(pub(2))))[0].total == 0
+
+
+# ------------------------------------------------------------------ introductions
+
+
+async def test_introduction_sends_both_sides_the_other_address() -> None:
+    h = Harness()
+    host = await h.host(pub(1), lan=Address("192.168.0.10", 27960))
+    client = h.connect(pub(2), 5555)
+    reply = await client.request(
+        Introduce(request_id=3, host=Address(pub(1), 27960), lan=Address("10.9.9.9", 1))
+    )
+    assert reply == Introduction(
+        request_id=3, role=Role.CLIENT, peer=Address(pub(1), 27960), nonce=NONCE
+    )
+    assert await host.recv() == Introduction(
+        role=Role.HOST, peer=Address(pub(2), 5555), nonce=NONCE
+    )
+    assert h.sample("matchmaker_introductions_total", result="local") == 1
+
+
+async def test_introduction_behind_the_same_nat_includes_lan_addresses() -> None:
+    h = Harness()
+    host = await h.host(pub(1), lan=Address("192.168.0.10", 27960))
+    client = h.connect(pub(1), 5555)  # same public IP
+    reply = await client.request(
+        Introduce(host=Address(pub(1), 27960), lan=Address("192.168.0.11", 5555))
+    )
+    assert isinstance(reply, Introduction)
+    assert reply.peer_lan == Address("192.168.0.10", 27960)
+    to_host = await host.recv()
+    assert isinstance(to_host, Introduction) and to_host.peer_lan == Address("192.168.0.11", 5555)
+
+
+async def test_introduction_to_unknown_or_hidden_host() -> None:
+    h = Harness()
+    await h.host(pub(1))
+    client = h.connect(pub(2))
+    err = await error_of(client, Introduce(request_id=2, host=Address(pub(9), 1)))
+    assert (err.reason, err.request_id) == (ErrorReason.NOT_FOUND, 2)
+    h.clock.advance(16)
+    err = await error_of(client, Introduce(host=Address(pub(1), 27960)))
+    assert err.reason is ErrorReason.NOT_FOUND
+    assert h.sample("matchmaker_introductions_total", result="not_found") == 2
+
+
+async def test_introduction_rate_limit() -> None:
+    h = Harness(introduce_rate=1.0, introduce_burst=1.0)
+    await h.host(pub(1))
+    client = h.connect(pub(2))
+    assert isinstance(await client.request(Introduce(host=Address(pub(1), 27960))), Introduction)
+    err = await error_of(client, Introduce(host=Address(pub(1), 27960)))
+    assert err.reason is ErrorReason.RATE_LIMITED
+
+
+# ------------------------------------------------------------------ the rest
+
+
+async def test_info_connected_and_unconnected() -> None:
+    h = Harness()
+    await h.host(pub(1))
+    wire = h.connect(pub(2))
+    reply = await wire.request(InfoRequest(request_id=5))
+    assert isinstance(reply, InfoReply) and (reply.request_id, reply.hosts) == (5, 1)
+    answer = h.service.answer_query(encode(InfoRequest(request_id=6)), (pub(3), 1))
+    assert answer is not None and b"matchmaker/" in answer
+    assert h.service.answer_query(b"junk", (pub(3), 1)) is None
+    assert h.service.answer_query(encode(Heartbeat()), (pub(3), 1)) is None
+
+
+async def test_a_handler_bug_costs_one_request_not_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = Harness()
+    wire = h.connect(pub(1))
+
+    def broken(address: Address) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(h.registry, "get", broken)
+    err = await error_of(wire, Introduce(request_id=8, host=Address(pub(2), 1)))
+    assert (err.reason, err.request_id) == (ErrorReason.INTERNAL, 8)
+    monkeypatch.undo()
+    assert isinstance(await wire.request(InfoRequest()), InfoReply)
+
+
+async def test_send_failure_closes_the_connection() -> None:
+    h = Harness()
+    wire = h.connect(pub(1))
+    server_side = wire.conn.other
+    assert server_side is not None
+    server_side.fail_sends = True
+    wire.send(InfoRequest())
+    await asyncio.wait_for(wire.task, 2)
+    assert h.sample("matchmaker_dropped_datagrams_total", reason="send_failed") == 1
+
+
+async def test_shutdown_closes_connections_but_keeps_registrations() -> None:
+    h = Harness()
+    wire = await h.host(pub(1))
+    await h.service.close_all()
+    await asyncio.wait_for(wire.task, 2)
+    assert h.registry.get(Address(pub(1), 27960)) is not None
+
+
+async def test_log_events_carry_connection_context() -> None:
+    h = Harness()
+    with structlog.testing.capture_logs(
+        processors=[structlog.contextvars.merge_contextvars]
+    ) as logs:
+        wire = await h.host(pub(1))
+        wire.send_raw(b"\xc1")
+        await wire.recv()
+        await wire.close()
+    by_event = {e["event"]: e for e in logs}
+    for event in ("host_registered", "request_rejected", "host_removed"):
+        assert by_event[event]["peer"] == f"{pub(1)}:27960", event
+        assert "conn" in by_event[event]
+    assert by_event["host_removed"]["reason"] == "disconnected"
+    assert by_event["request_rejected"]["reason"] == "malformed"

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import pytest
+
+from matchmaker.__main__ import main
+from matchmaker.cli import build_parser, parse_args
+from matchmaker.settings import Settings, SettingsError
+
+
+def test_defaults_are_valid_and_documented() -> None:
+    s = Settings.from_sources({}, {})
+    assert (s.port, s.hide_after, s.expire_after, s.store) == (27950, 15.0, 30.0, "memory://")
+    assert not s.uses_redis and not s.allow_private
+    assert s.limits.info_bytes == 512
+    help_text = build_parser().format_help()
+    assert "MATCHMAKER_HIDE_AFTER" in help_text and "--allow-private" in help_text
+
+
+def test_env_then_flags() -> None:
+    env = {
+        "MATCHMAKER_PORT": "4000",
+        "MATCHMAKER_ALLOW_PRIVATE": "yes",
+        "MATCHMAKER_LIST_RATE": "7",
+    }
+    s = Settings.from_sources(parse_args(["--port", "5000"]), env)
+    assert s.port == 5000  # flag beats env
+    assert s.allow_private is True and s.list_rate == 7.0
+    s = Settings.from_sources(parse_args(["--no-allow-private"]), env)
+    assert s.allow_private is False
+    s = Settings.from_sources(parse_args(["--store", "redis://r:6379/1"]), {})
+    assert s.uses_redis and s.store == "redis://r:6379/1"
+
+
+def test_conversion_errors_name_their_source() -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.from_sources(parse_args(["--port", "x"]), {"MATCHMAKER_HIDE_AFTER": "soon"})
+    text = str(info.value)
+    assert "--port: expected an integer, got 'x'" in text
+    assert "MATCHMAKER_HIDE_AFTER: expected a number, got 'soon'" in text
+    with pytest.raises(SettingsError, match="finite"):
+        Settings.from_sources({}, {"MATCHMAKER_KEEPALIVE": "inf"})
+    with pytest.raises(SettingsError, match="true/false"):
+        Settings.from_sources({}, {"MATCHMAKER_ALLOW_PRIVATE": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"MATCHMAKER_PORT": "70000"}, "--port (MATCHMAKER_PORT): must be in 0..65535"),
+        ({"MATCHMAKER_BIND": "localhost"}, "--bind"),
+        ({"MATCHMAKER_STORE": "mysql://x"}, "--store"),
+        ({"MATCHMAKER_EXPIRE_AFTER": "10"}, "--expire-after"),
+        ({"MATCHMAKER_KEEPALIVE": "10"}, "--keepalive"),
+        ({"MATCHMAKER_MAX_INFO_BYTES": "4000"}, "--max-info-bytes"),
+        ({"MATCHMAKER_LOG_FORMAT": "xml"}, "--log-format"),
+        ({"MATCHMAKER_PAGES_IN_FLIGHT": "0"}, "--pages-in-flight"),
+        ({"MATCHMAKER_REGISTER_BURST": "0.5"}, "--register-burst"),
+    ],
+)
+def test_validation(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.from_sources({}, env)
+    assert needle in str(info.value)
+
+
+def test_all_problems_reported_at_once() -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.from_sources({}, {"MATCHMAKER_PORT": "-1", "MATCHMAKER_LOG_LEVEL": "loud"})
+    assert len(info.value.problems) == 2
+
+
+def test_settings_are_frozen() -> None:
+    s = Settings()
+    with pytest.raises(AttributeError):
+        s.port = 1  # type: ignore[misc]
+
+
+def test_main_exits_2_on_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--hide-after", "-1"], env={}) == 2
+    assert "--hide-after" in capsys.readouterr().err

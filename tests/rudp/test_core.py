@@ -1,0 +1,490 @@
+"""The sans-IO core on a stepped fake clock and an in-memory lossy network."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from rudp import wire
+from rudp.config import Config
+from rudp.connection import Connection, State
+from rudp.errors import ConnectionClosed, LocalProtocolError, MessageTooLarge, SendQueueFull
+from rudp.events import Connected, Disconnected, DisconnectReason, MessageAcked
+from rudp.wire import DropReason, PacketType
+from tests.rudp.harness import Link, Network, Node
+
+SERVER = ("10.0.0.1", 9000)
+CLIENT = ("10.0.0.2", 5000)
+
+
+def pair(
+    link: Link | None = None, seed: int = 1, config: Config | None = None
+) -> tuple[Network, Node, Node, Connection]:
+    net = Network(seed=seed, link=link)
+    server = net.add(SERVER, config, accept=True)
+    client = net.add(CLIENT, config)
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: conn.state is State.CONNECTED, timeout=30)
+    return net, server, client, conn
+
+
+def server_conn(server: Node) -> Connection:
+    (conn,) = server.endpoint.connections
+    return conn
+
+
+def pump(net: Network, conn: Connection, payloads: list[bytes], **kwargs: object) -> None:
+    """Send every payload, respecting the send queue, until all are acknowledged."""
+    pending = list(payloads)
+    pending.reverse()
+    while pending or conn.queued:
+        while pending and conn.queued < 1000:
+            conn.send(pending.pop(), **kwargs)  # type: ignore[arg-type]
+        assert net.step(net.now + 5), "network went idle with messages outstanding"
+
+
+# -- handshake -----------------------------------------------------------------------------
+
+
+def test_handshake_takes_two_round_trips_and_reports_connected() -> None:
+    net, server, client, conn = pair()
+    assert net.now == pytest.approx(1000.04)  # CONNECT, CHALLENGE, CONNECT, ACCEPT at 10 ms each
+    assert [type(e) for _, e in client.events] == [Connected]
+    assert [type(e) for _, e in server.events] == [Connected]
+    assert server_conn(server).token == conn.token != 0
+
+
+def test_connect_times_out_without_a_server() -> None:
+    net = Network()
+    client = net.add(CLIENT)
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run(10)
+    assert conn.state is State.CLOSED
+    assert client.disconnects() == [Disconnected(DisconnectReason.CONNECT_TIMEOUT)]
+    connects = [d for d, _, _ in net.sent if wire.decode_type(d) is PacketType.CONNECT]
+    assert len(connects) == 20  # every 0.25 s for the 5 s connect timeout
+
+
+def test_server_full_refuses_with_a_reason() -> None:
+    net = Network()
+    net.add(SERVER, Config(max_connections=1), accept=True)
+    first = net.add(CLIENT).endpoint.connect(SERVER, net.now)
+    second_node = net.add(("10.0.0.3", 5000))
+    second = second_node.endpoint.connect(SERVER, net.now)
+    net.run(1)
+    assert first.state is State.CONNECTED
+    assert second.state is State.CLOSED
+    assert second_node.disconnects() == [
+        Disconnected(DisconnectReason.REFUSED, 0, "server full", by_peer=True)
+    ]
+
+
+def test_short_connect_gets_no_answer() -> None:
+    net = Network()
+    server = net.add(SERVER, accept=True)
+    short = wire.encode_connect(1, 2, b"", pad_to=100)
+    net.inject(short, CLIENT, SERVER)
+    net.run(1)
+    assert server.endpoint.stats.dropped[DropReason.MALFORMED] == 1
+    assert not [s for s in net.sent if s[1] == SERVER]
+
+
+def _captured_connect(net: Network) -> bytes:
+    for data, src, _ in net.sent:
+        if wire.decode_type(data) is PacketType.CONNECT and wire.decode_connect(data).cookie:
+            return data
+    raise AssertionError("no CONNECT with a cookie was sent")
+
+
+def test_forged_cookie_is_rejected() -> None:
+    net, server, client, conn = pair()
+    request = wire.decode_connect(_captured_connect(net))
+    forged = bytearray(request.cookie)
+    forged[-1] ^= 1
+    net.inject(wire.encode_connect(99, 1, bytes(forged), 1200), ("10.0.0.9", 1), SERVER)
+    net.run(1)
+    assert server.endpoint.stats.dropped[DropReason.BAD_COOKIE] == 1
+    assert len(server.endpoint.connections) == 1
+
+
+def test_cookie_is_bound_to_the_address() -> None:
+    net, server, client, conn = pair()
+    stolen = _captured_connect(net)
+    net.inject(stolen, ("10.0.0.66", 5000), SERVER)  # same bytes, other source
+    net.run(1)
+    assert server.endpoint.stats.dropped[DropReason.BAD_COOKIE] == 1
+    assert len(server.endpoint.connections) == 1
+
+
+def test_expired_cookie_is_rejected() -> None:
+    net, server, client, conn = pair()
+    captured = _captured_connect(net)
+    conn.close(net.now)
+    net.run(5)
+    net.now += 2 * Config().cookie_lifetime + 1  # two rotations later
+    net.inject(captured, CLIENT, SERVER)
+    net.run(1)
+    assert server.endpoint.stats.dropped[DropReason.BAD_COOKIE] == 1
+    assert not server.endpoint.connections
+
+
+def test_replayed_cookie_does_not_open_a_second_connection() -> None:
+    net, server, client, conn = pair()
+    captured = _captured_connect(net)
+    conn.close(net.now)
+    net.run_until(lambda: conn.state is State.CLOSED)
+    net.run(1)
+    assert not server.endpoint.connections
+    net.inject(captured, CLIENT, SERVER)  # within the cookie's lifetime
+    net.run(1)
+    assert server.endpoint.stats.dropped[DropReason.REPLAYED_COOKIE] == 1
+    assert not server.endpoint.connections
+
+
+def test_duplicate_connect_resends_accept_without_a_new_connection() -> None:
+    net, server, client, conn = pair()
+    net.inject(_captured_connect(net), CLIENT, SERVER)
+    net.run(1)
+    accepts = [
+        d for d, s, _ in net.sent if s == SERVER and wire.decode_type(d) is PacketType.ACCEPT
+    ]
+    assert len(accepts) == 2
+    assert len(server.endpoint.connections) == 1
+    assert client.endpoint.stats.dropped[DropReason.DUPLICATE] == 1
+
+
+def test_handshake_survives_heavy_loss() -> None:
+    for seed in range(5):
+        net, server, client, conn = pair(Link(loss=0.4, duplicate=0.1), seed=seed)
+        assert conn.state is State.CONNECTED
+        assert server_conn(server).state is State.CONNECTED
+
+
+# -- delivery --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_exactly_once_in_order_under_loss_duplication_and_reordering(seed: int) -> None:
+    link = Link(loss=0.3, duplicate=0.1, reorder=0.1, delay=0.02, jitter=0.005)
+    net, server, client, conn = pair(link, seed=seed)
+    rng = random.Random(seed)
+    payloads = [rng.randbytes(rng.randint(0, 1100)) for _ in range(3000)]
+    pump(net, conn, payloads)
+    assert server.received() == payloads
+    assert conn.stats.messages_resent > 0
+
+
+def test_both_directions_and_every_channel_keep_their_own_order() -> None:
+    net, server, client, conn = pair(Link(loss=0.2, reorder=0.2, duplicate=0.05))
+    sconn = server_conn(server)
+    sent: dict[int, list[bytes]] = {ch: [] for ch in range(32)}
+    for i in range(2000):
+        ch = i % 32
+        data = f"{ch}:{i}".encode()
+        sent[ch].append(data)
+        conn.send(data, channel=ch)
+        sconn.send(data, channel=ch)
+    net.run_until(lambda: not conn.queued and not sconn.queued)
+    for node, peer in ((server, sconn), (client, conn)):
+        got: dict[int, list[bytes]] = {ch: [] for ch in range(32)}
+        for c, e in node.events:
+            if c is peer and hasattr(e, "channel"):
+                got[e.channel].append(e.data)  # type: ignore[union-attr]
+        assert got == sent
+
+
+def test_a_loss_on_one_channel_does_not_hold_up_another() -> None:
+    net, server, client, conn = pair(Link(delay=0.05))
+    victim: list[bytes] = []
+
+    def drop_first_data_packet(data: bytes, src: object, dst: object) -> None:
+        if src == CLIENT and not victim and wire.decode_type(data) is PacketType.DATA:
+            if wire.decode_frames(data).messages:
+                victim.append(data)
+                net.link.blackout = True
+
+    net.tap = drop_first_data_packet
+    conn.send(b"a0", channel=0)
+    net.flush()  # this datagram is lost
+    net.link.blackout = False
+    net.tap = None
+    conn.send(b"b0", channel=1)
+    conn.send(b"a1", channel=0)
+    net.step(net.now + 1)
+    # After one delay: channel 1 is delivered; a1 waits for a0's retransmission.
+    assert server.received() == [b"b0"]
+    net.run_until(lambda: len(server.received()) == 3)
+    assert server.received() == [b"b0", b"a0", b"a1"]
+
+
+def test_unreliable_messages_are_never_duplicated() -> None:
+    net, server, client, conn = pair(Link(loss=0.2, duplicate=0.5, reorder=0.3))
+    for i in range(3000):
+        conn.send(i.to_bytes(4, "big"), reliable=False)
+        if i % 50 == 0:
+            net.step(net.now + 0.001)
+    net.run(2)
+    got = [int.from_bytes(d, "big") for d in server.received()]
+    assert len(got) == len(set(got))
+    assert 1500 < len(got) < 3000
+
+
+def test_packet_and_channel_sequences_wrap_around() -> None:
+    cfg = Config(max_datagram_size=600)
+    net, server, client, conn = pair(Link(loss=0.05, duplicate=0.02, delay=0.001), config=cfg)
+    payloads = [i.to_bytes(4, "big") * 100 for i in range(70_000)]  # one message per packet
+    start_seq = conn._tx_next
+    pump(net, conn, payloads)
+    assert conn._tx_next - start_seq > 65536 + 1000  # the packet sequence wrapped
+    assert server_conn(server)._rx_ch_next[0] == 70_000  # and so did channel 0's
+    assert server.received() == payloads
+
+
+def test_fast_resend_repairs_a_single_loss_before_the_timeout() -> None:
+    net, server, client, conn = pair(Link(delay=0.05))
+    for _ in range(20):  # settle the RTT estimate at 100 ms
+        conn.send(b"warm")
+        net.run(0.2)
+    dropped = []
+
+    def drop_one(data: bytes, src: object, dst: object) -> None:
+        if src == CLIENT and not dropped and wire.decode_frames(data).messages:
+            dropped.append(net.now)
+            net.link.blackout = True
+
+    net.tap = drop_one
+    conn.send(b"lost")
+    net.flush()
+    net.link.blackout = False
+    net.tap = None
+    sent_at = net.now
+    for i in range(5):  # later packets get acknowledged and reveal the gap
+        conn.send(f"after{i}".encode())
+        net.flush()
+        net.now += 0.002
+    net.run_until(lambda: b"lost" in server.received())
+    # One RTT to see the later acks, half an RTT for the resend: well under RTO+RTT.
+    assert net.now - sent_at < 0.2
+    assert conn.stats.timeouts == 0
+
+
+def test_rtt_estimate_tracks_the_path() -> None:
+    net, server, client, conn = pair(Link(delay=0.03))
+    for _ in range(30):
+        conn.send(b"x")
+        net.run(0.1)
+    assert conn.stats.srtt == pytest.approx(0.06, abs=0.005)
+    assert conn.stats.rto == pytest.approx(0.06 + max(4 * conn.stats.rttvar, 0.06 / 8), abs=0.01)
+
+
+def test_resend_timeout_backs_off_and_is_clamped() -> None:
+    cfg = Config(rto_max=1.0)
+    net, server, client, conn = pair(config=cfg)
+    net.link.blackout = True
+    conn.send(b"into the void")
+    times = []
+    net.tap = lambda data, src, dst: times.append(net.now) if src == CLIENT else None
+    net.run(6)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert gaps == sorted(gaps)  # each wait at least as long as the one before
+    assert max(gaps) <= 1.0 + 1e-9
+
+
+# -- liveness ---------------------------------------------------------------------------------
+
+
+def test_keepalive_holds_an_idle_connection_open() -> None:
+    net, server, client, conn = pair(Link(loss=0.3))
+    net.run(120)
+    assert conn.state is State.CONNECTED
+    assert server_conn(server).state is State.CONNECTED
+
+
+def test_silence_ends_both_sides_with_timeout() -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    net.link.blackout = True
+    start = net.now
+    net.run(20)
+    assert conn.state is State.CLOSED and sconn.state is State.CLOSED
+    assert client.disconnects() == [Disconnected(DisconnectReason.TIMEOUT)]
+    assert server.disconnects() == [Disconnected(DisconnectReason.TIMEOUT)]
+    assert conn.close_reason is not None
+    assert net.now - start >= 10
+
+
+def test_forgotten_peer_learns_by_noconn_within_a_round_trip() -> None:
+    net, server, client, conn = pair(Link(delay=0.02))
+    net.remove(SERVER)
+    net.add(SERVER, accept=True)  # the server restarted: it knows nobody
+    conn.send(b"are you there?")
+    sent_at = net.now
+    net.run_until(lambda: conn.state is State.CLOSED)
+    assert net.now - sent_at == pytest.approx(0.04)
+    assert client.disconnects() == [Disconnected(DisconnectReason.NO_CONNECTION, by_peer=True)]
+
+
+def test_spoofed_noconn_is_ignored() -> None:
+    net, server, client, conn = pair()
+    for seq in range(0, 65536, 997):  # echoes of packets never sent
+        if not conn._tx_next - 4096 <= seq <= conn._tx_next:
+            net.inject(wire.encode_noconn(conn.token, seq), SERVER, CLIENT)
+    net.inject(wire.encode_noconn(conn.token ^ 1, conn._tx_next - 1), SERVER, CLIENT)
+    net.run(1)
+    assert conn.state is State.CONNECTED
+    assert client.endpoint.stats.dropped[DropReason.UNEXPECTED] > 50
+    assert client.endpoint.stats.dropped[DropReason.BAD_TOKEN] == 1
+
+
+def test_noconn_replies_are_rate_limited_and_never_larger_than_the_trigger() -> None:
+    net = Network()
+    server = net.add(SERVER, Config(noconn_burst=10, noconn_rate=1.0), accept=True)
+    packet = wire.seal_rest(wire.data_header(5, 1, 0, 0) + wire.PING_FRAME)
+    for i in range(100):
+        net.inject(packet, ("10.0.0.7", 1000 + i), SERVER)
+    net.run(0.5)
+    replies = [d for d, s, _ in net.sent if s == SERVER]
+    assert len(replies) == 10
+    assert all(len(r) <= len(packet) for r in replies)
+    assert server.endpoint.stats.dropped[DropReason.RATE_LIMITED] == 90
+
+
+def test_restarted_client_replaces_its_old_session() -> None:
+    net, server, client, conn = pair()
+    old = server_conn(server)
+    net.remove(CLIENT)
+    again = net.add(CLIENT)  # same address, new process
+    fresh = again.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: fresh.state is State.CONNECTED)
+    assert old.state is State.CLOSED
+    assert server.disconnects() == [Disconnected(DisconnectReason.NO_CONNECTION, by_peer=True)]
+    assert server_conn(server) is not old
+
+
+# -- graceful close ---------------------------------------------------------------------------
+
+
+def test_close_delivers_everything_queued_then_both_sides_report_the_same_reason() -> None:
+    net, server, client, conn = pair(Link(loss=0.25, duplicate=0.05, reorder=0.1))
+    payloads = [f"m{i}".encode() for i in range(500)]
+    for p in payloads:
+        conn.send(p)
+    conn.close(net.now, 4001, "game over")
+    assert conn.state is State.CLOSING
+    with pytest.raises(LocalProtocolError):
+        conn.send(b"too late")
+    sconn = server_conn(server)
+    net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED)
+    assert server.received() == payloads
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED, 4001, "game over")]
+    assert server.disconnects() == [
+        Disconnected(DisconnectReason.CLOSED, 4001, "game over", by_peer=True)
+    ]
+    with pytest.raises(ConnectionClosed) as info:
+        conn.send(b"after")
+    assert info.value.reason == "closed" and info.value.code == 4001
+
+
+def test_lost_disconnect_is_resent_until_acknowledged() -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    drops = [0]
+
+    def drop_disconnects(data: bytes, src: object, dst: object) -> None:
+        net.link.blackout = False
+        if src == CLIENT and wire.decode_frames(data).disconnect and drops[0] < 3:
+            drops[0] += 1
+            net.link.blackout = True
+
+    net.tap = drop_disconnects
+    conn.close(net.now, 1, "x")
+    net.run_until(lambda: conn.state is State.CLOSED)
+    assert drops[0] == 3
+    assert sconn.state in (State.DRAINING, State.CLOSED)
+    assert client.disconnects()[0].reason is DisconnectReason.CLOSED
+    assert server.disconnects()[0].by_peer
+
+
+def test_unacknowledged_disconnect_ends_after_the_close_timeout() -> None:
+    net, server, client, conn = pair()
+    net.link.blackout = True
+    conn.close(net.now)
+    start = net.now
+    net.run_until(lambda: conn.state is State.CLOSED)
+    assert net.now - start == pytest.approx(Config().close_timeout, abs=0.01)
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED)]
+
+
+def test_peer_that_already_forgot_us_completes_our_close() -> None:
+    net, server, client, conn = pair()
+    net.remove(SERVER)
+    net.add(SERVER, accept=True)
+    conn.close(net.now, 2, "bye")
+    net.run_until(lambda: conn.state is State.CLOSED)
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED, 2, "bye")]
+
+
+# -- the caller's misuse raises at once --------------------------------------------------------
+
+
+def test_misuse_raises_clear_errors() -> None:
+    net, server, client, conn = pair(config=Config(send_queue_limit=10, drain_low_water=5))
+    with pytest.raises(MessageTooLarge):
+        conn.send(bytes(conn.max_message_size + 1))
+    conn.send(bytes(conn.max_message_size))
+    with pytest.raises(LocalProtocolError):
+        conn.send(b"x", channel=32)
+    with pytest.raises(TypeError):
+        conn.send("text")  # type: ignore[arg-type]
+    for _ in range(9):
+        conn.send(b"x")
+    with pytest.raises(SendQueueFull):
+        conn.send(b"x")
+    with pytest.raises(LocalProtocolError):
+        conn.close(net.now, code=70000)
+    with pytest.raises(LocalProtocolError):
+        client.endpoint.connect(SERVER, net.now)
+
+
+def test_acked_event_only_for_messages_that_asked() -> None:
+    net, server, client, conn = pair()
+    quiet = conn.send(b"a")
+    loud = conn.send(b"b")
+    loud.notify = True
+    net.run(1)
+    acked = [e.handle for _, e in client.events if isinstance(e, MessageAcked)]
+    assert acked == [loud]
+    assert quiet.acked and loud.acked
+
+
+def test_receive_buffer_is_bounded_and_drops_whole_packets() -> None:
+    cfg = Config(recv_buffer_bytes=4000, window=64)
+    net, server, client, conn = pair(Link(delay=0.01), config=cfg)
+    sconn = server_conn(server)
+    # Forge early messages far ahead on channel 0 straight into the server core.
+    seq = conn._tx_next
+    for i in range(1, 20):
+        frame = wire.message_frame(1, 0, i * 10, bytes(1000))
+        packet = wire.seal_rest(wire.data_header(sconn.token, (seq + i) & 0xFFFF, 0, 0) + frame)
+        server.endpoint.receive_datagram(packet, CLIENT, net.now)
+    assert sconn._rx_buffered_bytes <= 4000
+    assert server.endpoint.stats.dropped[DropReason.RECV_BUFFER_FULL] > 0
+
+
+def test_illegal_state_transition_raises_and_keeps_the_state() -> None:
+    net, server, client, conn = pair()
+    with pytest.raises(LocalProtocolError):
+        conn._set_state(State.CONNECTING)
+    assert conn.state is State.CONNECTED
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="max_datagram_size"):
+        Config(max_datagram_size=100)
+    with pytest.raises(ValueError, match="keepalive_interval"):
+        Config(keepalive_interval=20.0, idle_timeout=10.0)
+    with pytest.raises(ValueError, match="rto"):
+        Config(rto_min=1.0, rto_initial=0.5)
+    assert dataclasses.replace(Config(), window=8).window == 8

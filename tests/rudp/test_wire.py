@@ -1,0 +1,214 @@
+"""Decoders tested whole, byte by byte, with garbage, truncations and bit flips."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rudp import wire
+from rudp.config import Config
+from rudp.endpoint import Endpoint
+from rudp.wire import DecodeError, DropReason, PacketType
+
+
+def _data_packet() -> bytes:
+    rest = b"".join(
+        [
+            wire.data_header(0xDEADBEEF, 7, 65535, 0x80000001),
+            wire.message_frame(wire.Delivery.RELIABLE_ORDERED, 0, 65535, b"hello"),
+            wire.message_frame(wire.Delivery.RELIABLE_ORDERED, 31, 1, b""),
+            wire.message_frame(wire.Delivery.UNRELIABLE, 0, 0, b"x" * 300),
+            wire.message_frame(wire.Delivery.UNRELIABLE, 200, 0, b"y"),
+            wire.PING_FRAME,
+            wire.disconnect_frame(4000, "bye ✓"),
+        ]
+    )
+    return wire.seal_rest(rest)
+
+
+def test_data_packet_round_trip() -> None:
+    packet = _data_packet()
+    assert wire.decode_type(packet) is PacketType.DATA
+    assert wire.decode_data_header(packet) == (0xDEADBEEF, 7, 65535, 0x80000001)
+    frames = wire.decode_frames(packet)
+    assert frames.messages == [
+        wire.MessageFrame(1, 0, 65535, b"hello"),
+        wire.MessageFrame(1, 31, 1, b""),
+        wire.MessageFrame(0, 0, 0, b"x" * 300),
+        wire.MessageFrame(0, 200, 0, b"y"),
+    ]
+    assert frames.ping
+    assert frames.disconnect == wire.DisconnectFrame(4000, "bye ✓")
+
+
+def test_frame_size_matches_encoding() -> None:
+    for mode in (0, 1):
+        for channel in (0, 5):
+            frame = wire.message_frame(mode, channel, 9, b"abc")
+            assert len(frame) == wire.message_frame_size(mode, channel, 3)
+            assert len(frame) - 3 <= wire.MESSAGE_OVERHEAD
+
+
+@pytest.mark.parametrize(
+    ("encoded", "decode", "expected"),
+    [
+        (
+            wire.encode_connect(1, 2, b"c" * 20, 1200),
+            wire.decode_connect,
+            wire.Connect(1, 2, b"c" * 20),
+        ),
+        (wire.encode_challenge(3, b"k" * 20), wire.decode_challenge, wire.Challenge(3, b"k" * 20)),
+        (wire.encode_accept(4, 5, 6), wire.decode_accept, wire.Accept(4, 5, 6)),
+        (wire.encode_reject(7, "server full"), wire.decode_reject, wire.Reject(7, "server full")),
+        (wire.encode_noconn(8, 9), wire.decode_noconn, wire.NoConn(8, 9)),
+        (
+            wire.encode_query(PacketType.QUERY, 10, b"q", 100),
+            wire.decode_query,
+            wire.Query(10, b"q"),
+        ),
+    ],
+)
+def test_control_packets_round_trip(encoded: bytes, decode: object, expected: object) -> None:
+    wire.decode_type(encoded)
+    assert decode(encoded) == expected  # type: ignore[operator]
+
+
+def test_connect_is_padded_to_the_datagram_size() -> None:
+    assert len(wire.encode_connect(1, 2, b"", 1200)) == 1200
+
+
+def test_reject_text_is_clipped_on_a_character_boundary() -> None:
+    packet = wire.encode_reject(1, "é" * 200)
+    text = wire.decode_reject(packet).text
+    assert len(text.encode()) <= wire.MAX_REJECT_TEXT
+    assert set(text) == {"é"}
+
+
+def test_every_truncation_is_rejected() -> None:
+    packet = _data_packet()
+    for n in range(len(packet)):
+        with pytest.raises(DecodeError):
+            cut = packet[:n]
+            wire.decode_type(cut)
+            wire.decode_data_header(cut)
+            wire.decode_frames(cut)
+
+
+def test_truncation_with_a_valid_crc_is_rejected_by_the_frame_parser() -> None:
+    packet = _data_packet()
+    full = wire.decode_frames(packet)
+    accepted = 0
+    for n in range(wire.DATA_HEADER_SIZE + 1, len(packet)):
+        resealed = wire.seal_rest(packet[4:n])
+        try:
+            frames = wire.decode_frames(resealed)
+        except DecodeError:
+            continue
+        # Only a cut exactly on a frame boundary is valid: a prefix of the frames.
+        accepted += 1
+        assert frames.messages == full.messages[: len(frames.messages)]
+        assert frames.disconnect is None
+    assert accepted == 5  # one per frame boundary before the last frame
+
+
+def test_every_single_bit_flip_is_caught_by_the_crc() -> None:
+    packet = _data_packet()
+    for bit in range(len(packet) * 8):
+        flipped = bytearray(packet)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(DecodeError) as info:
+            wire.decode_type(bytes(flipped))
+        assert info.value.reason in (DropReason.BAD_CHECKSUM,)
+
+
+def test_wrong_version_and_unknown_type() -> None:
+    body = bytes([wire.PROTOCOL_VERSION + 1, PacketType.DATA]) + bytes(20)
+    with pytest.raises(DecodeError) as info:
+        wire.decode_type(wire.seal_rest(body))
+    assert info.value.reason is DropReason.WRONG_VERSION
+    body = bytes([wire.PROTOCOL_VERSION, 99]) + bytes(20)
+    with pytest.raises(DecodeError) as info:
+        wire.decode_type(wire.seal_rest(body))
+    assert info.value.reason is DropReason.UNKNOWN_TYPE
+
+
+def test_reserved_flags_and_unknown_frames_are_malformed() -> None:
+    header = wire.data_header(1, 1, 1, 0)
+    for frame in (bytes([0x80 | 0x10, 0, 0]), bytes([0x80 | 0x05, 0, 0]), bytes([0x33])):
+        with pytest.raises(DecodeError) as info:
+            wire.decode_frames(wire.seal_rest(header + frame))
+        assert info.value.reason is DropReason.MALFORMED
+
+
+@given(st.binary(max_size=1500))
+def test_random_bytes_never_raise_anything_but_decode_error(data: bytes) -> None:
+    try:
+        ptype = wire.decode_type(data)
+    except DecodeError:
+        return
+    _decode_body(ptype, data)
+
+
+@given(st.binary(min_size=2, max_size=1400))
+def test_random_bodies_with_a_valid_crc_never_raise(body: bytes) -> None:
+    data = wire.seal_rest(bytes([wire.PROTOCOL_VERSION]) + body[1:])
+    try:
+        ptype = wire.decode_type(data)
+    except DecodeError:
+        return
+    _decode_body(ptype, data)
+
+
+def _decode_body(ptype: PacketType, data: bytes) -> None:
+    decoders = {
+        PacketType.CONNECT: wire.decode_connect,
+        PacketType.CHALLENGE: wire.decode_challenge,
+        PacketType.ACCEPT: wire.decode_accept,
+        PacketType.REJECT: wire.decode_reject,
+        PacketType.NOCONN: wire.decode_noconn,
+        PacketType.QUERY: wire.decode_query,
+        PacketType.QUERY_REPLY: wire.decode_query,
+    }
+    try:
+        if ptype is PacketType.DATA:
+            wire.decode_data_header(data)
+            wire.decode_frames(data)
+        else:
+            decoders[ptype](data)
+    except DecodeError:
+        pass
+
+
+@given(st.lists(st.binary(max_size=1300), max_size=40), st.integers(0, 2**32))
+def test_endpoint_counts_every_bad_datagram_and_never_raises(
+    datagrams: list[bytes], seed: int
+) -> None:
+    endpoint = Endpoint(Config(), now=0.0, rng=random.Random(seed), accept=True)
+    for i, data in enumerate(datagrams):
+        endpoint.receive_datagram(data, ("127.0.0.1", 4000 + i), float(i))
+    stats = endpoint.stats
+    assert stats.datagrams_received == len(datagrams)
+    assert not endpoint.connections
+    # Nothing unvalidated can make the endpoint send more than it received.
+    endpoint.datagrams_to_send(float(len(datagrams)))
+    assert stats.unvalidated_bytes_sent <= stats.unvalidated_bytes_received
+
+
+def test_bit_flipped_real_packets_are_dropped_and_counted() -> None:
+    rng = random.Random(5)
+    endpoint = Endpoint(Config(), now=0.0, rng=rng, accept=True)
+    packet = _data_packet()
+    for i in range(500):
+        flipped = bytearray(packet)
+        for _ in range(rng.randint(1, 8)):
+            bit = rng.randrange(len(flipped) * 8)
+            flipped[bit // 8] ^= 1 << (bit % 8)
+        endpoint.receive_datagram(bytes(flipped), ("127.0.0.1", 5000), float(i))
+    assert (
+        endpoint.stats.dropped[DropReason.BAD_CHECKSUM]
+        + endpoint.stats.dropped[DropReason.UNKNOWN_PEER]
+        == 500
+    )
