@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -92,7 +93,7 @@ def test_short_connect_gets_no_answer() -> None:
 
 
 def _captured_connect(net: Network) -> bytes:
-    for data, src, _ in net.sent:
+    for data, _src, _ in net.sent:
         if wire.decode_type(data) is PacketType.CONNECT and wire.decode_connect(data).cookie:
             return data
     raise AssertionError("no CONNECT with a cookie was sent")
@@ -200,10 +201,10 @@ def test_a_loss_on_one_channel_does_not_hold_up_another() -> None:
     victim: list[bytes] = []
 
     def drop_first_data_packet(data: bytes, src: object, dst: object) -> None:
-        if src == CLIENT and not victim and wire.decode_type(data) is PacketType.DATA:
-            if wire.decode_frames(data).messages:
-                victim.append(data)
-                net.link.blackout = True
+        is_data = wire.decode_type(data) is PacketType.DATA
+        if src == CLIENT and not victim and is_data and wire.decode_frames(data).messages:
+            victim.append(data)
+            net.link.blackout = True
 
     net.tap = drop_first_data_packet
     conn.send(b"a0", channel=0)
@@ -287,7 +288,7 @@ def test_resend_timeout_backs_off_and_is_clamped() -> None:
     times = []
     net.tap = lambda data, src, dst: times.append(net.now) if src == CLIENT else None
     net.run(6)
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert gaps == sorted(gaps)  # each wait at least as long as the one before
     assert max(gaps) <= 1.0 + 1e-9
 
