@@ -1,4 +1,5 @@
-# Two entry points: `make run` (the main job) and `make test` (lint, types, tests).
+# Two entry points: `make run` (the matchmaker daemon on its in-memory store) and
+# `make test` (lint, types, tests).
 # Each creates .venv on first use and installs what it needs.
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: $(VENV)/.installed
-	$(PY) examples/echo_server.py
+	$(PY) -m matchmaker
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -55,8 +55,9 @@ class Config:
     send_queue_limit: int = 65536
     """Messages queued or unacknowledged before ``send()`` raises ``SendQueueFull``."""
 
-    drain_low_water: int = 16384
-    """``drain()`` returns once the queue is at or below this many messages."""
+    drain_low_water: int | None = None
+    """``drain()`` returns once the queue is at or below this many messages
+    (None: a quarter of ``send_queue_limit``; see ``drain_threshold``)."""
 
     recv_buffer_bytes: int = 2 * 1024 * 1024
     """Bytes of out-of-order reliable data held per connection; a packet that would
@@ -122,7 +123,8 @@ class Config:
         _check_range("channels", self.channels, 1, 256)
         _check_range("channel_window", self.channel_window, 1, 16384)
         _check_range("send_queue_limit", self.send_queue_limit, 1, 1 << 30)
-        _check_range("drain_low_water", self.drain_low_water, 0, self.send_queue_limit)
+        if self.drain_low_water is not None:
+            _check_range("drain_low_water", self.drain_low_water, 0, self.send_queue_limit)
         _check_range("recv_buffer_bytes", self.recv_buffer_bytes, self.max_datagram_size, 1 << 34)
         _check_range("max_backoff", self.max_backoff, 0, 16)
         _check_range("reorder_threshold", self.reorder_threshold, 1, 32)
@@ -149,6 +151,14 @@ class Config:
             raise ValueError("Config.keepalive_interval must be shorter than idle_timeout")
         if self.socket_buffer_size < 0:
             raise ValueError("Config.socket_buffer_size must be >= 0")
+
+
+    @property
+    def drain_threshold(self) -> int:
+        """The queue length at which ``drain()`` returns."""
+        if self.drain_low_water is None:
+            return self.send_queue_limit // 4
+        return self.drain_low_water
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:

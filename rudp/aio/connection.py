@@ -118,10 +118,10 @@ class Connection:
         return SendHandle(self, msg)
 
     async def drain(self) -> None:
-        """Wait until the send queue is at or below ``Config.drain_low_water``."""
+        """Wait until the send queue is at or below ``Config.drain_threshold``."""
         if self._closed_future.done():
             raise self._closed_error()
-        if self._core.queued <= self._endpoint.config.drain_low_water:
+        if self._core.queued <= self._endpoint.config.drain_threshold:
             return
         if self._drain_waiter is None:
             self._drain_waiter = self._loop.create_future()
@@ -130,7 +130,7 @@ class Connection:
 
     def _check_drain(self) -> None:
         waiter = self._drain_waiter
-        if waiter is not None and self._core.queued <= self._endpoint.config.drain_low_water:
+        if waiter is not None and self._core.queued <= self._endpoint.config.drain_threshold:
             self._drain_waiter = None
             self._endpoint.draining.discard(self)
             if not waiter.done():
