@@ -152,7 +152,6 @@ class Config:
         if self.socket_buffer_size < 0:
             raise ValueError("Config.socket_buffer_size must be >= 0")
 
-
     @property
     def drain_threshold(self) -> int:
         """The queue length at which ``drain()`` returns."""

@@ -27,6 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
+from rudp.connection import State
 from rudp.wire import DropReason
 
 if TYPE_CHECKING:
@@ -109,8 +110,11 @@ def _endpoint_counters(endpoints: Sequence[Endpoint]) -> Iterable[Metric]:
     for reason in DropReason:
         dropped.add_metric([reason.value], sum(e.stats.dropped[reason] for e in endpoints))
     yield dropped
+    open_states = (State.CONNECTED, State.CLOSING)
     yield GaugeMetricFamily(
-        "rudp_connections", "Open connections.", value=sum(len(e.connections) for e in endpoints)
+        "rudp_connections",
+        "Open connections (connected or closing).",
+        value=sum(1 for e in endpoints for c in e.connections if c.state in open_states),
     )
 
 
