@@ -9,7 +9,9 @@ peer-chosen label, ``game`` on the hosts-listed gauge, is capped to the
 
 Gauges that mirror state (hosts listed, registry staleness, open connections)
 are read at scrape time through callbacks, so they are never out of date and
-cost nothing between scrapes.
+cost nothing between scrapes.  The rudp transport's own counters (``rudp_*``:
+datagrams, drops by reason, connections, retransmissions, RTT) come from
+`rudp.metrics.RudpCollector`, also read at scrape time (`Metrics.bind_transport`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prometheus_client.registry import Collector
 from matchmaker import __version__
 from matchmaker.messages import ErrorReason
 from matchmaker.registry.base import RemovalReason
+from rudp.metrics import RudpCollector
 
 OTHER_GAME = "_other"
 
@@ -189,6 +192,14 @@ class Metrics:
     ) -> None:
         """Register the scrape-time gauges (once, when the daemon's parts exist)."""
         self.registry.register(_StateCollector(hosts_by_game, stale, connections, max_games))
+
+    def bind_transport(self, endpoints: Iterable[object]) -> RudpCollector:
+        """Export rudp's transport counters (``rudp_*``) for `endpoints` (``rudp.Server``s).
+
+        Read at scrape time from the endpoints' own counters: datagrams, bytes,
+        connections, retransmissions, datagrams dropped by reason, RTT.
+        """
+        return RudpCollector(endpoints, registry=self.registry)
 
     def observe_registry_op(self, op: str, seconds: float, failed: bool) -> None:
         """The Redis registry's OpObserver."""

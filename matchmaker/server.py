@@ -77,12 +77,20 @@ class Matchmaker:
             connections=lambda: self.service.connections,
             max_games=settings.metrics_max_games,
         )
+        # rudp_* series exist from the first scrape; the socket joins at start().
+        self._transport_metrics = self.metrics.bind_transport(())
 
     @property
     def udp_address(self) -> tuple[str, int]:
         assert self._udp is not None, "not started"
         host, port = self._udp.address[:2]
         return str(host), int(port)
+
+    @property
+    def udp(self) -> rudp.Server:
+        """The daemon's rudp socket (its ``stats``, its connections)."""
+        assert self._udp is not None, "not started"
+        return self._udp
 
     @property
     def http_address(self) -> tuple[str, int]:
@@ -94,6 +102,7 @@ class Matchmaker:
         await self.registry.start()
         self._udp = await rudp.serve(self.service.handle, s.bind, s.port, config=self._rudp_config)
         self._udp.on_query = self.service.answer_query
+        self._transport_metrics.add(self._udp)
         api = HttpApi(
             registry=self.registry,
             metrics=self.metrics,

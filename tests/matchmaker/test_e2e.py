@@ -6,6 +6,7 @@ import asyncio
 import faulthandler
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rudp
+from matchmaker import __version__
 from matchmaker.addresses import Address
 from matchmaker.client import MatchmakerClient
 from matchmaker.server import Matchmaker
@@ -167,6 +169,47 @@ async def test_two_daemons_share_redis(redis_server: RedisProcess) -> None:
         await game.close()
         await a.shutdown()
         await b.shutdown()
+
+
+async def test_metrics_export_rudp_transport_counters(daemon: Matchmaker) -> None:
+    game, _ = await accepting_endpoint()
+    host = MatchmakerClient.to(*daemon.udp_address, via=game)
+    garbage = 7
+    try:
+        await host.register(**HOST)
+        # Garbage at the matchmaker's UDP port: long enough for a header, wrong CRC.
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            asyncio.DatagramProtocol, remote_addr=daemon.udp_address
+        )
+        for i in range(garbage):
+            transport.sendto(bytes([i]) * 40)
+        transport.close()
+        stats = daemon.udp.stats
+        await eventually(lambda: stats.dropped[rudp.DropReason.BAD_CHECKSUM] == garbage)
+        await host.update(players=1)  # an acked round trip: an RTT sample on both sides
+
+        status, body = await http_get(daemon.http_address, "/metrics")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in families.values()
+            for s in f.samples
+        }
+        assert samples[("rudp_datagrams_received_total", ())] > garbage
+        assert samples[("rudp_connections", ())] == 1
+        assert samples[("rudp_datagrams_dropped_total", (("reason", "bad_checksum"),))] == garbage
+        # A gauge histogram (text format 0.0.4 writes it as a histogram plus
+        # _gcount/_gsum); one open connection has an RTT sample: the host's.
+        assert samples[("rudp_rtt_seconds_bucket", (("le", "+Inf"),))] == 1
+        assert samples[("rudp_rtt_seconds_gcount", ())] == 1
+        assert ("rudp_retransmissions_total", ()) in samples
+        build = (("python", platform.python_version()), ("version", __version__))
+        assert samples[("matchmaker_build_info", build)] == 1
+    finally:
+        await host.close()
+        await game.close()
 
 
 def test_daemon_process_stops_on_sigterm() -> None:
