@@ -58,6 +58,7 @@ from rudp.wire import Delivery, DropReason
 Address = tuple[Any, ...]
 ACK_SPAN = 32  # a header acknowledges its largest packet and this many before it
 NOCONN_SPAN = 4096  # a NOCONN must echo one of our last few thousand packets
+BUFFER_ENTRY_COST = 64  # bytes charged per buffered message besides its payload
 UNRELIABLE = Delivery.UNRELIABLE
 RELIABLE_ORDERED = Delivery.RELIABLE_ORDERED
 
@@ -133,6 +134,9 @@ class Connection:
         self._tx_ch_unacked: list[deque[OutMessage]] = [deque() for _ in range(config.channels)]
         self._last_eliciting = now
         self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
+        self._max_message = self._max_payload - wire.MESSAGE_OVERHEAD
+        self._channels = config.channels
+        self._queue_limit = config.send_queue_limit
         # -- receive side
         self._rx_largest = 0
         self._rx_bits = 0  # bit i: packet (largest - i) was received
@@ -169,44 +173,47 @@ class Connection:
 
     @property
     def max_message_size(self) -> int:
-        return self._max_payload - wire.MESSAGE_OVERHEAD
+        return self._max_message
 
     def send(self, data: bytes, *, reliable: bool = True, channel: int = 0) -> OutMessage:
         """Queue a message; returns its handle. Raises at once on misuse or a full queue."""
-        if self.state is not State.CONNECTED and self.state is not State.CONNECTING:
-            if self.close_reason is not None:
-                raise ConnectionClosed(
-                    self.close_reason.reason, self.close_reason.code, self.close_reason.text
-                )
-            raise LocalProtocolError(f"cannot send on a connection that is {self.state.value}")
+        if self.state is not State.CONNECTED:
+            self._check_can_send()
         if type(data) is not bytes:
-            if not isinstance(data, bytes | bytearray | memoryview):
-                raise TypeError(f"message data must be bytes-like, not {type(data).__name__}")
-            data = bytes(data)
-        if not 0 <= channel < self.config.channels:
-            raise LocalProtocolError(
-                f"channel must be in [0, {self.config.channels}), got {channel}"
-            )
-        if len(data) > self.max_message_size:
+            data = _as_bytes(data)
+        if channel and not 0 < channel < self._channels:
+            raise LocalProtocolError(f"channel must be in [0, {self._channels}), got {channel}")
+        if len(data) > self._max_message:
             raise MessageTooLarge(
-                f"message of {len(data)} bytes exceeds the {self.max_message_size}-byte limit"
+                f"message of {len(data)} bytes exceeds the {self._max_message}-byte limit"
             )
-        if self._queued >= self.config.send_queue_limit:
+        if self._queued >= self._queue_limit:
             raise SendQueueFull(
                 f"send queue is full ({self._queued} messages); await drain() before sending"
             )
         if reliable:
-            msg = OutMessage(data, RELIABLE_ORDERED, channel, self._tx_ch_next[channel])
-            self._tx_ch_next[channel] += 1
+            seq = self._tx_ch_next[channel]
+            self._tx_ch_next[channel] = seq + 1
+            msg = OutMessage(
+                data, RELIABLE_ORDERED, channel, seq, wire.reliable_frame(channel, seq, data)
+            )
             self._rel_queue.append(msg)
             self._tx_ch_unacked[channel].append(msg)
             self._unacked_reliable += 1
         else:
-            msg = OutMessage(data, UNRELIABLE, channel, 0)
+            msg = OutMessage(data, UNRELIABLE, channel, 0, wire.unreliable_frame(channel, data))
             self._unrel_queue.append(msg)
         self._queued += 1
         self._dirty.add(self)
         return msg
+
+    def _check_can_send(self) -> None:
+        if self.state is State.CONNECTING:
+            return  # queued until the handshake completes
+        if self.close_reason is not None:
+            reason = self.close_reason
+            raise ConnectionClosed(reason.reason, reason.code, reason.text)
+        raise LocalProtocolError(f"cannot send on a connection that is {self.state.value}")
 
     def close(self, now: float, code: int = 0, text: str = "") -> None:
         """Start a graceful close: flush what is queued reliably, then DISCONNECT."""
@@ -351,7 +358,7 @@ class Connection:
             if (self._rx_bits >> -delta) & 1:
                 return DropReason.DUPLICATE
         frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
-        if frames.messages and not self._can_buffer(frames.messages):
+        if frames.messages and not self._can_buffer(frames.messages, len(data)):
             return DropReason.RECV_BUFFER_FULL
         low = self._ack_low
         if low is not None and seq - low > ACK_SPAN:
@@ -384,64 +391,80 @@ class Connection:
             self._on_peer_disconnect(frames.disconnect, now)
         return None
 
-    def _can_buffer(self, messages: list[wire.MessageFrame]) -> bool:
-        """Whether every early reliable message in the packet fits the reorder buffer.
+    def _can_buffer(self, messages: list[wire.MessageFrame], size: int) -> bool:
+        """Whether the packet's early reliable messages fit the reorder buffer.
 
         A packet is accepted whole or not at all: acknowledging it while dropping a
-        message in it would lose that message for good.
+        message in it would lose that message for good. Each buffered message is
+        charged ``BUFFER_ENTRY_COST`` on top of its payload, so empty messages
+        cannot fill the buffer with entries for free. The common case, a packet
+        that fits even if every message in it were early, is decided at once.
         """
+        limit = self.config.recv_buffer_bytes
+        if self._rx_buffered_bytes + size + BUFFER_ENTRY_COST * len(messages) <= limit:
+            return self._channels_ok(messages)
         extra = 0
-        channels = self.config.channels
-        window = self.config.channel_window
         for mode, channel, seq16, payload in messages:
-            if channel >= channels:
+            if channel >= self._channels:
                 return False
             if mode == RELIABLE_ORDERED:
                 expected = self._rx_ch_next[channel]
-                ahead = unwrap(seq16, expected) - expected
-                if ahead >= window:
-                    return False
-                if ahead > 0:
-                    extra += len(payload)
-        return self._rx_buffered_bytes + extra <= self.config.recv_buffer_bytes
+                if unwrap(seq16, expected) > expected:
+                    extra += len(payload) + BUFFER_ENTRY_COST
+        return self._rx_buffered_bytes + extra <= limit
+
+    def _channels_ok(self, messages: list[wire.MessageFrame]) -> bool:
+        channels = self._channels
+        return all(m[1] < channels for m in messages)
 
     def _deliver(self, messages: list[wire.MessageFrame]) -> bool:
         """Deliver or buffer each message; returns whether any was reliable."""
         events = self._events
-        stats = self.stats
+        rx_next = self._rx_ch_next
+        delivered = 0
         reliable_seen = False
         for mode, channel, seq16, payload in messages:
             if mode == UNRELIABLE:
                 events.append((self, MessageReceived(payload, channel, False)))
-                stats.messages_received += 1
+                delivered += 1
                 continue
             reliable_seen = True
-            expected = self._rx_ch_next[channel]
-            seq = unwrap(seq16, expected)
-            if seq == expected:
+            expected = rx_next[channel]
+            if seq16 == expected & SEQ_MASK:  # the common case: next in order
                 events.append((self, MessageReceived(payload, channel, True)))
-                stats.messages_received += 1
+                delivered += 1
                 expected += 1
                 buf = self._rx_ch_buf[channel]
-                while buf:
-                    early = buf.pop(expected, None)
-                    if early is None:
-                        break
-                    self._rx_buffered_bytes -= len(early)
-                    events.append((self, MessageReceived(early, channel, True)))
-                    stats.messages_received += 1
-                    expected += 1
-                self._rx_ch_next[channel] = expected
-            elif seq > expected:
-                buf = self._rx_ch_buf[channel]
-                if seq not in buf:
-                    buf[seq] = payload
-                    self._rx_buffered_bytes += len(payload)
+                if buf:
+                    delivered += self._flush_buffered(channel, expected, buf)
+                    expected = rx_next[channel]
                 else:
-                    stats.duplicate_messages += 1
+                    rx_next[channel] = expected
+                continue
+            seq = unwrap(seq16, expected)
+            buf = self._rx_ch_buf[channel]
+            if seq > expected and seq not in buf:
+                buf[seq] = payload
+                self._rx_buffered_bytes += len(payload) + BUFFER_ENTRY_COST
             else:
-                stats.duplicate_messages += 1
+                self.stats.duplicate_messages += 1
+        self.stats.messages_received += delivered
         return reliable_seen
+
+    def _flush_buffered(self, channel: int, expected: int, buf: dict[int, bytes]) -> int:
+        """Deliver the buffered messages that are now in order; returns how many."""
+        events = self._events
+        n = 0
+        while buf:
+            early = buf.pop(expected, None)
+            if early is None:
+                break
+            self._rx_buffered_bytes -= len(early) + BUFFER_ENTRY_COST
+            events.append((self, MessageReceived(early, channel, True)))
+            expected += 1
+            n += 1
+        self._rx_ch_next[channel] = expected
+        return n
 
     def _process_ack(self, ack16: int, bits: int, now: float) -> None:
         sent = self._sent
@@ -482,17 +505,19 @@ class Connection:
 
     def _on_acked(self, pkt: SentPacket, now: float) -> None:
         self._in_flight -= 1
+        newly = 0
         for msg in pkt.messages:
             msg.copies -= 1
             if msg.state != ACKED:
                 msg.state = ACKED
-                self._queued -= 1
-                self._unacked_reliable -= 1
+                newly += 1
                 if msg.notify:
                     self._events.append((self, MessageAcked(msg)))
                 unacked = self._tx_ch_unacked[msg.channel]
                 while unacked and unacked[0].state == ACKED:
                     unacked.popleft()
+        self._queued -= newly
+        self._unacked_reliable -= newly
         if pkt.disconnect and self.state is State.CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
 
@@ -604,11 +629,12 @@ class Connection:
             if msg.state == ACKED or msg.copies:
                 retx.popleft()
                 continue
-            size = wire.message_frame_size(msg.mode, msg.channel, len(msg.data))
+            frame = msg.frame
+            size = len(frame)
             if size > budget:
                 break
             retx.popleft()
-            parts.append(wire.message_frame(msg.mode, msg.channel, msg.seq & SEQ_MASK, msg.data))
+            parts.append(frame)
             messages.append(msg)
             budget -= size
             self.stats.messages_resent += 1
@@ -617,13 +643,12 @@ class Connection:
     def _take_unreliable(self, parts: list[bytes], budget: int) -> int:
         queue = self._unrel_queue
         while queue:
-            msg = queue[0]
-            size = wire.message_frame_size(UNRELIABLE, msg.channel, len(msg.data))
+            frame = queue[0].frame
+            size = len(frame)
             if size > budget:
                 break
-            queue.popleft()
-            parts.append(wire.message_frame(UNRELIABLE, msg.channel, 0, msg.data))
-            msg.state = SENT
+            queue.popleft().state = SENT
+            parts.append(frame)
             self._queued -= 1
             budget -= size
             self.stats.messages_sent += 1
@@ -635,21 +660,20 @@ class Connection:
         queue = self._rel_queue
         window = self.config.channel_window
         unacked = self._tx_ch_unacked
+        sent = 0
         while queue:
             msg = queue[0]
-            if msg.seq - unacked[msg.channel][0].seq >= window:
-                break  # the receiver could not buffer it yet
-            size = wire.message_frame_size(RELIABLE_ORDERED, msg.channel, len(msg.data))
-            if size > budget:
-                break
+            frame = msg.frame
+            size = len(frame)
+            if size > budget or msg.seq - unacked[msg.channel][0].seq >= window:
+                break  # the packet is full, or the receiver could not buffer it yet
             queue.popleft()
-            parts.append(
-                wire.message_frame(RELIABLE_ORDERED, msg.channel, msg.seq & SEQ_MASK, msg.data)
-            )
             msg.state = SENT
+            parts.append(frame)
             messages.append(msg)
             budget -= size
-            self.stats.messages_sent += 1
+            sent += 1
+        self.stats.messages_sent += sent
         return budget
 
     # -- timers -----------------------------------------------------------------------------
@@ -748,3 +772,9 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
+
+
+def _as_bytes(data: object) -> bytes:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"message data must be bytes-like, not {type(data).__name__}")
+    return bytes(data)

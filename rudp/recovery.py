@@ -91,13 +91,14 @@ FAILED = 3
 class OutMessage:
     """One message on its way out; ``Connection.send`` returns it as the handle."""
 
-    __slots__ = ("channel", "copies", "data", "mode", "notify", "seq", "state", "user")
+    __slots__ = ("channel", "copies", "data", "frame", "mode", "notify", "seq", "state", "user")
 
-    def __init__(self, data: bytes, mode: int, channel: int, seq: int) -> None:
+    def __init__(self, data: bytes, mode: int, channel: int, seq: int, frame: bytes) -> None:
         self.data = data
         self.mode = mode
         self.channel = channel
         self.seq = seq
+        self.frame = frame  # encoded once; a resend carries the same frame
         self.state = QUEUED
         self.copies = 0  # packets in flight that carry it
         self.notify = False  # emit MessageAcked when acknowledged

@@ -121,11 +121,8 @@ class DecodeError(Exception):
         self.reason = reason
 
 
-class MessageFrame(NamedTuple):
-    mode: int
-    channel: int
-    seq: int
-    data: bytes
+# (mode, channel, seq, payload): a plain tuple, one is made per received message.
+MessageFrame = tuple[int, int, int, bytes]
 
 
 class DisconnectFrame(NamedTuple):
@@ -310,20 +307,32 @@ def decode_data_header(data: bytes) -> tuple[int, int, int, int]:
 
 
 def message_frame(mode: int, channel: int, seq: int, data: bytes) -> bytes:
-    """Encode one MESSAGE frame (the caller checked the sizes)."""
-    n = len(data)
+    """Encode one MESSAGE frame of any known mode (the caller checked the sizes)."""
     if mode == Delivery.UNRELIABLE:
-        if channel:
-            head = bytes((FLAG_MESSAGE | FLAG_CHANNEL | mode, channel, n >> 8, n & 0xFF))
-        else:
-            head = bytes((FLAG_MESSAGE | mode, n >> 8, n & 0xFF))
-    elif channel:
-        head = bytes(
-            (FLAG_MESSAGE | FLAG_CHANNEL | mode, channel, seq >> 8, seq & 0xFF, n >> 8, n & 0xFF)
-        )
-    else:
-        head = bytes((FLAG_MESSAGE | mode, seq >> 8, seq & 0xFF, n >> 8, n & 0xFF))
-    return head + data
+        return unreliable_frame(channel, data)
+    return reliable_frame(channel, seq, data)
+
+
+_REL0 = struct.Struct("!BHH")
+_REL_CH = struct.Struct("!BBHH")
+_UNREL0 = struct.Struct("!BH")
+_UNREL_CH = struct.Struct("!BBH")
+_REL_FLAGS = FLAG_MESSAGE | Delivery.RELIABLE_ORDERED
+_REL_CH_FLAGS = _REL_FLAGS | FLAG_CHANNEL
+
+
+def reliable_frame(channel: int, seq: int, data: bytes) -> bytes:
+    """A reliable-ordered MESSAGE frame (``seq`` is truncated to 16 bits)."""
+    if channel:
+        return _REL_CH.pack(_REL_CH_FLAGS, channel, seq & 0xFFFF, len(data)) + data
+    return _REL0.pack(_REL_FLAGS, seq & 0xFFFF, len(data)) + data
+
+
+def unreliable_frame(channel: int, data: bytes) -> bytes:
+    """An unreliable MESSAGE frame."""
+    if channel:
+        return _UNREL_CH.pack(FLAG_MESSAGE | FLAG_CHANNEL, channel, len(data)) + data
+    return _UNREL0.pack(FLAG_MESSAGE, len(data)) + data
 
 
 def message_frame_size(mode: int, channel: int, size: int) -> int:
@@ -372,7 +381,7 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             off += 2
             if off + n > end:
                 raise DecodeError(DropReason.TRUNCATED)
-            messages.append(MessageFrame(mode, channel, seq, data[off : off + n]))
+            messages.append((mode, channel, seq, data[off : off + n]))
             off += n
         elif kind == FrameType.PING:
             ping = True

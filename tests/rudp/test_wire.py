@@ -35,10 +35,10 @@ def test_data_packet_round_trip() -> None:
     assert wire.decode_data_header(packet) == (0xDEADBEEF, 7, 65535, 0x80000001)
     frames = wire.decode_frames(packet)
     assert frames.messages == [
-        wire.MessageFrame(1, 0, 65535, b"hello"),
-        wire.MessageFrame(1, 31, 1, b""),
-        wire.MessageFrame(0, 0, 0, b"x" * 300),
-        wire.MessageFrame(0, 200, 0, b"y"),
+        (1, 0, 65535, b"hello"),
+        (1, 31, 1, b""),
+        (0, 0, 0, b"x" * 300),
+        (0, 200, 0, b"y"),
     ]
     assert frames.ping
     assert frames.disconnect == wire.DisconnectFrame(4000, "bye ✓")
