@@ -240,6 +240,7 @@ class Endpoint:
         reason = conn.receive_data(data, seq, ack, bits, now)
         if reason is not None:
             self.stats.dropped[reason] += 1
+
         self._schedule(conn)
         return conn
 

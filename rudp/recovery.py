@@ -24,6 +24,10 @@ from __future__ import annotations
 from rudp.config import Config
 
 GRANULARITY = 0.001  # clock granularity floor for timers (RFC 9002's kGranularity)
+# The peer acknowledges at the end of its event-loop turn, which on a loaded
+# machine can take a few milliseconds: on loopback a bare 9/8 RTT would declare
+# packets lost that are merely waiting for that turn to end.
+LOSS_DELAY_FLOOR = 0.005
 
 
 class RttEstimator:
@@ -78,7 +82,7 @@ class RttEstimator:
         """How long after a later packet was acked an earlier one counts as lost."""
         if self.samples == 0:
             return self._cfg.rto_initial
-        return max(1.125 * max(self.srtt, self.latest), GRANULARITY)
+        return max(1.125 * max(self.srtt, self.latest), LOSS_DELAY_FLOOR)
 
 
 # Message states, plain ints: they are compared on every ack.

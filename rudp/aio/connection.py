@@ -114,7 +114,9 @@ class Connection:
         """Queue a message. Never blocks; raises ``SendQueueFull`` when the queue is full,
         ``ConnectionClosed`` after the end. Await the result to know it was acknowledged."""
         msg = self._core.send(data, reliable=reliable, channel=channel)
-        self._endpoint.wake()
+        endpoint = self._endpoint
+        if not endpoint._flush_pending:
+            endpoint.wake()
         return SendHandle(self, msg)
 
     async def drain(self) -> None:

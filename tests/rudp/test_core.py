@@ -489,3 +489,22 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="rto"):
         Config(rto_min=1.0, rto_initial=0.5)
     assert dataclasses.replace(Config(), window=8).window == 8
+
+
+def test_a_long_burst_read_at_once_is_acknowledged_whole() -> None:
+    """A header acks 33 packets; a receiver that reads a longer burst before it
+    flushes (the socket is drained up to 256 datagrams at a time) must still
+    acknowledge every packet, or the sender would resend them all."""
+    net, server, client, conn = pair()
+    for _ in range(200):
+        conn.send(bytes(1000))
+    burst = [d for d, _ in client.endpoint.datagrams_to_send(net.now)]
+    assert len(burst) > 150
+    for datagram in burst:
+        server.endpoint.receive_datagram(datagram, CLIENT, net.now)
+    acks = server.endpoint.datagrams_to_send(net.now)
+    assert len(acks) >= len(burst) // 33
+    for ack, _ in acks:
+        client.endpoint.receive_datagram(ack, SERVER, net.now + 0.001)
+    assert conn.queued == 0  # every message acknowledged
+    assert conn.stats.packets_lost == 0  # and none declared lost
