@@ -100,6 +100,8 @@ _KEEPER_ERRORS: tuple[type[BaseException], ...] = (
 class _PendingList:
     future: asyncio.Future[list[ListPage]]
     pages: dict[int, ListPage]
+    last: int | None = None
+    """seq of the page marked ``end``, once it is in."""
 
 
 class MatchmakerClient:
@@ -195,6 +197,14 @@ class MatchmakerClient:
         if self._keeper is None or self._keeper.done():
             self._keeper = asyncio.create_task(self._keep_registered(), name="mm-keepalive")
         return address
+
+    @property
+    def host_info(self) -> HostInfo | None:
+        """What this host is registered with (latest updates included), None when not.
+
+        A ready source for `matchmaker.serverinfo.serve_info`.
+        """
+        return self._host
 
     async def update(self, **changes: Any) -> None:
         """Change what is listed: any of name, map, players, max_players,
@@ -380,9 +390,14 @@ class MatchmakerClient:
         if pending is None or pending.future.done():
             return
         pending.pages[page.seq] = page
-        last = next((p for p in pending.pages.values() if p.end), None)
-        if last is not None and len(pending.pages) == last.seq + 1:
-            pending.future.set_result([pending.pages[i] for i in range(last.seq + 1)])
+        if page.end:
+            pending.last = page.seq
+        last = pending.last
+        # >= and the check: a confused matchmaker may send a seq past the end.
+        if last is not None and len(pending.pages) >= last + 1:
+            pages = [pending.pages.get(i) for i in range(last + 1)]
+            if all(p is not None for p in pages):
+                pending.future.set_result([p for p in pages if p is not None])
 
     def _queue_introduction(self, intro: Introduction) -> None:
         if self.introductions.full():

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeAlias
 
@@ -69,6 +69,8 @@ class MsgType(enum.IntEnum):
     INTRODUCE = 44
     INTRODUCTION = 45
     ERROR = 46
+    SERVER_QUERY = 47  # GETSVINFO sent to a game host (unconnected rudp query)
+    SERVER_INFO = 48  # SVINFO from a game host
 
 
 class ErrorReason(enum.StrEnum):
@@ -302,6 +304,25 @@ class InfoReply:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ServerQuery:
+    """GETSVINFO to a game host, as an unconnected rudp query (a server-browser ping)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SERVER_QUERY
+    request_id: int = 0
+    room: int
+    """Bytes the querier padded its request for: the largest reply it can get."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerInfo:
+    """SVINFO: a game host's answer to `ServerQuery`, its public info (never `lan`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SERVER_INFO
+    request_id: int = 0
+    host: HostInfo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Introduce:
     """A client asks to be introduced to the host at `host` (its public address)."""
 
@@ -361,6 +382,8 @@ Message: TypeAlias = (
     | Introduction
     | Error
     | WrongVersion
+    | ServerQuery
+    | ServerInfo
 )
 Request: TypeAlias = (
     Register | Update | Unregister | Heartbeat | ListRequest | InfoRequest | Introduce
@@ -427,8 +450,52 @@ def _filter_fields(f: ListFilter) -> dict[str, object]:
 
 
 def entry_fields(e: HostEntry) -> dict[str, object]:
-    """Wire (and JSON) form of a list entry."""
+    """JSON form of a list entry: every field."""
     return {"addr": _addr(e.address), **_host_fields(e.info, with_lan=False)}
+
+
+# Optional host fields and their defaults; a list entry on the wire leaves out
+# those at their default (the decoder fills them in), ~10% more hosts a page.
+_ENTRY_DEFAULTS: tuple[tuple[str, object], ...] = (
+    ("map", ""),
+    ("players", 0),
+    ("password", False),
+    ("tags", []),
+    ("region", ""),
+    ("info", b""),
+)
+
+
+def wire_entry_fields(e: HostEntry) -> dict[str, object]:
+    """Wire form of a list entry: `entry_fields` without the optional fields at default."""
+    out = entry_fields(e)
+    for key, default in _ENTRY_DEFAULTS:
+        if out[key] == default and type(out[key]) is type(default):
+            del out[key]
+    return out
+
+
+def encode_entry(e: HostEntry) -> bytes:
+    """The msgpack bytes of one list entry, as `encode_page` takes them."""
+    packed: bytes = msgpack.packb(wire_entry_fields(e), use_bin_type=True)
+    return packed
+
+
+def encode_page(
+    *, request_id: int = 0, seq: int, total: int, end: bool, entries: Sequence[bytes]
+) -> bytes:
+    """``encode(ListPage(...))`` from already encoded entries (`encode_entry`), byte
+    for byte: the daemon encodes each host once, not once per list request."""
+    head: dict[str, object] = {"v": PROTOCOL_VERSION, "t": int(MsgType.LIST_PAGE)}
+    if request_id:
+        head["id"] = request_id
+    head |= {"seq": seq, "total": total, "end": end}
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(len(head) + 1)]
+    for key, value in head.items():
+        parts += (packer.pack(key), packer.pack(value))
+    parts += (packer.pack("hosts"), packer.pack_array_header(len(entries)), *entries)
+    return b"".join(parts)
 
 
 def _fields(msg: Message) -> dict[str, object]:
@@ -442,7 +509,7 @@ def _fields(msg: Message) -> dict[str, object]:
         case ListRequest():
             return _filter_fields(msg.filter)
         case ListPage():
-            hosts = [entry_fields(e) for e in msg.hosts]
+            hosts = [wire_entry_fields(e) for e in msg.hosts]
             return {"seq": msg.seq, "total": msg.total, "end": msg.end, "hosts": hosts}
         case InfoReply():
             return {"software": msg.software, "hosts": msg.hosts, "keepalive": msg.keepalive}
@@ -460,6 +527,10 @@ def _fields(msg: Message) -> dict[str, object]:
             return {"reason": msg.reason.value, "detail": msg.detail}
         case WrongVersion():
             return {"supported": list(msg.supported)}
+        case ServerQuery():
+            return {"room": msg.room}
+        case ServerInfo():
+            return _host_fields(msg.host, with_lan=False)
         case _:
             return {}
 
@@ -514,8 +585,10 @@ class _Reader:
             return v
         if not isinstance(v, str) or len(v) > max_chars:
             raise self.fail(ErrorReason.BAD_FIELD, f"{key}: string of at most {max_chars} chars")
-        if ident and not _IDENT.fullmatch(v):
-            raise self.fail(ErrorReason.BAD_FIELD, f"{key}: identifier [A-Za-z0-9._+-]")
+        if ident:
+            if not _IDENT.fullmatch(v):
+                raise self.fail(ErrorReason.BAD_FIELD, f"{key}: identifier [A-Za-z0-9._+-]")
+            return v  # an identifier is ASCII without control characters
         if _CONTROL.search(v):
             raise self.fail(ErrorReason.BAD_FIELD, f"{key}: control characters")
         return v
@@ -643,7 +716,86 @@ def read_filter(r: _Reader) -> ListFilter:
     )
 
 
+_ENTRY_KEYS = frozenset(
+    ("addr", "name", "game", "version", "max_players", *(k for k, _ in _ENTRY_DEFAULTS))
+)
+_ENTRY_REQUIRED = frozenset(("addr", "name", "game", "version", "max_players"))
+
+
+def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
+    """`_read_entry` for a valid entry, ~2x cheaper; None means "take the slow path".
+
+    A 10,000-host list is 10,000 entries to validate on the client.  This
+    accepts only what `_read_entry` accepts, with the same result; anything
+    doubtful goes to `_read_entry`, which also words the error.
+    """
+    if not _ENTRY_REQUIRED <= raw.keys() <= _ENTRY_KEYS:
+        return None
+    addr, name, game, version = raw["addr"], raw["name"], raw["game"], raw["version"]
+    top = raw["max_players"]
+    m, players = raw.get("map", ""), raw.get("players", 0)
+    tags, region, info = raw.get("tags", []), raw.get("region", ""), raw.get("info", b"")
+    ok = (
+        type(addr) is list
+        and len(addr) == 2
+        and type(addr[0]) is str
+        and len(addr[0]) <= 64
+        and type(addr[1]) is int
+        and type(name) is str
+        and len(name) <= lim.name_chars
+        and not _CONTROL.search(name)
+        and bool(name.strip())
+        and _is_ident(game, lim)
+        and _is_ident(version, lim)
+        and type(top) is int
+        and 1 <= top <= lim.max_players
+        and type(m) is str
+        and len(m) <= lim.map_chars
+        and not _CONTROL.search(m)
+        and type(players) is int
+        and 0 <= players <= top
+        and type(raw.get("password", False)) is bool
+        and type(tags) is list
+        and len(tags) <= lim.max_tags
+        and all(_is_ident(t, lim) for t in tags)
+        and (region == "" or _is_ident(region, lim))
+        and type(info) is bytes
+        and len(info) <= lim.info_bytes
+    )
+    if not ok:
+        return None
+    try:
+        address = make_address(addr[0], addr[1])
+    except ValueError:
+        return None
+    host = HostInfo(
+        name=name,
+        game=game,
+        version=version,
+        max_players=top,
+        map=m,
+        players=players,
+        password=raw.get("password", False),
+        tags=tuple(dict.fromkeys(tags)),
+        region=region,
+        info=info,
+    )
+    return HostEntry(address=address, info=host)
+
+
+def _is_ident(v: object, lim: Limits) -> bool:
+    return type(v) is str and 0 < len(v) <= lim.ident_chars and bool(_IDENT.fullmatch(v))
+
+
 def _read_entry(raw: object, r: _Reader) -> HostEntry:
+    if type(raw) is dict and all(type(k) is str for k in raw):
+        fast = _fast_entry(raw, r.limits)
+        if fast is not None:
+            return fast
+    return _read_entry_slow(raw, r)
+
+
+def _read_entry_slow(raw: object, r: _Reader) -> HostEntry:
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise r.fail(ErrorReason.BAD_FIELD, "hosts: maps")
     sub = _Reader(raw, r.limits, r.request_id, envelope=False)
@@ -655,13 +807,21 @@ def _read_entry(raw: object, r: _Reader) -> HostEntry:
     return HostEntry(address=address, info=info)
 
 
+def _read_server_info(r: _Reader) -> ServerInfo:
+    host = _read_host(r)
+    if host.lan is not None:
+        raise r.fail(ErrorReason.BAD_FIELD, "lan: never sent to a querier")
+    return ServerInfo(request_id=r.request_id, host=host)
+
+
 def _read_page(r: _Reader) -> ListPage:
     raw = r.raw("hosts", _MISSING)
     if not isinstance(raw, list) or len(raw) > r.limits.list_limit:
         raise r.fail(ErrorReason.BAD_FIELD, "hosts: list")
     return ListPage(
         request_id=r.request_id,
-        seq=r.integer("seq", 0, r.limits.list_limit),
+        # Not capped by list_limit: the daemon's --list-limit may exceed the reader's.
+        seq=r.integer("seq", 0, 2**31),
         total=r.integer("total", 0, 2**31),
         end=r.boolean("end"),
         hosts=tuple(_read_entry(item, r) for item in raw),
@@ -727,6 +887,10 @@ _READERS: dict[MsgType, Callable[[_Reader], Message]] = {
     MsgType.INTRODUCTION: _read_introduction,
     MsgType.ERROR: _read_error,
     MsgType.WRONG_VERSION: _read_supported,
+    MsgType.SERVER_QUERY: lambda r: ServerQuery(
+        request_id=r.request_id, room=r.integer("room", 0, 65535)
+    ),
+    MsgType.SERVER_INFO: _read_server_info,
 }
 
 
@@ -821,6 +985,8 @@ __all__ = [
     "Registered",
     "Request",
     "Role",
+    "ServerInfo",
+    "ServerQuery",
     "Unregister",
     "Update",
     "WrongVersion",
@@ -828,5 +994,8 @@ __all__ = [
     "decode",
     "decode_request",
     "encode",
+    "encode_entry",
+    "encode_page",
     "entry_fields",
+    "wire_entry_fields",
 ]

@@ -41,11 +41,11 @@ import itertools
 import random
 import secrets
 import time
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import structlog
 
 from matchmaker import __version__
@@ -64,6 +64,7 @@ from matchmaker.messages import (
     ErrorReason,
     Heartbeat,
     HostEntry,
+    HostInfo,
     InfoReply,
     InfoRequest,
     Introduce,
@@ -83,7 +84,8 @@ from matchmaker.messages import (
     WrongVersionError,
     decode_request,
     encode,
-    entry_fields,
+    encode_entry,
+    encode_page,
 )
 from matchmaker.metrics import Metrics
 from matchmaker.ratelimit import RateLimiter
@@ -105,6 +107,7 @@ SOFTWARE = f"matchmaker/{__version__}"
 _LIST_ABANDONED: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, asyncio.CancelledError)
 # msgpack overhead of a page around its entries (envelope, seq, total, end).
 _PAGE_OVERHEAD = 48
+_TOO_BIG = "host: too large to list (shorter name, map, tags or info)"
 
 
 @dataclass(eq=False)
@@ -142,6 +145,7 @@ class MatchmakerService:
         self._introduce_limit = RateLimiter(settings.introduce_bucket, max_keys=keys, clock=clock)
         self._sessions: dict[Address, _Session] = {}
         self._heartbeats: set[_Session] = set()
+        self._entries: dict[Address, tuple[HostInfo, bytes]] = {}
         self._ids = itertools.count(1)
         self.shutting_down = False
 
@@ -234,8 +238,11 @@ class MatchmakerService:
 
     def _send(self, session: _Session, msg: Message) -> Awaitable[None] | None:
         """Queue `msg`; None (and the connection closed) if the transport refused it."""
+        return self._send_bytes(session, encode(msg))
+
+    def _send_bytes(self, session: _Session, data: bytes) -> Awaitable[None] | None:
         try:
-            return session.peer.send(encode(msg))
+            return session.peer.send(data)
         # Queue full or connection over: this connection cannot be served any more.
         except TRANSPORT_ERRORS as exc:
             self.metrics.dropped.labels("send_failed").inc()
@@ -271,6 +278,9 @@ class MatchmakerService:
         if why is not None:
             self.metrics.registrations.labels("rejected").inc()
             raise MessageError(ErrorReason.FORBIDDEN_ADDRESS, why, request_id=rid)
+        if not self._listable(session.address, req.host):
+            self.metrics.registrations.labels("rejected").inc()
+            raise MessageError(ErrorReason.BAD_FIELD, _TOO_BIG, request_id=rid)
         replacing = self.registry.get(session.address) is not None
         try:
             record = await self.registry.upsert(
@@ -291,6 +301,16 @@ class MatchmakerService:
         )
         self._send(session, reply)
 
+    def _listable(self, address: Address, info: HostInfo) -> bool:
+        """Whether the host's list entry fits one page (one datagram).
+
+        Every field has its own cap, but all of them at their caps add up to
+        more than a datagram; such an entry could never be sent, and would
+        break every list it falls into.
+        """
+        entry = encode_entry(HostEntry(address=address, info=info))
+        return len(entry) <= self.settings.page_bytes - _PAGE_OVERHEAD
+
     async def _update(self, session: _Session, req: Update) -> None:
         rid = req.request_id
         if self._rate_limited(self._register_limit, "register", session):
@@ -302,6 +322,8 @@ class MatchmakerService:
             raise MessageError(ErrorReason.NOT_REGISTERED, request_id=rid)
         try:
             info = req.changes.apply(record.info)
+            if not self._listable(session.address, info):
+                raise MessageError(ErrorReason.BAD_FIELD, _TOO_BIG)
         except MessageError as exc:
             self.metrics.updates.labels("rejected").inc()
             raise MessageError(exc.reason, exc.detail, request_id=rid) from None
@@ -374,36 +396,69 @@ class MatchmakerService:
 
     async def build_pages(self, req: ListRequest) -> list[ListPage]:
         """The pages answering `req` (also what ``GET /servers`` uses, joined)."""
-        matched = await self.registry.query(req.filter)
-        limit = min(req.filter.limit, self._limits.list_limit)
-        chosen = shuffled(matched, self._rng, limit)
-        budget = self.settings.page_bytes - _PAGE_OVERHEAD
-        pages: list[list[HostRecord]] = []
-        for page in paginate(chosen, self.settings.page_hosts, self.settings.page_per_ip):
-            pages.extend(split_by_size(page, budget, _entry_size))
-        pages = pages or [[]]
+        total, pages = await self._plan_list(req)
         return [
             ListPage(
                 request_id=req.request_id,
                 seq=i,
-                total=len(chosen),
+                total=total,
                 end=i == len(pages) - 1,
                 hosts=tuple(HostEntry(address=r.address, info=r.info) for r in page),
             )
             for i, page in enumerate(pages)
         ]
 
+    async def _plan_list(self, req: ListRequest) -> tuple[int, list[list[HostRecord]]]:
+        """(total, the records of each page): filter, shuffle, per-IP pages, by size."""
+        matched = await self.registry.query(req.filter)
+        limit = min(req.filter.limit, self._limits.list_limit)
+        chosen = shuffled(matched, self._rng, limit)
+        budget = self.settings.page_bytes - _PAGE_OVERHEAD
+        pages: list[list[HostRecord]] = []
+        for page in paginate(chosen, self.settings.page_hosts, self.settings.page_per_ip):
+            pages.extend(split_by_size(page, budget, lambda r: len(self._entry_bytes(r))))
+        return len(chosen), pages or [[]]
+
+    def _entry_bytes(self, record: HostRecord) -> bytes:
+        """A host's encoded list entry, cached until its info changes.
+
+        Encoding dominated the daemon's cost of a long list; the cache costs one
+        entry per listed host and is rebuilt when it holds many stale ones.
+        """
+        cached = self._entries.get(record.address)
+        if cached is not None and (cached[0] is record.info or cached[0] == record.info):
+            return cached[1]
+        data = encode_entry(HostEntry(address=record.address, info=record.info))
+        index = self.registry.index()
+        if len(self._entries) >= 2 * len(index) + 1024:
+            self._entries = {a: e for a, e in self._entries.items() if index.get(a) is not None}
+        self._entries[record.address] = (record.info, data)
+        return data
+
     async def _send_list(self, session: _Session, req: ListRequest, started: float) -> None:
-        pages = await self.build_pages(req)
-        window: list[Awaitable[None]] = []
+        total, pages = await self._plan_list(req)
+        window: set[asyncio.Future[None]] = set()
         try:
-            for page in pages:
+            for seq, page in enumerate(pages):
                 if len(window) >= self.settings.pages_in_flight:
-                    await window.pop(0)  # wait for the oldest page's ack
-                pending = self._send(session, page)
+                    # Wait for *any* page's ack, not the oldest: a lost page is
+                    # resent by rudp while the window keeps moving.
+                    done, window = await asyncio.wait(window, return_when=FIRST_COMPLETED)
+                    for acked in done:
+                        acked.result()  # raises if the connection ended
+                data = encode_page(
+                    request_id=req.request_id,
+                    seq=seq,
+                    total=total,
+                    end=seq == len(pages) - 1,
+                    entries=[self._entry_bytes(r) for r in page],
+                )
+                pending = self._send_bytes(session, data)
                 if pending is None:
                     raise ConnectionError("page refused")
-                window.append(pending)
+                ack = asyncio.ensure_future(pending)
+                ack.add_done_callback(_retrieve)
+                window.add(ack)
         # The ack of a page fails when the connection ends (or the end of the
         # connection cancels this task): the rest cannot be sent.
         except _LIST_ABANDONED as exc:
@@ -413,7 +468,7 @@ class MatchmakerService:
                 raise
             return
         self.metrics.list_requests.labels("ok").inc()
-        self.metrics.list_hosts_sent.inc(sum(len(p.hosts) for p in pages))
+        self.metrics.list_hosts_sent.inc(total)
         self.metrics.list_duration.observe(self._clock() - started)
 
     # ------------------------------------------------------------------ info
@@ -512,6 +567,7 @@ def _error(exc: MessageError) -> Error:
     return Error(request_id=exc.request_id, reason=exc.reason, detail=detail)
 
 
-def _entry_size(record: HostRecord) -> int:
-    entry = entry_fields(HostEntry(address=record.address, info=record.info))
-    return len(msgpack.packb(entry, use_bin_type=True))
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Mark an unawaited page ack's failure as seen (the list is abandoned anyway)."""
+    if not future.cancelled():
+        future.exception()

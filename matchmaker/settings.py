@@ -74,9 +74,14 @@ class Settings:
     list_limit: int = _s(1000, "most hosts one list request returns")
     # -- list paging
     page_hosts: int = _s(32, "most hosts per list page")
-    page_bytes: int = _s(1100, "target size of one list page, bytes (one datagram)")
+    # One page is one rudp message, which must fit one datagram: 1176 bytes
+    # with rudp's 1200-byte datagrams; 1150 leaves room for the page header.
+    page_bytes: int = _s(1150, "target size of one list page, bytes (one datagram, <= 1150)")
     page_per_ip: int = _s(2, "most hosts from one IP in one page")
-    pages_in_flight: int = _s(4, "unacknowledged list pages per request")
+    # A 10,000-host list is ~1,200 pages; at 100 ms RTT the window, not the
+    # bandwidth, sets its time (docs/performance.md, "Matchmaker").  256 is
+    # rudp's own window, so a list never waits on the matchmaker's.
+    pages_in_flight: int = _s(256, "unacknowledged list pages per request")
     # -- HTTP
     http_timeout: float = _s(5.0, "seconds to read one HTTP request")
     http_max_connections: int = _s(256, "concurrent HTTP connections")
@@ -231,9 +236,9 @@ _RULES: list[Check] = [
     ("max_tags", lambda s: 1 <= s.max_tags <= 64, "must be 1..64"),
     ("list_limit", lambda s: 1 <= s.list_limit <= 100_000, "must be 1..100000"),
     ("page_hosts", lambda s: 1 <= s.page_hosts <= 1000, "must be 1..1000"),
-    ("page_bytes", lambda s: 256 <= s.page_bytes <= 65536, "must be 256..65536"),
+    ("page_bytes", lambda s: 256 <= s.page_bytes <= 1150, "must be 256..1150 (one datagram)"),
     ("page_per_ip", lambda s: s.page_per_ip >= 1, "must be >= 1"),
-    ("pages_in_flight", lambda s: 1 <= s.pages_in_flight <= 64, "must be 1..64"),
+    ("pages_in_flight", lambda s: 1 <= s.pages_in_flight <= 256, "must be 1..256"),
     ("http_timeout", lambda s: s.http_timeout > 0, "must be > 0"),
     ("http_max_connections", lambda s: s.http_max_connections >= 1, "must be >= 1"),
     ("metrics_max_games", lambda s: 0 <= s.metrics_max_games <= 1000, "must be 0..1000"),

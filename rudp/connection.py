@@ -59,6 +59,8 @@ Address = tuple[Any, ...]
 ACK_SPAN = 32  # a header acknowledges its largest packet and this many before it
 NOCONN_SPAN = 4096  # a NOCONN must echo one of our last few thousand packets
 BUFFER_ENTRY_COST = 64  # bytes charged per buffered message besides its payload
+LOST_MEMORY = 1024  # packets declared lost that are remembered to detect spurious losses
+MAX_REORDER_THRESHOLD = 256
 UNRELIABLE = Delivery.UNRELIABLE
 RELIABLE_ORDERED = Delivery.RELIABLE_ORDERED
 
@@ -117,6 +119,8 @@ class Connection:
         self._in_flight = 0
         self._largest_acked = self._isn - 1
         self._loss_time: float | None = None
+        self._reorder_threshold = config.reorder_threshold  # widened by spurious losses
+        self._lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
         self._rel_queue: deque[OutMessage] = deque()
         self._unrel_queue: deque[OutMessage] = deque()
         self._retx: deque[OutMessage] = deque()
@@ -385,8 +389,11 @@ class Connection:
             self._ack_pending = True
             self._dirty.add(self)
             low = self._ack_low
-            if seq >= self._rx_largest - ACK_SPAN and (low is None or seq < low):
-                self._ack_low = seq
+            if seq >= self._rx_largest - ACK_SPAN:
+                if low is None or seq < low:
+                    self._ack_low = seq
+            else:
+                self._early_acks.append(self._ack_only_packet(about=seq))
         if frames.disconnect is not None:
             self._on_peer_disconnect(frames.disconnect, now)
         return None
@@ -477,9 +484,12 @@ class Connection:
         newly = False
         pkt = sent.pop(largest, None)
         if pkt is not None:
-            self._rtt.on_sample(now - pkt.time_sent)
+            if largest >= self._largest_acked:  # a late ack's delay includes reordering
+                self._rtt.on_sample(now - pkt.time_sent)
             self._on_acked(pkt, now)
             newly = True
+        elif largest in self._lost_recently:
+            self._on_spurious_loss(largest)
         oldest = next(iter(sent)) if sent else largest
         span = min(32, largest - oldest)
         i = 1
@@ -524,7 +534,7 @@ class Connection:
     def _detect_losses(self, now: float) -> None:
         largest = self._largest_acked
         delay = self._rtt.loss_delay
-        threshold = largest - self.config.reorder_threshold
+        threshold = largest - self._reorder_threshold
         self._loss_time = None
         lost: list[int] = []
         for seq, pkt in self._sent.items():
@@ -541,9 +551,25 @@ class Connection:
         for seq in lost:
             self._on_lost(self._sent.pop(seq))
 
+    def _on_spurious_loss(self, seq: int) -> None:
+        """A packet we declared lost was acknowledged after all: the path reorders.
+
+        Widen the packet and time thresholds to the reordering we saw (as RACK,
+        RFC 8985, adapts its reordering window), so it stops causing resends.
+        """
+        del self._lost_recently[seq]
+        self.stats.spurious_losses += 1
+        depth = self._largest_acked - seq + 1
+        self._reorder_threshold = min(max(self._reorder_threshold, depth), MAX_REORDER_THRESHOLD)
+        self._rtt.widen_reorder_window()
+
     def _on_lost(self, pkt: SentPacket) -> None:
         self._in_flight -= 1
         self.stats.packets_lost += 1
+        lost = self._lost_recently
+        lost[pkt.seq] = None
+        if len(lost) > LOST_MEMORY:
+            del lost[next(iter(lost))]
         for msg in pkt.messages:
             msg.copies -= 1
             if msg.state != ACKED and msg.copies == 0:
@@ -603,18 +629,23 @@ class Connection:
                 msg.copies += 1
         return datagram
 
-    def _ack_only_packet(self) -> bytes:
-        """A packet carrying nothing but the current acknowledgment state."""
-        self._ack_low = None
+    def _ack_only_packet(self, about: int | None = None) -> bytes:
+        """A packet carrying nothing but an acknowledgment.
+
+        By default it reports the newest packet and the 32 before it. With
+        ``about``, it reports that (late) packet and the 32 before it instead: a
+        packet that arrives after more than 32 later ones is outside every normal
+        ack header, and without this the sender could never learn it arrived.
+        """
+        if about is None:
+            self._ack_low = None
+            ack, bits = self._rx_largest, self._rx_bits >> 1
+        else:
+            ack, bits = about, self._rx_bits >> (self._rx_largest - about + 1)
         seq = self._tx_next
         self._tx_next = seq + 1
         return wire.seal_rest(
-            wire.data_header(
-                self.token,
-                seq & SEQ_MASK,
-                self._rx_largest & SEQ_MASK,
-                (self._rx_bits >> 1) & 0xFFFFFFFF,
-            )
+            wire.data_header(self.token, seq & SEQ_MASK, ack & SEQ_MASK, bits & 0xFFFFFFFF)
         )
 
     def _disconnect_in(self, control: list[bytes]) -> bool:
@@ -688,7 +719,9 @@ class Connection:
 
     def _connected_timer(self, now: float) -> None:
         cfg = self.config
-        if now - self._last_recv >= cfg.idle_timeout:
+        # Every test below uses the very expression get_timer() returns: written as
+        # ``now - last >= interval`` it can disagree in the last bit and spin the timer.
+        if now >= self._last_recv + cfg.idle_timeout:
             self._end(DisconnectReason.TIMEOUT, 0, "", by_peer=False)
             return
         if self._deadline is not None and now >= self._deadline:
@@ -698,15 +731,18 @@ class Connection:
         if self._loss_time is not None and now >= self._loss_time:
             self._detect_losses(now)
         if self._sent:
-            rto = self._rtt.backed_off_rto
             first = next(iter(self._sent.values()))
-            if now >= first.time_sent + rto:
+            if now >= first.time_sent + self._rtt.backed_off_rto:
+                # Only the oldest packet is declared lost: its messages go out again as
+                # a probe. Declaring every expired packet lost at once turns a queue
+                # that grew faster than the RTO estimate into a resend storm; once the
+                # probe is acknowledged, the packet threshold finds any real losses
+                # behind it (RFC 9002's probe timeout works the same way).
                 self.stats.timeouts += 1
-                expired = [s for s, p in self._sent.items() if p.time_sent + rto <= now]
-                for seq in expired:
-                    self._on_lost(self._sent.pop(seq))
+                self._on_lost(self._sent.pop(first.seq))
+                self._ping = True  # a probe goes out even if nothing needed resending
                 self._rtt.on_timeout()
-        elif now - self._last_eliciting >= cfg.keepalive_interval:
+        elif now >= self._last_eliciting + cfg.keepalive_interval:
             self._ping = True
             self._dirty.add(self)
 

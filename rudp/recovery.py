@@ -16,7 +16,10 @@ Loss is detected three ways (as in QUIC, RFC 9002):
   the article leaves as a TODO, with no extra packet type);
 - time threshold: an unacknowledged packet sent 9/8 RTT before one that was
   acknowledged is lost;
-- the resend timeout, for the tail of a burst where nothing later is acked.
+- both thresholds widen when a loss proves spurious (a late packet's own ack
+  arrives after it was declared lost), as RACK (RFC 8985) adapts to reordering;
+- the resend timeout, for the tail of a burst where nothing later is acked:
+  it declares only the oldest packet lost, and its resend probes the path.
 """
 
 from __future__ import annotations
@@ -33,7 +36,16 @@ LOSS_DELAY_FLOOR = 0.005
 class RttEstimator:
     """RFC 6298 smoothed RTT, variance, RTO and backoff."""
 
-    __slots__ = ("_cfg", "backoff", "latest", "min_rtt", "rttvar", "samples", "srtt")
+    __slots__ = (
+        "_cfg",
+        "backoff",
+        "latest",
+        "min_rtt",
+        "reorder_factor",
+        "rttvar",
+        "samples",
+        "srtt",
+    )
 
     def __init__(self, config: Config) -> None:
         self._cfg = config
@@ -43,6 +55,7 @@ class RttEstimator:
         self.min_rtt = 0.0
         self.samples = 0
         self.backoff = 0
+        self.reorder_factor = 1.125  # RFC 9002's kTimeThreshold; widened on spurious losses
 
     def on_sample(self, rtt: float) -> None:
         rtt = max(rtt, 0.0)
@@ -82,7 +95,11 @@ class RttEstimator:
         """How long after a later packet was acked an earlier one counts as lost."""
         if self.samples == 0:
             return self._cfg.rto_initial
-        return max(1.125 * max(self.srtt, self.latest), LOSS_DELAY_FLOOR)
+        return max(self.reorder_factor * max(self.srtt, self.latest), LOSS_DELAY_FLOOR)
+
+    def widen_reorder_window(self) -> None:
+        """A loss turned out spurious: wait longer before the time threshold fires."""
+        self.reorder_factor = min(self.reorder_factor + 0.125, 2.0)
 
 
 # Message states, plain ints: they are compared on every ack.

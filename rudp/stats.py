@@ -26,6 +26,7 @@ class ConnectionStats:
         "packets_received",
         "packets_sent",
         "rtt",
+        "spurious_losses",
         "timeouts",
     )
 
@@ -42,6 +43,7 @@ class ConnectionStats:
         self.duplicate_messages = 0
         self.bad_acks = 0
         self.timeouts = 0
+        self.spurious_losses = 0  # losses disproved by a late acknowledgment
         self.rtt: RttEstimator | None = None
 
     @property

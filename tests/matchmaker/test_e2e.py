@@ -212,6 +212,14 @@ async def test_metrics_export_rudp_transport_counters(daemon: Matchmaker) -> Non
         await game.close()
 
 
+def test_daemon_rudp_config_fits_the_protocol() -> None:
+    # One channel (the protocol uses channel 0; rudp's per-channel queues cost
+    # ~20 KiB a host at 32) and rare daemon-side pings (hosts keep talking).
+    config = Matchmaker(settings())._rudp_config
+    assert config.channels == 1
+    assert config.keepalive_interval * 3 <= config.idle_timeout <= 10.0
+
+
 def test_daemon_process_stops_on_sigterm() -> None:
     port, http_port = free_port(), free_port()
     env = dict(os.environ, MATCHMAKER_HTTP_PORT=str(http_port), MATCHMAKER_LOG_FORMAT="json")

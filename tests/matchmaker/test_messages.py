@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from matchmaker.addresses import Address
 from matchmaker.messages import (
     DEFAULT_LIMITS,
+    MAX_REQUEST_ID,
     PROTOCOL_VERSION,
     Error,
     ErrorReason,
@@ -32,14 +33,23 @@ from matchmaker.messages import (
     Register,
     Registered,
     Role,
+    ServerInfo,
+    ServerQuery,
     Unregister,
     Update,
     WrongVersion,
     WrongVersionError,
+    _fast_entry,
+    _read_entry_slow,
+    _Reader,
     decode,
     decode_request,
     encode,
+    encode_entry,
+    encode_page,
+    entry_fields,
     filter_from_mapping,
+    wire_entry_fields,
 )
 
 HOST = HostInfo(
@@ -104,6 +114,8 @@ ALL_MESSAGES: list[Message] = [
     Introduction(role=Role.HOST, peer=B, peer_lan=Address("10.0.0.2", 1), nonce=b"n" * 16),
     Error(request_id=8, reason=ErrorReason.RATE_LIMITED, detail="slow down"),
     WrongVersion(request_id=9),
+    ServerQuery(request_id=10, room=1170),
+    ServerInfo(request_id=10, host=HostInfo(name="h", game="q3", version="1", max_players=8)),
 ]
 
 
@@ -364,3 +376,91 @@ def test_truncated_and_bit_flipped_messages(msg: Message, data: st.DataObject) -
     mutated[flip] ^= data.draw(st.integers(1, 255))
     with contextlib.suppress(MessageError):
         decode(bytes(mutated))
+
+
+# ------------------------------------------------------------------ list pages, compact
+
+
+FULL = HostInfo(
+    name="full",
+    game="q3",
+    version="1",
+    max_players=8,
+    map="dm17",
+    players=3,
+    password=True,
+    tags=("ctf",),
+    region="eu",
+    info=b"x",
+)
+BARE = HostInfo(name="bare", game="q3", version="1", max_players=8)
+
+
+def test_list_entries_leave_out_fields_at_their_default() -> None:
+    bare, full = HostEntry(address=A, info=BARE), HostEntry(address=B, info=FULL)
+    assert set(wire_entry_fields(bare)) == {"addr", "name", "game", "version", "max_players"}
+    assert wire_entry_fields(full) == entry_fields(full)  # nothing at its default
+    page = ListPage(seq=0, total=2, end=True, hosts=(bare, full))
+    assert decode(encode(page)) == page
+
+
+@pytest.mark.parametrize("request_id", [0, 7, MAX_REQUEST_ID])
+def test_encode_page_from_encoded_entries_matches_encode(request_id: int) -> None:
+    entries = (HostEntry(address=A, info=BARE), HostEntry(address=B, info=FULL))
+    for hosts in ((), entries):
+        page = ListPage(request_id=request_id, seq=70000, total=2, end=False, hosts=hosts)
+        data = encode_page(
+            request_id=request_id,
+            seq=70000,
+            total=2,
+            end=False,
+            entries=[encode_entry(e) for e in hosts],
+        )
+        assert data == encode(page)
+
+
+def test_page_seq_is_not_capped_by_the_readers_list_limit() -> None:
+    # A daemon run with --list-limit 10000 sends more than 1000 pages; a client
+    # with default limits must still read them.
+    page = ListPage(seq=DEFAULT_LIMITS.list_limit + 500, total=1, end=True, hosts=())
+    assert decode(encode(page)) == page
+
+
+_ENTRY_VALUES = {
+    "addr": st.sampled_from([["1.2.3.4", 5], ["::1", 5], ["1.2.3.4", True], ["01.2.3.4", 5], []]),
+    "name": st.sampled_from(["a", " ", "x" * 64, "x" * 65, "a\x00", "é", 3]),
+    "game": st.sampled_from(["q3", "", "-q3", "q 3", "x" * 33, None]),
+    "version": st.sampled_from(["1", "1.32c", "", 1]),
+    "max_players": st.sampled_from([1, 8, 0, 1025, True, 2.0]),
+    "map": st.sampled_from(["", "dm\u2028", "m" * 65, b"m"]),
+    "players": st.sampled_from([0, 3, 9, -1, False]),
+    "password": st.sampled_from([True, False, 0, None]),
+    "tags": st.sampled_from([[], ["a", "a"], ["a"] * 17, [""], ["a b"], "a", [1]]),
+    "region": st.sampled_from(["", "eu", "e u", "e\x01", "x" * 33]),
+    "info": st.sampled_from([b"", b"x" * 512, b"x" * 513, "x"]),
+    "lan": st.sampled_from([["10.0.0.1", 1]]),
+    "extra": st.just(1),
+}
+
+
+_ENTRY_REQUIRED = ("addr", "name", "game", "version", "max_players")
+
+
+@given(
+    st.fixed_dictionaries(
+        {k: _ENTRY_VALUES[k] for k in _ENTRY_REQUIRED},
+        optional={k: v for k, v in _ENTRY_VALUES.items() if k not in _ENTRY_REQUIRED},
+    )
+)
+@settings(max_examples=300)
+def test_fast_entry_reader_agrees_with_the_full_one(raw: dict[str, object]) -> None:
+    reader = _Reader({}, DEFAULT_LIMITS, 0, envelope=False)
+    try:
+        slow: object = _read_entry_slow(raw, reader)
+    except MessageError:
+        slow = None
+    fast = _fast_entry(raw, DEFAULT_LIMITS)
+    # The fast path may hand anything over to the full reader, never disagree with it.
+    assert fast is None or fast == slow
+    if slow is not None and "lan" not in raw and "extra" not in raw:
+        assert fast == slow  # and it does take the common case

@@ -306,6 +306,40 @@ async def test_at_most_pages_in_flight_unacknowledged() -> None:
     assert client.pending() == 10
 
 
+async def test_list_window_moves_on_any_ack_not_only_the_oldest() -> None:
+    # A lost page (the oldest, unacked while rudp resends it) must not stall
+    # the pages behind it.
+    h = Harness(page_hosts=1, pages_in_flight=3)
+    for i in range(6):
+        await h.registry.upsert(Address(pub(i + 1), 1), info(), max_per_ip=10)
+    client = h.connect(pub(100))
+    server_side = client.conn.other
+    assert server_side is not None
+    server_side.manual_acks = True
+    client.send(ListRequest(filter=ListFilter(game="q3")))
+    await settle()
+    assert client.pending() == 3
+    oldest = server_side.unacked.pop(0)
+    server_side.unacked.pop(0).set_result(None)  # page 1 acked, page 0 still out
+    await settle()
+    assert client.pending() == 4
+    oldest.set_result(None)
+    while server_side.unacked:
+        server_side.unacked.pop(0).set_result(None)
+        await settle()
+    assert client.pending() == 6
+
+
+async def test_list_shows_updated_info() -> None:
+    # List entries are encoded once per host and cached: an update must show.
+    h = Harness()
+    host = await h.host(pub(1))
+    client = h.connect(pub(2))
+    assert (await collect_list(client))[0].hosts[0].info.players == 0
+    assert isinstance(await host.request(Update(changes=HostUpdate(players=5))), Ok)
+    assert (await collect_list(client))[0].hosts[0].info.players == 5
+
+
 async def test_list_abandoned_when_connection_ends() -> None:
     h = Harness(page_hosts=1, pages_in_flight=1)
     for i in range(5):
@@ -455,3 +489,25 @@ async def test_log_events_carry_connection_context() -> None:
         assert "conn" in by_event[event]
     assert by_event["host_removed"]["reason"] == "disconnected"
     assert by_event["request_rejected"]["reason"] == "malformed"
+
+
+async def test_a_host_too_large_for_one_list_page_is_refused() -> None:
+    # Each field within its cap, all of them together more than a datagram.
+    h = Harness()
+    huge = info(
+        "é" * 64,
+        map="é" * 64,
+        tags=tuple(f"{i:02d}" + "t" * 30 for i in range(16)),
+        info=b"i" * 512,
+    )
+    wire = h.connect(pub(1))
+    err = await error_of(wire, Register(host=huge))
+    assert (err.reason, err.detail.startswith("host: too large")) == (ErrorReason.BAD_FIELD, True)
+    assert h.sample("matchmaker_registrations_total", result="rejected") == 1
+    await wire.request(Register(host=info()))
+    err = await error_of(wire, Update(changes=HostUpdate(info=b"i" * 512, tags=huge.tags)))
+    assert err.reason is ErrorReason.BAD_FIELD
+    assert h.sample("matchmaker_updates_total", result="rejected") == 1
+    # What is listed still fits one page.
+    pages = await collect_list(h.connect(pub(2)))
+    assert all(len(encode(p)) <= h.settings.page_bytes for p in pages)

@@ -57,6 +57,7 @@ class Network:
         self._ids = itertools.count()
         self.sent: list[tuple[bytes, Address, Address]] = []  # everything put on the wire
         self.tap: Callable[[bytes, Address, Address], None] | None = None
+        self._idle_steps = 0
 
     def add(self, address: Address, config: Config | None = None, *, accept: bool = False) -> Node:
         ep = Endpoint(
@@ -121,6 +122,13 @@ class Network:
         if t is None or t > limit:
             self.now = max(self.now, limit)
             return False
+        if t <= self.now and not (self._wire and self._wire[0][0] <= self.now):
+            # A timer that is due but changes nothing would spin forever: fail instead.
+            self._idle_steps += 1
+            if self._idle_steps > 100_000:
+                raise AssertionError(f"a timer at {t} keeps firing without effect")
+        else:
+            self._idle_steps = 0
         self.now = max(self.now, t)
         while self._wire and self._wire[0][0] <= self.now:
             _, _, data, src, dst = heapq.heappop(self._wire)

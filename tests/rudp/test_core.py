@@ -508,3 +508,21 @@ def test_a_long_burst_read_at_once_is_acknowledged_whole() -> None:
         client.endpoint.receive_datagram(ack, SERVER, net.now + 0.001)
     assert conn.queued == 0  # every message acknowledged
     assert conn.stats.packets_lost == 0  # and none declared lost
+
+
+def test_deep_reordering_is_learned_instead_of_resent() -> None:
+    """Per-datagram jitter reorders far past the 33 packets one header acks. A late
+    packet gets its own ack; the sender sees its loss was spurious and widens its
+    reordering thresholds, so jitter stops turning into resends."""
+    link = Link(delay=0.02, jitter=0.005, loss=0.05)
+    net, server, client, conn = pair(link, seed=4)
+    payloads = [bytes([i % 256]) * 1000 for i in range(2000)]
+    start = net.now
+    pump(net, conn, payloads)
+    assert server.received() == payloads
+    stats = conn.stats
+    assert stats.spurious_losses > 0
+    assert conn._reorder_threshold > Config().reorder_threshold
+    # Without this, the same transfer resent every message about 7 times over.
+    assert stats.messages_resent < 0.5 * stats.messages_sent
+    assert net.now - start < 1.0

@@ -1,0 +1,205 @@
+"""Shared plumbing for the matchmaker benchmarks: a daemon in its own process.
+
+`DaemonProcess` starts a real `matchmaker.server.Matchmaker` (memory registry,
+real rudp socket on 127.0.0.1) in a child process (``spawn``), so the
+benchmark's clients never share a CPU core's event loop with it. The parent
+drives it through a pipe with small commands:
+
+- ``populate n``: insert n hosts straight into the registry (no connections),
+  each on its own documentation-range public IP, measuring the memory the
+  registry entries take with tracemalloc (the registry only, no rudp state);
+- ``stats``: RSS, CPU seconds, hosts, connections, rudp counters;
+- ``stop``.
+
+Settings for benchmarks lift the abuse limits (every bench client is on
+127.0.0.1, which is one rate-limit source and one IP) and the hide/expire
+clocks (populated hosts never heartbeat); the list paging settings are the
+daemon's defaults unless a benchmark overrides them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import multiprocessing
+import os
+import resource
+import sys
+import time
+import tracemalloc
+from multiprocessing.connection import Connection as Pipe
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from matchmaker.addresses import Address
+from matchmaker.messages import HostInfo
+from matchmaker.settings import Settings
+
+GAME = "bench"
+UNLIMITED = 1e9
+
+
+def bench_settings(**overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "bind": "127.0.0.1",
+        "port": 0,
+        "http_bind": "127.0.0.1",
+        "http_port": 0,
+        "allow_private": True,
+        "max_hosts_per_ip": 1_000_000,
+        "max_connections": 100_000,
+        "register_rate": UNLIMITED,
+        "register_burst": UNLIMITED,
+        "list_rate": UNLIMITED,
+        "list_burst": UNLIMITED,
+        "list_limit": 100_000,
+        "hide_after": 3600.0,
+        "expire_after": 3600.0,
+        "keepalive": 5.0,
+        "log_level": "warning",
+        "log_format": "json",
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+def host_info(i: int) -> HostInfo:
+    """A typical listing: short name and map, two tags, a region, no info blob."""
+    return HostInfo(
+        name=f"Bench server #{i}",
+        game=GAME,
+        version="1.32c",
+        max_players=16,
+        players=i % 17,
+        map=("q3dm17", "q3dm6", "q3tourney2", "ctf1")[i % 4],
+        tags=("ctf", "eu") if i % 2 else ("ffa", "us"),
+        region=("eu", "us", "asia")[i % 3],
+    )
+
+
+def public_address(i: int) -> Address:
+    """One public-looking IPv4 per host (198.18.0.0/15, the benchmarking range)."""
+    ip = ipaddress.IPv4Address(int(ipaddress.IPv4Address("198.18.0.0")) + i + 1)
+    return Address(str(ip), 27960)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _daemon_main(pipe: Pipe, settings: Settings, use_uvloop: bool) -> None:
+    import rudp
+    from matchmaker.logging import configure
+    from matchmaker.server import Matchmaker
+
+    configure(settings.log_level, settings.log_format)
+
+    async def main() -> None:
+        mm = Matchmaker(settings)
+        await mm.start()
+        pipe.send(("ready", mm.udp_address, mm.http_address))
+        loop = asyncio.get_running_loop()
+        commands: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        loop.add_reader(pipe.fileno(), lambda: commands.put_nowait(pipe.recv()))
+        try:
+            while True:
+                cmd = await commands.get()
+                if cmd[0] == "stop":
+                    break
+                if cmd[0] == "populate":
+                    pipe.send(("populated", await _populate(mm, cmd[1])))
+                elif cmd[0] == "stats":
+                    pipe.send(("stats", _stats(mm)))
+        finally:
+            loop.remove_reader(pipe.fileno())
+            await mm.shutdown()
+
+    rudp.run(main(), use_uvloop=use_uvloop)
+    pipe.send(("stopped",))
+
+
+async def _populate(mm: Any, n: int) -> dict[str, Any]:
+    start = len(mm.registry.index())
+    infos = [host_info(start + i) for i in range(n)]
+    addresses = [public_address(start + i) for i in range(n)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for address, info in zip(addresses, infos, strict=True):
+        await mm.registry.upsert(address, info, max_per_ip=1_000_000)
+    traced = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return {"hosts": len(mm.registry.index()), "registry_bytes_per_host": traced / max(n, 1)}
+
+
+def _stats(mm: Any) -> dict[str, Any]:
+    stats = mm.udp.stats
+    return {
+        "rss": rss_bytes(),
+        "cpu": cpu_seconds(),
+        "hosts": len(mm.registry.index()),
+        "connections": mm.service.connections,
+        "datagrams_received": stats.datagrams_received,
+        "datagrams_sent": stats.datagrams_sent,
+        "dropped": {str(k): v for k, v in stats.dropped.items() if v},
+        "messages_resent": stats.closed_totals.get("messages_resent", 0)
+        + sum(c.stats.messages_resent for c in mm.udp.endpoint.core.connections),
+    }
+
+
+class DaemonProcess:
+    """A matchmaker daemon in a child process; a context manager."""
+
+    def __init__(self, settings: Settings, *, use_uvloop: bool = True) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._pipe, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_daemon_main, args=(child, settings, use_uvloop))
+        self.udp_address: tuple[str, int] = ("", 0)
+        self.http_address: tuple[str, int] = ("", 0)
+
+    def __enter__(self) -> DaemonProcess:
+        self._proc.start()
+        _, self.udp_address, self.http_address = self._expect("ready", 30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc.is_alive():
+            self._pipe.send(("stop",))
+            self._proc.join(15)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    def _expect(self, kind: str, timeout: float) -> Any:
+        if not self._pipe.poll(timeout):
+            raise RuntimeError(f"daemon: no {kind!r} within {timeout} s")
+        msg = self._pipe.recv()
+        if msg[0] != kind:
+            raise RuntimeError(f"daemon: expected {kind!r}, got {msg!r}")
+        return msg
+
+    def populate(self, n: int) -> dict[str, Any]:
+        self._pipe.send(("populate", n))
+        result: dict[str, Any] = self._expect("populated", 300)[1]
+        return result
+
+    def stats(self) -> dict[str, Any]:
+        self._pipe.send(("stats",))
+        result: dict[str, Any] = self._expect("stats", 30)[1]
+        return result
+
+
+def settings_dict(settings: Settings) -> dict[str, Any]:
+    return dataclasses.asdict(settings)
+
+
+def now() -> float:
+    return time.monotonic()
