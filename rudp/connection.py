@@ -155,6 +155,8 @@ class Connection:
         self._last_recv = now
         # -- handshake and close
         self._cookie = b""
+        self._cookie_connects = 0  # CONNECTs sent with the current cookie
+        self._cookie_connect_at = now
         self._send_connect = client
         self._connect_deadline = now + config.connect_timeout
         self._next_connect = now + config.connect_retry_interval
@@ -276,6 +278,9 @@ class Connection:
         if self.state is State.CONNECTING:
             if self._send_connect:
                 self._send_connect = False
+                if self._cookie:
+                    self._cookie_connects += 1
+                    self._cookie_connect_at = now
                 cfg = self.config
                 out.append(
                     wire.encode_connect(self.salt, self._isn, self._cookie, cfg.max_datagram_size)
@@ -302,6 +307,7 @@ class Connection:
         if self.state is not State.CONNECTING or challenge.salt != self.salt:
             return DropReason.UNEXPECTED
         self._cookie = challenge.cookie
+        self._cookie_connects = 0
         self._send_connect = True
         self._dirty.add(self)
         return None
@@ -311,6 +317,10 @@ class Connection:
             return DropReason.UNEXPECTED
         if self.state is not State.CONNECTING:
             return DropReason.DUPLICATE
+        if self._cookie_connects == 1:
+            # One CONNECT, one ACCEPT: an unambiguous first RTT sample (Karn's rule),
+            # so the first data packet does not wait on rto_initial.
+            self._rtt.on_sample(now - self._cookie_connect_at)
         self.establish(accept.token, accept.isn, now)
         return None
 

@@ -80,6 +80,7 @@ class AioEndpoint:
         self._flush_pending = False
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
         self.send_errors = 0
+        self.queries_unanswered = 0  # replies withheld because they exceeded the request
         self.send_buffer_drops = 0
         self._closed = False
         self._closed_event = asyncio.Event()
@@ -274,10 +275,18 @@ class AioEndpoint:
             return
         try:
             reply = self.on_query(event.payload, event.address)
-            if reply is not None:
-                self.core.reply_query(event, reply)
         except Exception:
             log.exception("query_handler_failed", peer=str(event.address))
+            return
+        if reply is None:
+            return
+        if len(reply) > event.max_reply:
+            # The request was not padded enough: answering would amplify. Anyone can
+            # send such requests, so this is counted, not logged as an error.
+            self.queries_unanswered += 1
+            log.debug("query_reply_too_large", size=len(reply), allowed=event.max_reply)
+            return
+        self.core.reply_query(event, reply)
 
     # -- operations used by Server / Connection ------------------------------------
 

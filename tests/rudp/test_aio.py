@@ -181,6 +181,7 @@ async def test_unconnected_query_never_amplifies(server: rudp.Server) -> None:
     server.on_query = lambda payload, addr: b"x" * 2000  # larger than any request
     with pytest.raises(TimeoutError):
         await client.query(server.address, b"big?", timeout=0.3)
+    assert server.endpoint.queries_unanswered == 1
     stats = server.stats
     assert stats.unvalidated_bytes_sent <= stats.unvalidated_bytes_received
     await client.close()

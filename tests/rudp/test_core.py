@@ -57,6 +57,12 @@ def test_handshake_takes_two_round_trips_and_reports_connected() -> None:
     assert server_conn(server).token == conn.token != 0
 
 
+def test_handshake_gives_the_client_its_first_rtt_sample() -> None:
+    net, server, client, conn = pair(Link(delay=0.03))
+    assert conn.stats.srtt == pytest.approx(0.06)
+    assert conn.stats.rto < Config().rto_initial
+
+
 def test_connect_times_out_without_a_server() -> None:
     net = Network()
     client = net.add(CLIENT)
