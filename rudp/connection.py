@@ -51,7 +51,7 @@ from rudp.events import (
     MessageReceived,
 )
 from rudp.recovery import ACKED, FAILED, SENT, OutMessage, RttEstimator, SentPacket
-from rudp.seqnum import SEQ_MASK, unwrap
+from rudp.seqnum import SEQ_MASK, seq_diff, unwrap
 from rudp.stats import ConnectionStats
 from rudp.wire import Delivery, DropReason
 
@@ -119,6 +119,7 @@ class Connection:
         self._in_flight = 0
         self._largest_acked = self._isn - 1
         self._loss_time: float | None = None
+        self._last_probe = 0.0  # when the resend timer last fired
         self._reorder_threshold = config.reorder_threshold  # widened by spurious losses
         self._lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
         self._rel_queue: deque[OutMessage] = deque()
@@ -252,8 +253,7 @@ class Connection:
             return self._deadline
         t = self._last_recv + self.config.idle_timeout
         if self._sent:
-            first = next(iter(self._sent.values()))
-            t = min(t, first.time_sent + self._rtt.backed_off_rto)
+            t = min(t, self._probe_deadline())
             if self._loss_time is not None:
                 t = min(t, self._loss_time)
         elif not self._ping:  # a pending PING goes out with the next flush
@@ -302,6 +302,13 @@ class Connection:
         return out
 
     # -- handshake (called by the endpoint) ----------------------------------------------
+
+    def nudge_connect(self) -> None:
+        """The server is already sending us data: our ACCEPT was lost or overtaken,
+        so ask again now rather than at the next retry."""
+        if self.state is State.CONNECTING and self._cookie:
+            self._send_connect = True
+            self._dirty.add(self)
 
     def receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
         if self.state is not State.CONNECTING or challenge.salt != self.salt:
@@ -390,6 +397,8 @@ class Connection:
         stats.bytes_received += len(data)
         self._last_recv = now
         self._process_ack(ack16, ack_bits, now)
+        if self.state is State.CLOSED:  # that ack completed our close
+            return None
         eliciting = frames.ping or frames.disconnect is not None
         if frames.messages and state is not State.DRAINING:
             eliciting = self._deliver(frames.messages) or eliciting
@@ -420,15 +429,38 @@ class Connection:
         limit = self.config.recv_buffer_bytes
         if self._rx_buffered_bytes + size + BUFFER_ENTRY_COST * len(messages) <= limit:
             return self._channels_ok(messages)
+        if not self._channels_ok(messages):
+            return False
+        # Replay the packet's in-order deliveries: a message right behind one that
+        # is delivered is not buffered, and buffered ones it releases free space.
+        # Counting them as early would refuse, forever, the very packet that
+        # unblocks the channel.
+        running: dict[int, int] = {}
         extra = 0
         for mode, channel, seq16, payload in messages:
-            if channel >= self._channels:
-                return False
-            if mode == RELIABLE_ORDERED:
-                expected = self._rx_ch_next[channel]
-                if unwrap(seq16, expected) > expected:
-                    extra += len(payload) + BUFFER_ENTRY_COST
+            if mode != RELIABLE_ORDERED:
+                continue
+            expected = running.get(channel, self._rx_ch_next[channel])
+            ahead = self._ahead(seq16, expected)
+            if ahead == 0:
+                expected += 1
+                buf = self._rx_ch_buf[channel]
+                while expected in buf:
+                    extra -= len(buf[expected]) + BUFFER_ENTRY_COST
+                    expected += 1
+                running[channel] = expected
+            elif ahead > 0:
+                extra += len(payload) + BUFFER_ENTRY_COST
         return self._rx_buffered_bytes + extra <= limit
+
+    def _ahead(self, seq16: int, expected: int) -> int:
+        """How far a reliable message is ahead of the next expected one; -1 if it is
+        a duplicate. Within ``channel_window`` only: an honest sender never runs
+        further ahead, so anything else is an old copy whose 16-bit number wrapped
+        (a long-delayed packet), and unwrapping it would deliver it in place of a
+        newer message."""
+        ahead = seq_diff(seq16, expected & SEQ_MASK)
+        return ahead if 0 <= ahead < self.config.channel_window else -1
 
     def _channels_ok(self, messages: list[wire.MessageFrame]) -> bool:
         channels = self._channels
@@ -458,10 +490,10 @@ class Connection:
                 else:
                     rx_next[channel] = expected
                 continue
-            seq = unwrap(seq16, expected)
+            ahead = self._ahead(seq16, expected)
             buf = self._rx_ch_buf[channel]
-            if seq > expected and seq not in buf:
-                buf[seq] = payload
+            if ahead > 0 and expected + ahead not in buf:
+                buf[expected + ahead] = payload
                 self._rx_buffered_bytes += len(payload) + BUFFER_ENTRY_COST
             else:
                 self.stats.duplicate_messages += 1
@@ -719,6 +751,14 @@ class Connection:
 
     # -- timers -----------------------------------------------------------------------------
 
+    def _probe_deadline(self) -> float:
+        """When the resend timer fires: one backed-off RTO after the oldest packet in
+        flight was sent, or after the last probe if that was later. Without the
+        latter, once the backoff is capped every packet behind the first would be
+        overdue at once after an outage, and fire in one burst."""
+        first = next(iter(self._sent.values()))
+        return max(first.time_sent, self._last_probe) + self._rtt.backed_off_rto
+
     def _connecting_timer(self, now: float) -> None:
         if now >= self._connect_deadline:
             self._end(DisconnectReason.CONNECT_TIMEOUT, 0, "", by_peer=False)
@@ -742,7 +782,7 @@ class Connection:
             self._detect_losses(now)
         if self._sent:
             first = next(iter(self._sent.values()))
-            if now >= first.time_sent + self._rtt.backed_off_rto:
+            if now >= self._probe_deadline():
                 # Only the oldest packet is declared lost: its messages go out again as
                 # a probe. Declaring every expired packet lost at once turns a queue
                 # that grew faster than the RTO estimate into a resend storm; once the
@@ -751,6 +791,7 @@ class Connection:
                 self.stats.timeouts += 1
                 self._on_lost(self._sent.pop(first.seq))
                 self._ping = True  # a probe goes out even if nothing needed resending
+                self._last_probe = now
                 self._rtt.on_timeout()
         elif now >= self._last_eliciting + cfg.keepalive_interval:
             self._ping = True

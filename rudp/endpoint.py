@@ -230,7 +230,13 @@ class Endpoint:
         self, conn: Connection | None, data: bytes, address: Address, now: float
     ) -> Connection | None:
         token, seq, ack, bits = wire.decode_data_header(data)
-        if conn is None or token != conn.token or conn.state is State.CONNECTING:
+        if conn is not None and conn.state is State.CONNECTING:
+            # DATA before our ACCEPT (lost, or overtaken). A NOCONN here would end the
+            # server's brand-new connection; instead repeat the CONNECT now.
+            self.stats.dropped[DropReason.UNEXPECTED] += 1
+            conn.nudge_connect()
+            return conn
+        if conn is None or token != conn.token:
             self.stats.dropped[
                 DropReason.UNKNOWN_PEER if conn is None else DropReason.BAD_TOKEN
             ] += 1

@@ -146,9 +146,10 @@ class Connection:
         while not self._inbox:
             if self._closed_future.done():
                 raise self._closed_error()
-            if self._recv_waiter is None:
-                self._recv_waiter = self._loop.create_future()
-            await self._recv_waiter
+            waiter = self._recv_waiter
+            if waiter is None or waiter.done():  # done: a cancelled recv() left it
+                waiter = self._recv_waiter = self._loop.create_future()
+            await waiter
         return self._inbox.popleft()
 
     def recv_nowait(self) -> MessageReceived | None:

@@ -360,6 +360,7 @@ class AioEndpoint:
                 pipe.close()
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._sock.fileno())
+        with contextlib.suppress(Exception):
             self._loop.remove_writer(self._sock.fileno())
         self._sock.close()
         for future in self._queries.values():

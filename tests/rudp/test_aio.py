@@ -252,3 +252,17 @@ def test_run_uses_uvloop_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("RUDP_NO_UVLOOP", "1")
     assert not rudp.run(loop_name()).startswith("uvloop")
     assert os.environ["RUDP_NO_UVLOOP"] == "1"
+
+
+async def test_recv_works_again_after_a_cancelled_recv() -> None:
+    async def late(conn: rudp.Connection) -> None:
+        await asyncio.sleep(0.3)
+        await conn.send(b"late")
+        await conn.recv()
+
+    async with await rudp.serve(late, "127.0.0.1", 0) as srv:
+        conn = await rudp.connect(*srv.address)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(conn.recv(), 0.05)
+        assert (await asyncio.wait_for(conn.recv(), 5)).data == b"late"
+        await conn.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import random
 
@@ -14,7 +15,7 @@ from rudp.connection import Connection, State
 from rudp.errors import ConnectionClosed, LocalProtocolError, MessageTooLarge, SendQueueFull
 from rudp.events import Connected, Disconnected, DisconnectReason, MessageAcked
 from rudp.wire import DropReason, PacketType
-from tests.rudp.harness import Link, Network, Node
+from tests.rudp.harness import Address, Link, Network, Node
 
 SERVER = ("10.0.0.1", 9000)
 CLIENT = ("10.0.0.2", 5000)
@@ -532,3 +533,91 @@ def test_deep_reordering_is_learned_instead_of_resent() -> None:
     # Without this, the same transfer resent every message about 7 times over.
     assert stats.messages_resent < 0.5 * stats.messages_sent
     assert net.now - start < 1.0
+
+
+def _hold_nth_data_packet(net: Network, n: int, hold: float | None) -> None:
+    """Delay (or, with ``hold=None``, lose) the n-th data-carrying packet from CLIENT."""
+    count = [0]
+    transmit = net._transmit
+
+    def tap(data: bytes, src: Address, dst: Address) -> None:
+        if src == CLIENT and wire.decode_type(data) is PacketType.DATA and len(data) > 100:
+            count[0] += 1
+            if count[0] == n:
+                net.sent.append((data, src, dst))
+                if hold is not None:
+                    heapq.heappush(net._wire, (net.now + hold, 10**12, data, src, dst))
+                return
+        transmit(data, src, dst)
+
+    net._transmit = tap  # type: ignore[method-assign]
+
+
+def test_a_long_delayed_packet_is_never_delivered_as_a_newer_message() -> None:
+    """Small messages, one packet held 0.25 s: by then the channel sequence has moved
+    more than 32768 on, and unwrapping its old numbers would read them as early."""
+    net, server, client, conn = pair(seed=3)
+    _hold_nth_data_packet(net, 5, hold=0.25)
+    payloads = [i.to_bytes(3, "big") for i in range(120_000)]
+    sent = 0
+
+    def keep_sending() -> bool:
+        nonlocal sent
+        while sent < len(payloads) and conn.queued < 60_000:  # a deep queue: fast channel
+            conn.send(payloads[sent])
+            sent += 1
+        return len(server.received()) >= len(payloads)
+
+    net.run_until(keep_sending, timeout=120)
+    assert server.received() == payloads
+
+
+def test_a_full_reorder_buffer_never_refuses_the_packet_that_unblocks_it() -> None:
+    # A buffer that holds the window's early messages only just not: the packet
+    # carrying the lost message and the next one must still be taken.
+    cfg = Config(recv_buffer_bytes=19676)
+    net, server, client, conn = pair(config=cfg, seed=3)
+    _hold_nth_data_packet(net, 1, hold=None)  # lose the first data packet
+    payloads = [bytes([i % 256]) * 500 for i in range(200)]
+    for p in payloads:
+        conn.send(p)
+    net.run_until(lambda: len(server.received()) == len(payloads), timeout=30)
+    assert server.received() == payloads
+
+
+@pytest.mark.parametrize("accept_fate", ["lost", "overtaken"])
+def test_data_before_accept_does_not_kill_the_new_connection(accept_fate: str) -> None:
+    net = Network(seed=3)
+    server = net.add(SERVER, accept=True)
+    client = net.add(CLIENT)
+    transmit = net._transmit
+    held: list[int] = []
+
+    def tap(data: bytes, src: Address, dst: Address) -> None:
+        if wire.decode_type(data) is PacketType.ACCEPT and not held:
+            held.append(1)
+            net.sent.append((data, src, dst))
+            if accept_fate == "overtaken":  # arrives after the greeting
+                heapq.heappush(net._wire, (net.now + 0.05, 10**12, data, src, dst))
+            return
+        transmit(data, src, dst)
+
+    net._transmit = tap  # type: ignore[method-assign]
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: bool(server.endpoint.connections))
+    server_conn(server).send(b"hello")  # the server greets at once
+    net.run_until(lambda: b"hello" in client.received(), timeout=10)
+    assert conn.state is State.CONNECTED
+    assert not client.disconnects() and not server.disconnects()
+
+
+def test_after_an_outage_the_resend_timer_probes_one_packet_at_a_time() -> None:
+    net, server, client, conn = pair()
+    net.run(0.5)
+    net.link.blackout = True
+    for _ in range(2000):
+        conn.send(b"x" * 500)
+    net.run(4.0)
+    # One probe per backed-off RTO, not a burst of every packet in flight.
+    assert conn.stats.timeouts <= 8
+    assert conn.stats.messages_resent <= 20
