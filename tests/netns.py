@@ -93,6 +93,7 @@ class NetLab:
         self._namespaces: list[str] = []
         self._procs: list[subprocess.Popen[str]] = []
         self._buffers: dict[int, bytearray] = {}
+        self._ports = 0
 
     @staticmethod
     def require() -> None:
@@ -152,6 +153,45 @@ class NetLab:
         self._wait_forwarding(port)
         self.nodes.append(node)
         return node
+
+    # ------------------------------------------------------------------ routed topologies
+
+    def add_namespace(self, role: str) -> str:
+        """A bare namespace (only ``lo`` up) named after ``role``; deleted at lab exit.
+
+        With `add_bridge` and `plug` this builds routed topologies (routers, NATs)
+        next to the default bridge; `Node` helpers are for the flat LAN only.
+        """
+        name = f"rudp-{self.token}-{role}"
+        self._add_namespace(name)
+        self._exec(name, "ip", "link", "set", "lo", "up")
+        return name
+
+    def add_bridge(self, name: str) -> None:
+        """Another bridge (segment) in the switch namespace, besides ``br0``."""
+        self._exec(self.switch, "ip", "link", "add", name, "type", "bridge",
+                   "stp_state", "0", "forward_delay", "0", "mcast_snooping", "0")  # fmt: skip
+        self._exec(self.switch, "ip", "link", "set", name, "up")
+
+    def plug(self, namespace: str, bridge: str, ifname: str, cidr: str) -> None:
+        """Give ``namespace`` an interface ``ifname`` on ``bridge``, addressed ``cidr``, up."""
+        self._ports += 1
+        port = f"x{self._ports}"
+        self._exec(self.switch, "ip", "link", "add", port, "type", "veth",
+                   "peer", "name", ifname, "netns", namespace)  # fmt: skip
+        self._exec(self.switch, "ip", "link", "set", port, "master", bridge, "up")
+        self._exec(namespace, "ip", "link", "set", ifname, "addrgenmode", "none")
+        self._exec(namespace, "ip", "addr", "add", cidr, "dev", ifname)
+        self._exec(namespace, "ip", "link", "set", ifname, "up")
+        self._wait_forwarding(port)
+
+    def exec(self, namespace: str, *argv: str) -> subprocess.CompletedProcess[str]:
+        """Run a command in ``namespace``; LabError if it fails."""
+        return self._exec(namespace, *argv)
+
+    def spawn_in(self, namespace: str, code: str, *args: str) -> subprocess.Popen[str]:
+        """`spawn`, in a namespace made by `add_namespace`."""
+        return self.spawn(Node(namespace, 0), code, *args)
 
     def _add_namespace(self, name: str) -> None:
         _run("ip", "netns", "add", name)
