@@ -13,6 +13,7 @@ Run ``python bench/latency.py --help``.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import contextlib
@@ -138,7 +139,7 @@ async def udp_ping(ctx: RoleContext) -> Result:
 # -- TCP ---------------------------------------------------------------------------------
 
 
-class _TcpFramed(asyncio.Protocol):
+class _TcpFramed(asyncio.Protocol, abc.ABC):
     """Length-prefixed framing; ``on_message`` gets each message's bytes."""
 
     def __init__(self) -> None:
@@ -168,8 +169,9 @@ class _TcpFramed(asyncio.Protocol):
         if offset:
             del buffer[:offset]
 
+    @abc.abstractmethod
     def on_message(self, message: bytes) -> None:
-        raise NotImplementedError
+        """Handle one complete message."""
 
 
 class _TcpEcho(_TcpFramed):
