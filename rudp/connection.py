@@ -623,6 +623,15 @@ class Connection:
     # -- send path ---------------------------------------------------------------------------
 
     def _build_packet(self, now: float) -> bytes | None:
+        if not (
+            self._ack_pending
+            or self._ping
+            or self._control
+            or self._retx
+            or self._unrel_queue
+            or self._rel_queue
+        ):
+            return None  # the common last call of a flush: nothing left to send
         budget = self._max_payload
         parts: list[bytes] = []
         messages: list[OutMessage] = []
