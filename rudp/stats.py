@@ -10,25 +10,29 @@ if TYPE_CHECKING:
     from rudp.wire import DropReason
 
 
+COUNTERS = (
+    "bad_acks",
+    "bytes_received",
+    "bytes_sent",
+    "duplicate_messages",
+    "eliciting_sent",
+    "messages_received",
+    "messages_resent",
+    "messages_sent",
+    "packets_lost",
+    "packets_received",
+    "packets_sent",
+    "spurious_losses",
+    "timeouts",
+)
+"""The counters of ``ConnectionStats``, named once (not read from ``__slots__``,
+which compiled builds do not expose)."""
+
+
 class ConnectionStats:
     """Per-connection transport statistics (``Connection.stats``)."""
 
-    __slots__ = (
-        "bad_acks",
-        "bytes_received",
-        "bytes_sent",
-        "duplicate_messages",
-        "eliciting_sent",
-        "messages_received",
-        "messages_resent",
-        "messages_sent",
-        "packets_lost",
-        "packets_received",
-        "packets_sent",
-        "rtt",
-        "spurious_losses",
-        "timeouts",
-    )
+    __slots__ = (*COUNTERS, "rtt")
 
     def __init__(self) -> None:
         self.packets_sent = 0
@@ -71,7 +75,7 @@ class ConnectionStats:
         return self.packets_lost / self.eliciting_sent if self.eliciting_sent else 0.0
 
     def as_dict(self) -> dict[str, float]:
-        out: dict[str, float] = {n: getattr(self, n) for n in self.__slots__ if n != "rtt"}
+        out: dict[str, float] = {n: getattr(self, n) for n in COUNTERS}
         out.update(
             srtt=self.srtt, rttvar=self.rttvar, rto=self.rto, loss_estimate=self.loss_estimate
         )
@@ -113,9 +117,8 @@ class EndpointStats:
     def absorb(self, conn: ConnectionStats) -> None:
         """Fold an ended connection's counters into the endpoint totals."""
         totals = self.closed_totals
-        for name in conn.__slots__:
-            if name != "rtt":
-                totals[name] += getattr(conn, name)
+        for name in COUNTERS:
+            totals[name] += getattr(conn, name)
 
     @property
     def datagrams_dropped(self) -> int:
