@@ -517,11 +517,13 @@ class Connection:
 
     def _process_ack(self, ack16: int, bits: int, now: float) -> None:
         sent = self._sent
-        if not sent:
-            return
         largest = unwrap(ack16, self._tx_next - 1)
         if largest >= self._tx_next:
             self.stats.bad_acks += 1
+            return
+        if not sent:
+            if largest in self._lost_recently:  # a late ack after everything else was acked
+                self._on_spurious_loss(largest)
             return
         newly = False
         pkt = sent.pop(largest, None)

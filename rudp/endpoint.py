@@ -382,7 +382,7 @@ class Endpoint:
         if self._noconn.take(now):
             self._send_unvalidated(wire.encode_noconn(token, seq), address)
         else:
-            self.stats.dropped[DropReason.RATE_LIMITED] += 1
+            self.stats.noconn_suppressed += 1
 
     def _key(self, slot: int) -> bytes:
         key = self._keys.get(slot)

@@ -92,6 +92,11 @@ def _endpoint_counters(endpoints: Sequence[Endpoint]) -> Iterable[Metric]:
         ("connections_accepted", "rudp_connections_accepted_total", "Handshakes accepted."),
         ("connections_refused", "rudp_connections_refused_total", "Handshakes refused."),
         (
+            "noconn_suppressed",
+            "rudp_noconn_suppressed_total",
+            "NOCONN replies held back by the rate limit.",
+        ),
+        (
             "unvalidated_bytes_received",
             "rudp_unvalidated_received_bytes_total",
             "Bytes from addresses with no connection.",

@@ -97,6 +97,7 @@ class EndpointStats:
         "datagrams_received",
         "datagrams_sent",
         "dropped",
+        "noconn_suppressed",
         "unvalidated_bytes_received",
         "unvalidated_bytes_sent",
     )
@@ -111,6 +112,9 @@ class EndpointStats:
         self.unvalidated_bytes_sent = 0
         self.connections_accepted = 0
         self.connections_refused = 0
+        # NOCONN replies the token bucket held back (the datagram itself is counted
+        # once, under its drop reason).
+        self.noconn_suppressed = 0
         # Counters of connections that have ended, so exported totals never go back.
         self.closed_totals: Counter[str] = Counter()
 

@@ -110,7 +110,6 @@ class DropReason(enum.StrEnum):
     BAD_ACK = "bad_ack"
     RECV_BUFFER_FULL = "recv_buffer_full"
     UNEXPECTED = "unexpected"
-    RATE_LIMITED = "rate_limited"
 
 
 class DecodeError(Exception):
