@@ -224,6 +224,8 @@ class Endpoint:
             self._receive_other(ptype, conn, data, address, now)
         except DecodeError as exc:
             stats.dropped[exc.reason] += 1
+            if conn is not None:
+                conn.stats.packets_dropped += 1
         return conn
 
     def _receive_data(
@@ -246,6 +248,7 @@ class Endpoint:
         reason = conn.receive_data(data, seq, ack, bits, now)
         if reason is not None:
             self.stats.dropped[reason] += 1
+            conn.stats.packets_dropped += 1
 
         self._schedule(conn)
         return conn

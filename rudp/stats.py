@@ -19,6 +19,7 @@ COUNTERS = (
     "messages_received",
     "messages_resent",
     "messages_sent",
+    "packets_dropped",
     "packets_lost",
     "packets_received",
     "packets_sent",
@@ -44,6 +45,7 @@ class ConnectionStats:
         self.messages_resent = 0
         self.eliciting_sent = 0
         self.packets_lost = 0
+        self.packets_dropped = 0  # datagrams from this peer dropped (duplicate, stale, bad...)
         self.duplicate_messages = 0
         self.bad_acks = 0
         self.timeouts = 0

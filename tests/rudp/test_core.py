@@ -182,6 +182,8 @@ def test_exactly_once_in_order_under_loss_duplication_and_reordering(seed: int) 
     pump(net, conn, payloads)
     assert server.received() == payloads
     assert conn.stats.messages_resent > 0
+    sconn = server_conn(server)
+    assert sconn.stats.packets_dropped == sum(server.endpoint.stats.dropped.values()) > 0
 
 
 def test_both_directions_and_every_channel_keep_their_own_order() -> None:
