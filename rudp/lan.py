@@ -280,7 +280,9 @@ class _ResponderProtocol(asyncio.DatagramProtocol):
             self._responder._handle(data, addr, self.transport)
 
     def error_received(self, exc: Exception) -> None:
-        # ICMP errors from earlier answers (e.g. port unreachable): not our problem.
+        # asyncio reports a failed sendto here rather than raising it (and ICMP
+        # errors from earlier answers, e.g. port unreachable, land here too).
+        self._responder.stats.send_errors += 1
         log.debug("lan.responder.error_received error=%r", exc)
 
 

@@ -175,6 +175,7 @@ class LockstepServer:
                         "lockstep.server.send_failed peer=%s error=%s", conn.remote_address, exc
                     )
                     self.host.peer_disconnected(conn, self._pump.now())
+                    self._pump.spawn_close(conn)  # or it lingers, forgotten but open
         for conn in self.host.peers_to_close():
             self._pump.spawn_close(conn)
         while (event := self.host.next_event()) is not None:

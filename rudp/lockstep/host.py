@@ -138,7 +138,6 @@ class LockstepHost(Generic[P]):
         """The number the next NETTURN will carry."""
         self._clients: dict[int, ClientRecord[P]] = {}
         self._by_peer: dict[P, int] = {}
-        self._next_id = 0
         self._scheduled: dict[int, list[tuple[int, bytes]]] = {}
         self._reports: dict[int, _TurnReports] = {}
         self._blamed: set[int] = set()
@@ -170,14 +169,12 @@ class LockstepHost(Generic[P]):
         """The next time :meth:`handle_timer` has work to do, or ``None``."""
         deadlines = [d for d in (self.clock.deadline,) if d is not None]
         for client in self._clients.values():
-            since = self._stalled_since(client)
-            if since is not None:
-                limit = (
-                    self.config.drop_after
-                    if client.unresponsive
-                    else self.config.unresponsive_after
-                )
-                deadlines.append(since + limit)
+            stalled = self._stalled_since(client)
+            if stalled is not None:
+                progress_since, lag_since = stalled
+                deadlines.append(lag_since + self.config.drop_after)
+                if not client.unresponsive:
+                    deadlines.append(progress_since + self.config.unresponsive_after)
         return min(deadlines, default=None)
 
     # ------------------------------------------------------------------ inputs
@@ -250,8 +247,11 @@ class LockstepHost(Generic[P]):
             self._to_close.append(peer)
             self._events.append(JoinRefused(reason, msg.name))
             return
-        client = ClientRecord(self._next_id, peer, msg.name, last_ack_at=now)
-        self._next_id += 1  # ids are never reused, so LEFT can't be confused with a newcomer
+        # Joins happen only in the lobby, where the lowest free id is reused: the
+        # ordered stream delivers a LEFT before the JOINED that reuses its id, and
+        # a host that never reused ids would refuse everyone after 128 joins.
+        client_id = next(i for i in range(MAX_CLIENTS_LIMIT) if i not in self._clients)
+        client = ClientRecord(client_id, peer, msg.name, last_ack_at=now)
         roster = tuple((c.client_id, c.name) for c in self._clients.values())
         self._broadcast(m.Joined(client.client_id, client.name))
         self._clients[client.client_id] = client
@@ -270,7 +270,7 @@ class LockstepHost(Generic[P]):
             return m.RefuseReason.WRONG_VERSION
         if self.state is not HostState.LOBBY:
             return m.RefuseReason.GAME_STARTED
-        if len(self._clients) >= self.config.max_clients or self._next_id >= MAX_CLIENTS_LIMIT:
+        if len(self._clients) >= self.config.max_clients:
             return m.RefuseReason.TOO_MANY_CLIENTS
         return None
 
@@ -377,24 +377,33 @@ class LockstepHost(Generic[P]):
 
     # ------------------------------------------------------------------ laggers
 
-    def _stalled_since(self, client: ClientRecord[P]) -> float | None:
-        """When the client started owing an acknowledgement, or ``None`` if it owes none."""
+    def _stalled_since(self, client: ClientRecord[P]) -> tuple[float, float] | None:
+        """``(progress_since, lag_since)``, or ``None`` if the client owes no turn.
+
+        ``progress_since``: since when it has acknowledged nothing it owed; this
+        flags it unresponsive, and an ack clears the flag, so a client catching up
+        after a hiccup does not flap. ``lag_since``: when the oldest turn it owes
+        was sent; this drops it. A client acking one turn now and then makes
+        progress but falls ever further behind, holding back every other
+        client's desync detection; its lag still ends it.
+        """
         oldest = self._reports.get(client.acked + 1)
         if client.acked + 1 >= self.next_turn:
             return None
-        sent_at = oldest.sent_at if oldest is not None else client.last_ack_at
-        return max(client.last_ack_at, sent_at)
+        lag_since = oldest.sent_at if oldest is not None else client.last_ack_at
+        return max(client.last_ack_at, lag_since), lag_since
 
     def _check_stalled(self, now: float) -> None:
         for client in list(self._clients.values()):
-            since = self._stalled_since(client)
-            if since is None:
+            stalled = self._stalled_since(client)
+            if stalled is None:
                 continue
+            progress_since, lag_since = stalled
             # Compare against the same sums get_timer() returns, so waking
             # exactly at a deadline always acts on it.
-            if now >= since + self.config.drop_after:
+            if now >= lag_since + self.config.drop_after:
                 self._remove(client.client_id, m.LeaveReason.TIMED_OUT, now)
-            elif not client.unresponsive and now >= since + self.config.unresponsive_after:
+            elif not client.unresponsive and now >= progress_since + self.config.unresponsive_after:
                 client.unresponsive = True
                 log.info("lockstep.host.unresponsive client=%d", client.client_id)
                 self._broadcast(m.StatusChanged(client.client_id, m.ClientStatus.UNRESPONSIVE))

@@ -180,6 +180,9 @@ class LinkProfile:
         )
 
 
+MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024  # held in the delay line at most, whatever the profile
+
+
 @dataclass
 class LinkStats:
     """Counters of one conditioner (or, summed, of several). Copies count in ``delivered``."""
@@ -212,6 +215,7 @@ class LinkConditioner(Generic[T]):
         # Min-heap of (due, seq, data, meta); seq is unique, so data/meta are never compared and
         # equal due times come out in submission order.
         self._heap: list[tuple[float, int, bytes, T]] = []
+        self._heap_bytes = 0
         self._seq = 0
         self._burst_bad = False  # Gilbert-Elliott state, starts GOOD
         # Bottleneck: when the serialiser is next free, and (finish time, size) of datagrams not yet
@@ -261,6 +265,7 @@ class LinkConditioner(Generic[T]):
         out: list[tuple[bytes, T]] = []
         while heap and heap[0][0] <= now:
             _, _, data, meta = heapq.heappop(heap)
+            self._heap_bytes -= len(data)
             out.append((data, meta))
         self.stats.delivered += len(out)
         return out
@@ -273,6 +278,7 @@ class LinkConditioner(Generic[T]):
         """Forget every pending datagram (and the bottleneck backlog); return how many."""
         dropped = len(self._heap)
         self._heap.clear()
+        self._heap_bytes = 0
         self._reset_bottleneck()
         return dropped
 
@@ -292,6 +298,11 @@ class LinkConditioner(Generic[T]):
 
     def _send_copy(self, data: bytes, now: float, meta: T) -> None:
         profile = self._profile
+        if self._heap_bytes + len(data) > MAX_IN_FLIGHT_BYTES:
+            # Without a bandwidth limit nothing else bounds what a flood can park in
+            # the delay line (netem caps it too: its "limit", 1000 packets by default).
+            self.stats.dropped_queue += 1
+            return
         leaves_at = now
         if profile.bandwidth is not None:
             finish = self._serialise(len(data), now, profile.bandwidth, profile.queue_limit)
@@ -336,6 +347,7 @@ class LinkConditioner(Generic[T]):
         return bytes(buf)
 
     def _schedule(self, due: float, data: bytes, meta: T) -> None:
+        self._heap_bytes += len(data)
         heapq.heappush(self._heap, (due, self._seq, data, meta))
         self._seq += 1
 

@@ -47,6 +47,7 @@ from rudp.lockstep import (
     TurnClock,
 )
 from rudp.lockstep import messages as m
+from rudp.lockstep.config import MAX_CLIENTS_LIMIT
 
 HOST = "host"
 
@@ -784,3 +785,40 @@ async def test_asyncio_adapter_over_loopback_rudp() -> None:
         for session in sessions:
             await session.close()
         await server.close()
+
+
+def test_lobby_reuses_ids_so_join_and_leave_cannot_lock_it() -> None:
+    host: LockstepHost[object] = LockstepHost()
+    for i in range(MAX_CLIENTS_LIMIT):  # far more joins in total than ids exist
+        host.receive(("churn", i), m.encode(m.Join(PROTOCOL_VERSION, "", "x")), 0.0)
+        host.receive(("churn", i), m.encode(m.Leave()), 0.0)
+    host.messages_to_send()
+    host.receive("real", m.encode(m.Join(PROTOCOL_VERSION, "", "alice")), 0.0)
+    assert len(host.clients) == 1
+    replies = [m.decode(data, host.config) for _, data in host.messages_to_send()]
+    assert not any(isinstance(r, m.Refused) for r in replies)
+
+
+def test_a_client_that_acks_slowly_is_dropped_by_its_lag() -> None:
+    """Acking one turn every 1.9 s is progress, but it falls ever further behind and
+    holds back the other clients' desync detection: its lag must end it."""
+    cfg = LockstepConfig()
+    host: LockstepHost[str] = LockstepHost(config=cfg)
+    for peer in ("a", "b"):
+        host.receive(peer, m.encode(m.Join(PROTOCOL_VERSION, "", peer)), 0.0)
+    host.start(0.0)
+    t, acked, next_slow = 0.0, {"a": -1, "b": -1}, 1.9
+    while t < 120 and "b" in {c.peer for c in host.clients.values()}:
+        t = round(t + 0.1, 6)
+        host.handle_timer(t)
+        while acked["a"] + 1 < host.next_turn:
+            acked["a"] += 1
+            host.receive("a", m.encode(m.DoneTurn(acked["a"], 1)), t)
+        if t >= next_slow:
+            acked["b"] += 1
+            host.receive("b", m.encode(m.DoneTurn(acked["b"], 1)), t)
+            next_slow += 1.9
+        host.messages_to_send()
+    assert [c.peer for c in host.clients.values()] == ["a"]
+    assert t <= cfg.drop_after + 2.0
+    assert len(host._reports) < 10  # the turns it held back were settled

@@ -872,3 +872,15 @@ async def test_cli_rejects_bad_arguments() -> None:
     _, err = await asyncio.wait_for(proc.communicate(), 15.0)
     assert proc.returncode == 2
     assert b"HOST:PORT" in err
+
+
+def test_delay_line_is_bounded_without_a_bandwidth_limit() -> None:
+    from rudp.netsim.conditioner import MAX_IN_FLIGHT_BYTES
+
+    cond = make(LinkProfile(latency=60.0), seed=1)
+    datagram = bytes(1200)
+    n = MAX_IN_FLIGHT_BYTES // len(datagram) + 500
+    for i in range(n):
+        cond.send(datagram, i * 1e-6, i)
+    assert cond.pending * len(datagram) <= MAX_IN_FLIGHT_BYTES
+    assert cond.stats.dropped_queue == 500
