@@ -56,7 +56,8 @@ class LockstepConfig:
     it too: no NETTURN from the host for this long reports the host unresponsive."""
 
     drop_after: float = 10.0
-    """A client stalled this long is dropped; the others never wait for it."""
+    """A client is dropped once the oldest turn it has not acknowledged was sent this
+    long ago, even if it acknowledges now and then; the others never wait for it."""
 
     game_version: str = ""
     """The application's version; a JOIN with a different one gets WRONGVERSION."""
