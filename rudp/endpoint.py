@@ -38,7 +38,6 @@ import itertools
 import random
 import struct
 from collections import OrderedDict, deque
-from typing import Any
 
 from rudp import wire
 from rudp.config import Config
@@ -421,14 +420,3 @@ class Endpoint:
         while used and (next(iter(used.values())) < now or len(used) >= REPLAY_CACHE_LIMIT):
             used.popitem(last=False)
         used[(address, salt)] = now + 2 * self.config.cookie_lifetime
-
-
-def describe(stats: EndpointStats) -> dict[str, Any]:
-    """A plain dict of the endpoint counters (for logs and debugging)."""
-    return {
-        "datagrams_received": stats.datagrams_received,
-        "datagrams_sent": stats.datagrams_sent,
-        "dropped": {reason.value: n for reason, n in stats.dropped.items()},
-        "unvalidated_bytes_received": stats.unvalidated_bytes_received,
-        "unvalidated_bytes_sent": stats.unvalidated_bytes_sent,
-    }
