@@ -16,14 +16,19 @@ them would be most of the daemon's attack surface.  The server here reads one
 request per connection (``Connection: close``) with hard limits: a request
 head of at most 8 KiB and 64 header lines, read within ``http_timeout``
 seconds, at most ``http_max_connections`` connections at once (more are
-refused with 503).  Bodies are not accepted; anything but GET/HEAD gets 405.
+refused with 503), of which at most `MAX_CONNECTIONS_PER_IP` from one source
+(more get 429), so one source cannot starve the probes.  Bodies are not
+accepted; anything but GET/HEAD gets 405.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +55,8 @@ log = structlog.get_logger("matchmaker.http")
 MAX_HEAD_BYTES = 8192
 MAX_HEADER_LINES = 64
 MAX_QUERY_FIELDS = 32
+MAX_CONNECTIONS_PER_IP = 8
+"""Concurrent connections from one source (IPv6: one /64), lingering ones included."""
 _BOOL_FIELDS = ("not_full", "not_empty", "password")
 _INT_FIELDS = ("family", "limit")
 _LIST_FIELDS = ("tags_all", "tags_any")
@@ -61,6 +68,7 @@ _REASONS = {
     408: "Request Timeout",
     429: "Too Many Requests",
     431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
     503: "Service Unavailable",
 }
 
@@ -166,7 +174,8 @@ def _typed(key: str, value: str) -> object:
             return False
         raise MessageError(ErrorReason.BAD_FIELD, f"{key}: boolean")
     if key in _INT_FIELDS:
-        if not value.isdigit() or len(value) > 9:
+        # isascii: str.isdigit() is also true for "²" and other digits int() refuses.
+        if not (value.isascii() and value.isdigit()) or len(value) > 9:
             raise MessageError(ErrorReason.BAD_FIELD, f"{key}: integer")
         return int(value)
     return value
@@ -194,6 +203,7 @@ class HttpServer:
         self._slots = asyncio.Semaphore(max_connections)
         self._server: asyncio.Server | None = None
         self._clients: set[asyncio.Task[None]] = set()
+        self._per_source: dict[str, int] = {}
 
     @property
     def address(self) -> tuple[str, int]:
@@ -219,18 +229,52 @@ class HttpServer:
         task = asyncio.current_task()
         if task is not None:
             self._clients.add(task)
+        peer = writer.get_extra_info("peername")
+        source = rate_key(from_sockaddr(tuple(peer)).ip) if peer else ""
+        count = self._per_source.get(source, 0)
+        self._per_source[source] = count + 1
+        done = False
         try:
-            if self._slots.locked():
+            if count >= MAX_CONNECTIONS_PER_IP:
+                resp = Response.json(429, {"error": "too_many_connections"})
+                await self._respond(writer, resp, head=False)
+            elif self._slots.locked():
                 await self._respond(writer, Response.json(503, {"error": "busy"}), head=False)
-                return
-            async with self._slots:
-                await self._serve_one(reader, writer)
+            else:
+                async with self._slots:
+                    await self._serve_one(reader, writer)
+            await self._linger(reader, writer)
+            done = True
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; nothing to answer
+        except TimeoutError:
+            pass  # the client does not read its response
+        except Exception:
+            log.exception("http_connection_failed")
         finally:
             if task is not None:
                 self._clients.discard(task)
-            writer.close()
+            if self._per_source[source] > 1:
+                self._per_source[source] -= 1
+            else:
+                del self._per_source[source]
+            if done:
+                writer.close()
+            else:
+                _abort(writer)
+
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Wait (at most ``timeout``) until the client has read the response and closed.
+
+        Whatever the kernel has buffered is not ours to wait on after close():
+        for a client that never reads, the socket would stay open (FIN-WAIT-1,
+        with the whole response queued) long after this task ends.
+        """
+        if writer.can_write_eof():
+            writer.write_eof()
+        async with asyncio.timeout(self._timeout):
+            while await reader.read(4096):
+                pass  # anything after the request head is ignored
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -248,7 +292,11 @@ class HttpServer:
             resp = Response.json(405, {"error": "method_not_allowed"})
             await self._respond(writer, resp, head=False, extra=b"Allow: GET, HEAD\r\n")
             return
-        label, resp = await self._api.route(target, client_ip)
+        try:
+            label, resp = await self._api.route(target, client_ip)
+        except Exception:
+            log.exception("http_request_failed", target=target[:200])
+            label, resp = "other", Response.json(500, {"error": "internal"})
         self._metrics.observe_http(label, resp.status)
         await self._respond(writer, resp, head=method == "HEAD")
 
@@ -265,6 +313,15 @@ class HttpServer:
         if not head:
             writer.write(resp.body)
         await asyncio.wait_for(writer.drain(), self._timeout)
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Drop a connection now, with a reset: no waiting on data the client will not read."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 async def read_head(reader: asyncio.StreamReader) -> tuple[str, str]:

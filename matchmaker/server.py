@@ -39,6 +39,7 @@ def build_registry(settings: Settings, metrics: Metrics) -> Registry:
             replica_id=settings.replica_id or None,
             prefix=settings.redis_prefix,
             observer=metrics.observe_registry_op,
+            limits=settings.limits,
         )
     return MemoryRegistry(
         hide_after=settings.hide_after,

@@ -383,8 +383,11 @@ class MatchmakerService:
         """Flush heartbeats and expire hosts every ``sweep_interval`` until cancelled."""
         while True:
             await asyncio.sleep(self.settings.sweep_interval)
-            await self.flush_heartbeats()
-            await self.expire()
+            try:
+                await self.flush_heartbeats()
+                await self.expire()
+            except Exception:  # one failed sweep must not end sweeping for good
+                log.exception("sweep_failed")
 
     # ------------------------------------------------------------------ lists
 

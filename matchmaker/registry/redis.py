@@ -32,7 +32,8 @@ its monotonic clock, so `now()` estimates Redis time between calls.  Hiding
 (``hide_after``) is evaluated locally against that estimate; expiry runs in
 Redis (``expire`` script, run by every replica about once a second, idempotent).
 
-**Outage.**  When a Redis call fails the registry turns *stale*: `now()` freezes
+**Outage.**  When a Redis call fails (no connection, or an error reply such as
+OOM or READONLY) the registry turns *stale*: `now()` freezes
 at the last known Redis time (so nobody gets hidden for silence that is our
 fault), queries keep answering from the index, writes by this replica's own
 hosts are applied to the index and remembered (`_owned`, `_pending_removals`),
@@ -69,7 +70,15 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from matchmaker.addresses import Address, parse_key
-from matchmaker.messages import HostInfo, MessageError, Register, decode, encode
+from matchmaker.messages import (
+    DEFAULT_LIMITS,
+    HostInfo,
+    Limits,
+    MessageError,
+    Register,
+    decode,
+    encode,
+)
 from matchmaker.registry.base import (
     Change,
     ChangeKind,
@@ -91,8 +100,8 @@ OpObserver = Callable[[str, float, bool], None]
 
 StreamId = tuple[int, int]
 
-# Connection-level failures turn the registry stale; anything else is a bug
-# or a misconfiguration and propagates.
+# Connection-level failures end loops quietly; in `_op` every Redis error
+# (these, and also OOM, READONLY, BUSY, ...) turns the registry stale.
 _DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, asyncio.TimeoutError)
 
 _NOW = """
@@ -225,8 +234,8 @@ def _pack_info(info: HostInfo) -> bytes:
     return encode(Register(host=info))
 
 
-def _unpack_info(blob: bytes) -> HostInfo:
-    msg = decode(blob)
+def _unpack_info(blob: bytes, limits: Limits) -> HostInfo:
+    msg = decode(blob, limits)
     if not isinstance(msg, Register):
         raise ValueError("stored info is not a Register message")
     return msg.host
@@ -247,6 +256,7 @@ class RedisRegistry(Registry):
         sweep_gap: float | None = None,
         stream_maxlen: int = 100_000,
         observer: OpObserver | None = None,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         super().__init__(
             replica_id=replica_id or default_replica_id(),
@@ -261,6 +271,8 @@ class RedisRegistry(Registry):
         self._sweep_gap = sweep_gap if sweep_gap is not None else max(expire_after / 3, 2.0)
         self._maxlen = stream_maxlen
         self._observer = observer
+        # Stored info is re-validated when read back, with the limits it was accepted under.
+        self._limits = limits
         self._redis: aioredis.Redis = aioredis.Redis.from_url(
             url,
             socket_timeout=op_timeout,
@@ -371,17 +383,19 @@ class RedisRegistry(Registry):
     # ------------------------------------------------------------------ redis calls
 
     async def _op(self, name: str, call: Awaitable[Any]) -> Any:
-        """Run one Redis call, timing it; connection failures turn us stale."""
+        """Run one Redis call, timing it; any Redis failure turns us stale.
+
+        Not only connection failures: an error reply (OOM, READONLY after a
+        failover, BUSY script) also means the write did not happen, and stale
+        mode plus the resync afterwards is what repairs that.
+        """
         start = self._clock()
         try:
             result = await call
-        except _DOWN as exc:
+        except (*_DOWN, RedisError) as exc:
             self._observe(name, start, failed=True)
             self._mark_stale(exc)
             raise RegistryUnavailable(name) from exc
-        except RedisError:
-            self._observe(name, start, failed=True)
-            raise
         self._observe(name, start, failed=False)
         return result
 
@@ -449,6 +463,14 @@ class RedisRegistry(Registry):
         return rec
 
     def _apply_own(self, rec: HostRecord, sid: StreamId | None) -> None:
+        if sid is not None and sid <= self._last_id_tuple():
+            # The reply came late: the follower has applied this write already,
+            # and maybe newer ones on top (another replica took the address).
+            cur = self._index.get(rec.address)
+            if cur is not None and cur.token == rec.token:
+                self._owned[rec.address] = cur
+                self._pending_removals.pop(rec.address, None)
+            return
         # The follower may have applied this very write from the stream while
         # the script's reply was on its way: then there is nothing new to tell.
         known = self._index.put(rec) == rec
@@ -526,6 +548,8 @@ class RedisRegistry(Registry):
         return True
 
     def _remove_local(self, address: Address, reason: RemovalReason, sid: StreamId | None) -> None:
+        if sid is not None and sid <= self._last_id_tuple():
+            return  # the follower applied this removal already, maybe newer writes too
         self._owned.pop(address, None)
         if sid is not None and self._last_id_tuple() < sid:
             self._ahead[address] = sid
@@ -552,7 +576,7 @@ class RedisRegistry(Registry):
         for i in range(0, len(dead), 7):
             key, sid, info, owner, token, reg, seen = dead[i : i + 7]
             row = {b"info": info, b"owner": owner, b"token": token, b"reg": reg}
-            rec = _record(key.decode(), row, float(seen) / 1000.0)
+            rec = _record(key.decode(), row, float(seen) / 1000.0, self._limits)
             if rec is not None:
                 out.append(rec)
                 self._remove_local(rec.address, RemovalReason.EXPIRED, _sid(sid))
@@ -579,7 +603,7 @@ class RedisRegistry(Registry):
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is not None:
                         self._on_notice(msg.get("data"))
-            except _DOWN as exc:
+            except (*_DOWN, RedisError) as exc:
                 if up:  # once per outage, not once per retry
                     log.info("notice_channel_down", error=type(exc).__name__)
                 up = False
@@ -604,6 +628,10 @@ class RedisRegistry(Registry):
                 self._mark_fresh()
                 await self._follow()
             except (RegistryUnavailable, *_DOWN) as exc:
+                self._mark_stale(exc)
+                await asyncio.sleep(self._retry_interval)
+            except Exception as exc:  # a bug or odd reply must not end syncing for good
+                log.exception("registry_sync_failed")
                 self._mark_stale(exc)
                 await asyncio.sleep(self._retry_interval)
 
@@ -653,7 +681,7 @@ class RedisRegistry(Registry):
                 pipe.hgetall(self._k("h", member.decode()))
             rows = await self._op("load", pipe.execute())
             for (member, score), row in zip(chunk, rows, strict=True):
-                rec = _record(member.decode(), row, score / 1000.0)
+                rec = _record(member.decode(), row, score / 1000.0, self._limits)
                 if rec is not None:
                     fresh.put(rec)
         await self._load_clock()
@@ -678,7 +706,8 @@ class RedisRegistry(Registry):
         still_ours: list[Address] = []
         for address, rec in todo.items():
             there = fresh.get(address)
-            if there is not None and there.token == rec.token:
+            # Same token but other info: updated locally during the outage.
+            if there is not None and there.token == rec.token and there.info == rec.info:
                 still_ours.append(address)
                 continue
             # 10**6: the host was accepted under the cap once; do not evict it
@@ -733,7 +762,7 @@ class RedisRegistry(Registry):
 
     def _apply_upsert_event(self, address: Address, fields: dict[bytes, bytes]) -> None:
         row = {k: v for k, v in fields.items() if k in (b"info", b"owner", b"token", b"reg")}
-        rec = _record(address.key, row, int(fields[b"seen"]) / 1000.0)
+        rec = _record(address.key, row, int(fields[b"seen"]) / 1000.0, self._limits)
         if rec is None:
             return
         owned = self._owned.get(address)
@@ -743,12 +772,12 @@ class RedisRegistry(Registry):
         self._publish(Change(kind=ChangeKind.UPSERT, address=address, record=rec))
 
 
-def _record(key: str, row: dict[bytes, bytes], seen: float) -> HostRecord | None:
+def _record(key: str, row: dict[bytes, bytes], seen: float, limits: Limits) -> HostRecord | None:
     """A HostRecord from a stored hash, or None if it is incomplete or invalid."""
     try:
         return HostRecord(
             address=parse_key(key),
-            info=_unpack_info(row[b"info"]),
+            info=_unpack_info(row[b"info"], limits),
             owner=row[b"owner"].decode(),
             token=row[b"token"].decode(),
             registered_at=int(row[b"reg"]) / 1000.0,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import ipaddress
 import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from matchmaker.addresses import Address
-from matchmaker.http import HttpApi, HttpServer, entry_json
+from matchmaker.http import MAX_CONNECTIONS_PER_IP, HttpApi, HttpServer, entry_json
 from matchmaker.messages import ListRequest, entry_fields
 from matchmaker.metrics import capped_games
 from matchmaker.ratelimit import RateLimiter
@@ -130,6 +132,8 @@ async def test_servers_json_with_filters(site: Site) -> None:
         ("/servers?game=q3&not_full=maybe", "bad_field"),
         ("/servers?game=q3&limit=-1", "bad_field"),
         ("/servers?game=q3&limit=99999999999", "bad_field"),
+        ("/servers?game=q3&limit=%C2%B2", "bad_field"),  # "²": isdigit(), but not for int()
+        ("/servers?game=q3&family=%D9%A4", "bad_field"),  # Arabic-Indic four
         ("/servers?game=has%20space", "bad_field"),
         ("/servers?game", "malformed"),
     ],
@@ -159,6 +163,51 @@ async def test_protocol_errors(site: Site) -> None:
     assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
 
 
+async def test_a_handler_bug_is_a_bare_500(site: Site, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(req: ListRequest) -> list[dict[str, Any]]:
+        raise RuntimeError("secret detail")
+
+    monkeypatch.setattr(site.server._api, "_list_servers", broken)
+    status, body = await site.get("/servers?game=q3")
+    assert (status, body) == (500, {"error": "internal"})
+    assert (await site.get("/healthz"))[0] == 200
+
+
+async def test_a_client_that_never_reads_is_dropped() -> None:
+    harness = Harness()
+
+    async def huge(req: ListRequest) -> list[dict[str, Any]]:
+        return [{"pad": "x" * 4_000_000}]
+
+    api = HttpApi(
+        registry=harness.registry,
+        metrics=harness.metrics,
+        list_servers=huge,
+        limits=harness.settings.limits,
+        list_limiter=RateLimiter(harness.settings.list_bucket, clock=harness.clock),
+        is_shutting_down=lambda: False,
+    )
+    server = HttpServer(api, harness.metrics, timeout=0.1, max_connections=8)
+    await server.start("127.0.0.1", 0)
+    try:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(server.address)
+        client.sendall(b"GET /servers?game=q3 HTTP/1.1\r\n\r\n")
+        await asyncio.sleep(1.0)  # far longer than the timeout, reading nothing
+        # The server gave up on us: the rest of the response is gone (reset),
+        # not kept queued in its kernel for as long as we care to wait.
+        client.settimeout(5)
+        got = 0
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := await asyncio.to_thread(client.recv, 65536):
+                got += len(chunk)
+        assert got < 4_000_000
+        client.close()
+    finally:
+        await server.close()
+
+
 async def test_slow_clients_time_out() -> None:
     site = await start_site(Harness(), timeout=0.05)
     try:
@@ -183,6 +232,28 @@ async def test_connection_cap() -> None:
         assert status == 503
         w1.close()
     finally:
+        await site.server.close()
+
+
+async def test_one_source_cannot_take_every_connection(site: Site) -> None:
+    site = await start_site(site.harness, max_connections=MAX_CONNECTIONS_PER_IP + 1)
+    held = []
+    try:
+        host, port = site.server.address
+        for _ in range(MAX_CONNECTIONS_PER_IP + 1):
+            _r, w = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+            w.write(b"GET /healthz HTTP/1.1\r\n")  # and never finishes the head
+            held.append(w)
+        await asyncio.sleep(0.05)
+        # The probe comes from elsewhere and still gets a connection slot.
+        reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
+        writer.write(b"GET /readyz HTTP/1.1\r\n\r\n")
+        data = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert data.startswith(b"HTTP/1.1 200")
+    finally:
+        for w in held:
+            w.close()
         await site.server.close()
 
 

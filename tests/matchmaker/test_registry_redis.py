@@ -8,11 +8,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
 from matchmaker.addresses import Address
 from matchmaker.messages import ListFilter
+from matchmaker.metrics import Metrics
 from matchmaker.registry import Notice, RemovalReason
 from matchmaker.registry.redis import RedisRegistry
+from matchmaker.server import build_registry
+from matchmaker.settings import Settings
 from tests.matchmaker.conftest import RedisProcess
 from tests.matchmaker.fakes import FakeClock
 from tests.matchmaker.test_registry import eventually, host
@@ -239,3 +243,101 @@ async def test_observer_sees_operations_and_failures(
     redis_server.kill()
     await asyncio.wait_for(a.wait_stale(), 5)
     assert any(failed for _, failed in seen)
+
+
+async def test_redis_error_replies_turn_stale_and_resync(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await r.config_set("maxmemory", 1)  # every write now fails with OOM
+        assert await a.touch([addr(1)]) == set()  # answered locally, not raised
+        assert a.stale
+        await r.config_set("maxmemory", 0)
+        await asyncio.wait_for(a.wait_synced(), 5)
+        assert not a.stale and a.get(addr(1)) is not None
+    finally:
+        await r.aclose()
+
+
+async def test_unexpected_error_does_not_end_syncing(
+    replica: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = await replica(replica_id="a")
+    real = a._follow
+    failures = []
+
+    async def broken() -> None:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("bug")
+        await real()
+
+    monkeypatch.setattr(a, "_follow", broken)
+    a._mark_stale(ConnectionError("test"))  # make the loop go round again
+    await eventually(lambda: bool(failures) and not a.stale)
+    b = await replica(replica_id="b")
+    await b.upsert(addr(1), host(), max_per_ip=10)
+    await eventually(lambda: a.get(addr(1)) is not None)
+
+
+async def test_stored_info_is_read_back_with_the_configured_limits(
+    redis_server: RedisProcess,
+) -> None:
+    settings = Settings(store=redis_server.url, max_info_bytes=1024, max_tags=24)
+    a, b = (build_registry(settings, Metrics(CollectorRegistry())) for _ in range(2))
+    assert isinstance(a, RedisRegistry) and isinstance(b, RedisRegistry)
+    try:
+        for reg in (a, b):
+            await reg.start()
+            await asyncio.wait_for(reg.wait_synced(), 5)
+        big = host("big", info=b"x" * 600)  # over the default 512
+        tagged = host("tagged", tags=tuple(f"t{i}" for i in range(20)))  # default 16
+        await a.upsert(addr(1), big, max_per_ip=10)
+        await a.upsert(addr(2), tagged, max_per_ip=10)
+        await eventually(lambda: b.get(addr(1)) is not None and b.get(addr(2)) is not None)
+        await b.close()
+        b = build_registry(settings, Metrics(CollectorRegistry()))  # type: ignore[assignment]
+        await b.start()
+        await asyncio.wait_for(b.wait_synced(), 5)  # a full load, not the stream
+        assert b.get(addr(1)) is not None and b.get(addr(2)) is not None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_update_during_an_outage_is_sent_at_resync(replica: Factory) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    rec = await a.upsert(addr(1), host("before", players=0), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    a._mark_stale(ConnectionError("test partition"))
+    await a.update(addr(1), rec.token, host("during", players=7))  # local only
+    await asyncio.wait_for(a.wait_synced(), 5)
+    await eventually(lambda: (r := b.get(addr(1))) is not None and r.info.players == 7)
+    assert (r := a.get(addr(1))) is not None and r.info.name == "during"
+
+
+async def test_a_late_script_reply_does_not_undo_newer_stream_state(replica: Factory) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    rec = await a.upsert(addr(1), host(), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    real = a._scripts["remove"]
+    b_done = asyncio.Event()
+
+    async def late(keys: list[str], args: list[object]) -> object:
+        result = await real(keys=keys, args=args)
+        await b_done.wait()  # the reply arrives after newer events were followed
+        return result
+
+    a._scripts["remove"] = late  # type: ignore[assignment]
+    removal = asyncio.create_task(a.remove(addr(1), RemovalReason.DISCONNECTED, token=rec.token))
+    await eventually(lambda: b.get(addr(1)) is None)
+    newer = await b.upsert(addr(1), host("moved"), max_per_ip=10)  # reconnected to b
+    await eventually(lambda: (r := a.get(addr(1))) is not None and r.token == newer.token)
+    b_done.set()
+    assert await removal
+    assert (r := a.get(addr(1))) is not None and r.token == newer.token

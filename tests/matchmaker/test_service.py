@@ -511,3 +511,27 @@ async def test_a_host_too_large_for_one_list_page_is_refused() -> None:
     # What is listed still fits one page.
     pages = await collect_list(h.connect(pub(2)))
     assert all(len(encode(p)) <= h.settings.page_bytes for p in pages)
+
+
+async def test_a_failing_sweep_does_not_end_the_sweeper(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(sweep_interval=0.01)
+    calls: list[int] = []
+
+    async def broken() -> list[Any]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("e.g. an unexpected Redis error reply")
+        return []
+
+    monkeypatch.setattr(h.registry, "expire", broken)
+    sweeper = asyncio.create_task(h.service.run_sweeper())
+    try:
+        for _ in range(200):
+            if len(calls) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert not sweeper.done() and len(calls) >= 3
+    finally:
+        sweeper.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sweeper
