@@ -4,7 +4,7 @@ A client process sends one message, waits for the echo from the server process,
 and repeats; p50/p99 are taken over the round trips after a warm-up.
 
 * ``rudp`` -- reliable ``conn.send()``; the server handler echoes with ``conn.send()``.
-  The "1200 B" case sends ``conn.max_message_size`` bytes (largest single-datagram payload).
+  The "1200 B" case sends ``conn.max_datagram_payload`` bytes (largest single-datagram payload).
 * ``udp``  -- raw datagrams through ``asyncio.DatagramProtocol`` on both sides.
 * ``tcp``  -- 4-byte length prefix per message, TCP_NODELAY, ``asyncio.Protocol``.
 
@@ -65,7 +65,7 @@ async def rudp_echo(ctx: RoleContext) -> Result:
 async def rudp_ping(ctx: RoleContext) -> Result:
     p = ctx.params
     conn = await rudp.connect(HOST, p["port"])
-    data = bytes(min(p["size"], conn.max_message_size))
+    data = bytes(min(p["size"], conn.max_datagram_payload))
     send, recv = conn.send, conn.recv
     clock = time.perf_counter_ns
     rtts: list[int] = []

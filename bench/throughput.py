@@ -6,7 +6,7 @@ process counts them and reports the rate from the first arrival to the last.
 * ``rudp``      -- ``conn.send()`` (reliable, channel 0) respecting back-pressure:
   ``await conn.drain()`` every 256 sends and on ``SendQueueFull``; the sender's
   own clock stops when the last message is acknowledged. The "1200 B" case sends
-  ``conn.max_message_size`` bytes, the largest payload that fits one datagram.
+  ``conn.max_datagram_payload`` bytes, the largest payload that fits one datagram.
 * ``udp-proto`` -- raw datagrams from a tight ``sendto`` loop, received by a plain
   ``asyncio.DatagramProtocol`` (CPython's selector loop reads one datagram per
   loop iteration). UDP drops: the *delivered* rate and the loss are reported.
@@ -96,7 +96,7 @@ async def rudp_receiver(ctx: RoleContext) -> Result:
 async def rudp_sender(ctx: RoleContext) -> Result:
     p = ctx.params
     conn = await rudp.connect(HOST, p["port"], config=rudp.Config(**p["rudp_config"]))
-    size = min(p["size"], conn.max_message_size)
+    size = min(p["size"], conn.max_datagram_payload)
     data = bytes(size)
     n, send, drain = p["count"], conn.send, conn.drain
     sent = queue_full = 0

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 # packets, so 1200 leaves room for tunnel headers (QUIC uses the same figure).
 MIN_DATAGRAM_SIZE = 576
 MAX_DATAGRAM_SIZE = 65507
+# DATA header (18), then a fragment frame's flags, channel, seq, fragment header, len.
+FRAGMENT_FRAME_OVERHEAD = 18 + 14
+MAX_FRAGMENTS = 0xFFFF
+REDUNDANT_FRAME_MAX = 256
+"""Largest message frame (payload plus 3-6 header bytes) that ``redundancy`` repeats."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +63,34 @@ class Config:
     drain_low_water: int | None = None
     """``drain()`` returns once the queue is at or below this many messages
     (None: a quarter of ``send_queue_limit``; see ``drain_threshold``)."""
+
+    max_message_size: int = 1024 * 1024
+    """Largest reliable message. One that does not fit a datagram is split into
+    fragments and reassembled; both peers should use the same value, since a
+    receiver drops (and counts) a message larger than its own limit. Unreliable
+    messages are never fragmented: one larger than a datagram is refused at
+    ``send()`` (see ``Connection.max_datagram_payload``)."""
+
+    max_reassembly_bytes: int = 4 * 1024 * 1024
+    """Bytes of fragmented messages a connection holds while they are incomplete or
+    waiting for their turn. A message reserves its whole size when its first
+    fragment arrives; a packet whose fragment would start a message that does not
+    fit is dropped unacknowledged and resent later, once others have completed."""
+
+    redundancy: int = 0
+    """Repeat each small reliable message (frame of at most ``REDUNDANT_FRAME_MAX``
+    bytes) in up to this many later packets while it is unacknowledged, so a lost
+    packet is usually repaired by the next one instead of a resend one round trip
+    later (the "several frames per packet" trick). Costs bandwidth; 0 turns it off."""
+
+    unreliable_max_age: float = 0.25
+    """An unreliable message that waited longer than this in the send queue (while
+    connecting, for instance) is dropped and counted, not sent stale."""
+
+    dependency_timeout: float = 20.0
+    """A dependency-ordered message still waiting for its dependencies after this
+    long ends the connection with a protocol error: an honest peer resends them
+    long before, so they will never come."""
 
     recv_buffer_bytes: int = 2 * 1024 * 1024
     """Bytes of out-of-order reliable data held per connection; a packet that would
@@ -131,6 +164,19 @@ class Config:
         _check_range("max_connections", self.max_connections, 0, 1 << 24)
         _check_range("noconn_burst", self.noconn_burst, 1, 1 << 20)
         _check_range("max_datagrams_per_read", self.max_datagrams_per_read, 1, 1 << 16)
+        _check_range("max_message_size", self.max_message_size, 0, 1 << 30)
+        _check_range(
+            "max_reassembly_bytes", self.max_reassembly_bytes, self.max_message_size, 1 << 34
+        )
+        _check_range("redundancy", self.redundancy, 0, 16)
+        fragments = self.max_fragments
+        if fragments > min(self.channel_window, MAX_FRAGMENTS):
+            raise ValueError(
+                f"Config.max_message_size of {self.max_message_size} bytes needs up to "
+                f"{fragments} fragments of a {self.max_datagram_size}-byte datagram; at most "
+                f"min(channel_window, {MAX_FRAGMENTS}) = "
+                f"{min(self.channel_window, MAX_FRAGMENTS)} are allowed"
+            )
         for name in (
             "rto_initial",
             "rto_min",
@@ -142,6 +188,8 @@ class Config:
             "close_timeout",
             "cookie_lifetime",
             "noconn_rate",
+            "unreliable_max_age",
+            "dependency_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)!r}")
@@ -151,6 +199,18 @@ class Config:
             raise ValueError("Config.keepalive_interval must be shorter than idle_timeout")
         if self.socket_buffer_size < 0:
             raise ValueError("Config.socket_buffer_size must be >= 0")
+
+    @property
+    def fragment_payload(self) -> int:
+        """Payload bytes of every fragment but the first (which also carries the
+        dependencies) and the last."""
+        return self.max_datagram_size - FRAGMENT_FRAME_OVERHEAD
+
+    @property
+    def max_fragments(self) -> int:
+        """Fragments the largest message can need (one more when dependencies
+        shorten the first)."""
+        return -(-self.max_message_size // self.fragment_payload) + 1
 
     @property
     def drain_threshold(self) -> int:

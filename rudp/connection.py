@@ -36,11 +36,11 @@ from __future__ import annotations
 import enum
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rudp import wire
-from rudp.config import Config
+from rudp.config import REDUNDANT_FRAME_MAX, Config
 from rudp.errors import ConnectionClosed, LocalProtocolError, MessageTooLarge, SendQueueFull
 from rudp.events import (
     Connected,
@@ -50,10 +50,19 @@ from rudp.events import (
     MessageAcked,
     MessageReceived,
 )
-from rudp.recovery import ACKED, FAILED, SENT, OutMessage, RttEstimator, SentPacket
+from rudp.recovery import (
+    ACKED,
+    FAILED,
+    SENT,
+    SUPERSEDED,
+    GraphNode,
+    OutMessage,
+    RttEstimator,
+    SentPacket,
+)
 from rudp.seqnum import SEQ_MASK, seq_diff, unwrap
 from rudp.stats import ConnectionStats
-from rudp.wire import Delivery, DropReason
+from rudp.wire import Delivery, DropReason, FrameExtra
 
 Address = tuple[Any, ...]
 ACK_SPAN = 32  # a header acknowledges its largest packet and this many before it
@@ -63,6 +72,12 @@ LOST_MEMORY = 1024  # packets declared lost that are remembered to detect spurio
 MAX_REORDER_THRESHOLD = 256
 UNRELIABLE = Delivery.UNRELIABLE
 RELIABLE_ORDERED = Delivery.RELIABLE_ORDERED
+UNRELIABLE_SEQUENCED = Delivery.UNRELIABLE_SEQUENCED
+GRAPH = Delivery.RELIABLE_UNORDERED  # wire mode of reliable-unordered and dependency-ordered
+RELIABLE_SEQUENCED = Delivery.RELIABLE_SEQUENCED
+DEPENDENCY_ORDERED = Delivery.DEPENDENCY_ORDERED
+SEQUENCED_SPAN = 0x8000  # a sequenced message is newer if at most this far ahead
+RECENT_MAX = 32  # recently sent small messages the redundancy option may repeat
 
 
 class State(enum.Enum):
@@ -80,6 +95,50 @@ _TRANSITIONS = {
     State.DRAINING: {State.CLOSED},
     State.CLOSED: set(),
 }
+
+
+class _Partial:
+    """A fragmented message being reassembled."""
+
+    __slots__ = ("channel", "chunks", "count", "deps", "have", "size", "total")
+
+    def __init__(self, count: int, total: int, channel: int) -> None:
+        self.count = count
+        self.total = total
+        self.channel = channel
+        self.chunks: list[bytes | None] = [None] * count
+        self.have = 0
+        self.size = 0
+        self.deps: tuple[int, ...] = ()
+
+
+class _Whole:
+    """A reassembled message: ``span`` sequence numbers, ``reserved`` bytes of the
+    reassembly budget held until it is delivered."""
+
+    __slots__ = ("data", "deps", "reserved", "span")
+
+    def __init__(self, data: bytes, span: int, reserved: int, deps: tuple[int, ...]) -> None:
+        self.data = data
+        self.span = span
+        self.reserved = reserved
+        self.deps = deps
+
+
+class _Waiting:
+    """A received graph message waiting for its dependencies."""
+
+    __slots__ = ("arrived", "channel", "data", "reserved", "span", "waiting")
+
+    def __init__(
+        self, data: bytes, channel: int, span: int, reserved: int, waiting: int, arrived: float
+    ) -> None:
+        self.data = data
+        self.channel = channel
+        self.span = span
+        self.reserved = reserved
+        self.waiting = waiting
+        self.arrived = arrived
 
 
 class Connection:
@@ -137,10 +196,20 @@ class Connection:
         self._unacked_reliable = 0
         self._tx_ch_next = [0] * config.channels
         self._tx_ch_unacked: list[deque[OutMessage]] = [deque() for _ in range(config.channels)]
+        self._tx_useq = [0] * config.channels  # unreliable-sequenced numbers
+        self._tx_rseq = [0] * config.channels  # reliable-sequenced numbers
+        self._tx_rseq_last: list[OutMessage | None] = [None] * config.channels
+        self._tx_gid = 0  # next dependency-graph id
+        self._tx_graph: deque[OutMessage] = deque()  # graph messages not known executed
+        self._recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
+        self._redundancy = config.redundancy
+        self._clock = now  # the latest time the core was given
         self._last_eliciting = now
         self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
-        self._max_message = self._max_payload - wire.MESSAGE_OVERHEAD
+        self._max_single = self._max_payload - wire.MESSAGE_OVERHEAD
+        self._max_message = config.max_message_size
         self._channels = config.channels
+        self._window = config.channel_window
         self._queue_limit = config.send_queue_limit
         # -- receive side
         self._rx_largest = 0
@@ -151,8 +220,20 @@ class Connection:
         self._rx_window = max(1024, 2 * config.window)
         self._rx_mask = (1 << self._rx_window) - 1
         self._rx_ch_next = [0] * config.channels
-        self._rx_ch_buf: list[dict[int, bytes]] = [{} for _ in range(config.channels)]
+        self._rx_ch_buf: list[dict[int, bytes | _Whole]] = [{} for _ in range(config.channels)]
         self._rx_buffered_bytes = 0
+        self._rx_useq_last = [-1] * config.channels  # newest sequenced number delivered
+        self._rx_rseq_last = [-1] * config.channels
+        # The dependency graph: every id below ``_rx_g_low`` was executed; ``_rx_g_done``
+        # holds executed ids above it, ``_rx_g_nodes`` the messages waiting for
+        # dependencies (in arrival order), ``_rx_g_waiters`` who waits for which id.
+        self._rx_g_low = 0
+        self._rx_g_done: set[int] = set()
+        self._rx_g_nodes: dict[int, _Waiting] = {}
+        self._rx_g_waiters: dict[int, list[int]] = {}
+        self._rx_parts: dict[tuple[int, int, int], _Partial] = {}
+        self._rx_reassembly_bytes = 0
+        self._max_reassembly = config.max_reassembly_bytes
         self._last_recv = now
         # -- handshake and close
         self._cookie = b""
@@ -180,25 +261,48 @@ class Connection:
 
     @property
     def max_message_size(self) -> int:
+        """The largest reliable message (``Config.max_message_size``)."""
         return self._max_message
 
-    def send(self, data: bytes, *, reliable: bool = True, channel: int = 0) -> OutMessage:
-        """Queue a message; returns its handle. Raises at once on misuse or a full queue."""
+    @property
+    def max_datagram_payload(self) -> int:
+        """The largest message sent in one datagram: the limit for unreliable
+        messages; a larger reliable one is fragmented."""
+        return self._max_single
+
+    def send(
+        self,
+        data: bytes,
+        *,
+        reliable: bool = True,
+        channel: int = 0,
+        delivery: Delivery | int | None = None,
+        depends_on: Iterable[OutMessage] | None = None,
+        now: float | None = None,
+    ) -> OutMessage:
+        """Queue a message; returns its handle. Raises at once on misuse or a full queue.
+
+        ``delivery`` picks a ``Delivery`` mode (``reliable`` is then ignored, unless
+        it contradicts it); ``depends_on`` lists handles of earlier graph messages
+        (``RELIABLE_UNORDERED`` or ``DEPENDENCY_ORDERED``) and implies
+        ``DEPENDENCY_ORDERED``. ``now`` stamps unreliable messages for
+        ``Config.unreliable_max_age`` (default: the latest time the core was given).
+        """
         if self.state is not State.CONNECTED:
             self._check_can_send()
         if type(data) is not bytes:
             data = _as_bytes(data)
         if channel and not 0 < channel < self._channels:
             raise LocalProtocolError(f"channel must be in [0, {self._channels}), got {channel}")
-        if len(data) > self._max_message:
-            raise MessageTooLarge(
-                f"message of {len(data)} bytes exceeds the {self._max_message}-byte limit"
-            )
         if self._queued >= self._queue_limit:
             raise SendQueueFull(
                 f"send queue is full ({self._queued} messages); await drain() before sending"
             )
+        if delivery is not None or depends_on is not None:
+            return self._send_mode(data, channel, reliable, delivery, depends_on, now)
         if reliable:
+            if len(data) > self._max_single:
+                return self._send_fragmented(data, RELIABLE_ORDERED, channel, ())
             seq = self._tx_ch_next[channel]
             self._tx_ch_next[channel] = seq + 1
             msg = OutMessage(
@@ -208,11 +312,187 @@ class Connection:
             self._tx_ch_unacked[channel].append(msg)
             self._unacked_reliable += 1
         else:
+            self._check_unfragmented(data)
             msg = OutMessage(data, UNRELIABLE, channel, 0, wire.unreliable_frame(channel, data))
+            msg.queued_at = self._clock if now is None else now
             self._unrel_queue.append(msg)
         self._queued += 1
         self._dirty.add(self)
         return msg
+
+    def _check_unfragmented(self, data: bytes) -> None:
+        if len(data) > self._max_single:
+            raise MessageTooLarge(
+                f"unreliable message of {len(data)} bytes exceeds the {self._max_single}-byte "
+                "datagram payload (unreliable messages are never fragmented; send it reliably)"
+            )
+
+    def _send_mode(
+        self,
+        data: bytes,
+        channel: int,
+        reliable: bool,
+        delivery: Delivery | int | None,
+        depends_on: Iterable[OutMessage] | None,
+        now: float | None,
+    ) -> OutMessage:
+        if delivery is None:
+            mode = DEPENDENCY_ORDERED
+        else:
+            try:
+                mode = Delivery(delivery)
+            except ValueError:
+                raise LocalProtocolError(f"unknown delivery mode {delivery!r}") from None
+        if depends_on is not None and mode is not DEPENDENCY_ORDERED:
+            raise LocalProtocolError(
+                f"depends_on needs delivery=DEPENDENCY_ORDERED, not {mode.name}"
+            )
+        unreliable = mode is UNRELIABLE or mode is UNRELIABLE_SEQUENCED
+        if not reliable and not unreliable:
+            raise LocalProtocolError(f"reliable=False contradicts delivery={mode.name}")
+        if mode is UNRELIABLE or mode is RELIABLE_ORDERED:
+            return self.send(data, reliable=mode is RELIABLE_ORDERED, channel=channel, now=now)
+        if mode is UNRELIABLE_SEQUENCED:
+            self._check_unfragmented(data)
+            seq = self._tx_useq[channel]
+            self._tx_useq[channel] = seq + 1
+            msg = OutMessage(data, mode, channel, seq, wire.message_frame(mode, channel, seq, data))
+            msg.queued_at = self._clock if now is None else now
+            self._unrel_queue.append(msg)
+            self._queued += 1
+            self._dirty.add(self)
+            return msg
+        if mode is RELIABLE_SEQUENCED:
+            previous = self._tx_rseq_last[channel]
+            if previous is not None and previous.state <= SENT:
+                self._supersede(previous)
+            msg = self._send_reliable(data, mode, channel, ())
+            self._tx_rseq_last[channel] = msg
+            return msg
+        deps = self._pending_deps(depends_on) if depends_on is not None else []
+        msg = self._send_reliable(data, GRAPH, channel, tuple(d.seq for d in deps))
+        node = GraphNode(msg.seq, self)
+        node.waiting = len(deps)
+        msg.graph = node
+        for dep in deps:
+            dep.graph.dependents.append(msg)  # type: ignore[union-attr]
+        self._tx_graph.append(msg)
+        return msg
+
+    def _pending_deps(self, depends_on: Iterable[OutMessage]) -> list[OutMessage]:
+        """The dependencies the peer may not have executed yet; the others cost nothing."""
+        if isinstance(depends_on, OutMessage):
+            raise LocalProtocolError("depends_on takes a list of handles, not a single handle")
+        pending: list[OutMessage] = []
+        for dep in depends_on:
+            node = dep.graph if isinstance(dep, OutMessage) else None
+            if node is None or node.owner is not self:
+                raise LocalProtocolError(
+                    "depends_on takes handles that send() returned on this connection for "
+                    f"RELIABLE_UNORDERED or DEPENDENCY_ORDERED messages, got {dep!r}"
+                )
+            if not node.executed and dep not in pending:
+                pending.append(dep)
+        if len(pending) > wire.MAX_DEPS:
+            raise LocalProtocolError(
+                f"a message can wait for at most {wire.MAX_DEPS} unacknowledged messages, "
+                f"got {len(pending)}"
+            )
+        return pending
+
+    def _send_reliable(
+        self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
+    ) -> OutMessage:
+        """Queue a graph or reliable-sequenced message, fragmented if it needs to be."""
+        size = wire.message_frame_size(mode, channel, len(data), deps=len(deps))
+        if size > self._max_payload:
+            return self._send_fragmented(data, mode, channel, deps)
+        seq = self._next_seq(mode, channel, 1)
+        frame = wire.message_frame(mode, channel, seq, data, deps=deps)
+        msg = OutMessage(data, mode, channel, seq, frame)
+        self._rel_queue.append(msg)
+        self._unacked_reliable += 1
+        self._queued += 1
+        self._dirty.add(self)
+        return msg
+
+    def _next_seq(self, mode: int, channel: int, n: int) -> int:
+        """Take ``n`` consecutive numbers from the mode's sequence space."""
+        if mode == RELIABLE_ORDERED:
+            seq = self._tx_ch_next[channel]
+            self._tx_ch_next[channel] = seq + n
+        elif mode == GRAPH:
+            seq = self._tx_gid
+            self._tx_gid = seq + n
+        else:
+            seq = self._tx_rseq[channel]
+            self._tx_rseq[channel] = seq + n
+        return seq
+
+    def _send_fragmented(
+        self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
+    ) -> OutMessage:
+        """Split a reliable message into fragments with consecutive sequence numbers.
+
+        The handle returned is a parent that is never sent itself; each fragment
+        is an ordinary reliable message of the same mode, resent on its own.
+        """
+        total = len(data)
+        if total > self._max_message:
+            raise MessageTooLarge(
+                f"message of {total} bytes exceeds Config.max_message_size ({self._max_message})"
+            )
+        step = self.config.fragment_payload
+        first = step - (1 + 2 * len(deps) if deps else 0)
+        chunks = [data[:first]]
+        chunks += [data[i : i + step] for i in range(first, total, step)]
+        count = len(chunks)
+        if self._queued + count > self._queue_limit:
+            raise SendQueueFull(
+                f"a {count}-fragment message does not fit the send queue ({self._queued} of "
+                f"{self._queue_limit} messages); await drain() before sending"
+            )
+        base = self._next_seq(mode, channel, count)
+        parent = OutMessage(data, mode, channel, base, b"")
+        parent.parts = count
+        fragments: list[OutMessage] = []
+        unacked = self._tx_ch_unacked[channel] if mode == RELIABLE_ORDERED else None
+        for index, chunk in enumerate(chunks):
+            seq = base + index
+            frame = wire.message_frame(
+                mode,
+                channel,
+                seq,
+                chunk,
+                deps=deps if index == 0 else (),
+                fragment=(index, count, total),
+            )
+            fragment = OutMessage(chunk, mode, channel, seq, frame)
+            fragment.parent = parent
+            fragments.append(fragment)
+            if unacked is not None:
+                unacked.append(fragment)
+        parent.fragments = fragments
+        self._rel_queue.extend(fragments)
+        self._unacked_reliable += count
+        self._queued += count
+        self._dirty.add(self)
+        return parent
+
+    def _supersede(self, msg: OutMessage) -> None:
+        """A newer reliable-sequenced message replaces ``msg``: never send it again."""
+        pieces = msg.fragments if msg.fragments is not None else [msg]
+        dropped = 0
+        for piece in pieces:
+            if piece.state <= SENT:
+                piece.state = SUPERSEDED
+                dropped += 1
+        self._queued -= dropped
+        self._unacked_reliable -= dropped
+        msg.state = SUPERSEDED
+        self.stats.messages_superseded += 1
+        if msg.notify:
+            self._events.append((self, MessageAcked(msg)))
 
     def _check_can_send(self) -> None:
         if self.state is State.CONNECTING:
@@ -260,9 +540,16 @@ class Connection:
             t = min(t, self._last_eliciting + self.config.keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
+        if self._rx_g_nodes:
+            t = min(t, self._dependency_deadline())
         return t
 
+    def _dependency_deadline(self) -> float:
+        oldest = next(iter(self._rx_g_nodes.values()))
+        return oldest.arrived + self.config.dependency_timeout
+
     def handle_timer(self, now: float) -> None:
+        self._clock = now
         state = self.state
         if state is State.CONNECTING:
             self._connecting_timer(now)
@@ -274,6 +561,7 @@ class Connection:
 
     def datagrams_to_send(self, now: float) -> list[bytes]:
         """Everything due now, coalesced into as few datagrams as possible."""
+        self._clock = now
         out: list[bytes] = []
         if self.state is State.CONNECTING:
             if self._send_connect:
@@ -379,6 +667,11 @@ class Connection:
             if (self._rx_bits >> -delta) & 1:
                 return DropReason.DUPLICATE
         frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
+        self._clock = now
+        if frames.special and state is not State.DRAINING:
+            reason = self._check_special(frames.messages)
+            if reason is not None:
+                return reason
         if frames.messages and not self._can_buffer(frames.messages, len(data)):
             return DropReason.RECV_BUFFER_FULL
         low = self._ack_low
@@ -401,7 +694,9 @@ class Connection:
             return None
         eliciting = frames.ping or frames.disconnect is not None
         if frames.messages and state is not State.DRAINING:
-            eliciting = self._deliver(frames.messages) or eliciting
+            eliciting = self._deliver(frames.messages, now) or eliciting
+            if self.close_reason is not None:  # the peer broke the protocol
+                return None
         elif frames.messages:
             eliciting = True
         if eliciting:
@@ -437,7 +732,12 @@ class Connection:
         # unblocks the channel.
         running: dict[int, int] = {}
         extra = 0
-        for mode, channel, seq16, payload in messages:
+        for mode, channel, seq16, payload, more in messages:
+            if more is not None and more.parts:
+                continue  # fragments are held in the reassembly budget (_check_special)
+            if mode == GRAPH and more is not None:
+                extra += len(payload) + BUFFER_ENTRY_COST  # it may wait for dependencies
+                continue
             if mode != RELIABLE_ORDERED:
                 continue
             expected = running.get(channel, self._rx_ch_next[channel])
@@ -446,8 +746,12 @@ class Connection:
                 expected += 1
                 buf = self._rx_ch_buf[channel]
                 while expected in buf:
-                    extra -= len(buf[expected]) + BUFFER_ENTRY_COST
-                    expected += 1
+                    early = buf[expected]
+                    if isinstance(early, bytes):
+                        extra -= len(early) + BUFFER_ENTRY_COST
+                        expected += 1
+                    else:
+                        expected += early.span
                 running[channel] = expected
             elif ahead > 0:
                 extra += len(payload) + BUFFER_ENTRY_COST
@@ -466,41 +770,53 @@ class Connection:
         channels = self._channels
         return all(m[1] < channels for m in messages)
 
-    def _deliver(self, messages: list[wire.MessageFrame]) -> bool:
+    def _deliver(self, messages: list[wire.MessageFrame], now: float) -> bool:
         """Deliver or buffer each message; returns whether any was reliable."""
         events = self._events
         rx_next = self._rx_ch_next
         delivered = 0
         reliable_seen = False
-        for mode, channel, seq16, payload in messages:
-            if mode == UNRELIABLE:
-                events.append((self, MessageReceived(payload, channel, False)))
-                delivered += 1
-                continue
-            reliable_seen = True
-            expected = rx_next[channel]
-            if seq16 == expected & SEQ_MASK:  # the common case: next in order
-                events.append((self, MessageReceived(payload, channel, True)))
-                delivered += 1
-                expected += 1
-                buf = self._rx_ch_buf[channel]
-                if buf:
-                    delivered += self._flush_buffered(channel, expected, buf)
+        for mode, channel, seq16, payload, more in messages:
+            if more is None:
+                if mode == UNRELIABLE:
+                    events.append((self, MessageReceived(payload, channel, False)))
+                    delivered += 1
+                    continue
+                if mode == RELIABLE_ORDERED:
+                    reliable_seen = True
                     expected = rx_next[channel]
-                else:
-                    rx_next[channel] = expected
-                continue
-            ahead = self._ahead(seq16, expected)
-            buf = self._rx_ch_buf[channel]
-            if ahead > 0 and expected + ahead not in buf:
-                buf[expected + ahead] = payload
-                self._rx_buffered_bytes += len(payload) + BUFFER_ENTRY_COST
+                    if seq16 == expected & SEQ_MASK:  # the common case: next in order
+                        events.append((self, MessageReceived(payload, channel, True)))
+                        delivered += 1
+                        expected += 1
+                        buf = self._rx_ch_buf[channel]
+                        if buf:
+                            delivered += self._flush_buffered(channel, expected, buf)
+                        else:
+                            rx_next[channel] = expected
+                        continue
+                    ahead = self._ahead(seq16, expected)
+                    buf = self._rx_ch_buf[channel]
+                    if ahead > 0 and expected + ahead not in buf:
+                        buf[expected + ahead] = payload
+                        self._rx_buffered_bytes += len(payload) + BUFFER_ENTRY_COST
+                    else:
+                        self.stats.duplicate_messages += 1
+                    continue
+            if mode != UNRELIABLE_SEQUENCED:
+                reliable_seen = True
+            if mode == GRAPH:
+                delivered += self._graph_receive(channel, seq16, payload, more, now)
+                if self.close_reason is not None:
+                    break  # the peer broke the protocol
+            elif mode == RELIABLE_ORDERED:
+                delivered += self._ordered_fragment(channel, seq16, payload, more)  # type: ignore[arg-type]
             else:
-                self.stats.duplicate_messages += 1
+                delivered += self._sequenced(mode, channel, seq16, payload, more)
         self.stats.messages_received += delivered
         return reliable_seen
 
-    def _flush_buffered(self, channel: int, expected: int, buf: dict[int, bytes]) -> int:
+    def _flush_buffered(self, channel: int, expected: int, buf: dict[int, bytes | _Whole]) -> int:
         """Deliver the buffered messages that are now in order; returns how many."""
         events = self._events
         n = 0
@@ -508,12 +824,259 @@ class Connection:
             early = buf.pop(expected, None)
             if early is None:
                 break
-            self._rx_buffered_bytes -= len(early) + BUFFER_ENTRY_COST
-            events.append((self, MessageReceived(early, channel, True)))
-            expected += 1
+            if isinstance(early, bytes):
+                self._rx_buffered_bytes -= len(early) + BUFFER_ENTRY_COST
+                events.append((self, MessageReceived(early, channel, True)))
+                expected += 1
+            else:
+                self._rx_reassembly_bytes -= early.reserved
+                events.append((self, MessageReceived(early.data, channel, True)))
+                expected += early.span
             n += 1
         self._rx_ch_next[channel] = expected
         return n
+
+    # -- fragments, sequencing and the dependency graph (receive side) ---------------------
+
+    def _fragment_key(
+        self, mode: int, channel: int, seq16: int, index: int
+    ) -> tuple[int, int, int] | None:
+        """The reassembly key (mode, channel, first sequence number) of a fragment, or
+        None if its message was already delivered (a duplicate or a stale copy)."""
+        if mode == RELIABLE_ORDERED:
+            expected = self._rx_ch_next[channel]
+            ahead = self._ahead(seq16, expected)
+            base = expected + ahead - index
+            if ahead < 0 or base < expected or base in self._rx_ch_buf[channel]:
+                return None
+            return (mode, channel, base)
+        if mode == GRAPH:
+            low = self._rx_g_low
+            diff = seq_diff(seq16, low & SEQ_MASK)
+            base = low + diff - index
+            if not 0 <= diff < self._window or base < low:
+                return None
+            if base in self._rx_g_nodes or low + diff in self._rx_g_done:
+                return None
+            return (mode, 0, base)
+        last = self._rx_rseq_last[channel]
+        diff = seq_diff(seq16, (last + 1) & SEQ_MASK)
+        base = last + 1 + diff - index
+        if diff < 0 or base <= last:
+            return None
+        return (mode, channel, base)
+
+    def _check_special(self, messages: list[wire.MessageFrame]) -> DropReason | None:
+        """Check a packet's fragments before accepting it (all or nothing).
+
+        A fragment that disagrees with the rest of its message, or announces a
+        message larger than ``max_message_size``, is malformed. A fragment that
+        starts a message reserves its whole size in the reassembly budget; if
+        that does not fit, the packet is dropped unacknowledged and will be
+        resent, once messages already started have completed and freed room
+        (they always can: their room is reserved).
+        """
+        new_bytes = 0
+        starting: set[tuple[int, int, int]] = set()
+        for mode, channel, seq16, payload, more in messages:
+            if more is None or not more.parts or channel >= self._channels:
+                continue
+            if more.total > self._max_message or len(payload) > more.total:
+                self.stats.fragments_dropped += 1
+                return DropReason.MALFORMED
+            key = self._fragment_key(mode, channel, seq16, more.part)
+            if key is None:
+                continue
+            part = self._rx_parts.get(key)
+            if part is None:
+                if key not in starting:
+                    starting.add(key)
+                    new_bytes += more.total
+            elif part.count != more.parts or part.total != more.total:
+                self.stats.fragments_dropped += 1
+                return DropReason.MALFORMED
+        if new_bytes and self._rx_reassembly_bytes + new_bytes > self._max_reassembly:
+            return DropReason.RECV_BUFFER_FULL
+        return None
+
+    def _assemble(
+        self, key: tuple[int, int, int], payload: bytes, more: FrameExtra, channel: int
+    ) -> _Whole | None:
+        """Add a fragment; the whole message once the last one is in, else None."""
+        parts = self._rx_parts
+        part = parts.get(key)
+        if part is None:
+            part = parts[key] = _Partial(more.parts, more.total, channel)
+            self._rx_reassembly_bytes += more.total
+        if part.chunks[more.part] is not None:
+            self.stats.duplicate_messages += 1
+            return None
+        part.chunks[more.part] = payload
+        part.have += 1
+        part.size += len(payload)
+        if more.part == 0:
+            part.deps = more.deps
+        if part.have < part.count and part.size < part.total:
+            return None
+        del parts[key]
+        if part.have < part.count or part.size != part.total:
+            # The sizes of the fragments do not add up to the announced total.
+            self._rx_reassembly_bytes -= part.total
+            self.stats.fragments_dropped += part.have
+            return None
+        data = b"".join(part.chunks)  # type: ignore[arg-type]
+        return _Whole(data, part.count, part.total, part.deps)
+
+    def _ordered_fragment(self, channel: int, seq16: int, payload: bytes, more: FrameExtra) -> int:
+        key = self._fragment_key(RELIABLE_ORDERED, channel, seq16, more.part)
+        if key is None:
+            self.stats.duplicate_messages += 1
+            return 0
+        whole = self._assemble(key, payload, more, channel)
+        if whole is None:
+            return 0
+        base = key[2]
+        buf = self._rx_ch_buf[channel]
+        if base != self._rx_ch_next[channel]:
+            buf[base] = whole  # complete, but earlier messages are still missing
+            return 0
+        self._rx_reassembly_bytes -= whole.reserved
+        self._events.append((self, MessageReceived(whole.data, channel, True)))
+        return 1 + self._flush_buffered(channel, base + whole.span, buf)
+
+    def _sequenced(
+        self, mode: int, channel: int, seq16: int, payload: bytes, more: FrameExtra | None
+    ) -> int:
+        """Unreliable- and reliable-sequenced: deliver only what is newer than the
+        newest delivered on the channel."""
+        lasts = self._rx_useq_last if mode == UNRELIABLE_SEQUENCED else self._rx_rseq_last
+        last = lasts[channel]
+        diff = seq_diff(seq16, (last + 1) & SEQ_MASK)
+        if diff < 0:
+            self.stats.stale_messages += 1
+            return 0
+        if more is not None and more.parts:
+            key = self._fragment_key(mode, channel, seq16, more.part)
+            if key is None:
+                self.stats.stale_messages += 1
+                return 0
+            whole = self._assemble(key, payload, more, channel)
+            if whole is None:
+                return 0
+            self._rx_reassembly_bytes -= whole.reserved
+            payload = whole.data
+            newest = key[2] + whole.span - 1
+        else:
+            newest = last + 1 + diff
+        lasts[channel] = newest
+        if self._rx_parts and mode == RELIABLE_SEQUENCED:
+            self._drop_superseded_parts(channel, newest)
+        self._events.append((self, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED)))
+        return 1
+
+    def _drop_superseded_parts(self, channel: int, newest: int) -> None:
+        """Incomplete reliable-sequenced messages older than one delivered are moot."""
+        parts = self._rx_parts
+        for key in [k for k in parts if k[0] == RELIABLE_SEQUENCED and k[1] == channel]:
+            if key[2] <= newest:
+                self._rx_reassembly_bytes -= parts.pop(key).total
+
+    def _graph_receive(
+        self, channel: int, seq16: int, payload: bytes, more: FrameExtra | None, now: float
+    ) -> int:
+        """A reliable-unordered or dependency-ordered message (or fragment) arrived."""
+        low = self._rx_g_low
+        diff = seq_diff(seq16, low & SEQ_MASK)
+        if more is not None and more.parts:
+            key = self._fragment_key(GRAPH, channel, seq16, more.part)
+            if key is None:
+                self.stats.duplicate_messages += 1
+                return 0
+            whole = self._assemble(key, payload, more, channel)
+            if whole is None:
+                return 0
+            return self._graph_arrive(
+                key[2], whole.span, whole.data, whole.deps, channel, whole.reserved, now
+            )
+        gid = low + diff
+        if not 0 <= diff < self._window or gid in self._rx_g_done or gid in self._rx_g_nodes:
+            self.stats.duplicate_messages += 1
+            return 0
+        deps = more.deps if more is not None else ()
+        return self._graph_arrive(gid, 1, payload, deps, channel, 0, now)
+
+    def _graph_arrive(
+        self,
+        gid: int,
+        span: int,
+        data: bytes,
+        deps: tuple[int, ...],
+        channel: int,
+        reserved: int,
+        now: float,
+    ) -> int:
+        """Run the message if every dependency was executed, else make it wait."""
+        low = self._rx_g_low
+        done = self._rx_g_done
+        waiting = 0
+        for dep16 in deps:
+            back = seq_diff(dep16, low & SEQ_MASK)
+            dep = low + back
+            if back < -self._window:
+                self._protocol_error("a dependency lies beyond the window")
+                return 0
+            if dep >= gid:
+                self._protocol_error("a message depends on itself or a later message")
+                return 0
+            if back < 0 or dep in done:
+                continue  # executed already
+            self._rx_g_waiters.setdefault(dep, []).append(gid)
+            waiting += 1
+        if waiting:
+            self._rx_g_nodes[gid] = _Waiting(data, channel, span, reserved, waiting, now)
+            if not reserved:
+                self._rx_buffered_bytes += len(data) + BUFFER_ENTRY_COST
+            return 0
+        return self._graph_execute(gid, span, data, channel, reserved)
+
+    def _graph_execute(self, gid: int, span: int, data: bytes, channel: int, reserved: int) -> int:
+        """Deliver a ready message and every waiting message it was the last
+        dependency of, transitively; returns how many were delivered."""
+        events = self._events
+        done = self._rx_g_done
+        nodes = self._rx_g_nodes
+        waiters = self._rx_g_waiters
+        ready: deque[tuple[int, int, bytes, int, int]] = deque()
+        ready.append((gid, span, data, channel, reserved))
+        n = 0
+        while ready:
+            gid, span, data, channel, reserved = ready.popleft()
+            events.append((self, MessageReceived(data, channel, True)))
+            n += 1
+            self._rx_reassembly_bytes -= reserved
+            if span == 1:
+                done.add(gid)
+            else:
+                done.update(range(gid, gid + span))
+            for successor in waiters.pop(gid, ()):
+                node = nodes[successor]
+                node.waiting -= 1
+                if node.waiting == 0:
+                    del nodes[successor]
+                    if not node.reserved:
+                        self._rx_buffered_bytes -= len(node.data) + BUFFER_ENTRY_COST
+                    ready.append((successor, node.span, node.data, node.channel, node.reserved))
+        low = self._rx_g_low
+        while low in done:
+            done.remove(low)
+            low += 1
+        self._rx_g_low = low
+        return n
+
+    def _protocol_error(self, text: str) -> None:
+        """The peer broke the protocol in a way that cannot be dropped and forgotten."""
+        if self.state is not State.CLOSED:
+            self._end(DisconnectReason.PROTOCOL_ERROR, 0, text, by_peer=False)
 
     def _process_ack(self, ack16: int, bits: int, now: float) -> None:
         sent = self._sent
@@ -562,18 +1125,49 @@ class Connection:
         newly = 0
         for msg in pkt.messages:
             msg.copies -= 1
-            if msg.state != ACKED:
+            if msg.state <= SENT:
                 msg.state = ACKED
                 newly += 1
+                if msg.mode == RELIABLE_ORDERED:
+                    unacked = self._tx_ch_unacked[msg.channel]
+                    while unacked and unacked[0].state == ACKED:
+                        unacked.popleft()
+                parent = msg.parent
+                if parent is not None:
+                    parent.parts -= 1
+                    if parent.parts or parent.state > SENT:
+                        continue
+                    parent.state = ACKED
+                    msg = parent
                 if msg.notify:
                     self._events.append((self, MessageAcked(msg)))
-                unacked = self._tx_ch_unacked[msg.channel]
-                while unacked and unacked[0].state == ACKED:
-                    unacked.popleft()
+                if msg.graph is not None and msg.graph.waiting == 0:
+                    self._graph_executed(msg)
         self._queued -= newly
         self._unacked_reliable -= newly
         if pkt.disconnect and self.state is State.CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
+
+    def _graph_executed(self, msg: OutMessage) -> None:
+        """The peer must have executed ``msg`` (acknowledged, every dependency
+        executed): so must every acknowledged message that waited only for it."""
+        ready = [msg]
+        while ready:
+            node = ready.pop().graph
+            assert node is not None
+            node.executed = True
+            for successor in node.dependents:
+                succ = successor.graph
+                assert succ is not None
+                succ.waiting -= 1
+                if succ.waiting == 0 and successor.state == ACKED:
+                    ready.append(successor)
+            node.dependents = []
+        graph = self._tx_graph
+        while graph and graph[0].graph.executed:  # type: ignore[union-attr]
+            graph.popleft()
+        if self._rel_queue:
+            self._dirty.add(self)  # the graph window may have opened
 
     def _detect_losses(self, now: float) -> None:
         largest = self._largest_acked
@@ -616,7 +1210,7 @@ class Connection:
             del lost[next(iter(lost))]
         for msg in pkt.messages:
             msg.copies -= 1
-            if msg.state != ACKED and msg.copies == 0:
+            if msg.state <= SENT and msg.copies == 0:
                 self._retx.append(msg)
         if pkt.control and self.state is State.CLOSING:
             self._control.extend(pkt.control)
@@ -645,9 +1239,12 @@ class Connection:
                 budget -= len(frame)
         if self._in_flight < self.config.window:
             budget = self._take_retransmissions(parts, messages, budget)
-        budget = self._take_unreliable(parts, budget)
+        if self._unrel_queue:
+            budget = self._take_unreliable(parts, budget, now)
         if self._in_flight < self.config.window and not self._retx:
             budget = self._take_new_reliable(parts, messages, budget)
+        if self._redundancy and messages:
+            budget = self._take_redundant(parts, messages, budget)
         eliciting = bool(messages or control)
         if self._ping and not eliciting and self.state is not State.DRAINING:
             parts.append(wire.PING_FRAME)
@@ -710,7 +1307,7 @@ class Connection:
         retx = self._retx
         while retx:
             msg = retx[0]
-            if msg.state == ACKED or msg.copies:
+            if msg.state > SENT or msg.copies:
                 retx.popleft()
                 continue
             frame = msg.frame
@@ -724,10 +1321,17 @@ class Connection:
             self.stats.messages_resent += 1
         return budget
 
-    def _take_unreliable(self, parts: list[bytes], budget: int) -> int:
+    def _take_unreliable(self, parts: list[bytes], budget: int, now: float) -> int:
         queue = self._unrel_queue
+        stale = now - self.config.unreliable_max_age
         while queue:
-            frame = queue[0].frame
+            msg = queue[0]
+            if msg.queued_at < stale:
+                queue.popleft().state = FAILED
+                self._queued -= 1
+                self.stats.messages_expired += 1
+                continue
+            frame = msg.frame
             size = len(frame)
             if size > budget:
                 break
@@ -742,15 +1346,24 @@ class Connection:
         self, parts: list[bytes], messages: list[OutMessage], budget: int
     ) -> int:
         queue = self._rel_queue
-        window = self.config.channel_window
+        window = self._window
         unacked = self._tx_ch_unacked
         sent = 0
         while queue:
             msg = queue[0]
             frame = msg.frame
             size = len(frame)
-            if size > budget or msg.seq - unacked[msg.channel][0].seq >= window:
-                break  # the packet is full, or the receiver could not buffer it yet
+            if size > budget:
+                break  # the packet is full
+            mode = msg.mode
+            if mode == RELIABLE_ORDERED:
+                if msg.seq - unacked[msg.channel][0].seq >= window:
+                    break  # the receiver could not buffer it yet
+            elif msg.state > SENT:
+                queue.popleft()  # superseded
+                continue
+            elif mode == GRAPH and msg.seq - self._tx_graph[0].seq >= window:
+                break  # beyond the ids the receiver accepts
             queue.popleft()
             msg.state = SENT
             parts.append(frame)
@@ -758,6 +1371,34 @@ class Connection:
             budget -= size
             sent += 1
         self.stats.messages_sent += sent
+        return budget
+
+    def _take_redundant(self, parts: list[bytes], messages: list[OutMessage], budget: int) -> int:
+        """Fill the rest of a packet with copies of recent unacknowledged small messages
+        (newest first), then remember this packet's own small messages for later ones."""
+        recent = self._recent
+        limit = self._redundancy
+        fresh = [m for m in messages if len(m.frame) <= REDUNDANT_FRAME_MAX]
+        while recent and (recent[0].state > SENT or recent[0].redundant >= limit):
+            recent.popleft()
+        if recent and budget > 3:
+            here = set(map(id, messages))
+            for msg in reversed(recent):
+                if msg.state > SENT or msg.redundant >= limit or id(msg) in here:
+                    continue
+                size = len(msg.frame)
+                if size > budget:
+                    continue
+                parts.append(msg.frame)
+                messages.append(msg)
+                msg.redundant += 1
+                budget -= size
+                self.stats.messages_redundant += 1
+                if budget <= 3:
+                    break
+        recent.extend(fresh)
+        while len(recent) > RECENT_MAX:
+            recent.popleft()
         return budget
 
     # -- timers -----------------------------------------------------------------------------
@@ -788,6 +1429,9 @@ class Connection:
         if self._deadline is not None and now >= self._deadline:
             # Our DISCONNECT was never acknowledged: end anyway, with our reason.
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
+            return
+        if self._rx_g_nodes and now >= self._dependency_deadline():
+            self._protocol_error("a dependency never arrived")
             return
         if self._loss_time is not None and now >= self._loss_time:
             self._detect_losses(now)
@@ -841,16 +1485,19 @@ class Connection:
         self._set_state(State.CLOSED)
 
     def _fail_pending(self) -> None:
-        for queue in (self._rel_queue, self._unrel_queue, self._retx):
+        fail = _fail
+        for queue in (self._rel_queue, self._unrel_queue, self._retx, self._tx_graph):
             for msg in queue:
-                if msg.state != ACKED:
-                    msg.state = FAILED
+                fail(msg)
             queue.clear()
         for unacked in self._tx_ch_unacked:
             for msg in unacked:
-                if msg.state != ACKED:
-                    msg.state = FAILED
+                fail(msg)
             unacked.clear()
+        for pkt in self._sent.values():
+            for msg in pkt.messages:
+                fail(msg)
+        self._recent.clear()
         self._sent.clear()
         self._control.clear()
         self._in_flight = 0
@@ -858,6 +1505,10 @@ class Connection:
         self._unacked_reliable = 0
         self._rx_ch_buf = [{} for _ in range(self.config.channels)]
         self._rx_buffered_bytes = 0
+        self._rx_g_nodes.clear()
+        self._rx_g_waiters.clear()
+        self._rx_parts.clear()
+        self._rx_reassembly_bytes = 0
 
     def _set_state(self, new: State) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -870,6 +1521,15 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
+
+
+def _fail(msg: OutMessage) -> None:
+    """The connection ended before ``msg`` was acknowledged."""
+    if msg.state <= SENT:
+        msg.state = FAILED
+    parent = msg.parent
+    if parent is not None and parent.state <= SENT:
+        parent.state = FAILED
 
 
 def _as_bytes(data: object) -> bytes:

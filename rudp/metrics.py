@@ -42,6 +42,26 @@ _CONN_COUNTERS = (
     ("messages_received", "rudp_messages_received_total", "Messages delivered."),
     ("messages_resent", "rudp_retransmissions_total", "Reliable messages sent again."),
     ("timeouts", "rudp_resend_timeouts_total", "Resend timer expirations."),
+    (
+        "messages_redundant",
+        "rudp_redundant_messages_total",
+        "Extra copies of reliable messages sent by the redundancy option.",
+    ),
+    (
+        "messages_expired",
+        "rudp_expired_messages_total",
+        "Unreliable messages dropped for waiting too long in the send queue.",
+    ),
+    (
+        "messages_superseded",
+        "rudp_superseded_messages_total",
+        "Reliable-sequenced messages replaced by a newer one before their ack.",
+    ),
+    (
+        "fragments_dropped",
+        "rudp_fragments_dropped_total",
+        "Fragments inconsistent with the rest of their message, dropped.",
+    ),
 )
 
 

@@ -102,28 +102,57 @@ class RttEstimator:
         self.reorder_factor = min(self.reorder_factor + 0.125, 2.0)
 
 
-# Message states, plain ints: they are compared on every ack.
+# Message states, plain ints: they are compared on every ack. A message is
+# pending while its state is <= SENT.
 QUEUED = 0
 SENT = 1
 ACKED = 2
 FAILED = 3
+SUPERSEDED = 4  # reliable-sequenced: a newer message on its channel replaced it
 
 
 class OutMessage:
-    """One message on its way out; ``Connection.send`` returns it as the handle."""
+    """One message on its way out; ``Connection.send`` returns it as the handle.
 
-    __slots__ = ("channel", "copies", "data", "frame", "mode", "notify", "seq", "state", "user")
+    A message larger than one datagram is a *parent* that is never sent itself:
+    its fragments are OutMessages whose ``parent`` points back to it, and it is
+    acknowledged once every fragment is (``parts`` counts those still pending).
+    """
+
+    __slots__ = (
+        "channel",
+        "copies",
+        "data",
+        "fragments",
+        "frame",
+        "graph",
+        "mode",
+        "notify",
+        "parent",
+        "parts",
+        "queued_at",
+        "redundant",
+        "seq",
+        "state",
+        "user",
+    )
 
     def __init__(self, data: bytes, mode: int, channel: int, seq: int, frame: bytes) -> None:
         self.data = data
         self.mode = mode
         self.channel = channel
-        self.seq = seq
+        self.seq = seq  # the id on the wire, unwrapped: channel seq or graph id
         self.frame = frame  # encoded once; a resend carries the same frame
         self.state = QUEUED
         self.copies = 0  # packets in flight that carry it
         self.notify = False  # emit MessageAcked when acknowledged
         self.user: object = None  # free slot for the asyncio layer
+        self.parent: OutMessage | None = None
+        self.parts = 0
+        self.fragments: list[OutMessage] | None = None
+        self.graph: GraphNode | None = None
+        self.queued_at = 0.0
+        self.redundant = 0  # extra copies sent by the redundancy option
 
     @property
     def acked(self) -> bool:
@@ -132,6 +161,29 @@ class OutMessage:
     @property
     def failed(self) -> bool:
         return self.state == FAILED
+
+    @property
+    def superseded(self) -> bool:
+        return self.state == SUPERSEDED
+
+
+class GraphNode:
+    """The sender's copy of a dependency-graph node (the seed article's local graph).
+
+    ``executed`` becomes true once the peer must have executed the message: it
+    was acknowledged and everything it depended on was executed too. From then
+    on, a message that names it as a dependency sends nothing for it, so no
+    dependency ever travels that could be confused after the 16-bit id wraps.
+    """
+
+    __slots__ = ("dependents", "executed", "gid", "owner", "waiting")
+
+    def __init__(self, gid: int, owner: object) -> None:
+        self.gid = gid
+        self.owner = owner
+        self.waiting = 0  # dependencies not yet executed
+        self.executed = False
+        self.dependents: list[OutMessage] = []
 
 
 class SentPacket:

@@ -16,6 +16,10 @@ COUNTERS = (
     "bytes_sent",
     "duplicate_messages",
     "eliciting_sent",
+    "fragments_dropped",
+    "messages_expired",
+    "messages_redundant",
+    "messages_superseded",
     "messages_received",
     "messages_resent",
     "messages_sent",
@@ -24,6 +28,7 @@ COUNTERS = (
     "packets_received",
     "packets_sent",
     "spurious_losses",
+    "stale_messages",
     "timeouts",
 )
 """The counters of ``ConnectionStats``, named once (not read from ``__slots__``,
@@ -50,6 +55,11 @@ class ConnectionStats:
         self.bad_acks = 0
         self.timeouts = 0
         self.spurious_losses = 0  # losses disproved by a late acknowledgment
+        self.messages_expired = 0  # unreliable messages dropped for waiting too long to go out
+        self.messages_redundant = 0  # extra copies sent by the redundancy option
+        self.messages_superseded = 0  # reliable-sequenced messages replaced before their ack
+        self.stale_messages = 0  # sequenced messages older than the newest delivered, dropped
+        self.fragments_dropped = 0  # fragments inconsistent with the rest of their message
         self.rtt: RttEstimator | None = None
 
     @property

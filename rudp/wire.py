@@ -26,10 +26,17 @@ DATA frames::
 
     0x01 PING                                  ack-eliciting, no body
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
-    0x80|flags MESSAGE                         flags: bits 0-2 Delivery mode,
-         [channel u8]  if flag 0x08            bit 3 channel byte present,
-         [seq u16]     if the mode is reliable bits 4-6 reserved (must be 0)
+    0x80|flags MESSAGE                         flags: bits 0-2 wire mode,
+         [channel u8]   if flag 0x08           bit 3 (0x08) channel byte present,
+         [seq u16]      unless mode 0          bit 4 (0x10) dependencies present,
+         [index u16, count u16, total u32]     bit 6 (0x40) fragment,
+                        if flag 0x40           bit 5 (0x20) reserved (must be 0)
+         [n u8, n x dep u16]  if flag 0x10
          len u16, payload
+
+Wire modes: 0 unreliable, 1 reliable-ordered, 2 unreliable-sequenced,
+3 reliable-unordered (the dependency graph's messages: with flag 0x10 they
+name earlier messages they depend on), 4 reliable-sequenced; 5-7 are invalid.
 """
 
 from __future__ import annotations
@@ -64,10 +71,18 @@ MIN_CONNECT_SIZE = 256
 
 FLAG_MESSAGE = 0x80
 FLAG_CHANNEL = 0x08
+FLAG_DEPS = 0x10
+FLAG_FRAGMENT = 0x40
 MODE_MASK = 0x07
-RESERVED_MASK = 0x70
-# Frame overhead upper bound: flags, channel, seq, len.
+RESERVED_MASK = 0x20
+# Frame overhead upper bound of an unfragmented message without dependencies:
+# flags, channel, seq, len.
 MESSAGE_OVERHEAD = 6
+# What a fragment adds: index u16, count u16, total u32.
+FRAGMENT_OVERHEAD = 8
+FRAGMENT = struct.Struct("!HHI")
+MAX_DEPS = 255  # pending dependencies one message can carry (n is a u8)
+MAX_FRAGMENTS = 0xFFFF
 
 
 class PacketType(enum.IntEnum):
@@ -87,10 +102,28 @@ class FrameType(enum.IntEnum):
 
 
 class Delivery(enum.IntEnum):
-    """Delivery mode of a message (3 bits on the wire; 2..7 are reserved)."""
+    """How a message is delivered; pass one to ``Connection.send(delivery=...)``.
+
+    The values 0-4 are also the frame's wire mode; DEPENDENCY_ORDERED travels as
+    RELIABLE_UNORDERED plus the list of its pending dependencies.
+    """
 
     UNRELIABLE = 0
+    """May be lost, never duplicated, delivered in arrival order."""
     RELIABLE_ORDERED = 1
+    """Exactly once, in send order within its channel (the default)."""
+    UNRELIABLE_SEQUENCED = 2
+    """May be lost; one older than the newest already delivered on its channel is dropped."""
+    RELIABLE_UNORDERED = 3
+    """Exactly once, delivered as soon as it arrives."""
+    RELIABLE_SEQUENCED = 4
+    """Latest wins: exactly the newest reaches the peer; an older one not yet
+    acknowledged is superseded and never resent."""
+    DEPENDENCY_ORDERED = 5
+    """Exactly once, after every message named in ``depends_on``, otherwise at once."""
+
+
+WIRE_MODES = 5  # wire modes 0..4 are valid
 
 
 class DropReason(enum.StrEnum):
@@ -120,8 +153,17 @@ class DecodeError(Exception):
         self.reason = reason
 
 
-# (mode, channel, seq, payload): a plain tuple, one is made per received message.
-MessageFrame = tuple[int, int, int, bytes]
+class FrameExtra(NamedTuple):
+    """The rarer parts of a MESSAGE frame: fragment header and dependencies."""
+
+    parts: int  # fragments in the message, 0 when the frame is not a fragment
+    part: int  # this fragment's index
+    total: int  # the whole message's size in bytes
+    deps: tuple[int, ...]  # 16-bit ids of graph messages it depends on
+
+
+# (mode, channel, seq, payload, extra): a plain tuple, one is made per received message.
+MessageFrame = tuple[int, int, int, bytes, FrameExtra | None]
 
 
 class DisconnectFrame(NamedTuple):
@@ -133,6 +175,7 @@ class DataFrames(NamedTuple):
     messages: list[MessageFrame]
     ping: bool
     disconnect: DisconnectFrame | None
+    special: bool  # some message is a fragment, has dependencies or a mode other than 0/1
 
 
 class Connect(NamedTuple):
@@ -305,11 +348,41 @@ def decode_data_header(data: bytes) -> tuple[int, int, int, int]:
     return token, seq, ack, bits
 
 
-def message_frame(mode: int, channel: int, seq: int, data: bytes) -> bytes:
-    """Encode one MESSAGE frame of any known mode (the caller checked the sizes)."""
-    if mode == Delivery.UNRELIABLE:
-        return unreliable_frame(channel, data)
-    return reliable_frame(channel, seq, data)
+def message_frame(
+    mode: int,
+    channel: int,
+    seq: int,
+    data: bytes,
+    *,
+    deps: tuple[int, ...] = (),
+    fragment: tuple[int, int, int] | None = None,
+) -> bytes:
+    """Encode one MESSAGE frame of any wire mode (the caller checked the sizes).
+
+    ``fragment`` is ``(index, count, total)``; ``deps`` are 16-bit graph ids.
+    """
+    if not deps and fragment is None:
+        if mode == Delivery.UNRELIABLE:
+            return unreliable_frame(channel, data)
+        if mode == Delivery.RELIABLE_ORDERED:
+            return reliable_frame(channel, seq, data)
+    flags = FLAG_MESSAGE | mode
+    head = bytearray(1)
+    if channel:
+        flags |= FLAG_CHANNEL
+        head.append(channel)
+    if mode != Delivery.UNRELIABLE:
+        head += U16.pack(seq & 0xFFFF)
+    if fragment is not None:
+        flags |= FLAG_FRAGMENT
+        head += FRAGMENT.pack(*fragment)
+    if deps:
+        flags |= FLAG_DEPS
+        head.append(len(deps))
+        head += struct.pack(f"!{len(deps)}H", *(d & 0xFFFF for d in deps))
+    head[0] = flags
+    head += U16.pack(len(data))
+    return bytes(head) + data
 
 
 _REL0 = struct.Struct("!BHH")
@@ -334,8 +407,16 @@ def unreliable_frame(channel: int, data: bytes) -> bytes:
     return _UNREL0.pack(FLAG_MESSAGE, len(data)) + data
 
 
-def message_frame_size(mode: int, channel: int, size: int) -> int:
-    return 3 + (1 if channel else 0) + (2 if mode != Delivery.UNRELIABLE else 0) + size
+def message_frame_size(
+    mode: int, channel: int, size: int, *, deps: int = 0, fragment: bool = False
+) -> int:
+    """The encoded size of a MESSAGE frame carrying ``size`` payload bytes."""
+    n = 3 + (1 if channel else 0) + (2 if mode != Delivery.UNRELIABLE else 0) + size
+    if fragment:
+        n += FRAGMENT_OVERHEAD
+    if deps:
+        n += 1 + 2 * deps
+    return n
 
 
 PING_FRAME = bytes((FrameType.PING,))
@@ -357,6 +438,7 @@ def decode_frames(data: bytes, offset: int = DATA_HEADER_SIZE) -> DataFrames:
 def _decode_frames(data: bytes, off: int) -> DataFrames:
     messages: list[MessageFrame] = []
     ping = False
+    special = False
     disconnect: DisconnectFrame | None = None
     end = len(data)
     while off < end:
@@ -375,12 +457,20 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
                 seq = (data[off] << 8) | data[off + 1]
                 off += 2
             elif mode != Delivery.UNRELIABLE:
-                raise DecodeError(DropReason.MALFORMED)
+                if mode >= WIRE_MODES:
+                    raise DecodeError(DropReason.MALFORMED)
+                seq = (data[off] << 8) | data[off + 1]
+                off += 2
+                special = True
+            extra = None
+            if kind & (FLAG_FRAGMENT | FLAG_DEPS):
+                extra, off = _decode_extra(data, off, kind, mode)
+                special = True
             n = (data[off] << 8) | data[off + 1]
             off += 2
             if off + n > end:
                 raise DecodeError(DropReason.TRUNCATED)
-            messages.append((mode, channel, seq, data[off : off + n]))
+            messages.append((mode, channel, seq, data[off : off + n], extra))
             off += n
         elif kind == FrameType.PING:
             ping = True
@@ -393,4 +483,33 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             off += n
         else:
             raise DecodeError(DropReason.MALFORMED)
-    return DataFrames(messages, ping, disconnect)
+    return DataFrames(messages, ping, disconnect, special)
+
+
+def _decode_extra(data: bytes, off: int, kind: int, mode: int) -> tuple[FrameExtra, int]:
+    """The fragment header and dependency list of a MESSAGE frame."""
+    count = index = total = 0
+    if kind & FLAG_FRAGMENT:
+        if mode not in _FRAGMENT_MODES:
+            raise DecodeError(DropReason.MALFORMED)
+        index, count, total = FRAGMENT.unpack_from(data, off)
+        off += FRAGMENT.size
+        if count < 2 or index >= count or total < count:
+            raise DecodeError(DropReason.MALFORMED)
+    deps: tuple[int, ...] = ()
+    if kind & FLAG_DEPS:
+        # Only a graph message has dependencies, and only on its first fragment.
+        if mode != Delivery.RELIABLE_UNORDERED or index:
+            raise DecodeError(DropReason.MALFORMED)
+        n = data[off]
+        off += 1
+        if n == 0:
+            raise DecodeError(DropReason.MALFORMED)
+        deps = struct.unpack_from(f"!{n}H", data, off)
+        off += 2 * n
+    return FrameExtra(count, index, total, deps), off
+
+
+_FRAGMENT_MODES = frozenset(
+    (Delivery.RELIABLE_ORDERED, Delivery.RELIABLE_UNORDERED, Delivery.RELIABLE_SEQUENCED)
+)

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
-from rudp.errors import ConnectionClosed
+from rudp.errors import ConnectionClosed, LocalProtocolError
 from rudp.events import Disconnected, MessageReceived
-from rudp.recovery import ACKED, FAILED, OutMessage
+from rudp.recovery import ACKED, FAILED, SUPERSEDED, OutMessage
 from rudp.stats import ConnectionStats
+from rudp.wire import Delivery
 
 if TYPE_CHECKING:
     from rudp.aio.endpoint import AioEndpoint
 
 Message = MessageReceived
 """A received message: ``.data`` (bytes), ``.channel`` (int), ``.reliable`` (bool)."""
+
+
+_UNRELIABLE_MODES = (Delivery.UNRELIABLE, Delivery.UNRELIABLE_SEQUENCED)
 
 
 class SendHandle:
@@ -37,19 +41,26 @@ class SendHandle:
 
     @property
     def acked(self) -> bool:
+        """The peer acknowledged the message (all of its fragments)."""
         return self._msg.state == ACKED
 
+    @property
+    def superseded(self) -> bool:
+        """A newer reliable-sequenced message on the channel replaced this one first."""
+        return self._msg.state == SUPERSEDED
+
     def done(self) -> bool:
-        return self._msg.state in (ACKED, FAILED) or (self._msg.mode == 0 and self._msg.state != 0)
+        state = self._msg.state
+        return state >= ACKED or (self._msg.mode in _UNRELIABLE_MODES and state != 0)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._wait().__await__()
 
     async def _wait(self) -> None:
         msg = self._msg
-        if msg.mode == 0:  # unreliable: nothing will acknowledge it
+        if msg.mode in _UNRELIABLE_MODES:  # nothing will acknowledge it
             return
-        if msg.state == ACKED:
+        if msg.state == ACKED or msg.state == SUPERSEDED:
             return
         if msg.state == FAILED:
             raise self._conn._closed_error()
@@ -102,7 +113,14 @@ class Connection:
 
     @property
     def max_message_size(self) -> int:
+        """The largest reliable message (``Config.max_message_size``); larger than a
+        datagram, it is fragmented."""
         return self._core.max_message_size
+
+    @property
+    def max_datagram_payload(self) -> int:
+        """The largest message sent in one datagram (and so the largest unreliable one)."""
+        return self._core.max_datagram_payload
 
     @property
     def queued(self) -> int:
@@ -110,10 +128,43 @@ class Connection:
 
     # -- sending -------------------------------------------------------------------
 
-    def send(self, data: bytes, *, reliable: bool = True, channel: int = 0) -> SendHandle:
+    def send(
+        self,
+        data: bytes,
+        *,
+        reliable: bool = True,
+        channel: int = 0,
+        delivery: Delivery | None = None,
+        depends_on: Iterable[SendHandle] | None = None,
+    ) -> SendHandle:
         """Queue a message. Never blocks; raises ``SendQueueFull`` when the queue is full,
-        ``ConnectionClosed`` after the end. Await the result to know it was acknowledged."""
-        msg = self._core.send(data, reliable=reliable, channel=channel)
+        ``ConnectionClosed`` after the end. Await the result to know it was acknowledged.
+
+        ``delivery`` picks a ``rudp.Delivery`` mode (default: reliable-ordered, or
+        unreliable with ``reliable=False``). ``depends_on`` lists handles returned by
+        earlier ``send()`` calls of ``RELIABLE_UNORDERED`` or ``DEPENDENCY_ORDERED``
+        messages: the peer delivers this message only after all of them, and
+        otherwise as soon as it arrives (it implies ``DEPENDENCY_ORDERED``).
+        """
+        if delivery is None and depends_on is None:
+            if reliable:
+                msg = self._core.send(data, channel=channel)
+            else:
+                msg = self._core.send(data, reliable=False, channel=channel, now=monotonic())
+        else:
+            deps = None
+            if depends_on is not None:
+                if isinstance(depends_on, SendHandle):
+                    raise LocalProtocolError("depends_on takes a list of handles")
+                deps = [h._msg if isinstance(h, SendHandle) else h for h in depends_on]
+            msg = self._core.send(
+                data,
+                reliable=reliable,
+                channel=channel,
+                delivery=delivery,
+                depends_on=deps,
+                now=monotonic(),
+            )
         endpoint = self._endpoint
         if not endpoint._flush_pending:
             endpoint.wake()

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 def _check_message_size(conn: rudp.Connection, config: LockstepConfig) -> None:
     if conn.max_message_size < config.max_message_size:
-        # Full NETTURNs would fail to send; the game would stall, so say why.
+        # Full NETTURNs would fail to send; the game would stall, so say why. (Messages
+        # above conn.max_datagram_payload are fragmented, which works but costs latency.)
         log.warning(
             "lockstep.message_size_too_large lockstep=%d rudp=%d",
             config.max_message_size,

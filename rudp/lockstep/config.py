@@ -72,9 +72,11 @@ class LockstepConfig:
     """Commands one client may have queued for unsent turns; more are refused."""
 
     max_message_size: int = 1100
-    """Largest lockstep message, either way. rudp sends each message in one
-    datagram (``rudp.Connection.max_message_size``, 1176 bytes with the default
-    1200-byte datagrams), so this must not exceed that. The host fills each
+    """Largest lockstep message, either way. Within one datagram
+    (``rudp.Connection.max_datagram_payload``, 1176 bytes with the default
+    1200-byte datagrams) a turn is never fragmented, so one lost packet never
+    delays it behind its other fragments; rudp would fragment a larger one (up to
+    ``rudp.Connection.max_message_size``). The host fills each
     NETTURN up to this size and defers the remaining commands to the next
     turn; incoming messages larger than this are dropped unparsed."""
 

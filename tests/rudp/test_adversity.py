@@ -128,7 +128,7 @@ async def test_20000_messages_through_loss_dup_reorder_corruption_bursts(
     rng = random.Random(4)
     conn = await rudp.connect(*proxy.address, config=IMPAIRED)
     try:
-        limit = conn.max_message_size
+        limit = conn.max_datagram_payload
         sent: list[bytes] = []
         unreliable_sent = 0
         for i in range(20_000):

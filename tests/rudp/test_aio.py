@@ -266,3 +266,31 @@ async def test_recv_works_again_after_a_cancelled_recv() -> None:
             await asyncio.wait_for(conn.recv(), 0.05)
         assert (await asyncio.wait_for(conn.recv(), 5)).data == b"late"
         await conn.close()
+
+
+async def test_delivery_modes_dependencies_and_large_messages_over_sockets(
+    server: rudp.Server,
+) -> None:
+    """The asyncio API passes ``delivery`` and ``depends_on`` (handles) through; a 1 MiB
+    message is fragmented and echoed back whole; awaiting a superseded message returns."""
+    conn = await rudp.connect(*server.address)
+    Delivery = rudp.Delivery
+    spawn = conn.send(b"spawn", delivery=Delivery.RELIABLE_UNORDERED, channel=2)
+    kill = conn.send(b"kill", depends_on=[spawn], channel=2)
+    old = conn.send(b"v1", delivery=Delivery.RELIABLE_SEQUENCED, channel=5)
+    new = conn.send(b"v2", delivery=Delivery.RELIABLE_SEQUENCED, channel=5)
+    conn.send(b"pos", delivery=Delivery.UNRELIABLE_SEQUENCED, channel=6)
+    big = random.Random(1).randbytes(1 << 20)
+    conn.send(big)
+    await asyncio.wait_for(asyncio.gather(spawn, kill, old, new), 5)
+    assert old.superseded and not old.acked and new.acked and old.done()
+    got: list[bytes] = []
+    while not {b"spawn", b"kill", b"v2", big} <= set(got):  # "pos" may be lost: unreliable
+        got.append((await asyncio.wait_for(conn.recv(), 10)).data)
+    assert got.index(b"spawn") < got.index(b"kill")
+    assert b"v1" not in got and b"v2" in got and big in got
+    with pytest.raises(rudp.LocalProtocolError):
+        conn.send(b"x", depends_on=kill)  # type: ignore[arg-type]
+    with pytest.raises(rudp.MessageTooLarge):
+        conn.send(bytes(conn.max_datagram_payload + 1), reliable=False)
+    await conn.close()

@@ -444,8 +444,8 @@ def test_peer_that_already_forgot_us_completes_our_close() -> None:
 def test_misuse_raises_clear_errors() -> None:
     net, server, client, conn = pair(config=Config(send_queue_limit=10, drain_low_water=5))
     with pytest.raises(MessageTooLarge):
-        conn.send(bytes(conn.max_message_size + 1))
-    conn.send(bytes(conn.max_message_size))
+        conn.send(bytes(conn.max_datagram_payload + 1), reliable=False)
+    conn.send(bytes(conn.max_datagram_payload), reliable=False)
     with pytest.raises(LocalProtocolError):
         conn.send(b"x", channel=32)
     with pytest.raises(TypeError):

@@ -37,7 +37,7 @@ SERVER = ("10.0.0.1", 9000)
 CLIENT = ("10.0.0.2", 5000)
 STRANGER = ("10.0.0.66", 6666)
 CHANNELS = 3
-CONFIG = Config(channels=CHANNELS, window=32, channel_window=64)
+CONFIG = Config(channels=CHANNELS, window=32, channel_window=64, max_message_size=32 * 1024)
 HEAD = struct.Struct("!BBI")  # sender side, channel, index: makes every message unique
 SIDES = (0, 1)  # 0 = client, 1 = server
 
@@ -126,7 +126,7 @@ class TwoEndpoints(RuleBasedStateMachine):
         conn = self.conns[side]
         if conn.state is not State.CONNECTED:
             return
-        size = min(size, conn.max_message_size - HEAD.size)
+        size = min(size, conn.max_datagram_payload - HEAD.size)
         for _ in range(count):
             self.counter += 1
             data = HEAD.pack(side, channel, self.counter) + bytes([self.counter & 0xFF]) * size

@@ -35,21 +35,76 @@ def test_data_packet_round_trip() -> None:
     assert wire.decode_data_header(packet) == (0xDEADBEEF, 7, 65535, 0x80000001)
     frames = wire.decode_frames(packet)
     assert frames.messages == [
-        (1, 0, 65535, b"hello"),
-        (1, 31, 1, b""),
-        (0, 0, 0, b"x" * 300),
-        (0, 200, 0, b"y"),
+        (1, 0, 65535, b"hello", None),
+        (1, 31, 1, b"", None),
+        (0, 0, 0, b"x" * 300, None),
+        (0, 200, 0, b"y", None),
     ]
+    assert not frames.special
     assert frames.ping
     assert frames.disconnect == wire.DisconnectFrame(4000, "bye ✓")
 
 
 def test_frame_size_matches_encoding() -> None:
-    for mode in (0, 1):
+    for mode in range(wire.WIRE_MODES):
         for channel in (0, 5):
             frame = wire.message_frame(mode, channel, 9, b"abc")
             assert len(frame) == wire.message_frame_size(mode, channel, 3)
             assert len(frame) - 3 <= wire.MESSAGE_OVERHEAD
+    frame = wire.message_frame(3, 7, 9, b"abc", deps=(1, 2, 3), fragment=(0, 4, 100))
+    assert len(frame) == wire.message_frame_size(3, 7, 3, deps=3, fragment=True)
+
+
+def test_every_mode_fragment_and_dependency_round_trips() -> None:
+    """Each mode's frame, with and without fragment header and dependencies, decodes
+    to what was encoded; a dependency-free graph message costs exactly the bytes of a
+    reliable-ordered one."""
+    frames = [
+        wire.message_frame(2, 3, 65535, b"pos"),
+        wire.message_frame(3, 0, 70000, b"free"),  # ids are sent mod 2**16
+        wire.message_frame(3, 9, 12, b"dep", deps=(10, 65535)),
+        wire.message_frame(4, 1, 5, b"latest"),
+        wire.message_frame(1, 2, 40, b"frag", fragment=(1, 3, 10)),
+        wire.message_frame(3, 0, 41, b"f0", deps=(7,), fragment=(0, 2, 3)),
+        wire.message_frame(4, 4, 42, b"f1", fragment=(1, 2, 3)),
+    ]
+    packet = wire.seal_rest(wire.data_header(1, 2, 3, 4) + b"".join(frames))
+    decoded = wire.decode_frames(packet)
+    assert decoded.special
+    FX = wire.FrameExtra
+    assert decoded.messages == [
+        (2, 3, 65535, b"pos", None),
+        (3, 0, 70000 & 0xFFFF, b"free", None),
+        (3, 9, 12, b"dep", FX(0, 0, 0, (10, 65535))),
+        (4, 1, 5, b"latest", None),
+        (1, 2, 40, b"frag", FX(3, 1, 10, ())),
+        (3, 0, 41, b"f0", FX(2, 0, 3, (7,))),
+        (4, 4, 42, b"f1", FX(2, 1, 3, ())),
+    ]
+    assert len(wire.message_frame(3, 5, 1, b"abc")) == len(wire.reliable_frame(5, 1, b"abc"))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        bytes([0x80 | 0x40, 0, 0, 0, 0, 0, 0, 0, 0]),  # fragment flag on an unreliable message
+        bytes([0x80 | 0x40 | 2, 0, 0, 0, 0, 0, 2, 0, 0, 0, 9, 0, 0]),  # ... unreliable-sequenced
+        bytes([0x80 | 0x10 | 1, 0, 0, 1, 0, 0, 0, 0]),  # dependencies on a reliable-ordered one
+        bytes([0x80 | 0x10 | 3, 0, 0, 0, 0, 0]),  # a dependency list of length 0
+        bytes([0x80 | 0x20 | 3, 0, 0, 0, 0]),  # reserved flag
+        bytes([0x80 | 0x40 | 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 9, 0, 0]),  # 1 fragment
+        bytes([0x80 | 0x40 | 1, 0, 0, 0, 2, 0, 2, 0, 0, 0, 9, 0, 0]),  # index >= count
+        bytes([0x80 | 0x40 | 1, 0, 0, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0]),  # total < count
+        # dependencies on a fragment other than the first:
+        bytes([0x80 | 0x50 | 3, 0, 0, 0, 1, 0, 2, 0, 0, 0, 9, 1, 0, 0, 0, 0]),
+        bytes([0x80 | 6, 0, 0, 0, 0]),  # wire mode 6
+    ],
+)
+def test_inconsistent_frame_headers_are_malformed(frame: bytes) -> None:
+    packet = wire.seal_rest(wire.data_header(1, 1, 1, 0) + frame)
+    with pytest.raises(DecodeError) as info:
+        wire.decode_frames(packet)
+    assert info.value.reason is DropReason.MALFORMED
 
 
 @pytest.mark.parametrize(
