@@ -9,7 +9,10 @@ but forged packets, and closes either side. After every step:
 * no exception escaped the core (any would fail the test);
 * per direction and channel, the reliable messages received are exactly a prefix of those sent:
   each delivered once, in order, byte-identical;
-* unreliable messages are each delivered at most once and only if sent.
+* unreliable messages are each delivered at most once and only if sent;
+* dependency-graph messages (reliable-unordered and dependency-ordered, some large enough
+  to be fragmented) are each delivered at most once, only if sent, and only after every
+  message they depend on.
 
 At teardown the network is healed; whatever is still connected must then deliver every reliable
 message, and a peer that reported the other side's graceful close must have received everything
@@ -32,6 +35,8 @@ from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.endpoint import Endpoint
 from rudp.events import Disconnected, DisconnectReason, MessageReceived
+from rudp.recovery import OutMessage
+from rudp.wire import Delivery
 
 SERVER = ("10.0.0.1", 9000)
 CLIENT = ("10.0.0.2", 5000)
@@ -39,6 +44,7 @@ STRANGER = ("10.0.0.66", 6666)
 CHANNELS = 3
 CONFIG = Config(channels=CHANNELS, window=32, channel_window=64, max_message_size=32 * 1024)
 HEAD = struct.Struct("!BBI")  # sender side, channel, index: makes every message unique
+GRAPH_SIDE = 2  # added to the sender byte of graph messages
 SIDES = (0, 1)  # 0 = client, 1 = server
 
 datagram_index = st.integers(min_value=0, max_value=1 << 30)
@@ -58,6 +64,9 @@ class TwoEndpoints(RuleBasedStateMachine):
         self.sent_unrel: set[bytes] = set()
         self.got_rel: dict[tuple[int, int], list[bytes]] = defaultdict(list)
         self.got_unrel: list[bytes] = []
+        self.graph_sent: dict[int, list[int]] = {}  # index -> indices it depends on
+        self.graph_handles: dict[int, list[tuple[int, OutMessage]]] = {0: [], 1: []}
+        self.graph_got: list[int] = []
         self.ended: dict[int, Disconnected] = {}
         self.counter = 0
         client_conn = self.endpoints[0].connect(SERVER, self.now)
@@ -88,7 +97,9 @@ class TwoEndpoints(RuleBasedStateMachine):
             while (item := ep.next_event()) is not None:
                 _, event = item
                 if isinstance(event, MessageReceived):
-                    if event.reliable:
+                    if event.data[0] >= GRAPH_SIDE:
+                        self.graph_got.append(HEAD.unpack_from(event.data)[2])
+                    elif event.reliable:
                         sender, channel, _ = HEAD.unpack_from(event.data)
                         assert sender != side and channel == event.channel
                         self.got_rel[(sender, channel)].append(event.data)
@@ -135,6 +146,29 @@ class TwoEndpoints(RuleBasedStateMachine):
                 self.sent_rel[(side, channel)].append(data)
             else:
                 self.sent_unrel.add(data)
+        self._flush()
+
+    @rule(
+        side=st.sampled_from(SIDES),
+        size=st.sampled_from([0, 10, 1500, 5000]),
+        deps=st.lists(st.integers(0, 1 << 20), max_size=3),
+        unordered=st.booleans(),
+    )
+    def send_graph(self, side: int, size: int, deps: list[int], unordered: bool) -> None:
+        """A reliable-unordered or dependency-ordered message, fragmented when large."""
+        conn = self.conns[side]
+        if conn.state is not State.CONNECTED:
+            return
+        self.counter += 1
+        data = HEAD.pack(side + GRAPH_SIDE, 0, self.counter) + bytes(size)
+        earlier = self.graph_handles[side]
+        picked = {earlier[d % len(earlier)] for d in deps} if earlier and not unordered else set()
+        if unordered:
+            handle = conn.send(data, delivery=Delivery.RELIABLE_UNORDERED)
+        else:
+            handle = conn.send(data, depends_on=[h for _, h in picked])
+        self.graph_sent[self.counter] = [i for i, _ in picked]
+        earlier.append((self.counter, handle))
         self._flush()
 
     @precondition(lambda self: bool(self.wire))
@@ -228,6 +262,15 @@ class TwoEndpoints(RuleBasedStateMachine):
             assert got == self.sent_rel[key][: len(got)], f"stream {key} out of order or damaged"
 
     @invariant()
+    def graph_at_most_once_after_dependencies(self) -> None:
+        got = self.graph_got
+        assert len(got) == len(set(got)), "a graph message was delivered twice"
+        position = {index: n for n, index in enumerate(got)}
+        for index in got:
+            for dep in self.graph_sent[index]:
+                assert position.get(dep, len(got)) < position[index], "ran before a dependency"
+
+    @invariant()
     def unreliable_at_most_once(self) -> None:
         assert len(self.got_unrel) == len(set(self.got_unrel))
         assert set(self.got_unrel) <= self.sent_unrel
@@ -244,6 +287,7 @@ class TwoEndpoints(RuleBasedStateMachine):
             self._tick()
         self.reliable_exactly_once_in_order()
         self.unreliable_at_most_once()
+        self.graph_at_most_once_after_dependencies()
         if all(c.state is State.CONNECTED for c in self.conns):
             assert self._complete(), "a healed network did not deliver everything"
         for side in SIDES:
@@ -255,7 +299,9 @@ class TwoEndpoints(RuleBasedStateMachine):
                     assert self.got_rel[key] == self.sent_rel[key], "graceful close lost data"
 
     def _complete(self) -> bool:
-        return all(self.got_rel[key] == sent for key, sent in self.sent_rel.items())
+        return all(
+            self.got_rel[key] == sent for key, sent in self.sent_rel.items()
+        ) and len(self.graph_got) == len(self.graph_sent)
 
 
 # RUDP_FUZZ_EXAMPLES=5000 for a long local hunt; CI runs the bounded default.
