@@ -299,9 +299,9 @@ class TwoEndpoints(RuleBasedStateMachine):
                     assert self.got_rel[key] == self.sent_rel[key], "graceful close lost data"
 
     def _complete(self) -> bool:
-        return all(
-            self.got_rel[key] == sent for key, sent in self.sent_rel.items()
-        ) and len(self.graph_got) == len(self.graph_sent)
+        return all(self.got_rel[key] == sent for key, sent in self.sent_rel.items()) and len(
+            self.graph_got
+        ) == len(self.graph_sent)
 
 
 # RUDP_FUZZ_EXAMPLES=5000 for a long local hunt; CI runs the bounded default.
