@@ -100,9 +100,10 @@ _TRANSITIONS = {
 class _Partial:
     """A fragmented message being reassembled."""
 
-    __slots__ = ("channel", "chunks", "count", "deps", "have", "size", "total")
+    __slots__ = ("channel", "chunks", "count", "deps", "have", "reserved", "size", "total")
 
     def __init__(self, count: int, total: int, channel: int) -> None:
+        self.reserved = 0
         self.count = count
         self.total = total
         self.channel = channel
@@ -110,6 +111,15 @@ class _Partial:
         self.have = 0
         self.size = 0
         self.deps: tuple[int, ...] = ()
+
+
+PARTIAL_COST = 256  # bytes charged per reassembly besides its data and chunk slots
+
+
+def _reservation(more: FrameExtra) -> int:
+    """What a fragmented message holds of the reassembly budget: its size, plus its
+    bookkeeping, so that many tiny "messages" cannot hold memory for free."""
+    return more.total + PARTIAL_COST + 8 * more.parts
 
 
 class _Whole:
@@ -736,7 +746,8 @@ class Connection:
             if more is not None and more.parts:
                 continue  # fragments are held in the reassembly budget (_check_special)
             if mode == GRAPH and more is not None:
-                extra += len(payload) + BUFFER_ENTRY_COST  # it may wait for dependencies
+                # It may wait for its dependencies (see _graph_arrive for the cost).
+                extra += len(payload) + BUFFER_ENTRY_COST * (1 + len(more.deps))
                 continue
             if mode != RELIABLE_ORDERED:
                 continue
@@ -891,7 +902,7 @@ class Connection:
             if part is None:
                 if key not in starting:
                     starting.add(key)
-                    new_bytes += more.total
+                    new_bytes += _reservation(more)
             elif part.count != more.parts or part.total != more.total:
                 self.stats.fragments_dropped += 1
                 return DropReason.MALFORMED
@@ -907,7 +918,8 @@ class Connection:
         part = parts.get(key)
         if part is None:
             part = parts[key] = _Partial(more.parts, more.total, channel)
-            self._rx_reassembly_bytes += more.total
+            part.reserved = _reservation(more)
+            self._rx_reassembly_bytes += part.reserved
         if part.chunks[more.part] is not None:
             self.stats.duplicate_messages += 1
             return None
@@ -921,11 +933,11 @@ class Connection:
         del parts[key]
         if part.have < part.count or part.size != part.total:
             # The sizes of the fragments do not add up to the announced total.
-            self._rx_reassembly_bytes -= part.total
+            self._rx_reassembly_bytes -= part.reserved
             self.stats.fragments_dropped += part.have
             return None
         data = b"".join(part.chunks)  # type: ignore[arg-type]
-        return _Whole(data, part.count, part.total, part.deps)
+        return _Whole(data, part.count, part.reserved, part.deps)
 
     def _ordered_fragment(self, channel: int, seq16: int, payload: bytes, more: FrameExtra) -> int:
         key = self._fragment_key(RELIABLE_ORDERED, channel, seq16, more.part)
@@ -979,7 +991,7 @@ class Connection:
         parts = self._rx_parts
         for key in [k for k in parts if k[0] == RELIABLE_SEQUENCED and k[1] == channel]:
             if key[2] <= newest:
-                self._rx_reassembly_bytes -= parts.pop(key).total
+                self._rx_reassembly_bytes -= parts.pop(key).reserved
 
     def _graph_receive(
         self, channel: int, seq16: int, payload: bytes, more: FrameExtra | None, now: float
@@ -1035,7 +1047,7 @@ class Connection:
         if waiting:
             self._rx_g_nodes[gid] = _Waiting(data, channel, span, reserved, waiting, now)
             if not reserved:
-                self._rx_buffered_bytes += len(data) + BUFFER_ENTRY_COST
+                self._rx_buffered_bytes += len(data) + BUFFER_ENTRY_COST * (1 + waiting)
             return 0
         return self._graph_execute(gid, span, data, channel, reserved)
 
@@ -1061,6 +1073,8 @@ class Connection:
             for successor in waiters.pop(gid, ()):
                 node = nodes[successor]
                 node.waiting -= 1
+                if not node.reserved:
+                    self._rx_buffered_bytes -= BUFFER_ENTRY_COST
                 if node.waiting == 0:
                     del nodes[successor]
                     if not node.reserved:

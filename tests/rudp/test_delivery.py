@@ -365,7 +365,7 @@ def test_malformed_fragment_streams_are_dropped_without_growth() -> None:
     assert inject_frames(net, server, frag(0, 0, 3, 5)) is DropReason.MALFORMED
     # A start, then a fragment of the same message that disagrees on count or total.
     assert inject_frames(net, server, frag(0, 0, 3, 30)) is None
-    assert sconn._rx_reassembly_bytes == 30
+    assert sconn._rx_reassembly_bytes == 30 + 256 + 3 * 8
     assert inject_frames(net, server, frag(1, 1, 4, 30)) is DropReason.MALFORMED
     assert inject_frames(net, server, frag(1, 1, 3, 31)) is DropReason.MALFORMED
     # Duplicate fragments are counted, not stored twice.
