@@ -21,6 +21,15 @@ Duplicate packets are dropped by the packet-level window; duplicate messages by
 the channel sequence. Unreliable messages are never resent, and the packet
 window keeps them from ever being delivered twice.
 
+The other delivery modes (see ``wire.Delivery`` and docs/protocol.md) each have
+their own sequence space: sequenced modes keep the newest number delivered per
+channel and drop anything older; reliable-unordered and dependency-ordered
+messages share the connection's graph ids, which the receiver runs as soon as
+every id they depend on has run, while the sender keeps its own copy of the
+graph so that only dependencies the receiver may not have executed travel.
+Reliable messages larger than a datagram are split into fragments, each an
+ordinary reliable message of its mode, and reassembled within a reserved budget.
+
 All state transitions happen in ``_set_state``; the states are::
 
     CONNECTING -> CONNECTED -> CLOSING (our close: flush, DISCONNECT, its ack) -> CLOSED
@@ -76,7 +85,6 @@ UNRELIABLE_SEQUENCED = Delivery.UNRELIABLE_SEQUENCED
 GRAPH = Delivery.RELIABLE_UNORDERED  # wire mode of reliable-unordered and dependency-ordered
 RELIABLE_SEQUENCED = Delivery.RELIABLE_SEQUENCED
 DEPENDENCY_ORDERED = Delivery.DEPENDENCY_ORDERED
-SEQUENCED_SPAN = 0x8000  # a sequenced message is newer if at most this far ahead
 RECENT_MAX = 32  # recently sent small messages the redundancy option may repeat
 
 
