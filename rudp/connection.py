@@ -1106,32 +1106,40 @@ class Connection:
         if largest >= self._tx_next:
             self.stats.bad_acks += 1
             return
-        if not sent:
-            if largest in self._lost_recently:  # a late ack after everything else was acked
-                self._on_spurious_loss(largest)
+        lost = self._lost_recently
+        if not sent and not lost:
             return
         newly = False
+        # Every newly acknowledged packet gives an RTT sample: a packet number is used
+        # once, so none is ambiguous, and sampling only the largest would leave out
+        # exactly the slow packets that jitter overtakes, making RTTVAR (and so the
+        # resend timeout) too small for the path.
+        rtt = self._rtt
         pkt = sent.pop(largest, None)
         if pkt is not None:
-            if largest >= self._largest_acked:  # a late ack's delay includes reordering
-                self._rtt.on_sample(now - pkt.time_sent)
+            rtt.on_sample(now - pkt.time_sent)
             self._on_acked(pkt, now)
             newly = True
-        elif largest in self._lost_recently:
+        elif largest in lost:
             self._on_spurious_loss(largest)
-        oldest = next(iter(sent)) if sent else largest
-        span = min(32, largest - oldest)
+        # A packet declared lost has left ``sent``: while any is remembered, walk every
+        # bit, so that a late ack of one is seen (and the reordering it shows learnt).
+        span = 32 if lost or not sent else min(32, largest - next(iter(sent)))
         i = 1
         while bits and i <= span:
             if bits & 1:
-                pkt = sent.pop(largest - i, None)
+                seq = largest - i
+                pkt = sent.pop(seq, None)
                 if pkt is not None:
+                    rtt.on_sample(now - pkt.time_sent)
                     self._on_acked(pkt, now)
                     newly = True
+                elif lost and seq in lost:
+                    self._on_spurious_loss(seq)
             bits >>= 1
             i += 1
         if newly:
-            self._rtt.backoff = 0
+            rtt.backoff = 0
             if largest > self._largest_acked:
                 self._largest_acked = largest
             self._detect_losses(now)
@@ -1397,30 +1405,38 @@ class Connection:
 
     def _take_redundant(self, parts: list[bytes], messages: list[OutMessage], budget: int) -> int:
         """Fill the rest of a packet with copies of recent unacknowledged small messages
-        (newest first), then remember this packet's own small messages for later ones."""
+        (newest first), then remember this packet's own small messages for later ones.
+
+        Only a thin stream remembers its messages (the send queue is empty after this
+        packet): in a burst every packet is full anyway, so copies would find no room.
+        """
         recent = self._recent
-        limit = self._redundancy
-        fresh = [m for m in messages if len(m.frame) <= REDUNDANT_FRAME_MAX]
-        while recent and (recent[0].state > SENT or recent[0].redundant >= limit):
-            recent.popleft()
-        if recent and budget > 3:
-            here = set(map(id, messages))
-            for msg in reversed(recent):
-                if msg.state > SENT or msg.redundant >= limit or id(msg) in here:
-                    continue
-                size = len(msg.frame)
-                if size > budget:
-                    continue
-                parts.append(msg.frame)
-                messages.append(msg)
-                msg.redundant += 1
-                budget -= size
-                self.stats.messages_redundant += 1
-                if budget <= 3:
-                    break
-        recent.extend(fresh)
-        while len(recent) > RECENT_MAX:
-            recent.popleft()
+        fresh = len(messages)
+        if recent:
+            limit = self._redundancy
+            while recent and (recent[0].state > SENT or recent[0].redundant >= limit):
+                recent.popleft()
+            if recent and budget > 3:
+                here = set(map(id, messages))
+                for msg in reversed(recent):
+                    if msg.state > SENT or msg.redundant >= limit or id(msg) in here:
+                        continue
+                    size = len(msg.frame)
+                    if size > budget:
+                        continue
+                    parts.append(msg.frame)
+                    messages.append(msg)
+                    msg.redundant += 1
+                    budget -= size
+                    self.stats.messages_redundant += 1
+                    if budget <= 3:
+                        break
+        if not self._rel_queue:
+            for msg in messages[:fresh]:
+                if len(msg.frame) <= REDUNDANT_FRAME_MAX:
+                    recent.append(msg)
+            while len(recent) > RECENT_MAX:
+                recent.popleft()
         return budget
 
     # -- timers -----------------------------------------------------------------------------

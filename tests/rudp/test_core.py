@@ -206,7 +206,7 @@ def test_both_directions_and_every_channel_keep_their_own_order() -> None:
 
 
 def test_a_loss_on_one_channel_does_not_hold_up_another() -> None:
-    net, server, client, conn = pair(Link(delay=0.05))
+    net, server, client, conn = pair(Link(delay=0.05), config=Config(redundancy=0))
     victim: list[bytes] = []
 
     def drop_first_data_packet(data: bytes, src: object, dst: object) -> None:
@@ -287,6 +287,50 @@ def test_rtt_estimate_tracks_the_path() -> None:
         net.run(0.1)
     assert conn.stats.srtt == pytest.approx(0.06, abs=0.005)
     assert conn.stats.rto == pytest.approx(0.06 + max(4 * conn.stats.rttvar, 0.06 / 8), abs=0.01)
+
+
+def test_jittery_path_gives_an_unbiased_rtt_and_few_spurious_timeouts() -> None:
+    """Every newly acknowledged packet is an RTT sample: with jitter, the packets that
+    others overtook are the slow ones, and sampling only the largest acknowledged
+    would miss them (SRTT too low, RTO inside the path's normal range)."""
+    net, server, client, conn = pair(Link(delay=0.02, jitter=0.005), config=Config(redundancy=0))
+    for _ in range(3000):
+        conn.send(b"x" * 100)
+        net.run(0.001)
+    net.run(1.0)
+    assert conn.stats.srtt == pytest.approx(0.04, abs=0.003)
+    assert conn.stats.rttvar > 0.002
+    assert conn.stats.timeouts < 30  # was ~100 with largest-only samples
+
+
+def test_a_late_ack_of_a_packet_declared_lost_is_a_spurious_loss() -> None:
+    """A packet held back long enough to be declared lost, then delivered: its ack comes
+    in a later header's bitfield, not as the largest, and must still be recognised."""
+    net, server, client, conn = pair(Link(delay=0.01), config=Config(redundancy=0))
+    for _ in range(20):
+        conn.send(b"warm")
+        net.run(0.05)
+    held: list[bytes] = []
+
+    def hold_one(data: bytes, src: object, dst: object) -> None:
+        net.link.blackout = False
+        if src == CLIENT and not held and wire.decode_frames(data).messages:
+            held.append(data)
+            net.link.blackout = True
+
+    net.tap = hold_one
+    for _ in range(10):
+        conn.send(b"m")
+        net.run(0.001)
+    net.tap = None
+    net.run(0.03)  # the held packet is declared lost (packet and time thresholds)
+    assert conn.stats.packets_lost == 1
+    threshold = conn._reorder_threshold
+    net.inject(held[0], CLIENT, SERVER)  # ... but it was only late
+    conn.send(b"after")
+    net.run(0.1)
+    assert conn.stats.spurious_losses == 1
+    assert conn._reorder_threshold > threshold
 
 
 def test_resend_timeout_backs_off_and_is_clamped() -> None:
