@@ -62,6 +62,7 @@ from rudp.events import (
 from rudp.recovery import (
     ACKED,
     FAILED,
+    QUEUED,
     SENT,
     SUPERSEDED,
     GraphNode,
@@ -242,6 +243,7 @@ class Connection:
         self._rx_buffered_bytes = 0
         self._rx_useq_last = [-1] * config.channels  # newest sequenced number delivered
         self._rx_rseq_last = [-1] * config.channels
+        self._rx_rseq_floor = [0] * config.channels  # base of the newest message started
         # The dependency graph: every id below ``_rx_g_low`` was executed; ``_rx_g_done``
         # holds executed ids above it, ``_rx_g_nodes`` the messages waiting for
         # dependencies (in arrival order), ``_rx_g_waiters`` who waits for which id.
@@ -252,6 +254,12 @@ class Connection:
         self._rx_parts: dict[tuple[int, int, int], _Partial] = {}
         self._rx_reassembly_bytes = 0
         self._max_reassembly = config.max_reassembly_bytes
+        # Reliable bytes sent and not yet acknowledged that could sit in the peer's
+        # reorder buffer: kept below the buffer's size, so that an honest peer's packets
+        # are never refused for want of room (which could stall a channel head).
+        self._unacked_bytes = 0
+        self._byte_window = config.recv_buffer_bytes
+        self._max_fragments = config.max_fragments
         self._last_recv = now
         # -- handshake and close
         self._cookie = b""
@@ -304,7 +312,8 @@ class Connection:
         it contradicts it); ``depends_on`` lists handles of earlier graph messages
         (``RELIABLE_UNORDERED`` or ``DEPENDENCY_ORDERED``) and implies
         ``DEPENDENCY_ORDERED``. ``now`` stamps unreliable messages for
-        ``Config.unreliable_max_age`` (default: the latest time the core was given).
+        ``Config.unreliable_max_age`` (without it, a message queued while connecting
+        ages from the next ``datagrams_to_send``, and one queued later never expires).
         """
         if self.state is not State.CONNECTED:
             self._check_can_send()
@@ -332,7 +341,7 @@ class Connection:
         else:
             self._check_unfragmented(data)
             msg = OutMessage(data, UNRELIABLE, channel, 0, wire.unreliable_frame(channel, data))
-            msg.queued_at = self._clock if now is None else now
+            msg.queued_at = now
             self._unrel_queue.append(msg)
         self._queued += 1
         self._dirty.add(self)
@@ -375,7 +384,7 @@ class Connection:
             seq = self._tx_useq[channel]
             self._tx_useq[channel] = seq + 1
             msg = OutMessage(data, mode, channel, seq, wire.message_frame(mode, channel, seq, data))
-            msg.queued_at = self._clock if now is None else now
+            msg.queued_at = now
             self._unrel_queue.append(msg)
             self._queued += 1
             self._dirty.add(self)
@@ -383,6 +392,11 @@ class Connection:
         if mode is RELIABLE_SEQUENCED:
             previous = self._tx_rseq_last[channel]
             if previous is not None and previous.state <= SENT:
+                pieces = previous.fragments or (previous,)
+                if all(p.state == QUEUED for p in pieces):
+                    # None of its numbers reached the wire: reuse them, so the receiver
+                    # never sees a jump of 32768 or more (which reads as "older").
+                    self._tx_rseq[channel] = previous.seq
                 self._supersede(previous)
             msg = self._send_reliable(data, mode, channel, ())
             self._tx_rseq_last[channel] = msg
@@ -391,6 +405,7 @@ class Connection:
         msg = self._send_reliable(data, GRAPH, channel, tuple(d.seq for d in deps))
         node = GraphNode(msg.seq, self)
         node.waiting = len(deps)
+        node.deps = deps
         msg.graph = node
         for dep in deps:
             dep.graph.dependents.append(msg)  # type: ignore[union-attr]
@@ -488,8 +503,10 @@ class Connection:
             fragment = OutMessage(chunk, mode, channel, seq, frame)
             fragment.parent = parent
             fragments.append(fragment)
-            if unacked is not None:
-                unacked.append(fragment)
+        if unacked is not None:
+            # The whole message: the receiver waits at its first sequence number until
+            # its last fragment arrives, so the window counts from there.
+            unacked.append(parent)
         parent.fragments = fragments
         self._rel_queue.extend(fragments)
         self._unacked_reliable += count
@@ -582,6 +599,9 @@ class Connection:
         self._clock = now
         out: list[bytes] = []
         if self.state is State.CONNECTING:
+            for msg in self._unrel_queue:
+                if msg.queued_at is None:  # sent without a time: it ages from now
+                    msg.queued_at = now
             if self._send_connect:
                 self._send_connect = False
                 if self._cookie:
@@ -748,21 +768,50 @@ class Connection:
         # is delivered is not buffered, and buffered ones it releases free space.
         # Counting them as early would refuse, forever, the very packet that
         # unblocks the channel.
-        running: dict[int, int] = {}
         extra = 0
+        # (channel, first seq, span, cost if buffered): replayed in sequence order per
+        # channel, since a message later in the packet may release earlier ones.
+        ordered: list[tuple[int, int, int, int]] = []
         for mode, channel, seq16, payload, more in messages:
-            if more is not None and more.parts:
-                continue  # fragments are held in the reassembly budget (_check_special)
-            if mode == GRAPH and more is not None:
-                # It may wait for its dependencies (see _graph_arrive for the cost).
-                extra += len(payload) + BUFFER_ENTRY_COST * (1 + len(more.deps))
+            if mode == GRAPH:
+                if more is not None and more.parts:
+                    continue
+                low = self._rx_g_low
+                gid = low + seq_diff(seq16, low & SEQ_MASK)
+                if gid < low or gid in self._rx_g_done or gid in self._rx_g_nodes:
+                    continue  # a copy of one already here: it costs nothing
+                if more is not None and self._graph_pending(more.deps):
+                    # It may wait for its dependencies (see _graph_arrive for the cost).
+                    extra += len(payload) + BUFFER_ENTRY_COST * (1 + len(more.deps))
+                else:
+                    extra -= self._graph_releases(gid)
                 continue
             if mode != RELIABLE_ORDERED:
                 continue
-            expected = running.get(channel, self._rx_ch_next[channel])
+            expected = self._rx_ch_next[channel]
+            if more is not None and more.parts:
+                # Held in the reassembly budget; but the last missing fragment of a
+                # message completes it, and it may be the one the channel waits for.
+                key = self._fragment_key(mode, channel, seq16, more.part)
+                part = self._rx_parts.get(key) if key is not None else None
+                if (
+                    part is not None
+                    and part.have == part.count - 1
+                    and part.chunks[more.part] is None
+                ):
+                    ordered.append((channel, key[2], part.count, 0))  # type: ignore[index]
+                continue
             ahead = self._ahead(seq16, expected)
-            if ahead == 0:
-                expected += 1
+            if ahead == 0 or (ahead > 0 and expected + ahead not in self._rx_ch_buf[channel]):
+                ordered.append((channel, expected + ahead, 1, len(payload) + BUFFER_ENTRY_COST))
+        ordered = sorted(set(ordered))  # a message can be in a packet twice (redundancy)
+        running: dict[int, int] = {}
+        for channel, seq, span, cost in ordered:
+            expected = running.get(channel, self._rx_ch_next[channel])
+            if seq > expected:
+                extra += cost
+            elif seq == expected:
+                expected += span
                 buf = self._rx_ch_buf[channel]
                 while expected in buf:
                     early = buf[expected]
@@ -772,9 +821,31 @@ class Connection:
                     else:
                         expected += early.span
                 running[channel] = expected
-            elif ahead > 0:
-                extra += len(payload) + BUFFER_ENTRY_COST
         return self._rx_buffered_bytes + extra <= limit
+
+    def _graph_pending(self, deps: tuple[int, ...]) -> bool:
+        low = self._rx_g_low
+        done = self._rx_g_done
+        for dep16 in deps:
+            back = seq_diff(dep16, low & SEQ_MASK)
+            if back >= 0 and low + back not in done:
+                return True
+        return False
+
+    def _graph_releases(self, gid: int) -> int:
+        """Receive-buffer bytes freed by executing ``gid`` (one level, a lower bound)."""
+        freed = 0
+        left: dict[int, int] = {}
+        nodes = self._rx_g_nodes
+        for succ in self._rx_g_waiters.get(gid, ()):
+            node = nodes[succ]
+            if node.reserved:
+                continue
+            n = left[succ] = left.get(succ, node.waiting) - 1
+            freed += BUFFER_ENTRY_COST
+            if n == 0:
+                freed += len(node.data) + BUFFER_ENTRY_COST
+        return freed
 
     def _ahead(self, seq16: int, expected: int) -> int:
         """How far a reliable message is ahead of the next expected one; -1 if it is
@@ -881,7 +952,7 @@ class Connection:
         last = self._rx_rseq_last[channel]
         diff = seq_diff(seq16, (last + 1) & SEQ_MASK)
         base = last + 1 + diff - index
-        if diff < 0 or base <= last:
+        if diff < 0 or base <= last or base < self._rx_rseq_floor[channel]:
             return None
         return (mode, channel, base)
 
@@ -896,7 +967,9 @@ class Connection:
         (they always can: their room is reserved).
         """
         new_bytes = 0
-        starting: set[tuple[int, int, int]] = set()
+        head = False
+        starting: dict[tuple[int, int, int], tuple[int, int]] = {}
+        credited: set[tuple[int, int, int]] = set()
         for mode, channel, seq16, payload, more in messages:
             if more is None or not more.parts or channel >= self._channels:
                 continue
@@ -908,15 +981,47 @@ class Connection:
                 continue
             part = self._rx_parts.get(key)
             if part is None:
-                if key not in starting:
-                    starting.add(key)
+                shape = starting.get(key)
+                if shape is None:
+                    starting[key] = (more.parts, more.total)
                     new_bytes += _reservation(more)
+                    head = head or self._is_head(key)
+                    if mode == RELIABLE_SEQUENCED:
+                        for old in self._older_rs_parts(channel, key[2]):
+                            if old not in credited:
+                                credited.add(old)
+                                new_bytes -= self._rx_parts[old].reserved
+                elif shape != (more.parts, more.total):
+                    self.stats.fragments_dropped += 1
+                    return DropReason.MALFORMED
             elif part.count != more.parts or part.total != more.total:
                 self.stats.fragments_dropped += 1
                 return DropReason.MALFORMED
-        if new_bytes and self._rx_reassembly_bytes + new_bytes > self._max_reassembly:
+        if new_bytes > 0 and self._rx_reassembly_bytes + new_bytes > self._budget(head):
             return DropReason.RECV_BUFFER_FULL
         return None
+
+    def _budget(self, head: bool) -> int:
+        """The reassembly budget; one more largest message for the message every
+        other one waits for, which can always complete and be delivered."""
+        if not head:
+            return self._max_reassembly
+        return self._max_reassembly + self._max_message + PARTIAL_COST + 8 * self._max_fragments
+
+    def _is_head(self, key: tuple[int, int, int]) -> bool:
+        mode, channel, base = key
+        if mode == RELIABLE_ORDERED:
+            return base == self._rx_ch_next[channel]
+        if mode == GRAPH:
+            return base == self._rx_g_low
+        return True  # reliable-sequenced: delivered as soon as it completes
+
+    def _older_rs_parts(self, channel: int, base: int) -> list[tuple[int, int, int]]:
+        return [
+            k
+            for k in self._rx_parts
+            if k[0] == RELIABLE_SEQUENCED and k[1] == channel and k[2] < base
+        ]
 
     def _assemble(
         self, key: tuple[int, int, int], payload: bytes, more: FrameExtra, channel: int
@@ -925,9 +1030,22 @@ class Connection:
         parts = self._rx_parts
         part = parts.get(key)
         if part is None:
+            reserved = _reservation(more)
+            if key[0] == RELIABLE_SEQUENCED:
+                for old in self._older_rs_parts(channel, key[2]):
+                    self._rx_reassembly_bytes -= parts.pop(old).reserved
+                self._rx_rseq_floor[channel] = key[2]
+            if self._rx_reassembly_bytes + reserved > self._budget(self._is_head(key)):
+                # Not reserved by _check_special (it was outside the window then): only
+                # a hostile peer sends that.
+                self.stats.fragments_dropped += 1
+                return None
             part = parts[key] = _Partial(more.parts, more.total, channel)
-            part.reserved = _reservation(more)
-            self._rx_reassembly_bytes += part.reserved
+            part.reserved = reserved
+            self._rx_reassembly_bytes += reserved
+        elif part.count != more.parts or part.total != more.total:
+            self.stats.fragments_dropped += 1
+            return None
         if part.chunks[more.part] is not None:
             self.stats.duplicate_messages += 1
             return None
@@ -1158,10 +1276,6 @@ class Connection:
             if msg.state <= SENT:
                 msg.state = ACKED
                 newly += 1
-                if msg.mode == RELIABLE_ORDERED:
-                    unacked = self._tx_ch_unacked[msg.channel]
-                    while unacked and unacked[0].state == ACKED:
-                        unacked.popleft()
                 parent = msg.parent
                 if parent is not None:
                     parent.parts -= 1
@@ -1169,6 +1283,14 @@ class Connection:
                         continue
                     parent.state = ACKED
                     msg = parent
+                if msg.mode == RELIABLE_ORDERED:
+                    unacked = self._tx_ch_unacked[msg.channel]
+                    while unacked and unacked[0].state == ACKED:
+                        head = unacked.popleft()
+                        if head.fragments is None:
+                            # Delivered now: what followed it no longer waits in the
+                            # peer's reorder buffer on its account.
+                            self._unacked_bytes -= len(head.frame) + BUFFER_ENTRY_COST
                 if msg.notify:
                     self._events.append((self, MessageAcked(msg)))
                 if msg.graph is not None and msg.graph.waiting == 0:
@@ -1183,7 +1305,8 @@ class Connection:
         executed): so must every acknowledged message that waited only for it."""
         ready = [msg]
         while ready:
-            node = ready.pop().graph
+            executed = ready.pop()
+            node = executed.graph
             assert node is not None
             node.executed = True
             for successor in node.dependents:
@@ -1193,6 +1316,9 @@ class Connection:
                 if succ.waiting == 0 and successor.state == ACKED:
                     ready.append(successor)
             node.dependents = []
+            if executed.fragments is None:
+                self._unacked_bytes -= _buffer_cost(executed)  # it ran: it left the buffer
+            node.deps = []  # no chain of handles kept alive through executed nodes
         graph = self._tx_graph
         while graph and graph[0].graph.executed:  # type: ignore[union-attr]
             graph.popleft()
@@ -1356,7 +1482,8 @@ class Connection:
         stale = now - self.config.unreliable_max_age
         while queue:
             msg = queue[0]
-            if msg.queued_at < stale:
+            queued_at = msg.queued_at
+            if queued_at is not None and queued_at < stale:
                 queue.popleft().state = FAILED
                 self._queued -= 1
                 self.stats.messages_expired += 1
@@ -1389,11 +1516,25 @@ class Connection:
             if mode == RELIABLE_ORDERED:
                 if msg.seq - unacked[msg.channel][0].seq >= window:
                     break  # the receiver could not buffer it yet
+                if msg.parent is None:
+                    cost = size + BUFFER_ENTRY_COST
+                    if self._unacked_bytes + cost > self._byte_window:
+                        break  # it might not fit the receiver's reorder buffer
+                    self._unacked_bytes += cost
             elif msg.state > SENT:
                 queue.popleft()  # superseded
                 continue
-            elif mode == GRAPH and msg.seq - self._tx_graph[0].seq >= window:
-                break  # beyond the ids the receiver accepts
+            elif mode == GRAPH:
+                if msg.seq - self._tx_graph[0].seq >= window:
+                    break  # beyond the ids the receiver accepts
+                if self._refresh_deps(msg):
+                    frame = msg.frame
+                    size = len(frame)
+                if msg.parent is None:
+                    cost = _buffer_cost(msg)
+                    if self._unacked_bytes + cost > self._byte_window:
+                        break
+                    self._unacked_bytes += cost
             queue.popleft()
             msg.state = SENT
             parts.append(frame)
@@ -1402,6 +1543,29 @@ class Connection:
             sent += 1
         self.stats.messages_sent += sent
         return budget
+
+    def _refresh_deps(self, msg: OutMessage) -> bool:
+        """Drop dependencies executed since send(): one executed long ago could lie
+        beyond the receiver's window by now. Returns whether the frame changed."""
+        parent = msg.parent
+        owner = msg if parent is None else parent
+        node = owner.graph
+        if node is None or not node.deps or (parent is not None and msg.seq != parent.seq):
+            return False
+        keep = [d for d in node.deps if not d.graph.executed]  # type: ignore[union-attr]
+        if len(keep) == len(node.deps):
+            return False
+        node.deps = keep
+        fragment = None if parent is None else (0, len(parent.fragments), len(parent.data))  # type: ignore[arg-type]
+        msg.frame = wire.message_frame(
+            GRAPH,
+            msg.channel,
+            msg.seq,
+            msg.data,
+            deps=tuple(d.seq for d in keep),
+            fragment=fragment,
+        )
+        return True
 
     def _take_redundant(self, parts: list[bytes], messages: list[OutMessage], budget: int) -> int:
         """Fill the rest of a packet with copies of recent unacknowledged small messages
@@ -1536,6 +1700,7 @@ class Connection:
             for msg in pkt.messages:
                 fail(msg)
         self._recent.clear()
+        self._unacked_bytes = 0
         self._sent.clear()
         self._control.clear()
         self._in_flight = 0
@@ -1559,6 +1724,14 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
+
+
+def _buffer_cost(msg: OutMessage) -> int:
+    """What an unfragmented reliable message may occupy in the peer's reorder buffer
+    (the receiver's own charge: payload, entry, and one entry per dependency)."""
+    node = msg.graph
+    deps = len(node.deps) if node is not None else 0
+    return len(msg.frame) + BUFFER_ENTRY_COST * (1 + deps)
 
 
 def _fail(msg: OutMessage) -> None:

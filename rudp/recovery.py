@@ -151,7 +151,7 @@ class OutMessage:
         self.parts = 0
         self.fragments: list[OutMessage] | None = None
         self.graph: GraphNode | None = None
-        self.queued_at = 0.0
+        self.queued_at: float | None = None
         self.redundant = 0  # extra copies sent by the redundancy option
 
     @property
@@ -176,9 +176,10 @@ class GraphNode:
     dependency ever travels that could be confused after the 16-bit id wraps.
     """
 
-    __slots__ = ("dependents", "executed", "gid", "owner", "waiting")
+    __slots__ = ("dependents", "deps", "executed", "gid", "owner", "waiting")
 
     def __init__(self, gid: int, owner: object) -> None:
+        self.deps: list[OutMessage] = []  # dependencies named in the frame, until executed
         self.gid = gid
         self.owner = owner
         self.waiting = 0  # dependencies not yet executed
