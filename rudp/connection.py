@@ -1271,6 +1271,8 @@ class Connection:
     def _on_acked(self, pkt: SentPacket, now: float) -> None:
         self._in_flight -= 1
         newly = 0
+        freed = 0  # reorder-buffer bytes the peer no longer holds for us
+        channels = self._tx_ch_unacked
         for msg in pkt.messages:
             msg.copies -= 1
             if msg.state <= SENT:
@@ -1284,17 +1286,19 @@ class Connection:
                     parent.state = ACKED
                     msg = parent
                 if msg.mode == RELIABLE_ORDERED:
-                    unacked = self._tx_ch_unacked[msg.channel]
-                    while unacked and unacked[0].state == ACKED:
-                        head = unacked.popleft()
-                        if head.fragments is None:
-                            # Delivered now: what followed it no longer waits in the
-                            # peer's reorder buffer on its account.
-                            self._unacked_bytes -= len(head.frame) + BUFFER_ENTRY_COST
+                    unacked = channels[msg.channel]
+                    if unacked[0] is msg:  # the channel's oldest: it and what follows
+                        while unacked and unacked[0].state == ACKED:
+                            head = unacked.popleft()
+                            if head.fragments is None:
+                                freed += len(head.frame) + BUFFER_ENTRY_COST
+                            else:
+                                freed += _charged(head)
+                elif msg.graph is not None and msg.graph.waiting == 0:
+                    self._graph_executed(msg)
                 if msg.notify:
                     self._events.append((self, MessageAcked(msg)))
-                if msg.graph is not None and msg.graph.waiting == 0:
-                    self._graph_executed(msg)
+        self._unacked_bytes -= freed
         self._queued -= newly
         self._unacked_reliable -= newly
         if pkt.disconnect and self.state is State.CLOSING:
@@ -1316,8 +1320,7 @@ class Connection:
                 if succ.waiting == 0 and successor.state == ACKED:
                     ready.append(successor)
             node.dependents = []
-            if executed.fragments is None:
-                self._unacked_bytes -= _buffer_cost(executed)  # it ran: it left the buffer
+            self._unacked_bytes -= _charged(executed)  # it ran: it left the buffer
             node.deps = []  # no chain of handles kept alive through executed nodes
         graph = self._tx_graph
         while graph and graph[0].graph.executed:  # type: ignore[union-attr]
@@ -1505,6 +1508,8 @@ class Connection:
         queue = self._rel_queue
         window = self._window
         unacked = self._tx_ch_unacked
+        # Bytes that may still go into the peer's reorder buffer (see _unacked_bytes).
+        room = self._byte_window - self._unacked_bytes
         sent = 0
         while queue:
             msg = queue[0]
@@ -1516,11 +1521,10 @@ class Connection:
             if mode == RELIABLE_ORDERED:
                 if msg.seq - unacked[msg.channel][0].seq >= window:
                     break  # the receiver could not buffer it yet
-                if msg.parent is None:
-                    cost = size + BUFFER_ENTRY_COST
-                    if self._unacked_bytes + cost > self._byte_window:
-                        break  # it might not fit the receiver's reorder buffer
-                    self._unacked_bytes += cost
+                cost = size + BUFFER_ENTRY_COST
+                if cost > room:
+                    break  # it might not fit the receiver's reorder buffer
+                room -= cost
             elif msg.state > SENT:
                 queue.popleft()  # superseded
                 continue
@@ -1530,17 +1534,17 @@ class Connection:
                 if self._refresh_deps(msg):
                     frame = msg.frame
                     size = len(frame)
-                if msg.parent is None:
-                    cost = _buffer_cost(msg)
-                    if self._unacked_bytes + cost > self._byte_window:
-                        break
-                    self._unacked_bytes += cost
+                cost = _buffer_cost(msg)
+                if cost > room:
+                    break
+                room -= cost
             queue.popleft()
             msg.state = SENT
             parts.append(frame)
             messages.append(msg)
             budget -= size
             sent += 1
+        self._unacked_bytes = self._byte_window - room
         self.stats.messages_sent += sent
         return budget
 
@@ -1732,6 +1736,13 @@ def _buffer_cost(msg: OutMessage) -> int:
     node = msg.graph
     deps = len(node.deps) if node is not None else 0
     return len(msg.frame) + BUFFER_ENTRY_COST * (1 + deps)
+
+
+def _charged(msg: OutMessage) -> int:
+    """What ``_take_new_reliable`` charged for a message (all its fragments, if any)."""
+    if msg.fragments is None:
+        return _buffer_cost(msg)
+    return sum(len(f.frame) + BUFFER_ENTRY_COST for f in msg.fragments)
 
 
 def _fail(msg: OutMessage) -> None:

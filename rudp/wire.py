@@ -453,17 +453,17 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
                 channel = data[off]
                 off += 1
             seq = 0
-            if mode == Delivery.RELIABLE_ORDERED:
+            if mode == _ORDERED:
                 seq = (data[off] << 8) | data[off + 1]
                 off += 2
-            elif mode != Delivery.UNRELIABLE:
+            elif mode:
                 if mode >= WIRE_MODES:
                     raise DecodeError(DropReason.MALFORMED)
                 seq = (data[off] << 8) | data[off + 1]
                 off += 2
                 special = True
             extra = None
-            if kind & (FLAG_FRAGMENT | FLAG_DEPS):
+            if kind & _EXTRA_FLAGS:
                 extra, off = _decode_extra(data, off, kind, mode)
                 special = True
             n = (data[off] << 8) | data[off + 1]
@@ -484,6 +484,10 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
         else:
             raise DecodeError(DropReason.MALFORMED)
     return DataFrames(messages, ping, disconnect, special)
+
+
+_ORDERED = int(Delivery.RELIABLE_ORDERED)  # plain ints: enum lookups cost on the hot path
+_EXTRA_FLAGS = FLAG_FRAGMENT | FLAG_DEPS
 
 
 def _decode_extra(data: bytes, off: int, kind: int, mode: int) -> tuple[FrameExtra, int]:
