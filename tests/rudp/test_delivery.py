@@ -70,6 +70,15 @@ def settle(net: Network, conn: Connection, timeout: float = 120.0) -> None:
     net.run(1.0)
 
 
+def assert_sender_state_is_empty(conn: Connection) -> None:
+    """Everything acknowledged: the sender's books balance."""
+    assert conn.queued == 0
+    assert conn._unacked_reliable == 0
+    assert conn._unacked_bytes == 0
+    assert not conn._tx_graph
+    assert not any(conn._tx_ch_unacked)
+
+
 def assert_receiver_state_is_empty(conn: Connection) -> None:
     """Nothing is held once everything was delivered: memory does not grow."""
     assert conn._rx_g_nodes == {}
@@ -109,6 +118,7 @@ def test_reliable_unordered_is_exactly_once_and_not_ordered(seed: int) -> None:
     assert sorted(got) == list(range(3000)), "lost or duplicated"
     assert got != sorted(got), "nothing was delivered early: unordered delivery waited"
     assert_receiver_state_is_empty(server_conn(server))
+    assert_sender_state_is_empty(conn)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -155,6 +165,7 @@ def test_dependency_ordered_random_graph_under_loss(seed: int) -> None:
             assert position[j] < position[i], f"{i} ran before its dependency {j}"
     assert got != sorted(got), "no message overtook another: independent ones waited"
     assert_receiver_state_is_empty(server_conn(server))
+    assert_sender_state_is_empty(conn)
     assert not conn._tx_graph, "the sender's graph keeps executed nodes"
 
 
@@ -263,6 +274,7 @@ def test_a_dependency_sent_more_than_65536_messages_earlier() -> None:
     assert got[0] == 0 and got[-1] == n + 1
     assert sorted(got) == list(range(n + 2))
     assert_receiver_state_is_empty(server_conn(server))
+    assert_sender_state_is_empty(conn)
 
 
 def test_a_chain_across_the_id_wraparound_under_loss() -> None:
@@ -281,6 +293,7 @@ def test_a_chain_across_the_id_wraparound_under_loss() -> None:
     settle(net, conn)
     assert tags(server) == list(range(n))  # a chain: delivered in order
     assert_receiver_state_is_empty(server_conn(server))
+    assert_sender_state_is_empty(conn)
 
 
 def test_pending_dependencies_cost_two_bytes_each_and_executed_ones_nothing() -> None:
@@ -416,6 +429,7 @@ def test_one_mebibyte_messages_under_ten_percent_loss(delivery: Delivery) -> Non
     if delivery is Delivery.RELIABLE_ORDERED:
         assert [len(d) > 100 for d in got] == [True, False] * 3
     assert_receiver_state_is_empty(server_conn(server))
+    assert_sender_state_is_empty(conn)
 
 
 def test_large_reliable_sequenced_messages_supersede_each_other() -> None:
