@@ -293,6 +293,7 @@ def environment() -> Result:
         "cpu_count": os.cpu_count(),
         "uvloop": uvloop_version,
         "git": _git_describe(),
+        "rudp_build": "mypyc" if rudp.compiled else "pure",
         "rmem_max": _read_sysctl("net/core/rmem_max"),
         "wmem_max": _read_sysctl("net/core/wmem_max"),
     }

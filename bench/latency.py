@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(
         f"# latency  {env['date_utc']} UTC  python {env['python']}  cpus {env['cpu_count']}  "
-        f"uvloop {env['uvloop']}  rudp {env['git']}  "
+        f"uvloop {env['uvloop']}  rudp {env['git']} ({env['rudp_build']})  "
         f"rounds {rounds} (+{warmup} warm-up)  repeat {repeat}",
         file=sys.stderr,
     )
