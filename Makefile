@@ -32,10 +32,12 @@ test: lint typecheck pytest compiled-test
 # user gets it: a wheel, installed into a venv of its own, and tests/rudp run from
 # a copy outside the source tree, so that they import the installed compiled package
 # (test_build.py checks that they did).
-COMPILED_DIR ?= build/compiled-test
+# build/ is setuptools' and mypyc's scratch space: start from an empty one, so that
+# nothing left there by an earlier build (a module since removed) lands in the wheel.
+COMPILED_DIR ?= .compiled-test
 
 compiled-test: $(VENV)/.installed
-	rm -rf $(COMPILED_DIR)
+	rm -rf build $(COMPILED_DIR)
 	RUDP_COMPILE=1 $(PY) -m pip wheel --quiet --no-deps --wheel-dir $(COMPILED_DIR)/dist .
 	$(PYTHON) -m venv $(COMPILED_DIR)/venv
 	$(COMPILED_DIR)/venv/bin/python -m pip install --quiet --upgrade pip
@@ -45,4 +47,4 @@ compiled-test: $(VENV)/.installed
 	cd $(COMPILED_DIR)/run && RUDP_EXPECT_COMPILED=1 ../venv/bin/python -m pytest -q -p no:cacheprovider tests/rudp
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build .compiled-test
