@@ -11,7 +11,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/matchmaker
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
+COPY build_backend ./build_backend
 COPY rudp ./rudp
 COPY matchmaker ./matchmaker
 # A regular (non-editable) install with every dependency, uvloop included

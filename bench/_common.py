@@ -81,6 +81,22 @@ def loop_name(use_uvloop: bool) -> str:
 # -- child processes --------------------------------------------------------------
 
 
+def _settle_malloc() -> None:
+    """Let glibc's malloc serve 256 KiB buffers from its heap, in every child alike.
+
+    asyncio's own transports read into a fresh ``max_size`` (256 KiB) buffer on each
+    read. glibc serves a block that large with mmap, then mremap and munmap: three
+    extra syscalls per datagram, until freeing a larger mmapped block has raised its
+    dynamic mmap threshold, which depends on what the process happened to import.
+    That made the asyncio UDP and TCP baselines about 2x slower in some runs and not
+    in others (e.g. with rudp imported from another directory). Freeing one 1 MiB
+    block raises the threshold at once. rudp's own 64 KiB reads are below the
+    default threshold either way.
+    """
+    block = bytearray(1 << 20)
+    del block
+
+
 def _child_main(
     role: Role,
     params: dict[str, Any],
@@ -88,6 +104,8 @@ def _child_main(
     use_uvloop: bool,
     profile_path: str | None,
 ) -> None:
+    _settle_malloc()
+
     async def main() -> Result:
         loop = asyncio.get_running_loop()
         stop: asyncio.Future[None] = loop.create_future()
@@ -293,6 +311,7 @@ def environment() -> Result:
         "cpu_count": os.cpu_count(),
         "uvloop": uvloop_version,
         "git": _git_describe(),
+        "rudp_build": "mypyc" if rudp.compiled else "pure",
         "rmem_max": _read_sysctl("net/core/rmem_max"),
         "wmem_max": _read_sysctl("net/core/wmem_max"),
     }

@@ -1,7 +1,10 @@
 """Latency: round-trip time of one message in flight, rudp vs raw UDP and asyncio TCP.
 
 A client process sends one message, waits for the echo from the server process,
-and repeats; p50/p99 are taken over the round trips after a warm-up.
+and repeats; p50/p99 are taken over the round trips after a warm-up. Each side also
+reports its CPU time (user + system, ``time.process_time``) per round trip: on a
+shared machine the CPU cost is a steadier signal than the wall-clock latency, and
+with one message in flight the two sides' CPU is most of the round trip.
 
 * ``rudp`` -- reliable ``conn.send()``; the server handler echoes with ``conn.send()``.
   The "1200 B" case sends ``conn.max_datagram_payload`` bytes (largest single-datagram payload).
@@ -56,10 +59,12 @@ async def rudp_echo(ctx: RoleContext) -> Result:
 
     server = await rudp.serve(handler, HOST, 0)
     ctx.ready(server.address[1])
+    cpu = time.process_time()
     await ctx.stop
+    cpu = time.process_time() - cpu
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(server.close(), 5.0)
-    return {}
+    return {"cpu_s": cpu}
 
 
 async def rudp_ping(ctx: RoleContext) -> Result:
@@ -69,15 +74,19 @@ async def rudp_ping(ctx: RoleContext) -> Result:
     send, recv = conn.send, conn.recv
     clock = time.perf_counter_ns
     rtts: list[int] = []
+    cpu = 0.0
     for i in range(p["warmup"] + p["rounds"]):
+        if i == p["warmup"]:
+            cpu = time.process_time()
         start = clock()
         send(data)
         await recv()
         if i >= p["warmup"]:
             rtts.append(clock() - start)
+    cpu = time.process_time() - cpu
     stats = conn.stats.as_dict()
     await conn.close()
-    return {"payload": len(data), "rtts_ns": rtts, "stats": stats}
+    return {"payload": len(data), "rtts_ns": rtts, "cpu_s": cpu, "stats": stats}
 
 
 # -- raw UDP -----------------------------------------------------------------------------
@@ -96,9 +105,11 @@ async def udp_echo(ctx: RoleContext) -> Result:
     sock = udp_socket()
     transport, _ = await loop.create_datagram_endpoint(_UdpEcho, sock=sock)
     ctx.ready(sock.getsockname()[1])
+    cpu = time.process_time()
     await ctx.stop
+    cpu = time.process_time() - cpu
     transport.close()
-    return {}
+    return {"cpu_s": cpu}
 
 
 class _UdpClient(asyncio.DatagramProtocol):
@@ -121,7 +132,10 @@ async def udp_ping(ctx: RoleContext) -> Result:
     clock = time.perf_counter_ns
     rtts: list[int] = []
     lost = 0
+    cpu = 0.0
     for i in range(p["warmup"] + p["rounds"]):
+        if i == p["warmup"]:
+            cpu = time.process_time()
         protocol.waiter = loop.create_future()
         start = clock()
         transport.sendto(data)
@@ -132,8 +146,9 @@ async def udp_ping(ctx: RoleContext) -> Result:
             continue
         if i >= p["warmup"]:
             rtts.append(clock() - start)
+    cpu = time.process_time() - cpu
     transport.close()
-    return {"payload": len(data), "rtts_ns": rtts, "lost": lost}
+    return {"payload": len(data), "rtts_ns": rtts, "lost": lost, "cpu_s": cpu}
 
 
 # -- TCP ---------------------------------------------------------------------------------
@@ -192,9 +207,11 @@ async def tcp_echo(ctx: RoleContext) -> Result:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_TcpEcho, HOST, 0)
     ctx.ready(server.sockets[0].getsockname()[1])
+    cpu = time.process_time()
     await ctx.stop
+    cpu = time.process_time() - cpu
     server.close()
-    return {}
+    return {"cpu_s": cpu}
 
 
 async def tcp_ping(ctx: RoleContext) -> Result:
@@ -204,15 +221,19 @@ async def tcp_ping(ctx: RoleContext) -> Result:
     frame = p["size"].to_bytes(LEN_PREFIX, "big") + bytes(p["size"])
     clock = time.perf_counter_ns
     rtts: list[int] = []
+    cpu = 0.0
     for i in range(p["warmup"] + p["rounds"]):
+        if i == p["warmup"]:
+            cpu = time.process_time()
         protocol.waiter = loop.create_future()
         start = clock()
         transport.write(frame)
         await protocol.waiter
         if i >= p["warmup"]:
             rtts.append(clock() - start)
+    cpu = time.process_time() - cpu
     transport.close()
-    return {"payload": p["size"], "rtts_ns": rtts}
+    return {"payload": p["size"], "rtts_ns": rtts, "cpu_s": cpu}
 
 
 ROLES: dict[str, tuple[Role, Role]] = {
@@ -228,14 +249,19 @@ ROLES: dict[str, tuple[Role, Role]] = {
 def run_case(protocol: str, size: int, use_uvloop: bool, rounds: int, warmup: int) -> Result:
     server, client = ROLES[protocol]
     params = {"size": size, "rounds": rounds, "warmup": warmup}
-    _, result = run_pair(server, client, params, use_uvloop=use_uvloop, timeout=60.0)
+    server_result, result = run_pair(server, client, params, use_uvloop=use_uvloop, timeout=60.0)
     row: Result = {
         "protocol": protocol,
         "loop": loop_name(use_uvloop),
         "size": size,
         "payload": result["payload"],
         **summarize_rtts(result["rtts_ns"]),
+        # CPU per round trip: the client's over the measured round trips, the server's
+        # over its whole run (warm-up included; it is idle, and costs nothing, otherwise).
+        "client_cpu_us": 1e6 * result["cpu_s"] / rounds,
+        "server_cpu_us": 1e6 * server_result["cpu_s"] / (rounds + warmup),
     }
+    row["cpu_us"] = row["client_cpu_us"] + row["server_cpu_us"]
     for key in ("lost", "stats"):
         if key in result:
             row[key] = result[key]
@@ -249,6 +275,7 @@ def render(results: list[Result]) -> str:
         rudp_row = index.get((r["loop"], r["size"], "rudp"))
         p50_ratio = rudp_row["p50_us"] / r["p50_us"] if rudp_row else float("nan")
         p99_ratio = rudp_row["p99_us"] / r["p99_us"] if rudp_row else float("nan")
+        cpu_ratio = rudp_row["cpu_us"] / r["cpu_us"] if rudp_row else float("nan")
         rows.append(
             [
                 r["loop"],
@@ -258,8 +285,10 @@ def render(results: list[Result]) -> str:
                 r["p50_us"],
                 r["p99_us"],
                 r["mean_us"],
+                r["cpu_us"],
                 p50_ratio,
                 p99_ratio,
+                cpu_ratio,
             ]
         )
     headers = [
@@ -270,16 +299,20 @@ def render(results: list[Result]) -> str:
         "p50 us",
         "p99 us",
         "mean us",
+        "cpu us/rt",
         "rudp/this p50",
         "rudp/this p99",
+        "rudp/this cpu",
     ]
     return format_table(headers, rows)
 
 
 def _best_row(rows: list[Result]) -> Result:
-    """The run with the lowest p50 (noise only ever adds delay), every run's p50 attached."""
+    """The run with the lowest p50 (noise only ever adds delay), every run's p50 and CPU
+    attached."""
     row = dict(min(rows, key=lambda r: r["p50_us"]))
     row["p50s_us"] = [r["p50_us"] for r in rows]
+    row["cpus_us"] = [r["cpu_us"] for r in rows]
     return row
 
 
@@ -303,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(
         f"# latency  {env['date_utc']} UTC  python {env['python']}  cpus {env['cpu_count']}  "
-        f"uvloop {env['uvloop']}  rudp {env['git']}  "
+        f"uvloop {env['uvloop']}  rudp {env['git']} ({env['rudp_build']})  "
         f"rounds {rounds} (+{warmup} warm-up)  repeat {repeat}",
         file=sys.stderr,
     )
@@ -319,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     print(
                         f"  {row['loop']:7} {size:5} B {protocol:5} p50 {row['p50_us']:7.1f} us"
-                        f"  p99 {row['p99_us']:7.1f} us",
+                        f"  p99 {row['p99_us']:7.1f} us  cpu/rt {row['client_cpu_us']:6.1f}"
+                        f" + {row['server_cpu_us']:6.1f} us",
                         file=sys.stderr,
                     )
                     runs.setdefault((row["loop"], size, protocol), []).append(row)

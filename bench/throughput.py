@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(
         f"# throughput  {env['date_utc']} UTC  python {env['python']}  "
-        f"cpus {env['cpu_count']}  uvloop {env['uvloop']}  rudp {env['git']}  repeat {repeat}",
+        f"cpus {env['cpu_count']}  uvloop {env['uvloop']}  "
+        f"rudp {env['git']} ({env['rudp_build']})  repeat {repeat}",
         file=sys.stderr,
     )
     runs: dict[tuple[str, int, str], list[Result]] = {}

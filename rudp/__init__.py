@@ -16,6 +16,9 @@ Quick look::
 
 The protocol core (``rudp.connection``, ``rudp.endpoint``) is sans-IO; the
 asyncio layer lives in ``rudp.aio``. See docs/api.md and docs/protocol.md.
+
+``rudp.compiled`` tells which build is installed: True when the sans-IO core was
+compiled with mypyc (``RUDP_COMPILE=1 pip install .``), False for pure Python.
 """
 
 from rudp.aio import Connection, Message, SendHandle, Server, connect, open_endpoint, run, serve
@@ -33,6 +36,18 @@ from rudp.errors import (
 from rudp.events import DisconnectReason
 from rudp.stats import ConnectionStats, EndpointStats
 from rudp.wire import Delivery, DropReason
+
+
+def _core_is_compiled() -> bool:
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    from rudp import wire
+
+    return (getattr(wire, "__file__", None) or "").endswith(tuple(EXTENSION_SUFFIXES))
+
+
+compiled: bool = _core_is_compiled()
+"""True when the sans-IO core is the mypyc-compiled build, False when it is pure Python."""
 
 __all__ = [
     "Config",
@@ -54,6 +69,7 @@ __all__ = [
     "SendHandle",
     "SendQueueFull",
     "Server",
+    "compiled",
     "connect",
     "open_endpoint",
     "run",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from weakref import WeakSet
 
 from prometheus_client.core import (
@@ -79,7 +79,12 @@ class RudpCollector(Collector):
         *,
         registry: CollectorRegistry | None = REGISTRY,
     ) -> None:
-        self._endpoints: WeakSet[Endpoint] = WeakSet()
+        # Held weakly, so that a collector never keeps a closed endpoint alive: a
+        # Server's asyncio endpoint (its core is read at scrape time), or a core
+        # Endpoint added directly. The mypyc-compiled core's classes cannot be weakly
+        # referenced, so there a core Endpoint added directly is held strongly.
+        self._weak: WeakSet[Any] = WeakSet()
+        self._strong: list[Endpoint] = []
         for endpoint in endpoints:
             self.add(endpoint)
         if registry is not None:
@@ -89,15 +94,30 @@ class RudpCollector(Collector):
         """Track an endpoint: a ``rudp.Server`` or a core ``rudp.endpoint.Endpoint``."""
         from rudp.endpoint import Endpoint
 
-        core = endpoint
-        if not isinstance(core, Endpoint):
-            core = getattr(getattr(endpoint, "endpoint", None), "core", None)
-        if not isinstance(core, Endpoint):
+        if isinstance(endpoint, Endpoint):
+            try:
+                self._weak.add(endpoint)
+            except TypeError:  # compiled core
+                if not any(held is endpoint for held in self._strong):
+                    self._strong.append(endpoint)
+            return
+        holder = getattr(endpoint, "endpoint", None)
+        if not isinstance(getattr(holder, "core", None), Endpoint):
             raise TypeError(f"cannot collect rudp metrics from {endpoint!r}")
-        self._endpoints.add(core)
+        self._weak.add(holder)
+
+    def _cores(self) -> list[Endpoint]:
+        """Each tracked core endpoint once (a Server and its core may both be added)."""
+        from rudp.endpoint import Endpoint
+
+        cores: dict[int, Endpoint] = {}
+        for item in [*self._weak, *self._strong]:
+            core = item if isinstance(item, Endpoint) else item.core
+            cores[id(core)] = core
+        return list(cores.values())
 
     def collect(self) -> Iterable[Metric]:
-        endpoints = list(self._endpoints)
+        endpoints = self._cores()
         yield from _endpoint_counters(endpoints)
         yield from _connection_counters(endpoints)
         yield _rtt_histogram(endpoints)

@@ -134,9 +134,11 @@ class AioEndpoint:
             self._after_io()
 
     def _after_io(self) -> None:
+        # The flush this schedules (or one already pending) re-arms the timer after it
+        # has sent; a closed endpoint has no timer. Re-arming here as well would only
+        # add work before the reply goes out.
         self._dispatch_events()
         self._schedule_flush()
-        self._rearm_timer()
 
     def _schedule_flush(self) -> None:
         if not self._flush_pending and not self._closed:

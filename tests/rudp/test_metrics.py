@@ -1,13 +1,18 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import random
 import socket
+import weakref
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rudp
+from rudp.config import Config
+from rudp.endpoint import Endpoint
 from rudp.metrics import RudpCollector
 
 
@@ -59,3 +64,28 @@ async def test_collector_reads_live_and_ended_connections() -> None:
 def test_collector_rejects_what_it_cannot_read() -> None:
     with pytest.raises(TypeError):
         RudpCollector([object()], registry=None)
+
+
+def test_collector_reads_a_core_endpoint_added_directly() -> None:
+    # Pure Python: held weakly; the mypyc-compiled core cannot be weakly referenced
+    # and is held strongly instead. Either way it is read, and only once.
+    registry = CollectorRegistry()
+    endpoint = Endpoint(Config(), now=0.0, rng=random.Random(1), accept=True)
+    endpoint.receive_datagram(b"\x00" * 40, ("127.0.0.1", 9), 0.0)
+    collector = RudpCollector([endpoint, endpoint], registry=registry)
+    collector.add(endpoint)
+    scraped = scrape(registry)
+    assert scraped[("rudp_datagrams_received_total", ())] == 1
+    assert scraped[("rudp_datagrams_dropped_total", (("reason", "bad_checksum"),))] == 1
+
+
+async def test_collector_does_not_keep_a_server_alive() -> None:
+    server = await rudp.serve(lambda conn: asyncio.sleep(0), "127.0.0.1", 0)
+    collector = RudpCollector([server], registry=None)
+    await server.close()
+    await asyncio.sleep(0)  # a flush still scheduled holds the endpoint until it runs
+    ref = weakref.ref(server.endpoint)
+    del server
+    gc.collect()
+    assert ref() is None
+    assert list(collector.collect())  # every family is still there, with no endpoint

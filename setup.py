@@ -1,0 +1,42 @@
+"""Optional mypyc build of rudp's sans-IO core.
+
+Everything else about the package is declared in pyproject.toml. A plain
+``pip install .`` builds a pure-Python wheel; with ``RUDP_COMPILE=1`` in the
+environment the modules below are compiled with mypyc into C extensions (same
+behaviour, about half the CPU per message). Editable installs and sdists are
+always pure Python: see build_backend/backend.py, which also adds mypy to the
+build requirements only when compiling.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from setuptools import setup
+
+# The sans-IO protocol core: what runs per datagram and per message. The modules
+# it imports (config, events, errors) stay interpreted; they are not on the hot path.
+COMPILED_MODULES = [
+    "rudp/wire.py",
+    "rudp/seqnum.py",
+    "rudp/recovery.py",
+    "rudp/connection.py",
+    "rudp/endpoint.py",
+    "rudp/stats.py",
+]
+
+
+def compile_requested() -> bool:
+    return os.environ.get("RUDP_COMPILE", "").strip() not in ("", "0")
+
+
+def ext_modules() -> list[Any]:
+    if not compile_requested():
+        return []
+    from mypyc.build import mypycify
+
+    return mypycify(COMPILED_MODULES, opt_level="3", debug_level="0", group_name="rudp")
+
+
+setup(ext_modules=ext_modules())

@@ -1,0 +1,51 @@
+"""Which build is installed: pure Python, or the sans-IO core compiled with mypyc.
+
+Runs against both builds. ``RUDP_EXPECT_COMPILED=1`` (or ``0``) makes it also
+check that the build under test is the one intended, so that a test run meant
+for the compiled wheel cannot silently import the source tree instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from importlib.machinery import EXTENSION_SUFFIXES
+
+import pytest
+
+import rudp
+
+# setup.py's COMPILED_MODULES, as module names.
+CORE = [
+    "rudp.wire",
+    "rudp.seqnum",
+    "rudp.recovery",
+    "rudp.connection",
+    "rudp.endpoint",
+    "rudp.stats",
+]
+INTERPRETED = ["rudp.config", "rudp.events", "rudp.errors", "rudp.aio.endpoint"]
+
+
+def _is_extension(name: str) -> bool:
+    path = importlib.import_module(name).__file__ or ""
+    return path.endswith(tuple(EXTENSION_SUFFIXES))
+
+
+def test_compiled_is_a_bool() -> None:
+    assert isinstance(rudp.compiled, bool)
+    assert "compiled" in rudp.__all__
+
+
+def test_every_core_module_is_of_the_reported_build() -> None:
+    assert {name: _is_extension(name) for name in CORE} == {name: rudp.compiled for name in CORE}
+
+
+def test_the_rest_stays_interpreted() -> None:
+    assert not any(_is_extension(name) for name in INTERPRETED)
+
+
+@pytest.mark.skipif("RUDP_EXPECT_COMPILED" not in os.environ, reason="RUDP_EXPECT_COMPILED unset")
+def test_the_intended_build_is_under_test() -> None:
+    expected = os.environ["RUDP_EXPECT_COMPILED"].strip() not in ("", "0")
+    assert rudp.compiled is expected, rudp.__file__
