@@ -858,7 +858,10 @@ class Connection:
 
     def _channels_ok(self, messages: list[wire.MessageFrame]) -> bool:
         channels = self._channels
-        return all(m[1] < channels for m in messages)
+        for m in messages:  # noqa: SIM110 (all() over a generator costs more per packet)
+            if m[1] >= channels:
+                return False
+        return True
 
     def _deliver(self, messages: list[wire.MessageFrame], now: float) -> bool:
         """Deliver or buffer each message; returns whether any was reliable."""
@@ -1429,7 +1432,12 @@ class Connection:
         datagram = wire.seal_rest(rest)
         if eliciting:
             self._sent[seq] = SentPacket(
-                seq, now, messages, control, self._disconnect_in(control), len(datagram)
+                seq,
+                now,
+                messages,
+                control,
+                bool(control) and self._disconnect_in(control),
+                len(datagram),
             )
             self._in_flight += 1
             self._last_eliciting = now

@@ -210,7 +210,7 @@ class Query(NamedTuple):
     payload: bytes
 
 
-_TYPES = frozenset(PacketType)
+_TYPES = {int(t): t for t in PacketType}  # a dict lookup, not an enum call, per datagram
 
 
 def _crc(data: bytes | bytearray | memoryview) -> int:
@@ -238,9 +238,10 @@ def decode_type(data: bytes) -> PacketType:
         raise DecodeError(DropReason.BAD_CHECKSUM)
     if version != PROTOCOL_VERSION:
         raise DecodeError(DropReason.WRONG_VERSION)
-    if ptype not in _TYPES:
+    known = _TYPES.get(ptype)
+    if known is None:
         raise DecodeError(DropReason.UNKNOWN_TYPE)
-    return PacketType(ptype)
+    return known
 
 
 # -- handshake -----------------------------------------------------------------
