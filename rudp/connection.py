@@ -1117,10 +1117,8 @@ class Connection:
 
     def _drop_superseded_parts(self, channel: int, newest: int) -> None:
         """Incomplete reliable-sequenced messages older than one delivered are moot."""
-        parts = self._rx_parts
-        for key in [k for k in parts if k[0] == RELIABLE_SEQUENCED and k[1] == channel]:
-            if key[2] <= newest:
-                self._rx_reassembly_bytes -= parts.pop(key).reserved
+        for key in self._older_rs_parts(channel, newest + 1):
+            self._rx_reassembly_bytes -= self._rx_parts.pop(key).reserved
 
     def _graph_receive(
         self, channel: int, seq16: int, payload: bytes, more: FrameExtra | None, now: float
