@@ -381,9 +381,8 @@ class Connection:
             return self.send(data, reliable=mode is RELIABLE_ORDERED, channel=channel, now=now)
         if mode is UNRELIABLE_SEQUENCED:
             self._check_unfragmented(data)
-            seq = self._tx_useq[channel]
-            self._tx_useq[channel] = seq + 1
-            msg = OutMessage(data, mode, channel, seq, wire.message_frame(mode, channel, seq, data))
+            # Numbered when it goes out (see _take_unreliable); the frame has its size.
+            msg = OutMessage(data, mode, channel, 0, wire.message_frame(mode, channel, 0, data))
             msg.queued_at = now
             self._unrel_queue.append(msg)
             self._queued += 1
@@ -1501,6 +1500,14 @@ class Connection:
             size = len(frame)
             if size > budget:
                 break
+            if msg.mode == UNRELIABLE_SEQUENCED:
+                # Numbered on the way out, not at send(): messages that expired in the
+                # queue leave no gap, and only a run of 32,768 lost on the path could
+                # make the receiver read a newer number as older.
+                channel = msg.channel
+                seq = msg.seq = self._tx_useq[channel]
+                self._tx_useq[channel] = seq + 1
+                frame = msg.frame = wire.message_frame(UNRELIABLE_SEQUENCED, channel, seq, msg.data)
             queue.popleft().state = SENT
             parts.append(frame)
             self._queued -= 1

@@ -498,6 +498,20 @@ def test_unreliable_messages_that_waited_too_long_are_dropped_and_counted() -> N
     assert conn.stats.messages_expired == 1
 
 
+def test_sequenced_numbers_are_taken_on_the_way_out() -> None:
+    """40,000 unreliable-sequenced messages expire in the queue: they use no numbers,
+    so the next one is not read as older than the last one delivered."""
+    net, server, client, conn = pair(Link(delay=0.05), config=Config(unreliable_max_age=0.1))
+    conn.send(b"first", delivery=Delivery.UNRELIABLE_SEQUENCED)
+    net.run(0.2)
+    for _ in range(40_000):
+        conn.send(b"stale", delivery=Delivery.UNRELIABLE_SEQUENCED, now=net.now - 1.0)
+    conn.send(b"fresh", delivery=Delivery.UNRELIABLE_SEQUENCED)
+    net.run(0.5)
+    assert conn.stats.messages_expired == 40_000
+    assert server.received() == [b"first", b"fresh"]
+
+
 def test_misuse_of_modes_raises_at_once() -> None:
     net, server, client, conn = pair()
     ordered = conn.send(b"o")
