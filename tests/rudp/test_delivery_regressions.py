@@ -1,6 +1,6 @@
 """Regression tests for delivery modes, fragmentation and the dependency graph.
 
-Each was written against a bug an independent review found, and failed before its fix.
+Each reproduces a bug in the first version of that code and failed before its fix.
 """
 
 from __future__ import annotations
