@@ -15,15 +15,19 @@ from typing import Any
 
 from setuptools import setup
 
-# The sans-IO protocol core: what runs per datagram and per message. The modules
-# it imports (config, events, errors) stay interpreted; they are not on the hot path.
+# The sans-IO protocol core: what runs per datagram and per message, and the events
+# it makes (one per received message). The other modules it imports (config, errors)
+# stay interpreted; they are not on the hot path.
 COMPILED_MODULES = [
+    "rudp/events.py",
     "rudp/wire.py",
     "rudp/seqnum.py",
     "rudp/recovery.py",
     "rudp/connection.py",
     "rudp/endpoint.py",
     "rudp/stats.py",
+    "rudp/aio/connection.py",
+    "rudp/aio/endpoint.py",
 ]
 
 

@@ -11,7 +11,7 @@ variants with :func:`dataclasses.replace`::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from rudp.netsim.conditioner import LinkProfile
@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 # Below this a CONNECT cannot carry our handshake replies without amplifying,
 # and some paths would fragment nothing anyway; IPv6 guarantees 1280-byte
 # packets, so 1200 leaves room for tunnel headers (QUIC uses the same figure).
-MIN_DATAGRAM_SIZE = 576
-MAX_DATAGRAM_SIZE = 65507
+MIN_DATAGRAM_SIZE: Final = 576
+MAX_DATAGRAM_SIZE: Final = 65507
 # DATA header (18), then a fragment frame's flags, channel, seq, fragment header, len.
-FRAGMENT_FRAME_OVERHEAD = 18 + 14
-MAX_FRAGMENTS = 0xFFFF
-REDUNDANT_FRAME_MAX = 256
+FRAGMENT_FRAME_OVERHEAD: Final = 18 + 14
+MAX_FRAGMENTS: Final = 0xFFFF
+REDUNDANT_FRAME_MAX: Final = 256
 """Largest message frame (payload plus 3-6 header bytes) that ``redundancy`` repeats."""
 
 

@@ -46,7 +46,7 @@ import enum
 import random
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Final
 
 from rudp import wire
 from rudp.config import REDUNDANT_FRAME_MAX, Config
@@ -75,18 +75,23 @@ from rudp.stats import ConnectionStats
 from rudp.wire import Delivery, DropReason, FrameExtra
 
 Address = tuple[Any, ...]
-ACK_SPAN = 32  # a header acknowledges its largest packet and this many before it
-NOCONN_SPAN = 4096  # a NOCONN must echo one of our last few thousand packets
-BUFFER_ENTRY_COST = 64  # bytes charged per buffered message besides its payload
-LOST_MEMORY = 1024  # packets declared lost that are remembered to detect spurious losses
-MAX_REORDER_THRESHOLD = 256
-UNRELIABLE = Delivery.UNRELIABLE
-RELIABLE_ORDERED = Delivery.RELIABLE_ORDERED
-UNRELIABLE_SEQUENCED = Delivery.UNRELIABLE_SEQUENCED
-GRAPH = Delivery.RELIABLE_UNORDERED  # wire mode of reliable-unordered and dependency-ordered
-RELIABLE_SEQUENCED = Delivery.RELIABLE_SEQUENCED
-DEPENDENCY_ORDERED = Delivery.DEPENDENCY_ORDERED
-RECENT_MAX = 32  # recently sent small messages the redundancy option may repeat
+# Module constants are ``Final``: compiled with mypyc, a literal one is inlined and any
+# other is a C static, where a plain module global costs a dict lookup per use.
+ACK_SPAN: Final = 32  # a header acknowledges its largest packet and this many before it
+NOCONN_SPAN: Final = 4096  # a NOCONN must echo one of our last few thousand packets
+BUFFER_ENTRY_COST: Final = 64  # bytes charged per buffered message besides its payload
+LOST_MEMORY: Final = 1024  # packets declared lost that are remembered to detect spurious losses
+MAX_REORDER_THRESHOLD: Final = 256
+# Delivery modes as plain ints (``OutMessage.mode`` and frame modes are ints): comparing
+# an int with an IntEnum member is a generic rich comparison, with another int one
+# machine instruction.
+UNRELIABLE: Final = 0
+RELIABLE_ORDERED: Final = 1
+UNRELIABLE_SEQUENCED: Final = 2
+GRAPH: Final = 3  # wire mode of reliable-unordered and dependency-ordered
+RELIABLE_SEQUENCED: Final = 4
+DEPENDENCY_ORDERED: Final = 5
+RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
 
 
 class State(enum.Enum):
@@ -97,12 +102,18 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
+CONNECTING: Final = State.CONNECTING
+CONNECTED: Final = State.CONNECTED
+CLOSING: Final = State.CLOSING
+DRAINING: Final = State.DRAINING
+CLOSED: Final = State.CLOSED
+
 _TRANSITIONS = {
-    State.CONNECTING: {State.CONNECTED, State.CLOSED},
-    State.CONNECTED: {State.CLOSING, State.DRAINING, State.CLOSED},
-    State.CLOSING: {State.DRAINING, State.CLOSED},
-    State.DRAINING: {State.CLOSED},
-    State.CLOSED: set(),
+    CONNECTING: {CONNECTED, CLOSED},
+    CONNECTED: {CLOSING, DRAINING, CLOSED},
+    CLOSING: {DRAINING, CLOSED},
+    DRAINING: {CLOSED},
+    CLOSED: set(),
 }
 
 
@@ -122,7 +133,7 @@ class _Partial:
         self.deps: tuple[int, ...] = ()
 
 
-PARTIAL_COST = 256  # bytes charged per reassembly besides its data and chunk slots
+PARTIAL_COST: Final = 256  # bytes charged per reassembly besides its data and chunk slots
 
 
 def _reservation(more: FrameExtra) -> int:
@@ -181,7 +192,7 @@ class Connection:
         self.client = client
         self.salt = salt
         self.token = 0
-        self.state = State.CONNECTING
+        self.state = CONNECTING
         self.stats = ConnectionStats()
         self.close_reason: Disconnected | None = None
         self._events: deque[tuple[Connection, Event]] = deque() if events is None else events
@@ -200,6 +211,7 @@ class Connection:
         self._last_probe = 0.0  # when the resend timer last fired
         self._reorder_threshold = config.reorder_threshold  # widened by spurious losses
         self._lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
+        self._lost_max = -1  # the newest packet ever declared lost
         self._rel_queue: deque[OutMessage] = deque()
         self._unrel_queue: deque[OutMessage] = deque()
         self._retx: deque[OutMessage] = deque()
@@ -230,6 +242,11 @@ class Connection:
         self._channels = config.channels
         self._window = config.channel_window
         self._queue_limit = config.send_queue_limit
+        # Config values read per packet, copied into native attributes (see RttEstimator).
+        self._idle_timeout = config.idle_timeout
+        self._keepalive_interval = config.keepalive_interval
+        self._packet_window = config.window
+        self._unreliable_max_age = config.unreliable_max_age
         # -- receive side
         self._rx_largest = 0
         self._rx_bits = 0  # bit i: packet (largest - i) was received
@@ -315,7 +332,7 @@ class Connection:
         ``Config.unreliable_max_age`` (without it, a message queued while connecting
         ages from the next ``datagrams_to_send``, and one queued later never expires).
         """
-        if self.state is not State.CONNECTED:
+        if self.state is not CONNECTED:
             self._check_can_send()
         if type(data) is not bytes:
             data = _as_bytes(data)
@@ -363,23 +380,21 @@ class Connection:
         depends_on: Iterable[OutMessage] | None,
         now: float | None,
     ) -> OutMessage:
-        if delivery is None:
-            mode = DEPENDENCY_ORDERED
-        else:
-            try:
-                mode = Delivery(delivery)
-            except ValueError:
-                raise LocalProtocolError(f"unknown delivery mode {delivery!r}") from None
-        if depends_on is not None and mode is not DEPENDENCY_ORDERED:
+        try:
+            kind = Delivery.DEPENDENCY_ORDERED if delivery is None else Delivery(delivery)
+        except ValueError:
+            raise LocalProtocolError(f"unknown delivery mode {delivery!r}") from None
+        mode = int(kind)
+        if depends_on is not None and mode != DEPENDENCY_ORDERED:
             raise LocalProtocolError(
-                f"depends_on needs delivery=DEPENDENCY_ORDERED, not {mode.name}"
+                f"depends_on needs delivery=DEPENDENCY_ORDERED, not {kind.name}"
             )
-        unreliable = mode is UNRELIABLE or mode is UNRELIABLE_SEQUENCED
+        unreliable = mode in (UNRELIABLE, UNRELIABLE_SEQUENCED)
         if not reliable and not unreliable:
-            raise LocalProtocolError(f"reliable=False contradicts delivery={mode.name}")
-        if mode is UNRELIABLE or mode is RELIABLE_ORDERED:
-            return self.send(data, reliable=mode is RELIABLE_ORDERED, channel=channel, now=now)
-        if mode is UNRELIABLE_SEQUENCED:
+            raise LocalProtocolError(f"reliable=False contradicts delivery={kind.name}")
+        if mode in (UNRELIABLE, RELIABLE_ORDERED):
+            return self.send(data, reliable=mode == RELIABLE_ORDERED, channel=channel, now=now)
+        if mode == UNRELIABLE_SEQUENCED:
             self._check_unfragmented(data)
             # Numbered when it goes out (see _take_unreliable); the frame has its size.
             msg = OutMessage(data, mode, channel, 0, wire.message_frame(mode, channel, 0, data))
@@ -388,7 +403,7 @@ class Connection:
             self._queued += 1
             self._dirty.add(self)
             return msg
-        if mode is RELIABLE_SEQUENCED:
+        if mode == RELIABLE_SEQUENCED:
             previous = self._tx_rseq_last[channel]
             if previous is not None and previous.state <= SENT:
                 pieces = previous.fragments or (previous,)
@@ -529,7 +544,7 @@ class Connection:
             self._events.append((self, MessageAcked(msg)))
 
     def _check_can_send(self) -> None:
-        if self.state is State.CONNECTING:
+        if self.state is CONNECTING:
             return  # queued until the handshake completes
         if self.close_reason is not None:
             reason = self.close_reason
@@ -540,38 +555,38 @@ class Connection:
         """Start a graceful close: flush what is queued reliably, then DISCONNECT."""
         if not 0 <= code <= 0xFFFF:
             raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
-        if self.state is State.CONNECTING:
+        if self.state is CONNECTING:
             self._end(DisconnectReason.CLOSED, code, text, by_peer=False)
-        elif self.state is State.CONNECTED:
+        elif self.state is CONNECTED:
             self._close_code, self._close_text = code, text
-            self._set_state(State.CLOSING)
+            self._set_state(CLOSING)
             self._maybe_send_disconnect(now)
 
     def abort(
         self, reason: DisconnectReason = DisconnectReason.ABORTED, *, by_peer: bool = False
     ) -> None:
         """End at once without telling the peer (it will learn by NOCONN or timeout)."""
-        if self.state is State.DRAINING:
-            self._set_state(State.CLOSED)  # its Disconnected was already reported
-        elif self.state is not State.CLOSED:
+        if self.state is DRAINING:
+            self._set_state(CLOSED)  # its Disconnected was already reported
+        elif self.state is not CLOSED:
             self._end(reason, 0, "", by_peer=by_peer)
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must next run, or None."""
         state = self.state
-        if state is State.CLOSED:
+        if state is CLOSED:
             return None
-        if state is State.CONNECTING:
+        if state is CONNECTING:
             return min(self._connect_deadline, self._next_connect)
-        if state is State.DRAINING:
+        if state is DRAINING:
             return self._deadline
-        t = self._last_recv + self.config.idle_timeout
+        t = self._last_recv + self._idle_timeout
         if self._sent:
             t = min(t, self._probe_deadline())
             if self._loss_time is not None:
                 t = min(t, self._loss_time)
         elif not self._ping:  # a pending PING goes out with the next flush
-            t = min(t, self._last_eliciting + self.config.keepalive_interval)
+            t = min(t, self._last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
         if self._rx_g_nodes:
@@ -585,19 +600,19 @@ class Connection:
     def handle_timer(self, now: float) -> None:
         self._clock = now
         state = self.state
-        if state is State.CONNECTING:
+        if state is CONNECTING:
             self._connecting_timer(now)
-        elif state is State.DRAINING:
+        elif state is DRAINING:
             if self._deadline is not None and now >= self._deadline:
-                self._set_state(State.CLOSED)
-        elif state is not State.CLOSED:
+                self._set_state(CLOSED)
+        elif state is not CLOSED:
             self._connected_timer(now)
 
     def datagrams_to_send(self, now: float) -> list[bytes]:
         """Everything due now, coalesced into as few datagrams as possible."""
         self._clock = now
         out: list[bytes] = []
-        if self.state is State.CONNECTING:
+        if self.state is CONNECTING:
             for msg in self._unrel_queue:
                 if msg.queued_at is None:  # sent without a time: it ages from now
                     msg.queued_at = now
@@ -611,7 +626,7 @@ class Connection:
                     wire.encode_connect(self.salt, self._isn, self._cookie, cfg.max_datagram_size)
                 )
             return out
-        if self.state is State.CLOSED:
+        if self.state is CLOSED:
             return out
         if self._early_acks:
             out.extend(self._early_acks)
@@ -631,12 +646,12 @@ class Connection:
     def nudge_connect(self) -> None:
         """The server is already sending us data: our ACCEPT was lost or overtaken,
         so ask again now rather than at the next retry."""
-        if self.state is State.CONNECTING and self._cookie:
+        if self.state is CONNECTING and self._cookie:
             self._send_connect = True
             self._dirty.add(self)
 
     def receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
-        if self.state is not State.CONNECTING or challenge.salt != self.salt:
+        if self.state is not CONNECTING or challenge.salt != self.salt:
             return DropReason.UNEXPECTED
         self._cookie = challenge.cookie
         self._cookie_connects = 0
@@ -647,7 +662,7 @@ class Connection:
     def receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
         if accept.salt != self.salt:
             return DropReason.UNEXPECTED
-        if self.state is not State.CONNECTING:
+        if self.state is not CONNECTING:
             return DropReason.DUPLICATE
         if self._cookie_connects == 1:
             # One CONNECT, one ACCEPT: an unambiguous first RTT sample (Karn's rule),
@@ -657,7 +672,7 @@ class Connection:
         return None
 
     def receive_reject(self, reject: wire.Reject) -> DropReason | None:
-        if self.state is not State.CONNECTING or reject.salt != self.salt:
+        if self.state is not CONNECTING or reject.salt != self.salt:
             return DropReason.UNEXPECTED
         self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
         return None
@@ -668,7 +683,7 @@ class Connection:
         self._rx_largest = peer_isn - 1
         self._last_recv = now
         self._last_eliciting = now
-        self._set_state(State.CONNECTED)
+        self._set_state(CONNECTED)
         self._events.append((self, Connected()))
         self._dirty.add(self)
 
@@ -676,13 +691,13 @@ class Connection:
         """The peer says it has no connection with us; believe it only if it echoes
         a packet we really sent, so an off-path attacker can't end connections."""
         seq = unwrap(noconn.seq, self._tx_next - 1)
-        if self.state is State.CONNECTING or not self._tx_next - NOCONN_SPAN <= seq < self._tx_next:
+        if self.state is CONNECTING or not self._tx_next - NOCONN_SPAN <= seq < self._tx_next:
             return DropReason.UNEXPECTED
-        if self.state is State.CLOSING and self._disconnect_queued:
+        if self.state is CLOSING and self._disconnect_queued:
             # The peer already forgot us: our DISCONNECT has nothing left to do.
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
-        elif self.state is State.DRAINING:
-            self._set_state(State.CLOSED)
+        elif self.state is DRAINING:
+            self._set_state(CLOSED)
         else:
             self._end(DisconnectReason.NO_CONNECTION, 0, "", by_peer=True)
         return None
@@ -694,7 +709,7 @@ class Connection:
     ) -> DropReason | None:
         """Process one DATA packet whose CRC and token the endpoint checked."""
         state = self.state
-        if state is State.CONNECTING or state is State.CLOSED:
+        if state is CONNECTING or state is CLOSED:
             return DropReason.UNEXPECTED
         seq = unwrap(seq16, self._rx_largest)
         delta = seq - self._rx_largest
@@ -705,7 +720,7 @@ class Connection:
                 return DropReason.DUPLICATE
         frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
         self._clock = now
-        if frames.special and state is not State.DRAINING:
+        if frames.special and state is not DRAINING:
             reason = self._check_special(frames.messages)
             if reason is not None:
                 return reason
@@ -727,10 +742,10 @@ class Connection:
         stats.bytes_received += len(data)
         self._last_recv = now
         self._process_ack(ack16, ack_bits, now)
-        if self.state is State.CLOSED:  # that ack completed our close
+        if self.state is CLOSED:  # that ack completed our close
             return None
         eliciting = frames.ping or frames.disconnect is not None
-        if frames.messages and state is not State.DRAINING:
+        if frames.messages and state is not DRAINING:
             eliciting = self._deliver(frames.messages, now) or eliciting
             if self.close_reason is not None:  # the peer broke the protocol
                 return None
@@ -758,7 +773,7 @@ class Connection:
         cannot fill the buffer with entries for free. The common case, a packet
         that fits even if every message in it were early, is decided at once.
         """
-        limit = self.config.recv_buffer_bytes
+        limit = self._byte_window
         if self._rx_buffered_bytes + size + BUFFER_ENTRY_COST * len(messages) <= limit:
             return self._channels_ok(messages)
         if not self._channels_ok(messages):
@@ -853,7 +868,7 @@ class Connection:
         (a long-delayed packet), and unwrapping it would deliver it in place of a
         newer message."""
         ahead = seq_diff(seq16, expected & SEQ_MASK)
-        return ahead if 0 <= ahead < self.config.channel_window else -1
+        return ahead if 0 <= ahead < self._window else -1
 
     def _channels_ok(self, messages: list[wire.MessageFrame]) -> bool:
         channels = self._channels
@@ -1215,7 +1230,7 @@ class Connection:
 
     def _protocol_error(self, text: str) -> None:
         """The peer broke the protocol in a way that cannot be dropped and forgotten."""
-        if self.state is not State.CLOSED:
+        if self.state is not CLOSED:
             self._end(DisconnectReason.PROTOCOL_ERROR, 0, text, by_peer=False)
 
     def _process_ack(self, ack16: int, bits: int, now: float) -> None:
@@ -1240,15 +1255,19 @@ class Connection:
             newly = True
         elif largest in lost:
             self._on_spurious_loss(largest)
-        # A packet declared lost has left ``sent``: while any is remembered, walk every
-        # bit, so that a late ack of one is seen (and the reordering it shows learnt).
-        span = 32 if lost or not sent else min(32, largest - next(iter(sent)))
+        # Walk the bits only as far back as a packet still in flight (``sent`` is in
+        # sending order), or all 32 while a packet declared lost may be among them, so
+        # that a late ack of one is seen (and the reordering it shows learnt). Most acks
+        # then walk a few bits, not 32 (each costs a dict lookup).
+        span = min(32, largest - next(iter(sent))) if sent else 0
+        if lost and self._lost_max >= largest - 32:
+            span = 32
         i = 1
         while bits and i <= span:
             if bits & 1:
                 seq = largest - i
-                pkt = sent.pop(seq, None)
-                if pkt is not None:
+                if seq in sent:
+                    pkt = sent.pop(seq)
                     rtt.on_sample(now - pkt.time_sent)
                     self._on_acked(pkt, now)
                     newly = True
@@ -1265,7 +1284,7 @@ class Connection:
                 # The ack opened the window: what waited for room can go out now, not at the
                 # next timer (an ack-only packet does not otherwise schedule a flush).
                 self._dirty.add(self)
-            if self.state is State.CLOSING:
+            if self.state is CLOSING:
                 self._maybe_send_disconnect(now)
 
     def _on_acked(self, pkt: SentPacket, now: float) -> None:
@@ -1301,7 +1320,7 @@ class Connection:
         self._unacked_bytes -= freed
         self._queued -= newly
         self._unacked_reliable -= newly
-        if pkt.disconnect and self.state is State.CLOSING:
+        if pkt.disconnect and self.state is CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
 
     def _graph_executed(self, msg: OutMessage) -> None:
@@ -1365,13 +1384,15 @@ class Connection:
         self.stats.packets_lost += 1
         lost = self._lost_recently
         lost[pkt.seq] = None
+        if pkt.seq > self._lost_max:
+            self._lost_max = pkt.seq
         if len(lost) > LOST_MEMORY:
             del lost[next(iter(lost))]
         for msg in pkt.messages:
             msg.copies -= 1
             if msg.state <= SENT and msg.copies == 0:
                 self._retx.append(msg)
-        if pkt.control and self.state is State.CLOSING:
+        if pkt.control and self.state is CLOSING:
             self._control.extend(pkt.control)
         self._dirty.add(self)
 
@@ -1396,16 +1417,16 @@ class Connection:
             for frame in control:
                 parts.append(frame)
                 budget -= len(frame)
-        if self._in_flight < self.config.window:
+        if self._in_flight < self._packet_window:
             budget = self._take_retransmissions(parts, messages, budget)
         if self._unrel_queue:
             budget = self._take_unreliable(parts, budget, now)
-        if self._in_flight < self.config.window and not self._retx:
+        if self._in_flight < self._packet_window and not self._retx:
             budget = self._take_new_reliable(parts, messages, budget)
         if self._redundancy and messages:
             budget = self._take_redundant(parts, messages, budget)
         eliciting = bool(messages or control)
-        if self._ping and not eliciting and self.state is not State.DRAINING:
+        if self._ping and not eliciting and self.state is not DRAINING:
             parts.append(wire.PING_FRAME)
             eliciting = True
         if not parts and not self._ack_pending:
@@ -1487,7 +1508,7 @@ class Connection:
 
     def _take_unreliable(self, parts: list[bytes], budget: int, now: float) -> int:
         queue = self._unrel_queue
-        stale = now - self.config.unreliable_max_age
+        stale = now - self._unreliable_max_age
         while queue:
             msg = queue[0]
             queued_at = msg.queued_at
@@ -1682,9 +1703,9 @@ class Connection:
         self._dirty.add(self)
 
     def _on_peer_disconnect(self, frame: wire.DisconnectFrame, now: float) -> None:
-        if self.state is State.DRAINING:
+        if self.state is DRAINING:
             return
-        if self.state is State.CLOSING:
+        if self.state is CLOSING:
             # Both sides closed at once; each reports its own close.
             event = Disconnected(DisconnectReason.CLOSED, self._close_code, self._close_text, False)
         else:
@@ -1692,7 +1713,7 @@ class Connection:
         self._fail_pending()
         self.close_reason = event
         self._events.append((self, event))
-        self._set_state(State.DRAINING)
+        self._set_state(DRAINING)
         # Linger to re-acknowledge a resent DISCONNECT whose ack was lost.
         self._deadline = now + max(3 * self._rtt.rto, 0.05)
 
@@ -1701,7 +1722,7 @@ class Connection:
         event = Disconnected(reason, code, text, by_peer)
         self.close_reason = event
         self._events.append((self, event))
-        self._set_state(State.CLOSED)
+        self._set_state(CLOSED)
 
     def _fail_pending(self) -> None:
         fail = _fail
@@ -1734,7 +1755,7 @@ class Connection:
         if new not in _TRANSITIONS[self.state]:
             raise LocalProtocolError(f"illegal transition {self.state.value} -> {new.value}")
         self.state = new
-        if new is State.CLOSED:
+        if new is CLOSED:
             self._dirty.discard(self)
             if self._on_closed is not None:
                 self._on_closed(self)

@@ -38,19 +38,21 @@ import itertools
 import random
 import struct
 from collections import OrderedDict, deque
+from typing import Final
 
 from rudp import wire
 from rudp.config import Config
-from rudp.connection import Address, Connection, State
+from rudp.connection import CONNECTED, CONNECTING, Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
 from rudp.stats import EndpointStats
 from rudp.wire import DecodeError, DropReason, PacketType
 
-COOKIE_MAC = 16
-_SLOT = struct.Struct("!I")
-REPLAY_CACHE_LIMIT = 65536
-QUERY_LIMIT = 4096  # our own queries awaiting an answer
+COOKIE_MAC: Final = 16
+_DATA: Final = PacketType.DATA  # decode_type returns the members themselves
+_SLOT: Final = struct.Struct("!I")
+REPLAY_CACHE_LIMIT: Final = 65536
+QUERY_LIMIT: Final = 4096  # our own queries awaiting an answer
 
 
 class TokenBucket:
@@ -129,8 +131,12 @@ class Endpoint:
                     out.append((datagram, address))
                 self._schedule(conn)
         if out:
-            self.stats.datagrams_sent += len(out)
-            self.stats.bytes_sent += sum(len(d) for d, _ in out)
+            size = 0
+            for datagram, _ in out:
+                size += len(datagram)
+            stats = self.stats
+            stats.datagrams_sent += len(out)
+            stats.bytes_sent += size
         return out
 
     def get_timer(self) -> float | None:
@@ -218,7 +224,7 @@ class Endpoint:
             stats.unvalidated_bytes_received += len(data)
         try:
             ptype = wire.decode_type(data)
-            if ptype == PacketType.DATA:
+            if ptype is _DATA:
                 return self._receive_data(conn, data, address, now)
             self._receive_other(ptype, conn, data, address, now)
         except DecodeError as exc:
@@ -231,7 +237,7 @@ class Endpoint:
         self, conn: Connection | None, data: bytes, address: Address, now: float
     ) -> Connection | None:
         token, seq, ack, bits = wire.decode_data_header(data)
-        if conn is not None and conn.state is State.CONNECTING:
+        if conn is not None and conn.state is CONNECTING:
             # DATA before our ACCEPT (lost, or overtaken). A NOCONN here would end the
             # server's brand-new connection; instead repeat the CONNECT now.
             self.stats.dropped[DropReason.UNEXPECTED] += 1
@@ -289,7 +295,7 @@ class Endpoint:
             return DropReason.MALFORMED
         request = wire.decode_connect(data)
         if conn is not None and not conn.client and conn.salt == request.salt:
-            if conn.state is State.CONNECTED and conn.accept_datagram:
+            if conn.state is CONNECTED and conn.accept_datagram:
                 self._out.append((conn.accept_datagram, address))  # our ACCEPT was lost
                 return None
             return DropReason.DUPLICATE

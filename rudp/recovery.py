@@ -24,20 +24,25 @@ Loss is detected three ways (as in QUIC, RFC 9002):
 
 from __future__ import annotations
 
+from typing import Final
+
 from rudp.config import Config
 
-GRANULARITY = 0.001  # clock granularity floor for timers (RFC 9002's kGranularity)
+GRANULARITY: Final = 0.001  # clock granularity floor for timers (RFC 9002's kGranularity)
 # The peer acknowledges at the end of its event-loop turn, which on a loaded
 # machine can take a few milliseconds: on loopback a bare 9/8 RTT would declare
 # packets lost that are merely waiting for that turn to end.
-LOSS_DELAY_FLOOR = 0.005
+LOSS_DELAY_FLOOR: Final = 0.005
 
 
 class RttEstimator:
     """RFC 6298 smoothed RTT, variance, RTO and backoff."""
 
     __slots__ = (
-        "_cfg",
+        "_max_backoff",
+        "_rto_initial",
+        "_rto_max",
+        "_rto_min",
         "backoff",
         "latest",
         "min_rtt",
@@ -48,7 +53,12 @@ class RttEstimator:
     )
 
     def __init__(self, config: Config) -> None:
-        self._cfg = config
+        # Copied out of the (interpreted) Config: read per packet, a native attribute
+        # costs far less than a dataclass attribute lookup.
+        self._rto_initial = config.rto_initial
+        self._rto_min = config.rto_min
+        self._rto_max = config.rto_max
+        self._max_backoff = config.max_backoff
         self.srtt = 0.0
         self.rttvar = 0.0
         self.latest = 0.0
@@ -73,28 +83,27 @@ class RttEstimator:
     @property
     def rto(self) -> float:
         """The resend timeout without backoff."""
-        cfg = self._cfg
         if self.samples == 0:
-            base = cfg.rto_initial
+            base = self._rto_initial
         else:
             # The variance term never falls below SRTT/8: on a steady path RTTVAR
             # decays towards zero and an RTO equal to the RTT would fire just
             # before every ack (Linux keeps a similar floor under RTTVAR).
             base = self.srtt + max(GRANULARITY, 4 * self.rttvar, self.srtt / 8)
-        return min(max(base, cfg.rto_min), cfg.rto_max)
+        return min(max(base, self._rto_min), self._rto_max)
 
     @property
     def backed_off_rto(self) -> float:
-        return min(self.rto * (1 << self.backoff), self._cfg.rto_max)
+        return min(self.rto * (1 << self.backoff), self._rto_max)
 
     def on_timeout(self) -> None:
-        self.backoff = min(self.backoff + 1, self._cfg.max_backoff)
+        self.backoff = min(self.backoff + 1, self._max_backoff)
 
     @property
     def loss_delay(self) -> float:
         """How long after a later packet was acked an earlier one counts as lost."""
         if self.samples == 0:
-            return self._cfg.rto_initial
+            return self._rto_initial
         return max(self.reorder_factor * max(self.srtt, self.latest), LOSS_DELAY_FLOOR)
 
     def widen_reorder_window(self) -> None:
@@ -104,11 +113,11 @@ class RttEstimator:
 
 # Message states, plain ints: they are compared on every ack. A message is
 # pending while its state is <= SENT.
-QUEUED = 0
-SENT = 1
-ACKED = 2
-FAILED = 3
-SUPERSEDED = 4  # reliable-sequenced: a newer message on its channel replaced it
+QUEUED: Final = 0
+SENT: Final = 1
+ACKED: Final = 2
+FAILED: Final = 3
+SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel replaced it
 
 
 class OutMessage:

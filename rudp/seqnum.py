@@ -9,10 +9,12 @@ code compares plain ints and never thinks about wraparound again.
 
 from __future__ import annotations
 
-SEQ_BITS = 16
-SEQ_MOD = 1 << SEQ_BITS
-SEQ_MASK = SEQ_MOD - 1
-SEQ_HALF = SEQ_MOD >> 1
+from typing import Final
+
+SEQ_BITS: Final = 16
+SEQ_MOD: Final = 1 << SEQ_BITS
+SEQ_MASK: Final = SEQ_MOD - 1
+SEQ_HALF: Final = SEQ_MOD >> 1
 
 
 def seq_diff(a: int, b: int) -> int:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
 
 
-COUNTERS = (
+COUNTERS: Final = (
     "bad_acks",
     "bytes_received",
     "bytes_sent",

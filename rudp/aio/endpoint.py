@@ -22,6 +22,7 @@ from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from mypy_extensions import mypyc_attr
 
 from rudp.config import Config
 from rudp.connection import Address
@@ -48,6 +49,10 @@ QueryHandler = Callable[[bytes, Address], "bytes | None"]
 SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
 
 
+# Compiled (RUDP_COMPILE=1), this stays an ordinary Python class whose methods are
+# compiled: it can be weakly referenced (RudpCollector holds endpoints weakly) and
+# patched in tests. What runs per message is in the native classes of connection.py.
+@mypyc_attr(native_class=False)
 class AioEndpoint:
     """One UDP socket, its core ``Endpoint`` and the user-facing connections.
 

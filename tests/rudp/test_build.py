@@ -17,14 +17,17 @@ import rudp
 
 # setup.py's COMPILED_MODULES, as module names.
 CORE = [
+    "rudp.events",
     "rudp.wire",
     "rudp.seqnum",
     "rudp.recovery",
     "rudp.connection",
     "rudp.endpoint",
     "rudp.stats",
+    "rudp.aio.connection",
+    "rudp.aio.endpoint",
 ]
-INTERPRETED = ["rudp.config", "rudp.events", "rudp.errors", "rudp.aio.endpoint"]
+INTERPRETED = ["rudp.config", "rudp.errors", "rudp.aio.server", "rudp.metrics"]
 
 
 def _is_extension(name: str) -> bool:

@@ -267,3 +267,41 @@ def test_bit_flipped_real_packets_are_dropped_and_counted() -> None:
         + endpoint.stats.dropped[DropReason.UNKNOWN_PEER]
         == 500
     )
+
+
+def test_the_hot_path_int_constants_match_their_enums() -> None:
+    """The core compares plain ints on the hot path (an IntEnum comparison costs more
+    when compiled); each must stay equal to the enum member it stands for."""
+    from rudp import connection
+
+    assert wire._UNRELIABLE == wire.Delivery.UNRELIABLE
+    assert wire._ORDERED == wire.Delivery.RELIABLE_ORDERED
+    assert wire._UNORDERED == wire.Delivery.RELIABLE_UNORDERED
+    assert wire._PING == wire.FrameType.PING
+    assert wire._DISCONNECT == wire.FrameType.DISCONNECT
+    assert wire._DATA == wire.PacketType.DATA
+    for name in (
+        "UNRELIABLE",
+        "RELIABLE_ORDERED",
+        "UNRELIABLE_SEQUENCED",
+        "RELIABLE_SEQUENCED",
+        "DEPENDENCY_ORDERED",
+    ):
+        assert getattr(connection, name) == wire.Delivery[name]
+    assert connection.GRAPH == wire.Delivery.RELIABLE_UNORDERED
+    for state in connection.State:
+        assert getattr(connection, state.name) is state
+
+
+@pytest.mark.parametrize("channel", [0, 1, 31])
+@pytest.mark.parametrize("size", [0, 1, 64, 1000])
+def test_the_fast_frame_encoders_match_the_layout(channel: int, size: int) -> None:
+    data = bytes(range(256)) * 4
+    data = data[:size]
+    head = bytes([0x81 | (0x08 if channel else 0)]) + (bytes([channel]) if channel else b"")
+    assert (
+        wire.reliable_frame(channel, 0x12345, data)
+        == head + b"\x23\x45" + size.to_bytes(2, "big") + data
+    )
+    head = bytes([0x80 | (0x08 if channel else 0)]) + (bytes([channel]) if channel else b"")
+    assert wire.unreliable_frame(channel, data) == head + size.to_bytes(2, "big") + data
