@@ -28,7 +28,7 @@ pytest: $(VENV)/.installed
 
 test: lint typecheck pytest compiled-test
 
-# The mypyc build of the sans-IO core (RUDP_COMPILE=1, see setup.py), tested as a
+# The mypyc build of the per-message code (RUDP_COMPILE=1, see setup.py), tested as a
 # user gets it: a wheel, installed into a venv of its own, and tests/rudp run from
 # a copy outside the source tree, so that they import the installed compiled package
 # (test_build.py checks that they did).

@@ -1,4 +1,4 @@
-"""Optional mypyc build of rudp's sans-IO core.
+"""Optional mypyc build of rudp's per-message code (the sans-IO core and the asyncio layer).
 
 Everything else about the package is declared in pyproject.toml. A plain
 ``pip install .`` builds a pure-Python wheel; with ``RUDP_COMPILE=1`` in the
@@ -15,9 +15,10 @@ from typing import Any
 
 from setuptools import setup
 
-# The sans-IO protocol core: what runs per datagram and per message, and the events
-# it makes (one per received message). The other modules it imports (config, errors)
-# stay interpreted; they are not on the hot path.
+# What runs per datagram and per message: the sans-IO protocol core, the events it
+# makes (one per received message), and the asyncio layer's connection and endpoint.
+# The rest (config, errors, the server and loop helpers, metrics, netsim, lan) stays
+# interpreted; it is not on the hot path.
 COMPILED_MODULES = [
     "rudp/events.py",
     "rudp/wire.py",

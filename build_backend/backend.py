@@ -1,6 +1,6 @@
 """PEP 517 build backend: setuptools' own, plus the ``RUDP_COMPILE`` switch.
 
-``RUDP_COMPILE=1 pip install .`` (or ``pip wheel .``) compiles the sans-IO core
+``RUDP_COMPILE=1 pip install .`` (or ``pip wheel .``) compiles the per-message code
 with mypyc (see setup.py). Only then is mypy, which provides mypyc, added to the
 build requirements; a plain build needs setuptools alone. Editable installs,
 sdists and metadata preparation are always pure Python: an editable install must

@@ -24,7 +24,8 @@ Loss is detected three ways (as in QUIC, RFC 9002):
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Awaitable, Generator
+from typing import Any, Final
 
 from rudp.config import Config
 
@@ -118,10 +119,12 @@ SENT: Final = 1
 ACKED: Final = 2
 FAILED: Final = 3
 SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel replaced it
+_UNRELIABLE_MODES: Final = (0, 2)  # Delivery.UNRELIABLE and UNRELIABLE_SEQUENCED
 
 
 class OutMessage:
-    """One message on its way out; ``Connection.send`` returns it as the handle.
+    """One message on its way out; ``Connection.send`` returns it as the handle
+    (``rudp.SendHandle`` in the asyncio API).
 
     A message larger than one datagram is a *parent* that is never sent itself:
     its fragments are OutMessages whose ``parent`` points back to it, and it is
@@ -144,6 +147,7 @@ class OutMessage:
         "seq",
         "state",
         "user",
+        "waiter",
     )
 
     def __init__(self, data: bytes, mode: int, channel: int, seq: int, frame: bytes) -> None:
@@ -156,6 +160,9 @@ class OutMessage:
         self.copies = 0  # packets in flight that carry it
         self.notify = False  # emit MessageAcked when acknowledged
         self.user: object = None  # free slot for the asyncio layer
+        # What makes the handle awaitable: the I/O layer sets it to an object whose
+        # ``_wait_for(msg)`` returns an awaitable (see ``__await__``).
+        self.waiter: Any = None
         self.parent: OutMessage | None = None
         self.parts = 0
         self.fragments: list[OutMessage] | None = None
@@ -173,7 +180,25 @@ class OutMessage:
 
     @property
     def superseded(self) -> bool:
+        """A newer reliable-sequenced message on the channel replaced this one first."""
         return self.state == SUPERSEDED
+
+    def done(self) -> bool:
+        """Nothing more will happen to it: acknowledged, superseded or failed; for an
+        unreliable message, sent or dropped."""
+        state = self.state
+        return state >= ACKED or (self.mode in _UNRELIABLE_MODES and state != QUEUED)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        # One object per message instead of two: the asyncio layer returns the core's
+        # handle itself and only sets ``waiter``; the core stays free of asyncio.
+        waiter = self.waiter
+        if waiter is None:
+            raise TypeError(
+                "only a handle returned by an asyncio rudp.Connection.send() can be awaited"
+            )
+        awaitable: Awaitable[None] = waiter._wait_for(self)
+        return awaitable.__await__()
 
 
 class GraphNode:

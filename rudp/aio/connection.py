@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Generator, Iterable
+from collections.abc import Iterable
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
-from rudp.errors import ConnectionClosed, LocalProtocolError
+from rudp.errors import ConnectionClosed
 from rudp.events import Disconnected, MessageReceived
 from rudp.recovery import ACKED, FAILED, SUPERSEDED, OutMessage
 from rudp.stats import ConnectionStats
@@ -25,52 +25,14 @@ Message = MessageReceived
 
 _UNRELIABLE_MODES = (Delivery.UNRELIABLE, Delivery.UNRELIABLE_SEQUENCED)
 
+SendHandle = OutMessage
+"""What ``send()`` returns: await it to know the peer acknowledged the message.
 
-class SendHandle:
-    """What ``send()`` returns: await it to know the peer acknowledged the message.
-
-    Awaiting is optional and costs nothing until you do it: no future is created
-    for a message nobody waits on.
-    """
-
-    __slots__ = ("_conn", "_msg")
-
-    def __init__(self, conn: Connection, msg: OutMessage) -> None:
-        self._conn = conn
-        self._msg = msg
-
-    @property
-    def acked(self) -> bool:
-        """The peer acknowledged the message (all of its fragments)."""
-        return self._msg.state == ACKED
-
-    @property
-    def superseded(self) -> bool:
-        """A newer reliable-sequenced message on the channel replaced this one first."""
-        return self._msg.state == SUPERSEDED
-
-    def done(self) -> bool:
-        state = self._msg.state
-        return state >= ACKED or (self._msg.mode in _UNRELIABLE_MODES and state != 0)
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return self._wait().__await__()
-
-    async def _wait(self) -> None:
-        msg = self._msg
-        if msg.mode in _UNRELIABLE_MODES:  # nothing will acknowledge it
-            return
-        if msg.state == ACKED or msg.state == SUPERSEDED:
-            return
-        if msg.state == FAILED:
-            raise self._conn._closed_error()
-        future = msg.user
-        if future is None:
-            future = self._conn._loop.create_future()
-            msg.user = future
-            msg.notify = True
-            self._conn._waiting.add(msg)
-        await asyncio.shield(future)  # type: ignore[arg-type]
+``.acked``, ``.superseded`` and ``.done()`` tell its state without waiting.
+Awaiting is optional and costs nothing until you do it: no future is created
+for a message nobody waits on. (It is the core's own message record, made
+awaitable by the connection that sent it, so a send allocates one object, not two.)
+"""
 
 
 class Connection:
@@ -152,23 +114,35 @@ class Connection:
             else:
                 msg = self._core.send(data, reliable=False, channel=channel, now=monotonic())
         else:
-            deps = None
-            if depends_on is not None:
-                if isinstance(depends_on, SendHandle):
-                    raise LocalProtocolError("depends_on takes a list of handles")
-                deps = [h._msg if isinstance(h, SendHandle) else h for h in depends_on]
             msg = self._core.send(
                 data,
                 reliable=reliable,
                 channel=channel,
                 delivery=delivery,
-                depends_on=deps,
+                depends_on=depends_on,
                 now=monotonic(),
             )
+        msg.waiter = self
         endpoint = self._endpoint
         if not endpoint._flush_pending:
             endpoint.wake()
-        return SendHandle(self, msg)
+        return msg
+
+    async def _wait_for(self, msg: OutMessage) -> None:
+        """What awaiting a handle of this connection does (see ``OutMessage.__await__``)."""
+        if msg.mode in _UNRELIABLE_MODES:  # nothing will acknowledge it
+            return
+        if msg.state == ACKED or msg.state == SUPERSEDED:
+            return
+        if msg.state == FAILED:
+            raise self._closed_error()
+        future = msg.user
+        if future is None:
+            future = self._loop.create_future()
+            msg.user = future
+            msg.notify = True
+            self._waiting.add(msg)
+        await asyncio.shield(future)  # type: ignore[arg-type]
 
     async def drain(self) -> None:
         """Wait until the send queue is at or below ``Config.drain_threshold``."""

@@ -294,3 +294,35 @@ async def test_delivery_modes_dependencies_and_large_messages_over_sockets(
     with pytest.raises(rudp.MessageTooLarge):
         conn.send(bytes(conn.max_datagram_payload + 1), reliable=False)
     await conn.close()
+
+
+def test_the_send_handle_is_the_core_message_and_only_asyncio_makes_it_awaitable() -> None:
+    from rudp.config import Config
+    from rudp.endpoint import Endpoint
+    from rudp.recovery import OutMessage
+
+    assert rudp.SendHandle is OutMessage
+    core = Endpoint(Config(), now=0.0, rng=random.Random(3))
+    conn = core.connect(("127.0.0.1", 9), 0.0)
+    reliable = conn.send(b"x")
+    unreliable = conn.send(b"y", reliable=False)
+    assert not reliable.done() and not unreliable.done()
+    core.datagrams_to_send(0.0)
+    # Not connected yet: both still queued. A sans-IO handle has no event loop to wait on.
+    with pytest.raises(TypeError, match="asyncio"):
+        reliable.__await__()
+
+
+async def test_awaiting_handles_of_every_outcome(server: rudp.Server) -> None:
+    conn = await rudp.connect(*server.address)
+    acked = conn.send(b"a")
+    sent = conn.send(b"b", reliable=False)
+    await asyncio.wait_for(acked, 5)
+    await asyncio.wait_for(sent, 5)  # unreliable: returns once sent
+    assert acked.acked and acked.done() and sent.done() and not sent.acked
+    pending = conn.send(b"c" * 100)
+    await asyncio.wait_for(conn.close(), 5)
+    await asyncio.wait_for(pending, 5)  # delivered before the graceful close completed
+    assert pending.acked
+    with pytest.raises(rudp.ConnectionClosed):
+        conn.send(b"d")

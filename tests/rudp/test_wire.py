@@ -274,12 +274,12 @@ def test_the_hot_path_int_constants_match_their_enums() -> None:
     when compiled); each must stay equal to the enum member it stands for."""
     from rudp import connection
 
-    assert wire._UNRELIABLE == int(wire.Delivery.UNRELIABLE)
-    assert wire._ORDERED == int(wire.Delivery.RELIABLE_ORDERED)
-    assert wire._UNORDERED == int(wire.Delivery.RELIABLE_UNORDERED)
-    assert wire._PING == int(wire.FrameType.PING)
-    assert wire._DISCONNECT == int(wire.FrameType.DISCONNECT)
-    assert wire._DATA == int(wire.PacketType.DATA)
+    assert int(wire.Delivery.UNRELIABLE) == wire._UNRELIABLE
+    assert int(wire.Delivery.RELIABLE_ORDERED) == wire._ORDERED
+    assert int(wire.Delivery.RELIABLE_UNORDERED) == wire._UNORDERED
+    assert int(wire.FrameType.PING) == wire._PING
+    assert int(wire.FrameType.DISCONNECT) == wire._DISCONNECT
+    assert int(wire.PacketType.DATA) == wire._DATA
     for name in (
         "UNRELIABLE",
         "RELIABLE_ORDERED",
@@ -288,7 +288,7 @@ def test_the_hot_path_int_constants_match_their_enums() -> None:
         "DEPENDENCY_ORDERED",
     ):
         assert getattr(connection, name) == wire.Delivery[name]
-    assert connection.GRAPH == int(wire.Delivery.RELIABLE_UNORDERED)
+    assert int(wire.Delivery.RELIABLE_UNORDERED) == connection.GRAPH
     for state in connection.State:
         assert getattr(connection, state.name) is state
 
