@@ -119,7 +119,7 @@ SENT: Final = 1
 ACKED: Final = 2
 FAILED: Final = 3
 SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel replaced it
-_UNRELIABLE_MODES: Final = (0, 2)  # Delivery.UNRELIABLE and UNRELIABLE_SEQUENCED
+UNRELIABLE_MODES: Final = (0, 2)  # Delivery.UNRELIABLE and UNRELIABLE_SEQUENCED
 
 
 class OutMessage:
@@ -187,7 +187,7 @@ class OutMessage:
         """Nothing more will happen to it: acknowledged, superseded or failed; for an
         unreliable message, sent or dropped."""
         state = self.state
-        return state >= ACKED or (self.mode in _UNRELIABLE_MODES and state != QUEUED)
+        return state >= ACKED or (self.mode in UNRELIABLE_MODES and state != QUEUED)
 
     def __await__(self) -> Generator[Any, None, None]:
         # One object per message instead of two: the asyncio layer returns the core's

@@ -12,7 +12,7 @@ from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
 from rudp.errors import ConnectionClosed
 from rudp.events import Disconnected, MessageReceived
-from rudp.recovery import ACKED, FAILED, SUPERSEDED, OutMessage
+from rudp.recovery import ACKED, FAILED, SUPERSEDED, UNRELIABLE_MODES, OutMessage
 from rudp.stats import ConnectionStats
 from rudp.wire import Delivery
 
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 Message = MessageReceived
 """A received message: ``.data`` (bytes), ``.channel`` (int), ``.reliable`` (bool)."""
 
-
-_UNRELIABLE_MODES = (Delivery.UNRELIABLE, Delivery.UNRELIABLE_SEQUENCED)
 
 SendHandle = OutMessage
 """What ``send()`` returns: await it to know the peer acknowledged the message.
@@ -130,7 +128,7 @@ class Connection:
 
     async def _wait_for(self, msg: OutMessage) -> None:
         """What awaiting a handle of this connection does (see ``OutMessage.__await__``)."""
-        if msg.mode in _UNRELIABLE_MODES:  # nothing will acknowledge it
+        if msg.mode in UNRELIABLE_MODES:  # nothing will acknowledge it
             return
         if msg.state == ACKED or msg.state == SUPERSEDED:
             return

@@ -272,7 +272,7 @@ def test_bit_flipped_real_packets_are_dropped_and_counted() -> None:
 def test_the_hot_path_int_constants_match_their_enums() -> None:
     """The core compares plain ints on the hot path (an IntEnum comparison costs more
     when compiled); each must stay equal to the enum member it stands for."""
-    from rudp import connection
+    from rudp import connection, recovery
 
     assert int(wire.Delivery.UNRELIABLE) == wire._UNRELIABLE
     assert int(wire.Delivery.RELIABLE_ORDERED) == wire._ORDERED
@@ -291,6 +291,8 @@ def test_the_hot_path_int_constants_match_their_enums() -> None:
     assert int(wire.Delivery.RELIABLE_UNORDERED) == connection.GRAPH
     for state in connection.State:
         assert getattr(connection, state.name) is state
+    unreliable = (int(wire.Delivery.UNRELIABLE), int(wire.Delivery.UNRELIABLE_SEQUENCED))
+    assert unreliable == recovery.UNRELIABLE_MODES
 
 
 @pytest.mark.parametrize("channel", [0, 1, 31])
