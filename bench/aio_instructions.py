@@ -6,7 +6,9 @@ over loopback, in one of two patterns:
 * ``stream``: the client sends N 64-byte reliable messages as ``bench/throughput.py``
   does (``await drain()`` every 256 sends), the server's handler takes them with
   ``recv()`` and ``recv_nowait()``;
-* ``pingpong``: N round trips of one 64-byte message, as ``bench/latency.py`` does.
+* ``pingpong``: N round trips of one 64-byte message, as ``bench/latency.py`` does;
+  with ``--receiver`` both sides take messages through ``Connection.set_receiver``
+  instead of ``recv()`` (the ``rudp-cb`` case there).
 
 It counts what wall-clock benchmarks on a shared machine cannot count steadily: the
 user-space instructions of the core, the asyncio layer, the event loop and the
@@ -86,13 +88,41 @@ async def pingpong(count: int) -> None:
         await conn.close()
 
 
+async def pingpong_receiver(count: int) -> None:
+    loop = asyncio.get_running_loop()
+
+    async def handler(conn: rudp.Connection) -> None:
+        send = conn.send
+        conn.set_receiver(lambda msg: send(msg.data))
+        await conn.wait_closed()
+
+    async with await rudp.serve(handler, "127.0.0.1", 0, config=CONFIG) as server:
+        conn = await rudp.connect(*server.address, config=CONFIG)
+        data = bytes(SIZE)
+        waiter: asyncio.Future[None] | None = None
+
+        def receiver(msg: rudp.Message) -> None:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        conn.set_receiver(receiver)
+        for _ in range(count):
+            waiter = loop.create_future()
+            conn.send(data)
+            await waiter
+        await conn.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("pattern", choices=("stream", "pingpong"))
     parser.add_argument("count", type=int)
     parser.add_argument("--uvloop", action="store_true")
+    parser.add_argument("--receiver", action="store_true", help="pingpong with set_receiver")
     args = parser.parse_args()
-    run = stream if args.pattern == "stream" else pingpong
+    run = pingpong_receiver if args.receiver else pingpong
+    if args.pattern == "stream":
+        run = stream
     rudp.run(run(args.count), use_uvloop=args.uvloop)
 
 

@@ -8,6 +8,8 @@ with one message in flight the two sides' CPU is most of the round trip.
 
 * ``rudp`` -- reliable ``conn.send()``; the server handler echoes with ``conn.send()``.
   The "1200 B" case sends ``conn.max_datagram_payload`` bytes (largest single-datagram payload).
+* ``rudp-cb`` -- the same, but both sides take messages with ``conn.set_receiver``
+  (a callback run in the socket's read callback) instead of ``await conn.recv()``.
 * ``udp``  -- raw datagrams through ``asyncio.DatagramProtocol`` on both sides.
 * ``tcp``  -- 4-byte length prefix per message, TCP_NODELAY, ``asyncio.Protocol``.
 
@@ -44,7 +46,7 @@ from _common import (
 
 import rudp
 
-PROTOCOLS = ("udp", "tcp", "rudp")
+PROTOCOLS = ("udp", "tcp", "rudp", "rudp-cb")
 
 
 # -- rudp --------------------------------------------------------------------------------
@@ -81,6 +83,53 @@ async def rudp_ping(ctx: RoleContext) -> Result:
         start = clock()
         send(data)
         await recv()
+        if i >= p["warmup"]:
+            rtts.append(clock() - start)
+    cpu = time.process_time() - cpu
+    stats = conn.stats.as_dict()
+    await conn.close()
+    return {"payload": len(data), "rtts_ns": rtts, "cpu_s": cpu, "stats": stats}
+
+
+async def rudp_cb_echo(ctx: RoleContext) -> Result:
+    async def handler(conn: rudp.Connection) -> None:
+        send = conn.send
+        conn.set_receiver(lambda msg: send(msg.data))
+        await conn.wait_closed()
+
+    server = await rudp.serve(handler, HOST, 0)
+    ctx.ready(server.address[1])
+    cpu = time.process_time()
+    await ctx.stop
+    cpu = time.process_time() - cpu
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(server.close(), 5.0)
+    return {"cpu_s": cpu}
+
+
+async def rudp_cb_ping(ctx: RoleContext) -> Result:
+    p = ctx.params
+    loop = asyncio.get_running_loop()
+    conn = await rudp.connect(HOST, p["port"])
+    data = bytes(min(p["size"], conn.max_datagram_payload))
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def receiver(msg: rudp.Message) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    conn.set_receiver(receiver)
+    send = conn.send
+    clock = time.perf_counter_ns
+    rtts: list[int] = []
+    cpu = 0.0
+    for i in range(p["warmup"] + p["rounds"]):
+        if i == p["warmup"]:
+            cpu = time.process_time()
+        waiter = loop.create_future()
+        start = clock()
+        send(data)
+        await waiter
         if i >= p["warmup"]:
             rtts.append(clock() - start)
     cpu = time.process_time() - cpu
@@ -240,6 +289,7 @@ ROLES: dict[str, tuple[Role, Role]] = {
     "udp": (udp_echo, udp_ping),
     "tcp": (tcp_echo, tcp_ping),
     "rudp": (rudp_echo, rudp_ping),
+    "rudp-cb": (rudp_cb_echo, rudp_cb_ping),
 }
 
 

@@ -549,7 +549,8 @@ class Connection:
         if self.close_reason is not None:
             reason = self.close_reason
             raise ConnectionClosed(reason.reason, reason.code, reason.text)
-        raise LocalProtocolError(f"cannot send on a connection that is {self.state.value}")
+        # CLOSING: close() was called and the connection is ending gracefully.
+        raise ConnectionClosed(DisconnectReason.CLOSED, self._close_code, self._close_text)
 
     def close(self, now: float, code: int = 0, text: str = "") -> None:
         """Start a graceful close: flush what is queued reliably, then DISCONNECT."""
@@ -560,6 +561,7 @@ class Connection:
         elif self.state is CONNECTED:
             self._close_code, self._close_text = code, text
             self._set_state(CLOSING)
+            self._dirty.add(self)  # queued unreliable messages go first, then DISCONNECT
             self._maybe_send_disconnect(now)
 
     def abort(
@@ -1421,6 +1423,15 @@ class Connection:
             budget = self._take_retransmissions(parts, messages, budget)
         if self._unrel_queue:
             budget = self._take_unreliable(parts, budget, now)
+            if not self._unrel_queue and self.state is CLOSING:
+                # The last unreliable messages queued before close() go out with the
+                # DISCONNECT, not after it: the peer drops messages once it has one.
+                self._maybe_send_disconnect(now)
+                if self._control and budget >= len(self._control[-1]):
+                    frame = self._control.pop()
+                    parts.append(frame)
+                    control.append(frame)
+                    budget -= len(frame)
         if self._in_flight < self._packet_window and not self._retx:
             budget = self._take_new_reliable(parts, messages, budget)
         if self._redundancy and messages:
@@ -1695,7 +1706,7 @@ class Connection:
     # -- closing ----------------------------------------------------------------------------
 
     def _maybe_send_disconnect(self, now: float) -> None:
-        if self._disconnect_queued or self._unacked_reliable:
+        if self._disconnect_queued or self._unacked_reliable or self._unrel_queue:
             return
         self._disconnect_queued = True
         self._control.append(wire.disconnect_frame(self._close_code, self._close_text))

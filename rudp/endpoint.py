@@ -116,6 +116,11 @@ class Endpoint:
         self._schedule(conn)
         return conn
 
+    @property
+    def has_events(self) -> bool:
+        """Whether ``next_event`` has something to return."""
+        return bool(self._events)
+
     def next_event(self) -> tuple[Connection | None, Event | EndpointEvent] | None:
         """The next event, with the connection it belongs to (None for endpoint events)."""
         return self._events.popleft() if self._events else None

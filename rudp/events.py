@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
@@ -45,6 +45,7 @@ class MessageReceived:
     """
 
     __slots__ = ("channel", "data", "reliable")
+    __match_args__: ClassVar[tuple[str, ...]] = ("data", "channel", "reliable")
 
     def __init__(self, data: bytes, channel: int, reliable: bool) -> None:
         self.data = data
@@ -65,6 +66,10 @@ class MessageReceived:
 
     def __hash__(self) -> int:
         return hash((self.data, self.channel, self.reliable))
+
+    def __reduce__(self) -> tuple[type[MessageReceived], tuple[bytes, int, bool]]:
+        # copy and pickle: a compiled (native) class cannot be rebuilt field by field.
+        return MessageReceived, (self.data, self.channel, self.reliable)
 
     def __repr__(self) -> str:
         return (

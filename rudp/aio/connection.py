@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from time import monotonic
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
-from rudp.errors import ConnectionClosed
+from rudp.errors import ConnectionClosed, LocalProtocolError
 from rudp.events import Disconnected, MessageReceived
 from rudp.recovery import ACKED, FAILED, SUPERSEDED, UNRELIABLE_MODES, OutMessage
 from rudp.stats import ConnectionStats
@@ -19,8 +21,13 @@ from rudp.wire import Delivery
 if TYPE_CHECKING:
     from rudp.aio.endpoint import AioEndpoint
 
+log = structlog.get_logger("rudp")
+
 Message = MessageReceived
 """A received message: ``.data`` (bytes), ``.channel`` (int), ``.reliable`` (bool)."""
+
+Receiver = Callable[[MessageReceived], object]
+"""What ``Connection.set_receiver`` takes: called with each message as it arrives."""
 
 
 SendHandle = OutMessage
@@ -34,19 +41,43 @@ awaitable by the connection that sent it, so a send allocates one object, not tw
 
 
 class Connection:
-    """A reliable-UDP connection. Get one from ``rudp.connect`` or a ``serve`` handler."""
+    """A reliable-UDP connection. Get one from ``rudp.connect`` or a ``serve`` handler.
+
+    Its attributes are fixed (slots; compiled, a native class): keep the application's
+    own state in ``user_data``, or in a dict keyed by the connection.
+    """
+
+    __slots__ = (
+        "_closed_future",
+        "_core",
+        "_drain_waiter",
+        "_endpoint",
+        "_established_future",
+        "_inbox",
+        "_loop",
+        "_receiver",
+        "_recv_waiters",
+        "_waiting",
+        "owns_endpoint",
+        "user_data",
+    )
 
     def __init__(self, endpoint: AioEndpoint, core: CoreConnection) -> None:
         self._endpoint = endpoint
         self._core = core
         self._loop = endpoint._loop
         self._inbox: deque[MessageReceived] = deque()
-        self._recv_waiter: asyncio.Future[None] | None = None
+        # One future per task waiting in recv(): a shared one would be cancelled with
+        # the first waiter cancelled (a wait_for timeout), and fail the others.
+        self._recv_waiters: list[asyncio.Future[None]] = []
+        self._receiver: Receiver | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self._waiting: set[OutMessage] = set()
         self._established_future: asyncio.Future[None] = self._loop.create_future()
         self._closed_future: asyncio.Future[Disconnected] = self._loop.create_future()
         self.owns_endpoint = False
+        self.user_data: Any = None
+        """Free for the application (a player object, say); rudp never reads it."""
 
     # -- properties --------------------------------------------------------------
 
@@ -94,7 +125,7 @@ class Connection:
         *,
         reliable: bool = True,
         channel: int = 0,
-        delivery: Delivery | None = None,
+        delivery: Delivery | int | None = None,
         depends_on: Iterable[SendHandle] | None = None,
     ) -> SendHandle:
         """Queue a message. Never blocks; raises ``SendQueueFull`` when the queue is full,
@@ -143,7 +174,8 @@ class Connection:
         await asyncio.shield(future)  # type: ignore[arg-type]
 
     async def drain(self) -> None:
-        """Wait until the send queue is at or below ``Config.drain_threshold``."""
+        """Wait until the send queue is at or below ``Config.drain_threshold``; raises
+        ``ConnectionClosed`` if the connection has ended or ends first."""
         if self._closed_future.done():
             raise self._closed_error()
         if self._core.queued <= self._endpoint.config.drain_threshold:
@@ -152,6 +184,8 @@ class Connection:
             self._drain_waiter = self._loop.create_future()
             self._endpoint.draining.add(self)
         await asyncio.shield(self._drain_waiter)
+        if self._closed_future.done():
+            raise self._closed_error()  # ended while waiting: the queue never drained
 
     def _check_drain(self) -> None:
         waiter = self._drain_waiter
@@ -167,17 +201,64 @@ class Connection:
         """The next message; raises ``ConnectionClosed`` once the connection has ended
         and every message received before the end was returned."""
         while not self._inbox:
+            if self._receiver is not None:
+                raise self._receiver_set()
             if self._closed_future.done():
                 raise self._closed_error()
-            waiter = self._recv_waiter
-            if waiter is None or waiter.done():  # done: a cancelled recv() left it
-                waiter = self._recv_waiter = self._loop.create_future()
-            await waiter
+            waiter = self._loop.create_future()
+            self._recv_waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter in self._recv_waiters:
+                    self._recv_waiters.remove(waiter)
+                raise
         return self._inbox.popleft()
 
     def recv_nowait(self) -> MessageReceived | None:
         """The next message if one is waiting, else None."""
-        return self._inbox.popleft() if self._inbox else None
+        if self._inbox:
+            return self._inbox.popleft()
+        if self._receiver is not None:
+            raise self._receiver_set()
+        return None
+
+    def set_receiver(self, receiver: Receiver | None) -> None:
+        """Hand each message to ``receiver(message)`` as it arrives, instead of queueing
+        it for ``recv()``; ``None`` goes back to queueing.
+
+        The receiver runs inside the socket's read callback, before any task is woken:
+        no task switch per message, so a reply sent from it goes out in the same loop
+        turn, coalesced with the acknowledgement (the lowest-latency way to answer).
+        Messages already queued are handed over at once, in order. Keep it short and
+        non-blocking, as an ``asyncio.Protocol`` callback. While one is set, ``recv()``
+        and ``recv_nowait()`` raise ``LocalProtocolError`` (a ``recv()`` already waiting
+        too). If the receiver raises, the exception is logged, the receiver removed and
+        the connection closed gracefully, as when a ``serve`` handler fails.
+        """
+        if receiver is not None and not callable(receiver):
+            raise LocalProtocolError(f"receiver must be callable, got {receiver!r}")
+        self._receiver = receiver
+        if receiver is None:
+            return
+        inbox = self._inbox
+        while inbox and self._receiver is receiver:
+            self._call_receiver(receiver, inbox.popleft())
+        self._wake_receivers()
+
+    def _call_receiver(self, receiver: Receiver, message: MessageReceived) -> None:
+        try:
+            receiver(message)
+        except Exception:
+            log.exception("receiver_failed", peer=str(self.remote_address))
+            if self._receiver is receiver:
+                self._receiver = None
+            if not self._closed_future.done():
+                self._core.close(monotonic())
+                self._endpoint.wake()
+
+    def _receiver_set(self) -> LocalProtocolError:
+        return LocalProtocolError("messages go to the receiver set with set_receiver()")
 
     def __aiter__(self) -> Connection:
         return self
@@ -203,10 +284,17 @@ class Connection:
     # -- called by the endpoint ---------------------------------------------------------
 
     def _deliver(self, message: MessageReceived) -> None:
+        receiver = self._receiver
+        if receiver is not None:
+            self._call_receiver(receiver, message)
+            return
         self._inbox.append(message)
-        waiter = self._recv_waiter
-        if waiter is not None:
-            self._recv_waiter = None
+        if self._recv_waiters:
+            self._wake_receivers()
+
+    def _wake_receivers(self) -> None:
+        waiters, self._recv_waiters = self._recv_waiters, []
+        for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -235,15 +323,18 @@ class Connection:
                 future.set_exception(error)
                 future.exception()  # an abandoned waiter must not log "never retrieved"
         self._waiting.clear()
-        for waiter in (self._recv_waiter, self._drain_waiter):
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-        self._recv_waiter = self._drain_waiter = None
-        self._endpoint.draining.discard(self)
         if not self._closed_future.done():
             self._closed_future.set_result(event)
+        self._wake_receivers()
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._drain_waiter = None
+        self._endpoint.draining.discard(self)
         if self.owns_endpoint:
-            self._loop.call_soon(self._endpoint.close_now)
+            # After the flush that acknowledges the peer's DISCONNECT, if that is what
+            # ended it; closing the socket at once would leave the peer resending it.
+            self._endpoint.close_after_flush()
 
     def _closed_error(self, event: Disconnected | None = None) -> ConnectionClosed:
         event = event or self._core.close_reason

@@ -28,7 +28,13 @@ from rudp.config import Config
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
 from rudp.endpoint import Endpoint as CoreEndpoint
-from rudp.errors import ConnectRefused, ConnectTimeout, LocalProtocolError, RudpError
+from rudp.errors import (
+    ConnectError,
+    ConnectRefused,
+    ConnectTimeout,
+    LocalProtocolError,
+    RudpError,
+)
 from rudp.events import (
     Connected,
     Disconnected,
@@ -83,6 +89,7 @@ class AioEndpoint:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._flush_pending = False
+        self._close_after_flush = False
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
         self.send_errors = 0
         self.queries_unanswered = 0  # replies withheld because they exceeded the request
@@ -157,7 +164,19 @@ class AioEndpoint:
         send = self._outbound.send if self._outbound is not None else self._sendto
         for data, address in self.core.datagrams_to_send(monotonic()):
             send(data, address)
+        if self._close_after_flush:
+            self.close_now()
+            return
         self._rearm_timer()
+        # What sending changed: unreliable messages left the queue (drain() waiters),
+        # a newer send superseded a message (its waiters).
+        if self.draining or self.core.has_events:
+            self._dispatch_events()
+
+    def close_after_flush(self) -> None:
+        """Close once what is queued now (an acknowledgement, say) has been sent."""
+        self._close_after_flush = True
+        self._schedule_flush()
 
     def _sendto(self, data: bytes, address: Address) -> None:
         if self._send_buffer:
@@ -287,6 +306,9 @@ class AioEndpoint:
             return
         if reply is None:
             return
+        if not isinstance(reply, bytes | bytearray | memoryview):
+            log.error("query_handler_bad_reply", type=type(reply).__name__)
+            return
         if len(reply) > event.max_reply:
             # The request was not padded enough: answering would amplify. Anyone can
             # send such requests, so this is counted, not logged as an error.
@@ -301,13 +323,16 @@ class AioEndpoint:
         """Something was queued: flush at the end of this loop turn."""
         self._schedule_flush()
 
-    async def connect(self, address: Address) -> Connection:
+    async def connect(self, address: Address, *, owns_endpoint: bool = False) -> Connection:
+        """Connect out; with ``owns_endpoint`` the connection closes this endpoint when it
+        ends (set before the handshake: the server may close it in the same datagram)."""
         from rudp.aio.connection import Connection
 
         if self._closed:
             raise LocalProtocolError("endpoint is closed")
         core_conn = self.core.connect(address, monotonic())
         conn = Connection(self, core_conn)
+        conn.owns_endpoint = owns_endpoint
         self._conns[core_conn] = conn
         self._after_io()
         try:
@@ -319,6 +344,8 @@ class AioEndpoint:
         return conn
 
     async def query(self, address: Address, payload: bytes, timeout: float) -> tuple[bytes, float]:
+        if self._closed:
+            raise LocalProtocolError("endpoint is closed")
         nonce = self.core.query(address, payload, monotonic())
         future: asyncio.Future[tuple[bytes, float]] = self._loop.create_future()
         self._queries[nonce] = future
@@ -333,25 +360,37 @@ class AioEndpoint:
         return [c for c in self._conns.values() if c._core.client is False]
 
     async def close(self, timeout: float | None = None) -> None:
-        """Close every connection gracefully, then the socket."""
+        """Close every connection gracefully, then the socket.
+
+        Connections get ``timeout`` (default ``Config.close_timeout`` plus a second) to
+        finish their close handshake; handlers still running then are cancelled and
+        get one more second for their cleanup. It may be called from a handler: that
+        handler is not waited for (it is the one waiting).
+        """
         if self._closed:
             await self._closed_event.wait()
             return
+        loop = self._loop
         limit = timeout if timeout is not None else self.config.close_timeout + 1.0
-        self.core.close(monotonic())
-        self._after_io()
-        waiters = [c.wait_closed() for c in list(self._conns.values())]
-        if waiters:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*waiters), limit)
-        self.core.abort()
-        self._dispatch_events()
-        if self._tasks:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), limit)
-            for task in list(self._tasks):
-                task.cancel()
-        self.close_now()
+        deadline = loop.time() + limit
+        try:
+            self.core.close(monotonic())
+            self._after_io()
+            closing = [c._closed_future for c in self._conns.values()]
+            if closing:
+                await asyncio.wait(closing, timeout=limit)
+            self.core.abort()
+            self._dispatch_events()
+            current = asyncio.current_task()
+            tasks = [t for t in self._tasks if t is not current]
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    await asyncio.wait(pending, timeout=1.0)
+        finally:
+            self.close_now()
 
     def close_now(self) -> None:
         """Release the socket; connections still open end with reason "aborted"."""
@@ -371,7 +410,8 @@ class AioEndpoint:
             self._loop.remove_writer(self._sock.fileno())
         self._sock.close()
         for future in self._queries.values():
-            future.cancel()
+            if not future.done():
+                future.set_exception(LocalProtocolError("endpoint closed before the answer"))
         self._closed_event.set()
 
     @property
@@ -388,4 +428,6 @@ def connect_error(event: Disconnected) -> Exception:
         return ConnectRefused(event.text or "refused")
     if event.reason is DisconnectReason.CONNECT_TIMEOUT:
         return ConnectTimeout("no answer from the server within the connect timeout")
+    if not event.by_peer and event.reason in (DisconnectReason.ABORTED, DisconnectReason.CLOSED):
+        return ConnectError(f"closed locally before the handshake completed ({event.reason})")
     return ConnectRefused(event.reason.value)

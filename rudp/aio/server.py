@@ -24,9 +24,9 @@ def _set_buffers(sock: socket.socket, size: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, option, size)
 
 
-async def _resolve(host: str, port: int, family: int = 0) -> tuple[int, Address]:
+async def _resolve(host: str, port: int, family: int = 0, flags: int = 0) -> tuple[int, Address]:
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM)
+    infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM, flags=flags)
     if not infos:
         raise OSError(f"cannot resolve {host!r}")
     fam, _, _, _, sockaddr = infos[0]
@@ -91,18 +91,23 @@ class Server:
 
     async def connect(self, host: str, port: int) -> Connection:
         """Open an outgoing connection from this server's socket (NAT traversal)."""
-        _, address = await _resolve(host, port, _family(self))
+        _, address = await _resolve(host, port, *_family(self))
         return await self._endpoint.connect(address)
 
     async def query(
         self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
     ) -> tuple[bytes, float]:
         """Send an unconnected query; returns (reply, round-trip seconds)."""
-        _, resolved = await _resolve(address[0], address[1], _family(self))
+        _, resolved = await _resolve(address[0], address[1], *_family(self))
         return await self._endpoint.query(resolved, payload, timeout)
 
     async def close(self) -> None:
-        """Close every connection gracefully (bounded by ``close_timeout``), then the socket."""
+        """Close every connection gracefully, then the socket.
+
+        Bounded: connections and handlers get ``Config.close_timeout`` plus a second;
+        handlers still running then are cancelled (and get a second for their cleanup).
+        A handler may call it; it is not waited for.
+        """
         await self._endpoint.close()
 
     async def wait_closed(self) -> None:
@@ -120,8 +125,15 @@ class Server:
         await self.close()
 
 
-def _family(server: Server) -> int:
-    return server._endpoint._sock.family
+def _family(server: Server) -> tuple[int, int]:
+    """The address family (and getaddrinfo flags) of destinations for this socket: a
+    dual-stack IPv6 socket reaches IPv4 hosts through v4-mapped addresses."""
+    sock = server._endpoint._sock
+    if sock.family == socket.AF_INET6 and not sock.getsockopt(
+        socket.IPPROTO_IPV6, socket.IPV6_V6ONLY
+    ):
+        return sock.family, socket.AI_V4MAPPED
+    return sock.family, 0
 
 
 async def open_endpoint(
@@ -165,12 +177,10 @@ async def connect(
         local_host, local_addr[1] if local_addr else 0, config=cfg, family=family
     )
     try:
-        conn = await server.endpoint.connect(address)
+        return await server.endpoint.connect(address, owns_endpoint=True)
     except BaseException:
         server.endpoint.close_now()
         raise
-    conn.owns_endpoint = True
-    return conn
 
 
 def run(main: Any, *, use_uvloop: bool | None = None) -> Any:

@@ -296,6 +296,22 @@ async def test_delivery_modes_dependencies_and_large_messages_over_sockets(
     await conn.close()
 
 
+async def test_connections_have_fixed_attributes_and_room_for_application_data(
+    server: rudp.Server,
+) -> None:
+    # The same in the pure and the compiled build (where Connection is a native class).
+    conn = await rudp.connect(*server.address)
+    assert conn.user_data is None
+    conn.user_data = {"player": "alice"}
+    with pytest.raises(AttributeError):
+        conn.player = "alice"  # type: ignore[attr-defined]
+    # delivery= takes a plain int as well as a rudp.Delivery, in both builds.
+    handle = conn.send(b"int mode", delivery=int(rudp.Delivery.RELIABLE_UNORDERED))
+    await asyncio.wait_for(handle, 5)
+    assert (await asyncio.wait_for(conn.recv(), 5)).data == b"int mode"
+    await conn.close()
+
+
 def test_the_send_handle_is_the_core_message_and_only_asyncio_makes_it_awaitable() -> None:
     from rudp.config import Config
     from rudp.endpoint import Endpoint
@@ -326,3 +342,234 @@ async def test_awaiting_handles_of_every_outcome(server: rudp.Server) -> None:
     assert pending.acked
     with pytest.raises(rudp.ConnectionClosed):
         conn.send(b"d")
+
+
+# -- set_receiver ------------------------------------------------------------------------
+
+
+async def test_a_receiver_gets_every_message_in_order_and_recv_says_so() -> None:
+    got: list[bytes] = []
+    arrived = asyncio.Event()
+
+    async def handler(conn: rudp.Connection) -> None:
+        first = await conn.recv()  # the first message is taken the usual way
+        got.append(first.data)
+        while len(conn._inbox) < 2:  # two more are queued before the receiver is set
+            await asyncio.sleep(0.01)
+
+        def receiver(msg: rudp.Message) -> None:
+            got.append(msg.data)
+            if len(got) == 12:
+                arrived.set()
+
+        conn.set_receiver(receiver)
+        with pytest.raises(rudp.LocalProtocolError):
+            await conn.recv()
+        with pytest.raises(rudp.LocalProtocolError):
+            conn.recv_nowait()
+        await arrived.wait()
+        conn.set_receiver(None)  # back to queueing
+        assert (await conn.recv()).data == b"after"
+        await conn.close()
+
+    async with await rudp.serve(handler, "127.0.0.1", 0) as srv:
+        conn = await rudp.connect(*srv.address)
+        for i in range(3):
+            conn.send(b"%d" % i)
+        await asyncio.sleep(0.1)
+        for i in range(3, 12):
+            conn.send(b"%d" % i)
+        await asyncio.wait_for(arrived.wait(), 5)
+        conn.send(b"after")
+        await asyncio.wait_for(conn.wait_closed(), 5)
+    assert got == [b"%d" % i for i in range(12)]
+
+
+async def test_setting_a_receiver_wakes_a_waiting_recv_with_an_error(server: rudp.Server) -> None:
+    conn = await rudp.connect(*server.address)
+    waiting = asyncio.create_task(conn.recv())
+    await asyncio.sleep(0)
+    conn.set_receiver(lambda msg: None)
+    with pytest.raises(rudp.LocalProtocolError):
+        await asyncio.wait_for(waiting, 5)
+    with pytest.raises(rudp.LocalProtocolError):
+        conn.set_receiver(b"not callable")  # type: ignore[arg-type]
+    await conn.close()
+
+
+async def test_a_reply_from_a_receiver_shares_the_datagram_of_the_acknowledgement() -> None:
+    # Resends and keepalives out of the way: every datagram the server sends is a reply.
+    config = rudp.Config(
+        rto_min=5.0, rto_initial=5.0, rto_max=10.0, keepalive_interval=30.0, idle_timeout=60.0
+    )
+    server_conns: list[rudp.Connection] = []
+
+    async def handler(conn: rudp.Connection) -> None:
+        server_conns.append(conn)
+        conn.set_receiver(lambda msg: conn.send(msg.data))
+        await conn.wait_closed()
+
+    async with await rudp.serve(handler, "127.0.0.1", 0, config=config) as srv:
+        conn = await rudp.connect(*srv.address, config=config)
+        conn.send(b"warm-up")
+        await asyncio.wait_for(conn.recv(), 5)
+        sent = server_conns[0].stats.packets_sent
+        for i in range(50):
+            conn.send(b"%d" % i)
+            assert (await asyncio.wait_for(conn.recv(), 5)).data == b"%d" % i
+        assert server_conns[0].stats.packets_sent - sent == 50
+        await conn.close()
+
+
+async def test_a_failing_receiver_closes_its_connection_gracefully(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def handler(conn: rudp.Connection) -> None:
+        def receiver(msg: rudp.Message) -> None:
+            raise RuntimeError("receiver bug")
+
+        conn.set_receiver(receiver)
+        await conn.wait_closed()
+
+    async with await rudp.serve(handler, "127.0.0.1", 0) as srv:
+        conn = await rudp.connect(*srv.address)
+        conn.send(b"boom")
+        closed = await asyncio.wait_for(conn.wait_closed(), 5)
+        assert closed.by_peer and closed.reason is rudp.DisconnectReason.CLOSED
+
+
+# -- lifecycle regressions -------------------------------------------------------------------
+
+
+async def test_connect_gives_back_its_socket_when_the_server_closes_at_once() -> None:
+    # The server's ACCEPT and DISCONNECT arrive in one read. A long close_timeout: the
+    # server's close() completes only because the client acknowledges its DISCONNECT.
+    config = rudp.Config(close_timeout=60.0)
+    closes: list[float] = []
+
+    async def handler(conn: rudp.Connection) -> None:
+        start = asyncio.get_running_loop().time()
+        await conn.close(4, "go away")
+        closes.append(asyncio.get_running_loop().time() - start)
+
+    async with await rudp.serve(handler, "127.0.0.1", 0, config=config) as srv:
+        for _ in range(3):
+            try:
+                conn = await rudp.connect(*srv.address)
+            except rudp.ConnectError:
+                continue
+            closed = await asyncio.wait_for(conn.wait_closed(), 5)
+            assert (closed.code, closed.text) == (4, "go away")
+            await asyncio.wait_for(conn._endpoint.wait_closed(), 5)
+        await asyncio.wait_for(_until(lambda: len(closes) == 3), 20)
+    assert all(seconds < 20 for seconds in closes)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+async def test_server_close_from_inside_a_handler_returns_and_closes_the_socket() -> None:
+    after: list[str] = []
+
+    async def handler(conn: rudp.Connection) -> None:
+        await conn.recv()
+        await srv.close()
+        after.append("handler went on")
+
+    srv = await rudp.serve(handler, "127.0.0.1", 0, config=rudp.Config(close_timeout=60.0))
+    conn = await rudp.connect(*srv.address)
+    conn.send(b"shut down")
+    await asyncio.wait_for(srv.wait_closed(), 20)
+    await asyncio.wait_for(_until(lambda: bool(after)), 5)
+    assert srv.endpoint.is_closed and after == ["handler went on"]
+    await asyncio.wait_for(conn.wait_closed(), 5)
+
+
+async def test_cancelling_one_of_two_recv_calls_leaves_the_other_waiting(
+    server: rudp.Server,
+) -> None:
+    conn = await rudp.connect(*server.address)
+    reader = asyncio.create_task(conn.recv())
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(conn.recv(), 0.05)
+    assert not reader.done()
+    conn.send(b"still listening")
+    assert (await asyncio.wait_for(reader, 5)).data == b"still listening"
+    await conn.close()
+
+
+async def test_drain_returns_once_unreliable_messages_have_left() -> None:
+    # Unreliable packets elicit no acknowledgement, and nothing else is heard for a
+    # minute: drain() has to notice the queue emptied when it was sent.
+    config = rudp.Config(send_queue_limit=64, keepalive_interval=60.0, idle_timeout=120.0)
+
+    async def silent(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    async with await rudp.serve(silent, "127.0.0.1", 0, config=config) as srv:
+        conn = await rudp.connect(*srv.address, config=config)
+        await asyncio.sleep(0.1)  # the handshake's last packets are in: nothing more to read
+        for _ in range(64):
+            conn.send(b"u" * 100, reliable=False)
+        await asyncio.wait_for(conn.drain(), 20)
+        assert conn.queued == 0
+        await conn.close()
+
+
+async def test_send_while_closing_raises_connection_closed(server: rudp.Server) -> None:
+    conn = await rudp.connect(*server.address)
+    conn.send(b"queued")
+    closing = asyncio.create_task(conn.close(9, "done"))
+    await asyncio.sleep(0)
+    with pytest.raises(rudp.ConnectionClosed) as info:
+        conn.send(b"too late")
+    assert (info.value.reason, info.value.code) == ("closed", 9)
+    await asyncio.wait_for(closing, 5)
+
+
+async def test_a_pending_query_or_connect_fails_clearly_when_its_endpoint_closes() -> None:
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    try:
+        endpoint = await rudp.open_endpoint("127.0.0.1", 0)
+        query = asyncio.create_task(endpoint.query(silent.getsockname(), b"?", timeout=30))
+        connect = asyncio.create_task(endpoint.connect(*silent.getsockname()))
+        await asyncio.sleep(0.05)
+        await endpoint.close()
+        with pytest.raises(rudp.LocalProtocolError):
+            await asyncio.wait_for(query, 5)
+        with pytest.raises(rudp.ConnectError) as info:
+            await asyncio.wait_for(connect, 5)
+        assert not isinstance(info.value, rudp.ConnectRefused)
+        with pytest.raises(rudp.LocalProtocolError):
+            await endpoint.query(silent.getsockname(), b"?", timeout=30)
+    finally:
+        silent.close()
+
+
+async def test_a_dual_stack_endpoint_reaches_ipv4_hosts(server: rudp.Server) -> None:
+    try:
+        dual = await rudp.open_endpoint("::", 0)
+    except OSError as exc:
+        pytest.skip(f"no dual-stack IPv6 here: {exc}")
+    async with dual:
+        conn = await asyncio.wait_for(dual.connect(*server.address), 5)
+        assert conn.remote_address[0] == "::ffff:127.0.0.1"
+        conn.send(b"mapped")
+        assert (await asyncio.wait_for(conn.recv(), 5)).data == b"mapped"
+        await conn.close()
+
+
+async def test_a_query_handler_returning_a_non_bytes_reply_is_logged_not_raised(
+    server: rudp.Server,
+) -> None:
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    server.on_query = lambda payload, address: "not bytes"  # type: ignore[assignment,return-value]
+    client = await rudp.open_endpoint("127.0.0.1", 0)
+    async with client:
+        with pytest.raises(TimeoutError):
+            await client.query(server.address, b"?" * 64, timeout=0.2)
+    assert errors == []

@@ -429,8 +429,9 @@ def test_close_delivers_everything_queued_then_both_sides_report_the_same_reason
         conn.send(p)
     conn.close(net.now, 4001, "game over")
     assert conn.state is State.CLOSING
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(ConnectionClosed) as closing:  # as the connection reads: closed
         conn.send(b"too late")
+    assert closing.value.reason == "closed" and closing.value.code == 4001
     sconn = server_conn(server)
     net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED)
     assert server.received() == payloads
@@ -441,6 +442,20 @@ def test_close_delivers_everything_queued_then_both_sides_report_the_same_reason
     with pytest.raises(ConnectionClosed) as info:
         conn.send(b"after")
     assert info.value.reason == "closed" and info.value.code == 4001
+
+
+def test_unreliable_messages_queued_before_close_go_out_before_the_disconnect() -> None:
+    # The peer drops messages once it has the DISCONNECT: it must not be sent ahead of
+    # unreliable messages that were queued first (several datagrams' worth here).
+    net, server, client, conn = pair()
+    payloads = [i.to_bytes(2, "big") + bytes(300) for i in range(40)]
+    for p in payloads:
+        conn.send(p, reliable=False)
+    conn.close(net.now)
+    sconn = server_conn(server)
+    net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED)
+    assert server.received() == payloads
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED)]
 
 
 def test_lost_disconnect_is_resent_until_acknowledged() -> None:

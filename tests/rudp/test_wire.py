@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 
 import pytest
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from rudp import wire
 from rudp.config import Config
 from rudp.endpoint import Endpoint
+from rudp.events import MessageReceived
 from rudp.wire import DecodeError, DropReason, PacketType
 
 
@@ -307,3 +310,14 @@ def test_the_fast_frame_encoders_match_the_layout(channel: int, size: int) -> No
     )
     head = bytes([0x80 | (0x08 if channel else 0)]) + (bytes([channel]) if channel else b"")
     assert wire.unreliable_frame(channel, data) == head + size.to_bytes(2, "big") + data
+
+
+def test_a_received_message_copies_pickles_and_matches_like_the_tuple_it_was() -> None:
+    msg = MessageReceived(b"payload", 3, True)
+    for clone in (copy.copy(msg), copy.deepcopy(msg), pickle.loads(pickle.dumps(msg))):
+        assert clone == msg and type(clone) is MessageReceived
+    match msg:
+        case MessageReceived(data, channel, reliable):
+            assert (data, channel, reliable) == (b"payload", 3, True)
+        case _:
+            raise AssertionError("positional pattern did not match")
