@@ -501,20 +501,31 @@ async def test_cancelling_one_of_two_recv_calls_leaves_the_other_waiting(
 
 
 async def test_drain_returns_once_unreliable_messages_have_left() -> None:
-    # Unreliable packets elicit no acknowledgement, and nothing else is heard for a
-    # minute: drain() has to notice the queue emptied when it was sent.
-    config = rudp.Config(send_queue_limit=64, keepalive_interval=60.0, idle_timeout=120.0)
+    # Unreliable packets elicit no acknowledgement: drain() has to notice the queue
+    # emptied when it was sent, not at the next datagram or timer.
+    config = rudp.Config(
+        send_queue_limit=64, keepalive_interval=60.0, idle_timeout=120.0, close_timeout=0.5
+    )
 
     async def silent(conn: rudp.Connection) -> None:
         await conn.wait_closed()
 
     async with await rudp.serve(silent, "127.0.0.1", 0, config=config) as srv:
         conn = await rudp.connect(*srv.address, config=config)
-        await asyncio.sleep(0.1)  # the handshake's last packets are in: nothing more to read
-        for _ in range(64):
-            conn.send(b"u" * 100, reliable=False)
-        await asyncio.wait_for(conn.drain(), 20)
-        assert conn.queued == 0
+        await asyncio.sleep(0.1)  # the handshake's last packets are in
+        asyncio.get_running_loop().remove_reader(srv.endpoint._sock.fileno())  # deaf peer
+
+        async def burst() -> None:
+            for _ in range(64):
+                conn.send(b"u" * 100, reliable=False)
+            assert conn.queued > config.drain_threshold
+            await conn.drain()  # waits from before the flush that sends them
+
+        sender = asyncio.create_task(burst())
+        for _ in range(10):  # loop turns, not time: no timer or datagram is due
+            await asyncio.sleep(0)
+        assert sender.done() and conn.queued == 0
+        await sender
         await conn.close()
 
 
@@ -573,3 +584,33 @@ async def test_a_query_handler_returning_a_non_bytes_reply_is_logged_not_raised(
         with pytest.raises(TimeoutError):
             await client.query(server.address, b"?" * 64, timeout=0.2)
     assert errors == []
+
+
+async def test_a_waiter_on_a_superseded_message_wakes_in_the_same_turn() -> None:
+    # The peer stops reading: only the flush that superseded the message can wake
+    # whoever awaits it within a few loop turns.
+    config = rudp.Config(
+        rto_min=5.0,
+        rto_initial=5.0,
+        rto_max=10.0,
+        keepalive_interval=30.0,
+        idle_timeout=60.0,
+        close_timeout=0.5,
+    )
+
+    async def deaf(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    async with await rudp.serve(deaf, "127.0.0.1", 0, config=config) as srv:
+        conn = await rudp.connect(*srv.address, config=config)
+        await asyncio.sleep(0.1)  # the handshake's last packets are in
+        asyncio.get_running_loop().remove_reader(srv.endpoint._sock.fileno())
+        old = conn.send(b"v1", delivery=rudp.Delivery.RELIABLE_SEQUENCED)
+        waiter = asyncio.ensure_future(old)
+        await asyncio.sleep(0.01)  # v1 is out, unacknowledged, and awaited
+        assert not waiter.done()
+        conn.send(b"v2", delivery=rudp.Delivery.RELIABLE_SEQUENCED)  # supersedes v1
+        for _ in range(10):  # loop turns, not time: no timer or datagram is due
+            await asyncio.sleep(0)
+        assert waiter.done() and old.superseded
+        conn._endpoint.close_now()
