@@ -121,7 +121,7 @@ class Connection:
 
     def send(
         self,
-        data: bytes,
+        data: bytes | bytearray | memoryview,
         *,
         reliable: bool = True,
         channel: int = 0,

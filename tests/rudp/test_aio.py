@@ -305,6 +305,10 @@ async def test_connections_have_fixed_attributes_and_room_for_application_data(
     conn.user_data = {"player": "alice"}
     with pytest.raises(AttributeError):
         conn.player = "alice"  # type: ignore[attr-defined]
+    # Any bytes-like payload, in both builds (compiled, the argument types are checked).
+    for data in (bytearray(b"array"), memoryview(b"view")):
+        await asyncio.wait_for(conn.send(data), 5)
+        assert (await asyncio.wait_for(conn.recv(), 5)).data == bytes(data)
     # delivery= takes a plain int as well as a rudp.Delivery, in both builds.
     handle = conn.send(b"int mode", delivery=int(rudp.Delivery.RELIABLE_UNORDERED))
     await asyncio.wait_for(handle, 5)
