@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from _common import (
@@ -52,13 +53,9 @@ PROTOCOLS = ("udp", "tcp", "rudp", "rudp-cb")
 # -- rudp --------------------------------------------------------------------------------
 
 
-async def rudp_echo(ctx: RoleContext) -> Result:
-    async def handler(conn: rudp.Connection) -> None:
-        recv, send = conn.recv, conn.send
-        with contextlib.suppress(rudp.ConnectionClosed):
-            while True:
-                send((await recv()).data)
-
+async def _rudp_server(
+    ctx: RoleContext, handler: Callable[[rudp.Connection], Awaitable[None]]
+) -> Result:
     server = await rudp.serve(handler, HOST, 0)
     ctx.ready(server.address[1])
     cpu = time.process_time()
@@ -67,6 +64,16 @@ async def rudp_echo(ctx: RoleContext) -> Result:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(server.close(), 5.0)
     return {"cpu_s": cpu}
+
+
+async def rudp_echo(ctx: RoleContext) -> Result:
+    async def handler(conn: rudp.Connection) -> None:
+        recv, send = conn.recv, conn.send
+        with contextlib.suppress(rudp.ConnectionClosed):
+            while True:
+                send((await recv()).data)
+
+    return await _rudp_server(ctx, handler)
 
 
 async def rudp_ping(ctx: RoleContext) -> Result:
@@ -97,14 +104,7 @@ async def rudp_cb_echo(ctx: RoleContext) -> Result:
         conn.set_receiver(lambda msg: send(msg.data))
         await conn.wait_closed()
 
-    server = await rudp.serve(handler, HOST, 0)
-    ctx.ready(server.address[1])
-    cpu = time.process_time()
-    await ctx.stop
-    cpu = time.process_time() - cpu
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(server.close(), 5.0)
-    return {"cpu_s": cpu}
+    return await _rudp_server(ctx, handler)
 
 
 async def rudp_cb_ping(ctx: RoleContext) -> Result:
