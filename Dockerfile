@@ -4,11 +4,16 @@
 # Configuration is by MATCHMAKER_* environment variables (see docs/matchmaker.md);
 # tests/deploy/test_image.py installs and runs exactly what this file describes.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The build stage compiles rudp's per-message code with mypyc (RUDP_COMPILE=1), which
+# needs a C compiler: the full image has one, the slim one does not. Both carry the
+# same CPython under /usr/local, so the venv and its C extensions run in the slim one.
+ARG BUILD_IMAGE=python:3.11-bookworm
 
 # ---------------------------------------------------------------- build stage
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BUILD_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    RUDP_COMPILE=1
 RUN python -m venv /opt/matchmaker
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
@@ -16,10 +21,12 @@ COPY build_backend ./build_backend
 COPY rudp ./rudp
 COPY matchmaker ./matchmaker
 # A regular (non-editable) install with every dependency, uvloop included
-# (it is a dependency of the package on Linux); the import proves the wheel fits.
+# (it is a dependency of the package on Linux), of the compiled build (2-2.7x the
+# pure build's throughput); the import (-P: of the installed package, not of the
+# sources in this directory) proves the wheel fits and is compiled.
 RUN --mount=type=cache,target=/root/.cache/pip \
     /opt/matchmaker/bin/python -m pip install . \
- && /opt/matchmaker/bin/python -c "import uvloop, matchmaker, rudp"
+ && /opt/matchmaker/bin/python -P -c "import uvloop, matchmaker, rudp; assert rudp.compiled"
 
 # -------------------------------------------------------------- runtime stage
 FROM ${PYTHON_IMAGE}
