@@ -234,7 +234,9 @@ class Connection:
         non-blocking, as an ``asyncio.Protocol`` callback. While one is set, ``recv()``
         and ``recv_nowait()`` raise ``LocalProtocolError`` (a ``recv()`` already waiting
         too). If the receiver raises, the exception is logged, the receiver removed and
-        the connection closed gracefully, as when a ``serve`` handler fails.
+        the connection closed gracefully, as when a ``serve`` handler fails. A ``serve``
+        handler that sets one must still not return before the connection should end
+        (``await conn.wait_closed()``): its return closes the connection.
         """
         if receiver is not None and not callable(receiver):
             raise LocalProtocolError(f"receiver must be callable, got {receiver!r}")
