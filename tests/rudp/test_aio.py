@@ -348,6 +348,23 @@ async def test_awaiting_handles_of_every_outcome(server: rudp.Server) -> None:
         conn.send(b"d")
 
 
+# No resend or keepalive for seconds: every datagram a test sees is one it caused.
+QUIET = rudp.Config(
+    rto_min=5.0,
+    rto_initial=5.0,
+    rto_max=10.0,
+    keepalive_interval=30.0,
+    idle_timeout=60.0,
+    close_timeout=0.5,
+)
+
+
+async def _deafen(server: rudp.Server) -> None:
+    """Let the handshake's last packets in, then stop the server reading its socket."""
+    await asyncio.sleep(0.1)
+    asyncio.get_running_loop().remove_reader(server.endpoint._sock.fileno())
+
+
 # -- set_receiver ------------------------------------------------------------------------
 
 
@@ -403,9 +420,7 @@ async def test_setting_a_receiver_wakes_a_waiting_recv_with_an_error(server: rud
 
 async def test_a_reply_from_a_receiver_shares_the_datagram_of_the_acknowledgement() -> None:
     # Resends and keepalives out of the way: every datagram the server sends is a reply.
-    config = rudp.Config(
-        rto_min=5.0, rto_initial=5.0, rto_max=10.0, keepalive_interval=30.0, idle_timeout=60.0
-    )
+    config = QUIET
     server_conns: list[rudp.Connection] = []
 
     async def handler(conn: rudp.Connection) -> None:
@@ -516,8 +531,7 @@ async def test_drain_returns_once_unreliable_messages_have_left() -> None:
 
     async with await rudp.serve(silent, "127.0.0.1", 0, config=config) as srv:
         conn = await rudp.connect(*srv.address, config=config)
-        await asyncio.sleep(0.1)  # the handshake's last packets are in
-        asyncio.get_running_loop().remove_reader(srv.endpoint._sock.fileno())  # deaf peer
+        await _deafen(srv)
 
         async def burst() -> None:
             for _ in range(64):
@@ -593,22 +607,14 @@ async def test_a_query_handler_returning_a_non_bytes_reply_is_logged_not_raised(
 async def test_a_waiter_on_a_superseded_message_wakes_in_the_same_turn() -> None:
     # The peer stops reading: only the flush that superseded the message can wake
     # whoever awaits it within a few loop turns.
-    config = rudp.Config(
-        rto_min=5.0,
-        rto_initial=5.0,
-        rto_max=10.0,
-        keepalive_interval=30.0,
-        idle_timeout=60.0,
-        close_timeout=0.5,
-    )
+    config = QUIET
 
     async def deaf(conn: rudp.Connection) -> None:
         await conn.wait_closed()
 
     async with await rudp.serve(deaf, "127.0.0.1", 0, config=config) as srv:
         conn = await rudp.connect(*srv.address, config=config)
-        await asyncio.sleep(0.1)  # the handshake's last packets are in
-        asyncio.get_running_loop().remove_reader(srv.endpoint._sock.fileno())
+        await _deafen(srv)
         old = conn.send(b"v1", delivery=rudp.Delivery.RELIABLE_SEQUENCED)
         waiter = asyncio.ensure_future(old)
         await asyncio.sleep(0.01)  # v1 is out, unacknowledged, and awaited
