@@ -102,6 +102,15 @@ class Config:
     exceed it is dropped unacknowledged (and so resent later). An honest peer never
     gets near it: it cannot have more than ``window`` datagrams in flight."""
 
+    recv_queue_bytes: int = 1024 * 1024
+    """Bytes of received messages waiting for ``recv()`` per connection (each charged
+    64 bytes besides its payload) before the peer is asked to pause (flow control):
+    it then sends no new messages until ``recv()`` has taken the queue down to half
+    of this. Messages already on their way still arrive, up to ``recv_buffer_bytes``
+    more; a peer that ignores the pause gets its packets refused unacknowledged and
+    resends them later, so an application that stops reading holds a bounded amount
+    of memory per connection and the sender's ``drain()`` waits instead."""
+
     rto_initial: float = 0.25
     """Resend timeout before the first round-trip sample (RFC 6298 says 1 s; games can't wait)."""
 
@@ -164,6 +173,7 @@ class Config:
         if self.drain_low_water is not None:
             _check_range("drain_low_water", self.drain_low_water, 0, self.send_queue_limit)
         _check_range("recv_buffer_bytes", self.recv_buffer_bytes, self.max_datagram_size, 1 << 34)
+        _check_range("recv_queue_bytes", self.recv_queue_bytes, 1, 1 << 34)
         _check_range("max_backoff", self.max_backoff, 0, 16)
         _check_range("reorder_threshold", self.reorder_threshold, 1, 32)
         _check_range("max_connections", self.max_connections, 0, 1 << 24)

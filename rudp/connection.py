@@ -30,6 +30,16 @@ graph so that only dependencies the receiver may not have executed travel.
 Reliable messages larger than a datagram are split into fragments, each an
 ordinary reliable message of its mode, and reassembled within a reserved budget.
 
+Flow control: a receiver whose application is not keeping up calls
+``pause_receiving()``, which sends PAUSE; the peer then sends no new messages
+(resends, acks, PING and DISCONNECT still go) until RESUME. Both frames are
+ack-eliciting and, while they still describe the current state, resent when
+lost; a receiver applies one only from a packet newer than the last that
+carried one, so a late copy never undoes a newer state. Messages already on
+their way when the receiver paused are accepted, up to ``recv_buffer_bytes`` of
+datagrams; past that a paused receiver refuses packets carrying messages, so a
+peer that ignores PAUSE cannot make it hold more.
+
 All state transitions happen in ``_set_state``; the states are::
 
     CONNECTING -> CONNECTED -> CLOSING (our close: flush, DISCONNECT, its ack) -> CLOSED
@@ -290,6 +300,13 @@ class Connection:
         self._close_text = ""
         self._disconnect_queued = False
         self._deadline: float | None = None  # close or drain deadline
+        # -- flow control (PAUSE / RESUME)
+        self.receiving_paused = False  # we asked the peer to stop sending messages
+        self.peer_paused = False  # the peer asked us to
+        self._flow_frame = b""  # PAUSE or RESUME waiting to go out
+        self._flow_seq = -1  # the packet that carried our latest PAUSE or RESUME
+        self._peer_flow_seq = -1  # the newest packet whose PAUSE or RESUME we applied
+        self._pause_budget = 0  # datagram bytes with messages still accepted while paused
 
     # -- public API -----------------------------------------------------------------
 
@@ -562,7 +579,33 @@ class Connection:
             self._close_code, self._close_text = code, text
             self._set_state(CLOSING)
             self._dirty.add(self)  # queued unreliable messages go first, then DISCONNECT
+            if self.peer_paused:
+                # What is queued may never be taken: a close must still end.
+                self._deadline = now + self.config.close_timeout
             self._maybe_send_disconnect(now)
+
+    def pause_receiving(self) -> None:
+        """Ask the peer to stop sending messages: the application is not keeping up.
+
+        Messages already on their way are still accepted, up to ``recv_buffer_bytes``
+        of datagrams; past that, a packet carrying messages is refused unacknowledged
+        (counted as ``recv_queue_full``) and comes back after ``resume_receiving()``.
+        """
+        if self.receiving_paused:
+            return
+        self.receiving_paused = True
+        self._pause_budget = self._byte_window
+        self.stats.receive_pauses += 1
+        self._flow_frame = wire.PAUSE_FRAME
+        self._dirty.add(self)
+
+    def resume_receiving(self) -> None:
+        """Let the peer send messages again (undoes ``pause_receiving()``)."""
+        if not self.receiving_paused:
+            return
+        self.receiving_paused = False
+        self._flow_frame = wire.RESUME_FRAME
+        self._dirty.add(self)
 
     def abort(
         self, reason: DisconnectReason = DisconnectReason.ABORTED, *, by_peer: bool = False
@@ -726,8 +769,13 @@ class Connection:
             reason = self._check_special(frames.messages)
             if reason is not None:
                 return reason
-        if frames.messages and not self._can_buffer(frames.messages, len(data)):
-            return DropReason.RECV_BUFFER_FULL
+        if frames.messages:
+            if not self._can_buffer(frames.messages, len(data)):
+                return DropReason.RECV_BUFFER_FULL
+            if self.receiving_paused and state is not DRAINING:
+                if len(data) > self._pause_budget:
+                    return DropReason.RECV_QUEUE_FULL
+                self._pause_budget -= len(data)
         low = self._ack_low
         if low is not None and seq - low > ACK_SPAN:
             # A header acknowledges its largest packet and the 32 before it. When more than
@@ -747,6 +795,12 @@ class Connection:
         if self.state is CLOSED:  # that ack completed our close
             return None
         eliciting = frames.ping or frames.disconnect is not None
+        flow = frames.flow
+        if flow != wire.NO_FLOW:
+            eliciting = True
+            if seq > self._peer_flow_seq and state is not DRAINING:
+                self._peer_flow_seq = seq
+                self._on_peer_flow(flow == 1, now)
         if frames.messages and state is not DRAINING:
             eliciting = self._deliver(frames.messages, now) or eliciting
             if self.close_reason is not None:  # the peer broke the protocol
@@ -765,6 +819,19 @@ class Connection:
         if frames.disconnect is not None:
             self._on_peer_disconnect(frames.disconnect, now)
         return None
+
+    def _on_peer_flow(self, paused: bool, now: float) -> None:
+        if paused == self.peer_paused:
+            return
+        self.peer_paused = paused
+        if paused:
+            self.stats.peer_pauses += 1
+            if self.state is CLOSING and self._deadline is None:
+                self._deadline = now + self.config.close_timeout
+        else:
+            self._dirty.add(self)  # what waited goes out now
+            if self.state is CLOSING and not self._disconnect_queued:
+                self._deadline = None
 
     def _can_buffer(self, messages: list[wire.MessageFrame], size: int) -> bool:
         """Whether the packet's early reliable messages fit the reorder buffer.
@@ -1396,6 +1463,9 @@ class Connection:
                 self._retx.append(msg)
         if pkt.control and self.state is CLOSING:
             self._control.extend(pkt.control)
+        if pkt.seq == self._flow_seq and not self._flow_frame:
+            # Our latest PAUSE or RESUME was lost: tell the current state again.
+            self._flow_frame = wire.PAUSE_FRAME if self.receiving_paused else wire.RESUME_FRAME
         self._dirty.add(self)
 
     # -- send path ---------------------------------------------------------------------------
@@ -1405,6 +1475,7 @@ class Connection:
             self._ack_pending
             or self._ping
             or self._control
+            or self._flow_frame
             or self._retx
             or self._unrel_queue
             or self._rel_queue
@@ -1419,9 +1490,14 @@ class Connection:
             for frame in control:
                 parts.append(frame)
                 budget -= len(frame)
+        flow = self._flow_frame
+        if flow:
+            self._flow_frame = b""
+            parts.append(flow)
+            budget -= 1
         if self._in_flight < self._packet_window:
             budget = self._take_retransmissions(parts, messages, budget)
-        if self._unrel_queue:
+        if self._unrel_queue and not self.peer_paused:  # none new until the peer's RESUME
             budget = self._take_unreliable(parts, budget, now)
             if not self._unrel_queue and self.state is CLOSING:
                 # The last unreliable messages queued before close() go out with the
@@ -1432,11 +1508,11 @@ class Connection:
                     parts.append(frame)
                     control.append(frame)
                     budget -= len(frame)
-        if self._in_flight < self._packet_window and not self._retx:
+        if self._in_flight < self._packet_window and not self._retx and not self.peer_paused:
             budget = self._take_new_reliable(parts, messages, budget)
         if self._redundancy and messages:
             budget = self._take_redundant(parts, messages, budget)
-        eliciting = bool(messages or control)
+        eliciting = bool(messages or control or flow)
         if self._ping and not eliciting and self.state is not DRAINING:
             parts.append(wire.PING_FRAME)
             eliciting = True
@@ -1471,6 +1547,8 @@ class Connection:
             self._in_flight += 1
             self._last_eliciting = now
             self.stats.eliciting_sent += 1
+            if flow:
+                self._flow_seq = seq
             for msg in messages:
                 msg.copies += 1
         return datagram

@@ -62,6 +62,16 @@ _CONN_COUNTERS = (
         "rudp_fragments_dropped_total",
         "Fragments inconsistent with the rest of their message, dropped.",
     ),
+    (
+        "receive_pauses",
+        "rudp_receive_pauses_total",
+        "Times a full receive queue asked the peer to pause sending (flow control).",
+    ),
+    (
+        "peer_pauses",
+        "rudp_peer_pauses_total",
+        "Times the peer asked us to pause sending (its receive queue was full).",
+    ),
 )
 
 

@@ -27,6 +27,8 @@ COUNTERS: Final = (
     "packets_lost",
     "packets_received",
     "packets_sent",
+    "peer_pauses",
+    "receive_pauses",
     "spurious_losses",
     "stale_messages",
     "timeouts",
@@ -60,6 +62,8 @@ class ConnectionStats:
         self.messages_superseded = 0  # reliable-sequenced messages replaced before their ack
         self.stale_messages = 0  # sequenced messages older than the newest delivered, dropped
         self.fragments_dropped = 0  # fragments inconsistent with the rest of their message
+        self.receive_pauses = 0  # times we asked the peer to pause (our receive queue filled)
+        self.peer_pauses = 0  # times the peer asked us to pause sending
         self.rtt: RttEstimator | None = None
 
     @property

@@ -26,6 +26,8 @@ DATA frames::
 
     0x01 PING                                  ack-eliciting, no body
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
+    0x03 PAUSE                                 ack-eliciting, no body: stop sending messages
+    0x04 RESUME                                ack-eliciting, no body: send them again
     0x80|flags MESSAGE                         flags: bits 0-2 wire mode,
          [channel u8]   if flag 0x08           bit 3 (0x08) channel byte present,
          [seq u16]      unless mode 0          bit 4 (0x10) dependencies present,
@@ -33,6 +35,9 @@ DATA frames::
                         if flag 0x40           bit 5 (0x20) reserved (must be 0)
          [n u8, n x dep u16]  if flag 0x10
          len u16, payload
+
+PAUSE and RESUME are flow control: a receiver whose application falls behind
+asks its peer to stop sending messages, then to go on (see docs/protocol.md).
 
 Wire modes: 0 unreliable, 1 reliable-ordered, 2 unreliable-sequenced,
 3 reliable-unordered (the dependency graph's messages: with flag 0x10 they
@@ -99,6 +104,8 @@ class PacketType(enum.IntEnum):
 class FrameType(enum.IntEnum):
     PING = 0x01
     DISCONNECT = 0x02
+    PAUSE = 0x03
+    RESUME = 0x04
 
 
 class Delivery(enum.IntEnum):
@@ -131,6 +138,8 @@ _ORDERED: Final = 1
 _UNORDERED: Final = 3
 _PING: Final = 0x01
 _DISCONNECT: Final = 0x02
+_PAUSE: Final = 0x03
+_RESUME: Final = 0x04
 _DATA: Final = 5
 
 
@@ -150,6 +159,7 @@ class DropReason(enum.StrEnum):
     DUPLICATE = "duplicate"
     BAD_ACK = "bad_ack"
     RECV_BUFFER_FULL = "recv_buffer_full"
+    RECV_QUEUE_FULL = "recv_queue_full"
     UNEXPECTED = "unexpected"
 
 
@@ -174,6 +184,9 @@ class FrameExtra(NamedTuple):
 MessageFrame = tuple[int, int, int, bytes, FrameExtra | None]
 
 
+NO_FLOW: Final = -1
+
+
 class DisconnectFrame(NamedTuple):
     code: int
     text: str
@@ -184,6 +197,7 @@ class DataFrames(NamedTuple):
     ping: bool
     disconnect: DisconnectFrame | None
     special: bool  # some message is a fragment, has dependencies or a mode other than 0/1
+    flow: int = NO_FLOW  # the packet's last PAUSE (1) or RESUME (0) frame, NO_FLOW if none
 
 
 class Connect(NamedTuple):
@@ -432,6 +446,8 @@ def message_frame_size(
 
 
 PING_FRAME: Final = bytes((FrameType.PING,))
+PAUSE_FRAME: Final = bytes((FrameType.PAUSE,))
+RESUME_FRAME: Final = bytes((FrameType.RESUME,))
 
 
 def disconnect_frame(code: int, text: str) -> bytes:
@@ -451,6 +467,7 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
     messages: list[MessageFrame] = []
     ping = False
     special = False
+    flow = NO_FLOW
     disconnect: DisconnectFrame | None = None
     end = len(data)
     while off < end:
@@ -493,9 +510,13 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
                 raise DecodeError(DropReason.TRUNCATED)
             disconnect = DisconnectFrame(code, data[off : off + n].decode("utf-8", "replace"))
             off += n
+        elif kind == _PAUSE:
+            flow = 1
+        elif kind == _RESUME:
+            flow = 0
         else:
             raise DecodeError(DropReason.MALFORMED)
-    return DataFrames(messages, ping, disconnect, special)
+    return DataFrames(messages, ping, disconnect, special, flow)
 
 
 _EXTRA_FLAGS: Final = FLAG_FRAGMENT | FLAG_DEPS

@@ -6,7 +6,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable, Iterable
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -29,6 +29,9 @@ Message = MessageReceived
 Receiver = Callable[[MessageReceived], object]
 """What ``Connection.set_receiver`` takes: called with each message as it arrives."""
 
+
+QUEUE_ENTRY_COST: Final = 64
+"""Bytes charged per queued received message besides its payload."""
 
 SendHandle = OutMessage
 """What ``send()`` returns: await it to know the peer acknowledged the message.
@@ -54,8 +57,10 @@ class Connection:
         "_endpoint",
         "_established_future",
         "_inbox",
+        "_inbox_bytes",
         "_loop",
         "_receiver",
+        "_recv_limit",
         "_recv_waiters",
         "_waiting",
         "owns_endpoint",
@@ -67,6 +72,10 @@ class Connection:
         self._core = core
         self._loop = endpoint._loop
         self._inbox: deque[MessageReceived] = deque()
+        # Bytes the inbox holds, each message charged QUEUE_ENTRY_COST besides its payload:
+        # past ``Config.recv_queue_bytes`` the peer is asked to pause (see ``_take``).
+        self._inbox_bytes = 0
+        self._recv_limit = endpoint.config.recv_queue_bytes
         # One future per task waiting in recv(): a shared one would be cancelled with
         # the first waiter cancelled (a wait_for timeout), and fail the others.
         self._recv_waiters: list[asyncio.Future[None]] = []
@@ -213,12 +222,12 @@ class Connection:
                 if waiter in self._recv_waiters:
                     self._recv_waiters.remove(waiter)
                 raise
-        return self._inbox.popleft()
+        return self._take()
 
     def recv_nowait(self) -> MessageReceived | None:
         """The next message if one is waiting, else None."""
         if self._inbox:
-            return self._inbox.popleft()
+            return self._take()
         if self._receiver is not None:
             raise self._receiver_set()
         return None
@@ -245,8 +254,20 @@ class Connection:
             return
         inbox = self._inbox
         while inbox and self._receiver is receiver:
-            self._call_receiver(receiver, inbox.popleft())
+            self._call_receiver(receiver, self._take())
         self._wake_receivers()
+
+    def _take(self) -> MessageReceived:
+        message = self._inbox.popleft()
+        left = self._inbox_bytes - len(message.data) - QUEUE_ENTRY_COST
+        self._inbox_bytes = left
+        core = self._core
+        if core.receiving_paused and left <= self._recv_limit >> 1:
+            core.resume_receiving()
+            endpoint = self._endpoint
+            if not endpoint._flush_pending:
+                endpoint.wake()
+        return message
 
     def _call_receiver(self, receiver: Receiver, message: MessageReceived) -> None:
         try:
@@ -291,6 +312,13 @@ class Connection:
             self._call_receiver(receiver, message)
             return
         self._inbox.append(message)
+        queued = self._inbox_bytes + len(message.data) + QUEUE_ENTRY_COST
+        self._inbox_bytes = queued
+        if queued >= self._recv_limit and not self._core.receiving_paused:
+            # The application is not keeping up: the peer stops sending new messages
+            # until recv() has taken the queue down to half.
+            self._core.pause_receiving()
+            self._endpoint.wake()
         if self._recv_waiters:
             self._wake_receivers()
 

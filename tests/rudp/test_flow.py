@@ -1,0 +1,304 @@
+"""Flow control: a receiver that is not keeping up pauses its peer (PAUSE / RESUME).
+
+The sans-IO core on the stepped fake clock first, then the asyncio layer, whose
+receive queue decides when to pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+import rudp
+from rudp import wire
+from rudp.config import Config
+from rudp.connection import State
+from rudp.errors import SendQueueFull
+from rudp.events import Disconnected, DisconnectReason
+from rudp.wire import DropReason
+from tests.rudp.harness import Address, Link
+from tests.rudp.test_core import SERVER, pair, server_conn
+
+
+def _flow_frames(data: bytes) -> int:
+    if wire.decode_type(data) is not wire.PacketType.DATA:
+        return wire.NO_FLOW
+    return wire.decode_frames(data).flow
+
+
+def test_flow_frames_round_trip() -> None:
+    rest = wire.data_header(1, 2, 3, 0) + wire.PAUSE_FRAME + wire.PING_FRAME
+    assert wire.decode_frames(wire.seal_rest(rest)).flow == 1
+    rest = wire.data_header(1, 2, 3, 0) + wire.PAUSE_FRAME + wire.RESUME_FRAME
+    assert wire.decode_frames(wire.seal_rest(rest)).flow == 0  # the last one counts
+    assert wire.decode_frames(wire.seal_rest(wire.data_header(1, 2, 3, 0))).flow == wire.NO_FLOW
+
+
+def test_a_paused_receiver_stops_new_messages_and_resuming_delivers_the_rest() -> None:
+    net, server, client, conn = pair(Link(delay=0.01), config=Config(window=16))
+    sconn = server_conn(server)
+    payloads = [i.to_bytes(4, "big") + bytes(60) for i in range(3000)]
+    for p in payloads:
+        conn.send(p)
+    net.run_until(lambda: len(server.received()) >= 200)
+    sconn.pause_receiving()
+    assert sconn.receiving_paused and sconn.stats.receive_pauses == 1
+    net.run_until(lambda: conn.peer_paused)
+    at_pause = len(server.received())
+    net.run(5.0)  # far longer than any resend timeout: nothing new may come
+    held = len(server.received())
+    # What was in flight when the PAUSE arrived still lands; nothing sent after it.
+    assert held < len(payloads)
+    assert held - at_pause <= conn.config.window * 20
+    net.run(5.0)
+    assert len(server.received()) == held
+    assert conn.stats.peer_pauses == 1 and conn.queued == len(payloads) - held
+    assert server.endpoint.stats.dropped[DropReason.RECV_QUEUE_FULL] == 0  # an honest peer
+    assert conn.state is State.CONNECTED and sconn.state is State.CONNECTED  # kept alive
+
+    sconn.resume_receiving()
+    net.run_until(lambda: conn.queued == 0)
+    assert not conn.peer_paused
+    assert server.received() == payloads  # exactly once, in order
+
+
+def test_the_send_queue_fills_while_the_peer_is_paused() -> None:
+    cfg = Config(send_queue_limit=500)
+    net, server, client, conn = pair(config=cfg)
+    server_conn(server).pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    for i in range(500):
+        conn.send(i.to_bytes(2, "big"))
+    net.run(3.0)
+    assert server.received() == []
+    with pytest.raises(SendQueueFull):
+        conn.send(b"one too many")
+    server_conn(server).resume_receiving()
+    net.run_until(lambda: conn.queued == 0)
+    assert server.received() == [i.to_bytes(2, "big") for i in range(500)]
+
+
+def test_unreliable_messages_wait_for_the_resume_too() -> None:
+    net, server, client, conn = pair()
+    server_conn(server).pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    conn.send(b"u", reliable=False, now=net.now)
+    net.run(0.1)
+    assert server.received() == []
+    server_conn(server).resume_receiving()
+    net.run(0.1)
+    assert server.received() == [b"u"]
+
+
+@pytest.mark.parametrize("which", [1, 0])
+def test_a_lost_pause_or_resume_is_sent_again(which: int) -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    dropped: list[bytes] = []
+    real = net._transmit
+
+    def lose_first_flow_frame(data: bytes, src: Address, dst: Address) -> None:
+        if src == SERVER and not dropped and _flow_frames(data) == which:
+            dropped.append(data)
+            return
+        real(data, src, dst)
+
+    net._transmit = lose_first_flow_frame  # type: ignore[method-assign]
+    sconn.pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    sconn.resume_receiving()
+    net.run_until(lambda: not conn.peer_paused)
+    assert dropped, "the frame was never sent"
+    conn.send(b"after")
+    net.run_until(lambda: conn.queued == 0)
+    assert server.received() == [b"after"]
+
+
+def test_a_late_pause_never_undoes_a_newer_resume() -> None:
+    net, server, client, conn = pair(Link(delay=0.01))
+    sconn = server_conn(server)
+    held: list[tuple[bytes, Address, Address]] = []
+    real = net._transmit
+
+    def delay_pause(data: bytes, src: Address, dst: Address) -> None:
+        if src == SERVER and _flow_frames(data) == 1 and not held:
+            held.append((data, src, dst))
+            return
+        real(data, src, dst)
+
+    net._transmit = delay_pause  # type: ignore[method-assign]
+    sconn.pause_receiving()
+    net.flush()
+    sconn.resume_receiving()
+    net.run(0.05)  # RESUME arrives (the peer was never paused)
+    assert held and not conn.peer_paused
+    net._transmit = real  # type: ignore[method-assign]
+    net.inject(*held[0])  # the old PAUSE, long after
+    net.run(0.05)
+    assert not conn.peer_paused
+    conn.send(b"still flowing")
+    net.run_until(lambda: conn.queued == 0)
+    assert server.received() == [b"still flowing"]
+
+
+def test_a_peer_that_ignores_pause_is_refused_past_the_budget() -> None:
+    cfg = Config(recv_buffer_bytes=20_000)
+    net, server, client, conn = pair(Link(delay=0.01), config=cfg)
+    sconn = server_conn(server)
+    sconn.pause_receiving()
+    # The client never hears of it: every PAUSE from the server is lost.
+    real = net._transmit
+
+    def lose_flow(data: bytes, src: Address, dst: Address) -> None:
+        if src == SERVER and _flow_frames(data) != wire.NO_FLOW:
+            return
+        real(data, src, dst)
+
+    net._transmit = lose_flow  # type: ignore[method-assign]
+    payloads = [i.to_bytes(4, "big") + bytes(500) for i in range(400)]  # 200 kB
+    for p in payloads:
+        conn.send(p)
+    net.run(3.0)
+    got = len(server.received())
+    assert 0 < got < len(payloads)
+    accepted = sconn.stats.bytes_received
+    assert got * 500 <= 20_000 + 2_000  # bounded by the budget (plus the first packet)
+    assert server.endpoint.stats.dropped[DropReason.RECV_QUEUE_FULL] > 0
+    assert not conn.peer_paused
+    net._transmit = real  # type: ignore[method-assign]
+    assert sconn.stats.bytes_received == accepted
+    sconn.resume_receiving()
+    net.run_until(lambda: conn.queued == 0, timeout=120)
+    assert server.received() == payloads  # the refused packets were resent
+
+
+def test_close_with_the_peer_paused_ends_after_the_close_timeout() -> None:
+    cfg = Config(close_timeout=2.0)
+    net, server, client, conn = pair(config=cfg)
+    sconn = server_conn(server)
+    sconn.pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    handle = conn.send(b"never read")
+    start = net.now
+    conn.close(net.now, 4000, "bye")
+    net.run_until(lambda: conn.state is State.CLOSED, timeout=10)
+    assert 2.0 <= net.now - start <= 2.5
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED, 4000, "bye")]
+    assert not handle.acked
+    assert server.received() == []
+
+
+def test_a_resume_during_close_lets_the_close_finish_gracefully() -> None:
+    cfg = Config(close_timeout=2.0)
+    net, server, client, conn = pair(config=cfg)
+    sconn = server_conn(server)
+    sconn.pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    conn.send(b"late but delivered")
+    conn.close(net.now)
+    net.run(1.5)
+    sconn.resume_receiving()
+    net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED)
+    assert server.received() == [b"late but delivered"]
+    assert server.disconnects() == [Disconnected(DisconnectReason.CLOSED, by_peer=True)]
+
+
+def test_flow_state_survives_loss_duplication_and_reordering() -> None:
+    link = Link(loss=0.2, duplicate=0.05, reorder=0.1)
+    net, server, client, conn = pair(link, seed=7, config=Config(window=8))
+    sconn = server_conn(server)
+    payloads = [i.to_bytes(4, "big") + bytes(100) for i in range(2000)]
+    for p in payloads:
+        conn.send(p)
+    for _ in range(6):
+        sconn.pause_receiving()
+        net.run(1.0)
+        sconn.resume_receiving()
+        net.run(0.3)
+    net.run_until(lambda: conn.queued == 0 and not conn.peer_paused, timeout=30)
+    assert server.received() == payloads
+    assert sconn.stats.receive_pauses == 6 and conn.stats.peer_pauses >= 3
+
+
+# -- the asyncio layer ------------------------------------------------------------------
+
+QUIET = rudp.Config(keepalive_interval=5.0, idle_timeout=30.0)
+
+
+async def test_a_slow_reader_pauses_its_peer_and_its_queue_stays_bounded() -> None:
+    limit = 64 * 1024
+    cfg = dataclasses.replace(QUIET, recv_queue_bytes=limit, recv_buffer_bytes=limit)
+    conns: list[rudp.Connection] = []
+    got: list[bytes] = []
+    reading = asyncio.Event()
+    payloads = [i.to_bytes(4, "big") + bytes(196) for i in range(3000)]
+
+    async def handler(conn: rudp.Connection) -> None:
+        conns.append(conn)
+        await reading.wait()
+        got.extend([msg.data async for msg in conn])
+
+    async with await rudp.serve(handler, "127.0.0.1", 0, config=cfg) as server:
+        conn = await rudp.connect(*server.address, config=cfg)
+        for p in payloads:
+            conn.send(p)
+        async with asyncio.timeout(10):
+            while not conn.stats.peer_pauses:
+                await asyncio.sleep(0.001)
+        (sconn,) = conns
+        for _ in range(50):  # every chance to overrun the reader: it must not
+            await asyncio.sleep(0.002)
+        # The limit, what was in flight when it was crossed, and the budget for
+        # what was on its way after the PAUSE: each at most ``limit``.
+        assert limit <= sconn._inbox_bytes <= 3 * limit + 1300
+        assert sconn._core.receiving_paused and conn._core.peer_paused
+        assert conn.queued > 0  # held at the sender, not piled up at the receiver
+        reading.set()
+        await asyncio.wait_for(conn.drain(), 10)
+        await asyncio.wait_for(conn.close(), 10)
+        await asyncio.wait_for(sconn.wait_closed(), 10)
+    assert got == payloads
+    assert sconn.stats.receive_pauses >= 1
+
+
+async def test_the_receive_queue_resumes_at_half_and_a_receiver_empties_it() -> None:
+    cfg = dataclasses.replace(QUIET, recv_queue_bytes=10 * (100 + 64))
+    got: list[bytes] = []
+    conns: list[rudp.Connection] = []
+    arrived = asyncio.Event()
+
+    async def handler(conn: rudp.Connection) -> None:
+        conns.append(conn)
+        arrived.set()
+        await conn.wait_closed()
+
+    async with await rudp.serve(handler, "127.0.0.1", 0, config=cfg) as server:
+        conn = await rudp.connect(*server.address, config=cfg)
+        await arrived.wait()
+        (sconn,) = conns
+        for i in range(10):
+            conn.send(bytes([i]) * 100)
+        await asyncio.wait_for(conn.drain(), 5)
+        while not conn._core.peer_paused:
+            await asyncio.sleep(0.001)
+        assert sconn._core.receiving_paused
+        for _ in range(4):
+            assert sconn.recv_nowait() is not None
+        assert sconn._core.receiving_paused  # 6 left: above half
+        assert sconn.recv_nowait() is not None
+        assert not sconn._core.receiving_paused  # 5 left: half
+        sconn.set_receiver(lambda m: got.append(m.data))
+        assert sconn._inbox_bytes == 0 and len(got) == 5
+        while conn._core.peer_paused:
+            await asyncio.sleep(0.001)
+        conn.send(b"after")
+        await asyncio.wait_for(conn.drain(), 5)
+        await asyncio.wait_for(conn.close(), 5)
+        assert got == [bytes([i]) * 100 for i in range(5, 10)] + [b"after"]
+
+
+def test_config_checks_recv_queue_bytes() -> None:
+    with pytest.raises(ValueError, match="recv_queue_bytes"):
+        Config(recv_queue_bytes=0)
