@@ -4,7 +4,8 @@ Hypothesis drives a client and a server ``rudp.endpoint.Endpoint`` on a fake clo
 datagram in flight under its control: it sends reliable and unreliable messages both ways on
 several channels, delivers datagrams in any order, drops, duplicates and corrupts them, advances
 the clock (far enough for resends, keepalives and timeouts), injects random bytes and well-formed
-but forged packets, and closes either side. After every step:
+but forged packets, pauses and resumes either side's receiving (flow control), and closes
+either side. After every step:
 
 * no exception escaped the core (any would fail the test);
 * per direction and channel, the reliable messages received are exactly a prefix of those sent:
@@ -14,9 +15,10 @@ but forged packets, and closes either side. After every step:
   to be fragmented) are each delivered at most once, only if sent, and only after every
   message they depend on.
 
-At teardown the network is healed; whatever is still connected must then deliver every reliable
-message, and a peer that reported the other side's graceful close must have received everything
-that side sent reliably. Examples are bounded (see ``settings``) to keep CI fast.
+At teardown the network is healed and both sides resume; whatever is still connected must then
+deliver every reliable message and learn that its peer resumed, and a peer that reported the
+other side's graceful close must have received everything that side sent reliably. Examples are
+bounded (see ``settings``) to keep CI fast.
 """
 
 from __future__ import annotations
@@ -254,6 +256,16 @@ class TwoEndpoints(RuleBasedStateMachine):
         self.conns[side].close(self.now, code, text)
         self._flush()
 
+    @rule(side=st.sampled_from(SIDES))
+    def pause(self, side: int) -> None:
+        self.conns[side].pause_receiving()
+        self._flush()
+
+    @rule(side=st.sampled_from(SIDES))
+    def resume(self, side: int) -> None:
+        self.conns[side].resume_receiving()
+        self._flush()
+
     # -- invariants --------------------------------------------------------------------------
 
     @invariant()
@@ -277,6 +289,9 @@ class TwoEndpoints(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         # Heal the network and let time run; in-flight datagrams are all delivered.
+        for conn in self.conns:
+            conn.resume_receiving()
+        self._flush()
         for _ in range(3000):
             self._deliver_all()
             if all(c.state is State.CLOSED for c in self.conns) or (
@@ -290,6 +305,13 @@ class TwoEndpoints(RuleBasedStateMachine):
         self.graph_at_most_once_after_dependencies()
         if all(c.state is State.CONNECTED for c in self.conns):
             assert self._complete(), "a healed network did not deliver everything"
+            for _ in range(500):  # a lost RESUME is resent: both sides learn it
+                if not any(c.peer_paused for c in self.conns):
+                    break
+                self._deliver_all()
+                self.now += 0.01
+                self._tick()
+            assert not any(c.peer_paused for c in self.conns), "a RESUME never arrived"
         for side in SIDES:
             event = self.ended.get(side)
             if event is not None and event.reason is DisconnectReason.CLOSED and event.by_peer:
