@@ -105,8 +105,8 @@ class Config:
     recv_queue_bytes: int = 1024 * 1024
     """Bytes of received messages waiting for ``recv()`` per connection (each charged
     64 bytes besides its payload) before the peer is asked to pause (flow control):
-    it then sends no new messages until ``recv()`` has taken the queue down to half
-    of this. Messages already on their way still arrive, up to ``recv_buffer_bytes``
+    it then sends no new reliable messages until ``recv()`` has taken the queue down
+    to half of this. Messages already on their way still arrive, up to ``recv_buffer_bytes``
     more; a peer that ignores the pause gets its packets refused unacknowledged and
     resends them later, so an application that stops reading holds a bounded amount
     of memory per connection and the sender's ``drain()`` waits instead."""

@@ -31,11 +31,12 @@ Reliable messages larger than a datagram are split into fragments, each an
 ordinary reliable message of its mode, and reassembled within a reserved budget.
 
 Flow control: a receiver whose application is not keeping up calls
-``pause_receiving()``, which sends PAUSE; the peer then sends no new messages
-(resends, acks, PING and DISCONNECT still go) until RESUME. Both frames are
-ack-eliciting and, while they still describe the current state, resent when
-lost; a receiver applies one only from a packet newer than the last that
-carried one, so a late copy never undoes a newer state. Messages already on
+``pause_receiving()``, which sends PAUSE; the peer then sends no new reliable
+messages (resends, unreliable messages, acks, PING and DISCONNECT still go)
+until RESUME. Both frames are ack-eliciting and, while they still describe the
+current state, resent when lost; a receiver applies one only from a packet
+newer than the last that carried one (even from a packet it refuses), so a
+late copy never undoes a newer state. Messages already on
 their way when the receiver paused are accepted, up to ``recv_buffer_bytes`` of
 datagrams; past that a paused receiver refuses packets carrying messages, so a
 peer that ignores PAUSE cannot make it hold more.
@@ -301,7 +302,7 @@ class Connection:
         self._disconnect_queued = False
         self._deadline: float | None = None  # close or drain deadline
         # -- flow control (PAUSE / RESUME)
-        self.receiving_paused = False  # we asked the peer to stop sending messages
+        self.receiving_paused = False  # we asked the peer to stop sending reliable messages
         self.peer_paused = False  # the peer asked us to
         self._flow_frame = b""  # PAUSE or RESUME waiting to go out
         self._flow_seq = -1  # the packet that carried our latest PAUSE or RESUME
@@ -585,7 +586,8 @@ class Connection:
             self._maybe_send_disconnect(now)
 
     def pause_receiving(self) -> None:
-        """Ask the peer to stop sending messages: the application is not keeping up.
+        """Ask the peer to stop sending new reliable messages: the application is not
+        keeping up.
 
         Messages already on their way are still accepted, up to ``recv_buffer_bytes``
         of datagrams; past that, a packet carrying messages is refused unacknowledged
@@ -606,6 +608,11 @@ class Connection:
         self.receiving_paused = False
         self._flow_frame = wire.RESUME_FRAME
         self._dirty.add(self)
+        # While paused we may have refused the very dependencies these wait for: their
+        # dependency_timeout counts from now, not from their arrival.
+        clock = self._clock
+        for node in self._rx_g_nodes.values():
+            node.arrived = max(node.arrived, clock)
 
     def abort(
         self, reason: DisconnectReason = DisconnectReason.ABORTED, *, by_peer: bool = False
@@ -634,7 +641,7 @@ class Connection:
             t = min(t, self._last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
-        if self._rx_g_nodes:
+        if self._rx_g_nodes and not self.receiving_paused:
             t = min(t, self._dependency_deadline())
         return t
 
@@ -769,6 +776,12 @@ class Connection:
             reason = self._check_special(frames.messages)
             if reason is not None:
                 return reason
+        flow = frames.flow
+        if flow != wire.NO_FLOW and seq > self._peer_flow_seq and state is not DRAINING:
+            # Applied even from a packet refused below: a RESUME that travels with
+            # messages we cannot take yet must not be refused with them every time.
+            self._peer_flow_seq = seq
+            self._on_peer_flow(flow == 1, now)
         if frames.messages:
             if not self._can_buffer(frames.messages, len(data)):
                 return DropReason.RECV_BUFFER_FULL
@@ -794,13 +807,7 @@ class Connection:
         self._process_ack(ack16, ack_bits, now)
         if self.state is CLOSED:  # that ack completed our close
             return None
-        eliciting = frames.ping or frames.disconnect is not None
-        flow = frames.flow
-        if flow != wire.NO_FLOW:
-            eliciting = True
-            if seq > self._peer_flow_seq and state is not DRAINING:
-                self._peer_flow_seq = seq
-                self._on_peer_flow(flow == 1, now)
+        eliciting = frames.ping or frames.disconnect is not None or flow != wire.NO_FLOW
         if frames.messages and state is not DRAINING:
             eliciting = self._deliver(frames.messages, now) or eliciting
             if self.close_reason is not None:  # the peer broke the protocol
@@ -1497,7 +1504,7 @@ class Connection:
             budget -= 1
         if self._in_flight < self._packet_window:
             budget = self._take_retransmissions(parts, messages, budget)
-        if self._unrel_queue and not self.peer_paused:  # none new until the peer's RESUME
+        if self._unrel_queue:
             budget = self._take_unreliable(parts, budget, now)
             if not self._unrel_queue and self.state is CLOSING:
                 # The last unreliable messages queued before close() go out with the
@@ -1509,6 +1516,8 @@ class Connection:
                     control.append(frame)
                     budget -= len(frame)
         if self._in_flight < self._packet_window and not self._retx and not self.peer_paused:
+            # A paused peer gets no new reliable messages; unreliable ones still go (they
+            # expire rather than wait, and the peer bounds what it accepts while paused).
             budget = self._take_new_reliable(parts, messages, budget)
         if self._redundancy and messages:
             budget = self._take_redundant(parts, messages, budget)
@@ -1759,7 +1768,7 @@ class Connection:
             # Our DISCONNECT was never acknowledged: end anyway, with our reason.
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
             return
-        if self._rx_g_nodes and now >= self._dependency_deadline():
+        if self._rx_g_nodes and not self.receiving_paused and now >= self._dependency_deadline():
             self._protocol_error("a dependency never arrived")
             return
         if self._loss_time is not None and now >= self._loss_time:

@@ -26,7 +26,7 @@ DATA frames::
 
     0x01 PING                                  ack-eliciting, no body
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
-    0x03 PAUSE                                 ack-eliciting, no body: stop sending messages
+    0x03 PAUSE                                 ack-eliciting, no body: no new reliable messages
     0x04 RESUME                                ack-eliciting, no body: send them again
     0x80|flags MESSAGE                         flags: bits 0-2 wire mode,
          [channel u8]   if flag 0x08           bit 3 (0x08) channel byte present,
@@ -37,7 +37,7 @@ DATA frames::
          len u16, payload
 
 PAUSE and RESUME are flow control: a receiver whose application falls behind
-asks its peer to stop sending messages, then to go on (see docs/protocol.md).
+asks its peer to stop sending reliable messages, then to go on (see docs/protocol.md).
 
 Wire modes: 0 unreliable, 1 reliable-ordered, 2 unreliable-sequenced,
 3 reliable-unordered (the dependency graph's messages: with flag 0x10 they

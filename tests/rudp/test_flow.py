@@ -19,7 +19,7 @@ from rudp.errors import SendQueueFull
 from rudp.events import Disconnected, DisconnectReason
 from rudp.wire import DropReason
 from tests.rudp.harness import Address, Link
-from tests.rudp.test_core import SERVER, pair, server_conn
+from tests.rudp.test_core import CLIENT, SERVER, pair, server_conn
 
 
 def _flow_frames(data: bytes) -> int:
@@ -80,16 +80,31 @@ def test_the_send_queue_fills_while_the_peer_is_paused() -> None:
     assert server.received() == [i.to_bytes(2, "big") for i in range(500)]
 
 
-def test_unreliable_messages_wait_for_the_resume_too() -> None:
+def test_unreliable_messages_still_reach_a_paused_peer() -> None:
+    # They expire rather than wait: held back, they would only go out stale, and keep a
+    # close from ever sending its DISCONNECT.
     net, server, client, conn = pair()
     server_conn(server).pause_receiving()
     net.run_until(lambda: conn.peer_paused)
     conn.send(b"u", reliable=False, now=net.now)
-    net.run(0.1)
-    assert server.received() == []
-    server_conn(server).resume_receiving()
+    conn.send(b"r")
     net.run(0.1)
     assert server.received() == [b"u"]
+    server_conn(server).resume_receiving()
+    net.run(0.1)
+    assert server.received() == [b"u", b"r"]
+
+
+def test_close_with_only_unreliable_messages_queued_toward_a_paused_peer_is_graceful() -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    sconn.pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    conn.send(b"last words", reliable=False, now=net.now)
+    conn.close(net.now, 4000, "bye")
+    net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED, timeout=1)
+    assert server.received() == [b"last words"]
+    assert server.disconnects() == [Disconnected(DisconnectReason.CLOSED, 4000, "bye", True)]
 
 
 @pytest.mark.parametrize("which", [1, 0])
@@ -172,6 +187,97 @@ def test_a_peer_that_ignores_pause_is_refused_past_the_budget() -> None:
     sconn.resume_receiving()
     net.run_until(lambda: conn.queued == 0, timeout=120)
     assert server.received() == payloads  # the refused packets were resent
+
+
+def test_a_resume_travelling_with_refused_messages_still_arrives() -> None:
+    # Both sides paused; the client's PAUSE was lost, so the server overran the
+    # client's budget and the client refuses its packets. The server's RESUME goes out
+    # with resends the client refuses: it must still be heard, or the client would hold
+    # its messages for good (and, waiting in drain(), perhaps never read again).
+    cfg = Config(recv_buffer_bytes=20_000)
+    net, server, client, conn = pair(Link(delay=0.01), config=cfg)
+    sconn = server_conn(server)
+    real = net._transmit
+    drop_client_pause = False
+
+    def tap(data: bytes, src: Address, dst: Address) -> None:
+        if drop_client_pause and src == CLIENT and _flow_frames(data) == 1:
+            return
+        real(data, src, dst)
+
+    net._transmit = tap  # type: ignore[method-assign]
+    sconn.pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    for i in range(100):
+        conn.send(b"c%d" % i)
+    drop_client_pause = True
+    conn.pause_receiving()
+    for i in range(400):
+        sconn.send(i.to_bytes(4, "big") + bytes(500))
+    net.run(0.3)
+    drop_client_pause = False
+    net.run_until(lambda: sconn.peer_paused)
+    assert client.endpoint.stats.dropped[DropReason.RECV_QUEUE_FULL] > 0
+    # The server's application reads again in the loop turn where a resend fires, so
+    # its RESUME shares a packet with resends the client refuses.
+    handle_timer = server.endpoint.handle_timer
+
+    def resume_with_resends(now: float) -> None:
+        handle_timer(now)
+        if sconn._retx and sconn.receiving_paused:
+            sconn.resume_receiving()
+
+    server.endpoint.handle_timer = resume_with_resends  # type: ignore[method-assign]
+    net.run_until(lambda: not conn.peer_paused, timeout=10)
+    net.run_until(lambda: conn.queued == 0, timeout=10)
+    assert server.received() == [b"c%d" % i for i in range(100)]
+    conn.resume_receiving()
+    net.run_until(lambda: sconn.queued == 0, timeout=60)
+    assert client.received() == [i.to_bytes(4, "big") + bytes(500) for i in range(400)]
+
+
+def test_a_dependency_refused_while_paused_does_not_time_out() -> None:
+    # B depends on A; A's first copy is lost and its resends are refused once the
+    # paused server's budget is spent. That is our own doing, not a missing dependency:
+    # no protocol error, and A then B after the resume.
+    cfg = Config(recv_buffer_bytes=20_000, redundancy=0, dependency_timeout=5.0)
+    net, server, client, conn = pair(Link(delay=0.01), config=cfg)
+    sconn = server_conn(server)
+    real = net._transmit
+    drop_pause = True
+
+    def tap(data: bytes, src: Address, dst: Address) -> None:
+        if wire.decode_type(data) is wire.PacketType.DATA:
+            frames = wire.decode_frames(data)
+            if drop_pause and src == SERVER and frames.flow == 1:
+                return
+            if (
+                src == CLIENT
+                and any(m[3] == b"A" for m in frames.messages)
+                and sconn._pause_budget > 1300
+            ):
+                return
+        real(data, src, dst)
+
+    net._transmit = tap  # type: ignore[method-assign]
+    sconn.pause_receiving()
+    a = conn.send(b"A", delivery=wire.Delivery.RELIABLE_UNORDERED, now=net.now)
+    net.flush()
+    conn.send(b"B", depends_on=[a], now=net.now)
+    filler = [i.to_bytes(4, "big") + bytes(500) for i in range(100)]
+    for p in filler:
+        conn.send(p)
+    net.run(0.5)
+    drop_pause = False
+    net.run(12.0)  # well past dependency_timeout
+    assert server.endpoint.stats.dropped[DropReason.RECV_QUEUE_FULL] > 0
+    assert sconn.state is State.CONNECTED and b"B" not in server.received()
+    sconn.resume_receiving()
+    net.run_until(lambda: conn.queued == 0, timeout=30)
+    got = server.received()
+    assert got.index(b"A") < got.index(b"B")
+    assert sorted(got) == sorted([b"A", b"B", *filler])
+    assert server.disconnects() == [] and client.disconnects() == []
 
 
 def test_close_with_the_peer_paused_ends_after_the_close_timeout() -> None:
