@@ -772,16 +772,16 @@ class Connection:
                 return DropReason.DUPLICATE
         frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
         self._clock = now
-        if frames.special and state is not DRAINING:
-            reason = self._check_special(frames.messages)
-            if reason is not None:
-                return reason
         flow = frames.flow
         if flow != wire.NO_FLOW and seq > self._peer_flow_seq and state is not DRAINING:
             # Applied even from a packet refused below: a RESUME that travels with
             # messages we cannot take yet must not be refused with them every time.
             self._peer_flow_seq = seq
             self._on_peer_flow(flow == 1, now)
+        if frames.special and state is not DRAINING:
+            reason = self._check_special(frames.messages)
+            if reason is not None:
+                return reason
         if frames.messages:
             if not self._can_buffer(frames.messages, len(data)):
                 return DropReason.RECV_BUFFER_FULL
