@@ -38,6 +38,19 @@ async def _sample(probe: Any, until: float, peaks: dict[str, int]) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _flood_then_read(
+    flood: Any, probe: Any, reading: asyncio.Event, end: float, stall: float
+) -> dict[str, int]:
+    """Run the flood until ``end``, let the reader start at ``end + stall``; the peaks."""
+    peaks: dict[str, int] = {}
+    sampler = asyncio.ensure_future(_sample(probe, end + stall, peaks))
+    await asyncio.wait_for(flood(), end + stall + 10 - time.monotonic())
+    await asyncio.sleep(max(0.0, end + stall - time.monotonic()))
+    reading.set()
+    await sampler
+    return peaks
+
+
 async def run_rudp(seconds: float, stall: float) -> dict[str, Any]:
     conns: list[rudp.Connection] = []
     got = 0
@@ -81,12 +94,7 @@ async def run_rudp(seconds: float, stall: float) -> dict[str, Any]:
                 "sender_queued_messages": conn.queued,
             }
 
-        peaks: dict[str, int] = {}
-        sampler = asyncio.ensure_future(_sample(probe, end + stall, peaks))
-        await asyncio.wait_for(flood(), seconds + stall + 10)
-        await asyncio.sleep(max(0.0, end + stall - time.monotonic()))
-        reading.set()
-        await sampler
+        peaks = await _flood_then_read(flood, probe, reading, end, stall)
         await asyncio.wait_for(conn.drain(), 60)
         while got < sent - conn.queued:
             await asyncio.sleep(0.01)
@@ -152,12 +160,7 @@ async def run_tcp(seconds: float, stall: float) -> dict[str, Any]:
             "sender_queued_messages": writer.transport.get_write_buffer_size() // len(frame),
         }
 
-    peaks: dict[str, int] = {}
-    sampler = asyncio.ensure_future(_sample(probe, end + stall, peaks))
-    await asyncio.wait_for(flood(), seconds + stall + 10)
-    await asyncio.sleep(max(0.0, end + stall - time.monotonic()))
-    reading.set()
-    await sampler
+    peaks = await _flood_then_read(flood, probe, reading, end, stall)
     writer.close()
     await writer.wait_closed()
     await asyncio.wait_for(finished.wait(), 60)

@@ -14,11 +14,11 @@ import pytest
 import rudp
 from rudp import wire
 from rudp.config import Config
-from rudp.connection import State
+from rudp.connection import Connection, State
 from rudp.errors import SendQueueFull
 from rudp.events import Disconnected, DisconnectReason
 from rudp.wire import DropReason
-from tests.rudp.harness import Address, Link
+from tests.rudp.harness import Address, Link, Network, Node
 from tests.rudp.test_core import CLIENT, SERVER, pair, server_conn
 
 
@@ -83,9 +83,7 @@ def test_the_send_queue_fills_while_the_peer_is_paused() -> None:
 def test_unreliable_messages_still_reach_a_paused_peer() -> None:
     # They expire rather than wait: held back, they would only go out stale, and keep a
     # close from ever sending its DISCONNECT.
-    net, server, client, conn = pair()
-    server_conn(server).pause_receiving()
-    net.run_until(lambda: conn.peer_paused)
+    net, server, client, conn, _ = _paused_server()
     conn.send(b"u", reliable=False, now=net.now)
     conn.send(b"r")
     net.run(0.1)
@@ -96,10 +94,7 @@ def test_unreliable_messages_still_reach_a_paused_peer() -> None:
 
 
 def test_close_with_only_unreliable_messages_queued_toward_a_paused_peer_is_graceful() -> None:
-    net, server, client, conn = pair()
-    sconn = server_conn(server)
-    sconn.pause_receiving()
-    net.run_until(lambda: conn.peer_paused)
+    net, server, client, conn, sconn = _paused_server()
     conn.send(b"last words", reliable=False, now=net.now)
     conn.close(net.now, 4000, "bye")
     net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED, timeout=1)
@@ -280,12 +275,19 @@ def test_a_dependency_refused_while_paused_does_not_time_out() -> None:
     assert server.disconnects() == [] and client.disconnects() == []
 
 
-def test_close_with_the_peer_paused_ends_after_the_close_timeout() -> None:
-    cfg = Config(close_timeout=2.0)
+def _paused_server(
+    cfg: Config | None = None,
+) -> tuple[Network, Node, Node, Connection, Connection]:
+    """A connected pair whose server has paused the client (and the client knows)."""
     net, server, client, conn = pair(config=cfg)
     sconn = server_conn(server)
     sconn.pause_receiving()
     net.run_until(lambda: conn.peer_paused)
+    return net, server, client, conn, sconn
+
+
+def test_close_with_the_peer_paused_ends_after_the_close_timeout() -> None:
+    net, server, client, conn, _ = _paused_server(Config(close_timeout=2.0))
     handle = conn.send(b"never read")
     start = net.now
     conn.close(net.now, 4000, "bye")
@@ -297,11 +299,7 @@ def test_close_with_the_peer_paused_ends_after_the_close_timeout() -> None:
 
 
 def test_a_resume_during_close_lets_the_close_finish_gracefully() -> None:
-    cfg = Config(close_timeout=2.0)
-    net, server, client, conn = pair(config=cfg)
-    sconn = server_conn(server)
-    sconn.pause_receiving()
-    net.run_until(lambda: conn.peer_paused)
+    net, server, client, conn, sconn = _paused_server(Config(close_timeout=2.0))
     conn.send(b"late but delivered")
     conn.close(net.now)
     net.run(1.5)
