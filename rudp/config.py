@@ -51,6 +51,24 @@ class Config:
     window: int = 256
     """Ack-eliciting packets in flight at most. 256 x 1200 B covers 30 MB/s at 10 ms RTT."""
 
+    congestion_control: bool = False
+    """Limit the reliable data in flight to a congestion window that adapts to the
+    path (see ``rudp.recovery.CongestionController``): it starts at ten datagrams,
+    doubles every round trip while nothing is lost, then grows by one datagram per
+    round trip; a loss shrinks it to what the path has been delivering (Westwood+),
+    and two resend timeouts in a row to two datagrams. ``window`` still caps it.
+
+    Turn it on for bulk reliable transfers over a path slower than ``window``
+    datagrams per round trip (a home uplink, a mobile link): without it the sender
+    keeps ``window`` packets in flight whatever the path carries, fills the
+    bottleneck's queue and loses there most of what it sends, unreliable messages
+    included, then resends at the same rate. It is off by default because any
+    loss-driven controller also slows down on a path that loses packets at random
+    (1-5 % on Wi-Fi): a bulk transfer there runs several times slower with it,
+    while a game's own traffic (a few small messages per tick) never fills even the
+    initial window. docs/protocol.md has the figures. Unreliable messages, acks and
+    keepalives are never held back by it."""
+
     channels: int = 32
     """Number of independent channels (0 .. channels-1). At most 256."""
 
@@ -212,6 +230,10 @@ class Config:
             raise ValueError("Config needs rto_min <= rto_initial <= rto_max")
         if self.keepalive_interval >= self.idle_timeout:
             raise ValueError("Config.keepalive_interval must be shorter than idle_timeout")
+        if not isinstance(self.congestion_control, bool):
+            raise ValueError(
+                f"Config.congestion_control must be True or False, got {self.congestion_control!r}"
+            )
         if self.socket_buffer_size < 0:
             raise ValueError("Config.socket_buffer_size must be >= 0")
 

@@ -76,6 +76,7 @@ from rudp.recovery import (
     QUEUED,
     SENT,
     SUPERSEDED,
+    CongestionController,
     GraphNode,
     OutMessage,
     RttEstimator,
@@ -211,6 +212,9 @@ class Connection:
         self._on_closed = on_closed
         self._rtt = RttEstimator(config)
         self.stats.rtt = self._rtt
+        self._cc = CongestionController(config)
+        self.stats.cc = self._cc
+        self._probe_due = False  # a resend timeout's probe may exceed the congestion window
         self.armed: float | None = None  # the endpoint's timer bookkeeping
         # -- send side
         self._isn = rng.getrandbits(16)
@@ -1365,6 +1369,7 @@ class Connection:
 
     def _on_acked(self, pkt: SentPacket, now: float) -> None:
         self._in_flight -= 1
+        self._cc.on_acked(pkt.seq, pkt.size, now, self._rtt.srtt)
         newly = 0
         freed = 0  # reorder-buffer bytes the peer no longer holds for us
         channels = self._tx_ch_unacked
@@ -1451,6 +1456,8 @@ class Connection:
         """
         del self._lost_recently[seq]
         self.stats.spurious_losses += 1
+        if self._cc.on_spurious_loss(seq):
+            self.stats.congestion_events_undone += 1
         depth = self._largest_acked - seq + 1
         self._reorder_threshold = min(max(self._reorder_threshold, depth), MAX_REORDER_THRESHOLD)
         self._rtt.widen_reorder_window()
@@ -1458,6 +1465,8 @@ class Connection:
     def _on_lost(self, pkt: SentPacket) -> None:
         self._in_flight -= 1
         self.stats.packets_lost += 1
+        if self._cc.on_lost(pkt.seq, pkt.size, self._tx_next, self._rtt.min_rtt):
+            self.stats.congestion_events += 1
         lost = self._lost_recently
         lost[pkt.seq] = None
         if pkt.seq > self._lost_max:
@@ -1502,7 +1511,12 @@ class Connection:
             self._flow_frame = b""
             parts.append(flow)
             budget -= 1
-        if self._in_flight < self._packet_window:
+        # Reliable data goes out while both windows have room: ``window`` packets and
+        # the congestion window's bytes (which a resend timeout's probe may exceed).
+        room = self._in_flight < self._packet_window and (
+            self._cc.bytes_in_flight < self._cc.cwnd or self._probe_due
+        )
+        if room:
             budget = self._take_retransmissions(parts, messages, budget)
         if self._unrel_queue:
             budget = self._take_unreliable(parts, budget, now)
@@ -1515,7 +1529,7 @@ class Connection:
                     parts.append(frame)
                     control.append(frame)
                     budget -= len(frame)
-        if self._in_flight < self._packet_window and not self._retx and not self.peer_paused:
+        if room and not self._retx and not self.peer_paused:
             # A paused peer gets no new reliable messages; unreliable ones still go (they
             # expire rather than wait, and the peer bounds what it accepts while paused).
             budget = self._take_new_reliable(parts, messages, budget)
@@ -1554,6 +1568,8 @@ class Connection:
                 len(datagram),
             )
             self._in_flight += 1
+            self._cc.on_sent(len(datagram))
+            self._probe_due = False
             self._last_eliciting = now
             self.stats.eliciting_sent += 1
             if flow:
@@ -1782,7 +1798,12 @@ class Connection:
                 # probe is acknowledged, the packet threshold finds any real losses
                 # behind it (RFC 9002's probe timeout works the same way).
                 self.stats.timeouts += 1
+                if self._rtt.backoff >= 1:
+                    # Two timeouts in a row: nothing acknowledged for three RTOs, so
+                    # the path is congested or gone (RFC 9002's persistent congestion).
+                    self._cc.on_persistent_congestion(self._tx_next)
                 self._on_lost(self._sent.pop(first.seq))
+                self._probe_due = True
                 self._ping = True  # a probe goes out even if nothing needed resending
                 self._last_probe = now
                 self._rtt.on_timeout()
@@ -1840,6 +1861,7 @@ class Connection:
         self._sent.clear()
         self._control.clear()
         self._in_flight = 0
+        self._cc.reset_flight()
         self._queued = 0
         self._unacked_reliable = 0
         self._rx_ch_buf = [{} for _ in range(self.config.channels)]

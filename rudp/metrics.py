@@ -43,6 +43,11 @@ _CONN_COUNTERS = (
     ("messages_resent", "rudp_retransmissions_total", "Reliable messages sent again."),
     ("timeouts", "rudp_resend_timeouts_total", "Resend timer expirations."),
     (
+        "congestion_events",
+        "rudp_congestion_events_total",
+        "Losses that halved the congestion window (one per round trip of losses).",
+    ),
+    (
         "messages_redundant",
         "rudp_redundant_messages_total",
         "Extra copies of reliable messages sent by the redundancy option.",

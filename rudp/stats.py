@@ -6,7 +6,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from rudp.recovery import RttEstimator
+    from rudp.recovery import CongestionController, RttEstimator
     from rudp.wire import DropReason
 
 
@@ -14,6 +14,8 @@ COUNTERS: Final = (
     "bad_acks",
     "bytes_received",
     "bytes_sent",
+    "congestion_events",
+    "congestion_events_undone",
     "duplicate_messages",
     "eliciting_sent",
     "fragments_dropped",
@@ -40,7 +42,7 @@ which compiled builds do not expose)."""
 class ConnectionStats:
     """Per-connection transport statistics (``Connection.stats``)."""
 
-    __slots__ = (*COUNTERS, "rtt")
+    __slots__ = (*COUNTERS, "cc", "rtt")
 
     def __init__(self) -> None:
         self.packets_sent = 0
@@ -64,7 +66,10 @@ class ConnectionStats:
         self.fragments_dropped = 0  # fragments inconsistent with the rest of their message
         self.receive_pauses = 0  # times we asked the peer to pause (our receive queue filled)
         self.peer_pauses = 0  # times the peer asked us to pause sending
+        self.congestion_events = 0  # losses that shrank the congestion window
+        self.congestion_events_undone = 0  # ... and proved spurious, so were undone
         self.rtt: RttEstimator | None = None
+        self.cc: CongestionController | None = None
 
     @property
     def srtt(self) -> float:
@@ -86,6 +91,16 @@ class ConnectionStats:
         return self.rtt.backed_off_rto if self.rtt else 0.0
 
     @property
+    def congestion_window(self) -> int:
+        """Bytes of ack-eliciting packets the congestion controller lets be in flight."""
+        return self.cc.cwnd if self.cc else 0
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Bytes of ack-eliciting packets sent and neither acknowledged nor lost."""
+        return self.cc.bytes_in_flight if self.cc else 0
+
+    @property
     def loss_estimate(self) -> float:
         """Fraction of ack-eliciting packets declared lost."""
         return self.packets_lost / self.eliciting_sent if self.eliciting_sent else 0.0
@@ -93,7 +108,12 @@ class ConnectionStats:
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {n: getattr(self, n) for n in COUNTERS}
         out.update(
-            srtt=self.srtt, rttvar=self.rttvar, rto=self.rto, loss_estimate=self.loss_estimate
+            srtt=self.srtt,
+            rttvar=self.rttvar,
+            rto=self.rto,
+            loss_estimate=self.loss_estimate,
+            congestion_window=self.congestion_window,
+            bytes_in_flight=self.bytes_in_flight,
         )
         return out
 

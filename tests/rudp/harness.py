@@ -29,6 +29,10 @@ class Link:
     delay: float = 0.010
     jitter: float = 0.0
     blackout: bool = False
+    # A bottleneck in each direction: datagrams are serialised at ``bandwidth`` bytes/s
+    # through a drop-tail queue of ``queue_limit`` bytes (None: no bottleneck).
+    bandwidth: float | None = None
+    queue_limit: int = 64 * 1024
 
 
 @dataclass
@@ -58,6 +62,8 @@ class Network:
         self.sent: list[tuple[bytes, Address, Address]] = []  # everything put on the wire
         self.tap: Callable[[bytes, Address, Address], None] | None = None
         self._idle_steps = 0
+        self._busy_until: dict[tuple[Address, Address], float] = {}  # bottleneck per direction
+        self.queue_drops = 0  # datagrams the bottleneck's full queue dropped
 
     def add(self, address: Address, config: Config | None = None, *, accept: bool = False) -> Node:
         ep = Endpoint(
@@ -86,6 +92,15 @@ class Network:
             return
         copies = 2 if rng.random() < link.duplicate else 1
         for _ in range(copies):
+            start = self.now
+            if link.bandwidth is not None:
+                busy = max(self._busy_until.get((src, dst), start), start)
+                if (busy - start) * link.bandwidth + len(data) > link.queue_limit:
+                    self.queue_drops += 1
+                    continue
+                busy += len(data) / link.bandwidth
+                self._busy_until[(src, dst)] = busy
+                start = busy
             payload = data
             if rng.random() < link.corrupt:
                 buf = bytearray(data)
@@ -96,7 +111,7 @@ class Network:
             if rng.random() < link.reorder:
                 delay += link.delay * 2
             heapq.heappush(
-                self._wire, (self.now + max(delay, 0.0), next(self._ids), payload, src, dst)
+                self._wire, (start + max(delay, 0.0), next(self._ids), payload, src, dst)
             )
 
     def flush(self) -> None:

@@ -23,6 +23,7 @@ bounded (see ``settings``) to keep CI fast.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import struct
@@ -45,6 +46,7 @@ CLIENT = ("10.0.0.2", 5000)
 STRANGER = ("10.0.0.66", 6666)
 CHANNELS = 3
 CONFIG = Config(channels=CHANNELS, window=32, channel_window=64, max_message_size=32 * 1024)
+CC_CONFIG = dataclasses.replace(CONFIG, congestion_control=True)
 HEAD = struct.Struct("!BBI")  # sender side, channel, index: makes every message unique
 GRAPH_SIDE = 2  # added to the sender byte of graph messages
 SIDES = (0, 1)  # 0 = client, 1 = server
@@ -57,7 +59,8 @@ class TwoEndpoints(RuleBasedStateMachine):
         super().__init__()
         self.now = 1000.0
         self.endpoints = (
-            Endpoint(CONFIG, now=self.now, rng=random.Random(1)),
+            # The client runs congestion control, the server a fixed window: both paths.
+            Endpoint(CC_CONFIG, now=self.now, rng=random.Random(1)),
             Endpoint(CONFIG, now=self.now, rng=random.Random(2), accept=True),
         )
         self.addresses = (CLIENT, SERVER)
