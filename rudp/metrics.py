@@ -45,7 +45,7 @@ _CONN_COUNTERS = (
     (
         "congestion_events",
         "rudp_congestion_events_total",
-        "Losses that halved the congestion window (one per round trip of losses).",
+        "Losses that shrank the congestion window (one per round trip of losses).",
     ),
     (
         "messages_redundant",

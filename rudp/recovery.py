@@ -247,6 +247,11 @@ class CongestionController:
         self.bytes_in_flight -= size
         if seq < self.recovery_seq or not self.enabled:
             return False
+        if 2 * max(self._flight_peak, self._flight_peak_prev) < self.cwnd:
+            # Application-limited: the loss says nothing about the window, and the
+            # rate samples only measure the application. Shrinking here would leave a
+            # game's later bulk transfer starting from two datagrams.
+            return False
         self._undo_seq = seq
         self._undo_cwnd = self.cwnd
         self._undo_ssthresh = self.ssthresh

@@ -90,10 +90,26 @@ def test_a_loss_shrinks_the_window_to_what_the_path_delivered() -> None:
             cc.on_acked(seq, D, now, 0.1)
             seq += 1
     assert cc.cwnd == 100 * D  # application-limited (40 of 100 in flight): no growth
+    sent = fill(cc, seq)  # now the window is in use
     # The path's bare RTT is 50 ms: 480 kB/s x 50 ms = 24 kB, 20 datagrams.
-    assert cc.on_lost(seq, D, seq + 1, 0.05)
+    assert cc.on_lost(sent[0], D, sent[-1] + 1, 0.05)
     assert cc.ssthresh == cc.cwnd
     assert 19 * D <= cc.cwnd <= 21 * D
+
+
+def test_a_loss_while_application_limited_leaves_the_window_alone() -> None:
+    """A game's few messages lose one: the window (unused) is kept, so a bulk
+    transfer started later begins from it, not from two datagrams."""
+    cc = CongestionController(ON)
+    now = 1.0
+    for seq in range(100):
+        cc.on_sent(100)
+        now += 0.02
+        cc.on_acked(seq, 100, now, 0.05)
+    cc.on_sent(100)
+    assert not cc.on_lost(100, 100, 101, 0.05)
+    assert cc.cwnd == 10 * D
+    assert cc.ssthresh > 100 * D  # still in slow start
 
 
 def test_without_a_rate_sample_a_loss_halves_the_window() -> None:
