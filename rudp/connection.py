@@ -1513,9 +1513,7 @@ class Connection:
             budget -= 1
         # Reliable data goes out while both windows have room: ``window`` packets and
         # the congestion window's bytes (which a resend timeout's probe may exceed).
-        room = self._in_flight < self._packet_window and (
-            self._cc.bytes_in_flight < self._cc.cwnd or self._probe_due
-        )
+        room = self._in_flight < self._packet_window and (self._cc.can_send() or self._probe_due)
         if room:
             budget = self._take_retransmissions(parts, messages, budget)
         if self._unrel_queue:
