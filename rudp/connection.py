@@ -167,6 +167,12 @@ class _Whole:
         self.deps = deps
 
 
+# The reorder buffer of every channel that has nothing buffered: never written (the
+# two places that buffer a message give the channel a dict of its own first), so an
+# idle connection's 32 channels share one empty dict instead of holding 32.
+NO_BUFFER: Final[dict[int, bytes | _Whole]] = {}
+
+
 class _Waiting:
     """A received graph message waiting for its dependencies."""
 
@@ -241,7 +247,10 @@ class Connection:
         self._queued = 0  # messages not yet sent, plus reliable ones not yet acked
         self._unacked_reliable = 0
         self._tx_ch_next = [0] * config.channels
-        self._tx_ch_unacked: list[deque[OutMessage]] = [deque() for _ in range(config.channels)]
+        # Reliable-ordered messages sent on each channel and not all acknowledged yet,
+        # oldest first; a channel's deque is created by its first such message (32
+        # empty deques would be most of an idle connection's memory).
+        self._tx_ch_unacked: list[deque[OutMessage] | None] = [None] * config.channels
         self._tx_useq = [0] * config.channels  # unreliable-sequenced numbers
         self._tx_rseq = [0] * config.channels  # reliable-sequenced numbers
         self._tx_rseq_last: list[OutMessage | None] = [None] * config.channels
@@ -271,7 +280,7 @@ class Connection:
         self._rx_window = max(1024, 2 * config.window)
         self._rx_mask = (1 << self._rx_window) - 1
         self._rx_ch_next = [0] * config.channels
-        self._rx_ch_buf: list[dict[int, bytes | _Whole]] = [{} for _ in range(config.channels)]
+        self._rx_ch_buf: list[dict[int, bytes | _Whole]] = [NO_BUFFER] * config.channels
         self._rx_buffered_bytes = 0
         self._rx_useq_last = [-1] * config.channels  # newest sequenced number delivered
         self._rx_rseq_last = [-1] * config.channels
@@ -375,7 +384,7 @@ class Connection:
                 data, RELIABLE_ORDERED, channel, seq, wire.reliable_frame(channel, seq, data)
             )
             self._rel_queue.append(msg)
-            self._tx_ch_unacked[channel].append(msg)
+            self._unacked_on(channel).append(msg)
             self._unacked_reliable += 1
         else:
             self._check_unfragmented(data)
@@ -498,6 +507,13 @@ class Connection:
             self._tx_rseq[channel] = seq + n
         return seq
 
+    def _unacked_on(self, channel: int) -> deque[OutMessage]:
+        """The channel's reliable-ordered messages not all acknowledged, created on use."""
+        unacked = self._tx_ch_unacked[channel]
+        if unacked is None:
+            unacked = self._tx_ch_unacked[channel] = deque()
+        return unacked
+
     def _send_fragmented(
         self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
     ) -> OutMessage:
@@ -525,7 +541,7 @@ class Connection:
         parent = OutMessage(data, mode, channel, base, b"")
         parent.parts = count
         fragments: list[OutMessage] = []
-        unacked = self._tx_ch_unacked[channel] if mode == RELIABLE_ORDERED else None
+        unacked = self._unacked_on(channel) if mode == RELIABLE_ORDERED else None
         for index, chunk in enumerate(chunks):
             seq = base + index
             frame = wire.message_frame(
@@ -985,6 +1001,8 @@ class Connection:
                     ahead = self._ahead(seq16, expected)
                     buf = self._rx_ch_buf[channel]
                     if ahead > 0 and expected + ahead not in buf:
+                        if buf is NO_BUFFER:
+                            buf = self._rx_ch_buf[channel] = {}
                         buf[expected + ahead] = payload
                         self._rx_buffered_bytes += len(payload) + BUFFER_ENTRY_COST
                     else:
@@ -1173,6 +1191,8 @@ class Connection:
         base = key[2]
         buf = self._rx_ch_buf[channel]
         if base != self._rx_ch_next[channel]:
+            if buf is NO_BUFFER:
+                buf = self._rx_ch_buf[channel] = {}
             buf[base] = whole  # complete, but earlier messages are still missing
             return 0
         self._rx_reassembly_bytes -= whole.reserved
@@ -1387,6 +1407,7 @@ class Connection:
                     msg = parent
                 if msg.mode == RELIABLE_ORDERED:
                     unacked = channels[msg.channel]
+                    assert unacked is not None  # created when msg was sent
                     if unacked[0] is msg:  # the channel's oldest: it and what follows
                         while unacked and unacked[0].state == ACKED:
                             head = unacked.popleft()
@@ -1665,7 +1686,9 @@ class Connection:
                 break  # the packet is full
             mode = msg.mode
             if mode == RELIABLE_ORDERED:
-                if msg.seq - unacked[msg.channel][0].seq >= window:
+                oldest = unacked[msg.channel]
+                assert oldest is not None  # created when msg was sent
+                if msg.seq - oldest[0].seq >= window:
                     break  # the receiver could not buffer it yet
                 cost = size + BUFFER_ENTRY_COST
                 if cost > room:
@@ -1848,9 +1871,10 @@ class Connection:
                 fail(msg)
             queue.clear()
         for unacked in self._tx_ch_unacked:
-            for msg in unacked:
-                fail(msg)
-            unacked.clear()
+            if unacked is not None:
+                for msg in unacked:
+                    fail(msg)
+                unacked.clear()
         for pkt in self._sent.values():
             for msg in pkt.messages:
                 fail(msg)
@@ -1862,7 +1886,7 @@ class Connection:
         self._cc.reset_flight()
         self._queued = 0
         self._unacked_reliable = 0
-        self._rx_ch_buf = [{} for _ in range(self.config.channels)]
+        self._rx_ch_buf = [NO_BUFFER] * self.config.channels
         self._rx_buffered_bytes = 0
         self._rx_g_nodes.clear()
         self._rx_g_waiters.clear()

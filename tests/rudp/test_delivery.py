@@ -14,7 +14,7 @@ import pytest
 
 from rudp import wire
 from rudp.config import Config
-from rudp.connection import Connection, State
+from rudp.connection import NO_BUFFER, Connection, State
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, MessageReceived
 from rudp.recovery import OutMessage
@@ -87,6 +87,8 @@ def assert_receiver_state_is_empty(conn: Connection) -> None:
     assert conn._rx_parts == {}
     assert conn._rx_reassembly_bytes == 0
     assert conn._rx_buffered_bytes == 0
+    assert not any(conn._rx_ch_buf)
+    assert NO_BUFFER == {}  # the shared empty buffer was never written to
 
 
 # -- every mode under loss, duplication and reordering ------------------------------------
