@@ -33,7 +33,7 @@ from rudp.errors import (
     RudpError,
     SendQueueFull,
 )
-from rudp.events import DisconnectReason
+from rudp.events import Disconnected, DisconnectReason
 from rudp.stats import ConnectionStats, EndpointStats
 from rudp.wire import Delivery, DropReason
 
@@ -59,6 +59,7 @@ __all__ = [
     "ConnectionStats",
     "Delivery",
     "DisconnectReason",
+    "Disconnected",
     "DropReason",
     "EndpointStats",
     "LocalProtocolError",

@@ -237,8 +237,9 @@ class Connection:
         it for ``recv()``; ``None`` goes back to queueing.
 
         The receiver runs inside the socket's read callback, before any task is woken:
-        no task switch per message, so a reply sent from it goes out in the same loop
-        turn, coalesced with the acknowledgement (the lowest-latency way to answer).
+        no task switch per message, so a reply sent from it goes out in the flush that
+        follows the read (one ``call_soon`` later), in one datagram with the
+        acknowledgement (the lowest-latency way to answer).
         Messages already queued are handed over at once, in order. Keep it short and
         non-blocking, as an ``asyncio.Protocol`` callback. While one is set, ``recv()``
         and ``recv_nowait()`` raise ``LocalProtocolError`` (a ``recv()`` already waiting
