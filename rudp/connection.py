@@ -749,6 +749,16 @@ class Connection:
         self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
         return None
 
+    def answer_connect(self, salt: int, token: int, peer_isn: int, now: float) -> None:
+        """The endpoint accepted the peer's CONNECT into this connection: a new one, or
+        ours in a simultaneous open that the peer's handshake won (our own CONNECTs
+        stop; the connection takes the peer's salt, so a duplicate of its CONNECT gets
+        the ACCEPT again)."""
+        self.salt = salt
+        self._send_connect = False
+        self._cookie = b""
+        self.establish(token, peer_isn, now)
+
     def establish(self, token: int, peer_isn: int, now: float) -> None:
         """Handshake done: both sides know the token and each other's first sequence."""
         self.token = token

@@ -294,16 +294,23 @@ class Endpoint:
     def _receive_connect(
         self, conn: Connection | None, data: bytes, address: Address, now: float
     ) -> DropReason | None:
-        if not self.accept:
+        # A CONNECT from the very peer we are connecting to is a simultaneous open (two
+        # peers introduced to each other both connect): answered even by an endpoint
+        # that accepts no one else, and so are its duplicates once it was answered.
+        answered = conn is not None and bool(conn.accept_datagram)
+        opening = conn is not None and conn.state is CONNECTING and not answered
+        if not self.accept and not opening and not answered:
             return DropReason.UNEXPECTED
         if len(data) < wire.MIN_CONNECT_SIZE:
             return DropReason.MALFORMED
         request = wire.decode_connect(data)
-        if conn is not None and not conn.client and conn.salt == request.salt:
-            if conn.state is CONNECTED and conn.accept_datagram:
+        if answered and conn is not None and conn.salt == request.salt:
+            if conn.state is CONNECTED:
                 self._out.append((conn.accept_datagram, address))  # our ACCEPT was lost
                 return None
             return DropReason.DUPLICATE
+        if not self.accept and not opening:
+            return DropReason.UNEXPECTED  # a new handshake: not ours to accept
         if not request.cookie:
             self._send_unvalidated(
                 wire.encode_challenge(request.salt, self._cookie(address, request.salt, now)),
@@ -314,6 +321,17 @@ class Endpoint:
             return DropReason.BAD_COOKIE
         if (address, request.salt) in self._used:
             return DropReason.REPLAYED_COOKIE
+        if opening:
+            assert conn is not None
+            # Both handshakes are valid; both sides keep the one with the larger salt.
+            # Ours: the peer, seeing our CONNECT, answers it the same way. Theirs: our
+            # connection answers it, as a server would, and is established.
+            if request.salt <= conn.salt:
+                return DropReason.UNEXPECTED
+            self._remember_cookie(address, request.salt, now)
+            self.stats.simultaneous_opens += 1
+            self._answer(conn, request, now)
+            return None
         self._remember_cookie(address, request.salt, now)
         if conn is not None:
             # The peer restarted: its old session is gone.
@@ -322,16 +340,18 @@ class Endpoint:
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
             return None
-        self._accept(address, request, now)
+        conn = self._new_connection(address, now, client=False, salt=request.salt)
+        self.stats.connections_accepted += 1
+        self._answer(conn, request, now)
         return None
 
-    def _accept(self, address: Address, request: wire.Connect, now: float) -> None:
-        conn = self._new_connection(address, now, client=False, salt=request.salt)
+    def _answer(self, conn: Connection, request: wire.Connect, now: float) -> None:
+        """Accept ``request`` into ``conn``: choose the token, send ACCEPT (kept for
+        resending on a duplicate CONNECT), and the connection is established."""
         token = self._rng.getrandbits(32) or 1
         conn.accept_datagram = wire.encode_accept(request.salt, token, conn.isn)
-        self._out.append((conn.accept_datagram, address))
-        conn.establish(token, request.isn, now)
-        self.stats.connections_accepted += 1
+        self._out.append((conn.accept_datagram, conn.address))
+        conn.answer_connect(request.salt, token, request.isn, now)
         self._schedule(conn)
 
     def _receive_query(self, data: bytes, address: Address) -> DropReason | None:

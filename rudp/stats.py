@@ -134,6 +134,7 @@ class EndpointStats:
         "datagrams_sent",
         "dropped",
         "noconn_suppressed",
+        "simultaneous_opens",
         "unvalidated_bytes_received",
         "unvalidated_bytes_sent",
     )
@@ -148,6 +149,8 @@ class EndpointStats:
         self.unvalidated_bytes_sent = 0
         self.connections_accepted = 0
         self.connections_refused = 0
+        # Handshakes that crossed our own CONNECT to the same peer and won the tie-break.
+        self.simultaneous_opens = 0
         # NOCONN replies the token bucket held back (the datagram itself is counted
         # once, under its drop reason).
         self.noconn_suppressed = 0

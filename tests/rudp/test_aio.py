@@ -624,3 +624,37 @@ async def test_a_waiter_on_a_superseded_message_wakes_in_the_same_turn() -> None
             await asyncio.sleep(0)
         assert waiter.done() and old.superseded
         conn._endpoint.close_now()
+
+
+@pytest.mark.parametrize("accepting", [(True, True), (True, False), (False, False)])
+async def test_two_peers_connecting_to_each_other_at_once_share_one_connection(
+    accepting: tuple[bool, bool],
+) -> None:
+    # What two players introduced by a matchmaker do. Neither handler may run: each
+    # side's connection belongs to its connect() call.
+    handled: list[rudp.Connection] = []
+
+    async def handler(conn: rudp.Connection) -> None:
+        handled.append(conn)
+
+    a, b = [
+        await rudp.open_endpoint("127.0.0.1", 0, handler=handler if accept else None)
+        for accept in accepting
+    ]
+    try:
+        to_b, to_a = await asyncio.wait_for(
+            asyncio.gather(a.connect(*b.address), b.connect(*a.address)), 10
+        )
+        assert to_b.remote_address[:2] == b.address and to_a.remote_address[:2] == a.address
+        to_b.send(b"from a")
+        to_a.send(b"from b")
+        assert (await asyncio.wait_for(to_a.recv(), 5)).data == b"from a"
+        assert (await asyncio.wait_for(to_b.recv(), 5)).data == b"from b"
+        assert a.stats.simultaneous_opens + b.stats.simultaneous_opens == 1
+        assert handled == [] and a.connections == [] and b.connections == []
+        await to_b.close(code=7, reason="done")
+        ended = await asyncio.wait_for(to_a.wait_closed(), 5)
+        assert (ended.reason, ended.code, ended.by_peer) == (rudp.DisconnectReason.CLOSED, 7, True)
+    finally:
+        await a.close()
+        await b.close()

@@ -171,6 +171,88 @@ def test_handshake_survives_heavy_loss() -> None:
         assert server_conn(server).state is State.CONNECTED
 
 
+def _simultaneous_open(
+    net: Network, accept: tuple[bool, bool]
+) -> tuple[Node, Node, Connection, Connection, Node]:
+    """Both peers connect at once; returns them, their connections and the one whose
+    handshake must win (the larger salt)."""
+    a = net.add(SERVER, accept=accept[0])
+    b = net.add(CLIENT, accept=accept[1])
+    to_b = a.endpoint.connect(CLIENT, net.now)
+    to_a = b.endpoint.connect(SERVER, net.now)
+    winner = a if to_b.salt > to_a.salt else b
+    net.run_until(
+        lambda: to_b.state is not State.CONNECTING and to_a.state is not State.CONNECTING,
+        timeout=30,
+    )
+    return a, b, to_b, to_a, winner
+
+
+@pytest.mark.parametrize("accept", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_simultaneous_open_gives_each_side_one_connection(
+    accept: tuple[bool, bool], seed: int
+) -> None:
+    # Two peers introduced to each other both connect. Before, each side took the
+    # other's CONNECT for a restart, dropped its own connection and accepted a new
+    # one, and both ended with "peer has no connection".
+    net = Network(seed=seed, link=Link(loss=0.2, duplicate=0.1, reorder=0.1))
+    a, b, to_b, to_a, winner = _simultaneous_open(net, accept)
+    assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
+    assert to_b.token == to_a.token != 0
+    assert a.endpoint.connections == [to_b] and b.endpoint.connections == [to_a]
+    for node, conn in ((a, to_b), (b, to_a)):
+        assert [e for c, e in node.events if c is conn] == [Connected()]
+    # The larger salt's handshake won on both sides: the other peer answered it.
+    assert to_b.salt == to_a.salt
+    loser = b if winner is a else a
+    assert loser.endpoint.stats.simultaneous_opens == 1
+    assert winner.endpoint.stats.simultaneous_opens == 0
+    assert a.endpoint.stats.connections_accepted == b.endpoint.stats.connections_accepted == 0
+    payloads = [f"m{i}".encode() for i in range(50)]
+    for p in payloads:
+        to_b.send(p)
+        to_a.send(p[::-1])
+    net.run_until(lambda: len(a.received()) == len(b.received()) == 50, timeout=30)
+    assert b.received() == payloads and a.received() == [p[::-1] for p in payloads]
+
+
+def test_an_endpoint_that_accepts_no_one_still_refuses_strangers_after_an_open() -> None:
+    net = Network(seed=1)
+    a, b, to_b, to_a, winner = _simultaneous_open(net, (False, False))
+    assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
+    answering = SERVER if winner is b else CLIENT  # the side that answered the other's
+    stranger = net.add(("10.0.0.9", 7000))
+    attempt = stranger.endpoint.connect(answering, net.now)
+    net.run_until(lambda: attempt.state is State.CLOSED, timeout=30)
+    assert attempt.close_reason is not None
+    assert attempt.close_reason.reason is DisconnectReason.CONNECT_TIMEOUT
+    assert len((a if answering == SERVER else b).endpoint.connections) == 1
+
+
+def test_simultaneous_open_survives_a_lost_accept() -> None:
+    net = Network(seed=1)
+    lost: list[bytes] = []
+
+    def drop_first_accept(data: bytes, src: object, dst: object) -> None:
+        if not lost and wire.decode_type(data) is PacketType.ACCEPT:
+            lost.append(data)
+            net.link.blackout = True
+
+    def restore(data: bytes, src: object, dst: object) -> None:
+        net.link.blackout = False
+        drop_first_accept(data, src, dst)
+
+    net.tap = restore
+    a, b, to_b, to_a, _ = _simultaneous_open(net, (True, True))
+    assert lost, "no ACCEPT was sent"
+    assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
+    assert to_b.token == to_a.token
+    # The winner's retried CONNECT got the same ACCEPT again.
+    accepts = [d for d, _, _ in net.sent if wire.decode_type(d) is PacketType.ACCEPT]
+    assert len(accepts) == 2 and accepts[0] == accepts[1]
+
+
 # -- delivery --------------------------------------------------------------------------------
 
 
