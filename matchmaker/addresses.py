@@ -16,6 +16,7 @@ public list unless the operator runs a LAN/dev matchmaker.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from typing import NamedTuple
@@ -118,3 +119,10 @@ def rate_key(ip: str) -> str:
     if isinstance(parsed, ipaddress.IPv6Address):
         return ipaddress.IPv6Network((parsed, 64), strict=False).compressed
     return parsed.compressed
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def source_key(ip: str) -> str:
+    """`rate_key`, cached: the unit of the per-source host cap and of the spreading of
+    list pages, which ask it for every registry entry and every listed host."""
+    return rate_key(ip)

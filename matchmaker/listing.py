@@ -25,7 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
-from matchmaker.addresses import Address
+from matchmaker.addresses import Address, source_key
 from matchmaker.messages import HostInfo, ListFilter
 
 
@@ -97,8 +97,9 @@ def paginate(entries: Sequence[T], page_size: int, per_ip_cap: int) -> list[list
         deferred: deque[T] = deque()
         while pending and len(page) < page_size:
             e = pending.popleft()
-            if per_ip[e.address.ip] < per_ip_cap:
-                per_ip[e.address.ip] += 1
+            source = source_key(e.address.ip)
+            if per_ip[source] < per_ip_cap:
+                per_ip[source] += 1
                 page.append(e)
             else:
                 deferred.append(e)

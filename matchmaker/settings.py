@@ -59,7 +59,7 @@ class Settings:
     keepalive: float = _s(5.0, "heartbeat interval asked of hosts, seconds")
     sweep_interval: float = _s(1.0, "seconds between expiry sweeps")
     # -- abuse limits
-    max_hosts_per_ip: int = _s(16, "registered hosts allowed per public IP")
+    max_hosts_per_ip: int = _s(16, "registered hosts allowed per public IP (IPv6: per /64)")
     register_rate: float = _s(1.0, "registrations+updates per second per source (IPv4 / IPv6 /64)")
     register_burst: float = _s(10.0, "registration burst per source")
     list_rate: float = _s(2.0, "list requests per second per source")
@@ -77,7 +77,7 @@ class Settings:
     # One page is one rudp message, which must fit one datagram: 1176 bytes
     # with rudp's 1200-byte datagrams; 1150 leaves room for the page header.
     page_bytes: int = _s(1150, "target size of one list page, bytes (one datagram, <= 1150)")
-    page_per_ip: int = _s(2, "most hosts from one IP in one page")
+    page_per_ip: int = _s(2, "most hosts from one IP (IPv6: one /64) in one page")
     # A 10,000-host list is ~1,200 pages; at 100 ms RTT the window, not the
     # bandwidth, sets its time (docs/performance.md, "Matchmaker").  256 is
     # rudp's own window, so a list never waits on the matchmaker's.

@@ -37,7 +37,7 @@ import secrets
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-from matchmaker.addresses import Address
+from matchmaker.addresses import Address, source_key
 from matchmaker.listing import matches
 from matchmaker.messages import HostInfo, ListFilter
 
@@ -120,7 +120,7 @@ class LocalIndex:
     def __init__(self) -> None:
         self._records: dict[Address, HostRecord] = {}
         self._by_game: dict[str, dict[Address, HostRecord]] = {}
-        self._by_ip: dict[str, set[Address]] = {}
+        self._by_source: dict[str, set[Address]] = {}  # see addresses.source_key
 
     def __len__(self) -> int:
         return len(self._records)
@@ -136,7 +136,7 @@ class LocalIndex:
         old = self.pop(record.address)
         self._records[record.address] = record
         self._by_game.setdefault(record.info.game, {})[record.address] = record
-        self._by_ip.setdefault(record.address.ip, set()).add(record.address)
+        self._by_source.setdefault(source_key(record.address.ip), set()).add(record.address)
         return old
 
     def pop(self, address: Address) -> HostRecord | None:
@@ -147,10 +147,11 @@ class LocalIndex:
         del game[address]
         if not game:
             del self._by_game[old.info.game]
-        ips = self._by_ip[address.ip]
-        ips.discard(address)
-        if not ips:
-            del self._by_ip[address.ip]
+        source = source_key(address.ip)
+        same = self._by_source[source]
+        same.discard(address)
+        if not same:
+            del self._by_source[source]
         return old
 
     def touch(self, address: Address, now: float) -> bool:
@@ -161,8 +162,9 @@ class LocalIndex:
             self.put(_with_seen(old, now))
         return True
 
-    def ip_count(self, ip: str) -> int:
-        return len(self._by_ip.get(ip, ()))
+    def source_count(self, ip: str) -> int:
+        """Hosts registered from `ip`'s source: the IPv4 address, or the IPv6 /64."""
+        return len(self._by_source.get(source_key(ip), ()))
 
     def game(self, game: str) -> Collection[HostRecord]:
         return self._by_game.get(game, {}).values()
@@ -173,7 +175,7 @@ class LocalIndex:
     def clear(self) -> None:
         self._records.clear()
         self._by_game.clear()
-        self._by_ip.clear()
+        self._by_source.clear()
 
 
 def _with_seen(r: HostRecord, seen: float) -> HostRecord:

@@ -50,7 +50,7 @@ class MemoryRegistry(Registry):
 
     async def upsert(self, address: Address, info: HostInfo, *, max_per_ip: int) -> HostRecord:
         existing = self._index.get(address)
-        if existing is None and self._index.ip_count(address.ip) >= max_per_ip:
+        if existing is None and self._index.source_count(address.ip) >= max_per_ip:
             raise TooManyHosts(address.ip)
         now = self.now()
         record = HostRecord(

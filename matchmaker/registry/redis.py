@@ -8,9 +8,11 @@ Redis Cluster hash tag, so every key lands in one slot):
 ==================  ======  =====================================================
 key                 type    content
 ==================  ======  =====================================================
-``h:<addr>``        hash    ``info`` (msgpack HostInfo), ``owner``, ``token``, ``reg``
+``h:<addr>``        hash    ``info`` (msgpack HostInfo), ``owner``, ``token``, ``reg``,
+                            ``cap`` (the key of its ``ip:`` set)
 ``seen``            zset    addr -> last seen, ms of Redis ``TIME``
-``ip:<ip>``         set     addrs registered from one IP (the per-IP cap)
+``ip:<source>``     set     addrs registered from one source, an IPv4 address or
+                            an IPv6 /64 (the per-IP cap)
 ``events``          stream  every change, in commit order (``MAXLEN ~``)
 ``sweep``/``grace`` string  last expiry sweep, and end of a post-outage grace period
 ``notice:<id>``     pubsub  payloads for hosts connected to replica ``<id>``
@@ -69,7 +71,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from matchmaker.addresses import Address, parse_key
+from matchmaker.addresses import Address, parse_key, source_key
 from matchmaker.messages import (
     DEFAULT_LIMITS,
     HostInfo,
@@ -119,7 +121,8 @@ _UPSERT = (
 local cur = redis.call('HGET', KEYS[1], 'token')
 if ARGV[7] == 'reassert' and cur and cur ~= ARGV[4] then return {2, now, ''} end
 if not cur and redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, ''} end
-redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now)
+redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now,
+  'cap', KEYS[3])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
 local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'op', 'upsert',
@@ -168,12 +171,16 @@ local function remove_one(prefix, seen, events, maxlen, addr, reason, token)
   local hk = prefix .. 'h:' .. addr
   local cur = redis.call('HGET', hk, 'token')
   if not cur or (token ~= '' and cur ~= token) then return false end
-  local ip = string.match(addr, '^%[(.*)%]:%d+$') or string.match(addr, '^(.*):%d+$')
-  local h = redis.call('HMGET', hk, 'info', 'owner', 'reg')
+  local h = redis.call('HMGET', hk, 'info', 'owner', 'reg', 'cap')
+  local cap = h[4]
+  if not cap then  -- written before the cap set was kept per source: one per IP
+    local ip = string.match(addr, '^%[(.*)%]:%d+$') or string.match(addr, '^(.*):%d+$')
+    cap = prefix .. 'ip:' .. ip
+  end
   local last = redis.call('ZSCORE', seen, addr) or '0'
   redis.call('DEL', hk)
   redis.call('ZREM', seen, addr)
-  redis.call('SREM', prefix .. 'ip:' .. ip, addr)
+  redis.call('SREM', cap, addr)
   local id = redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 'op', 'remove',
     'addr', addr, 'reason', reason, 'token', cur)
   return {id, h[1], h[2], cur, h[3], last}
@@ -426,7 +433,7 @@ class RedisRegistry(Registry):
     async def _upsert_remote(
         self, address: Address, info: HostInfo, token: str, max_per_ip: int, mode: str
     ) -> tuple[HostRecord | None, int]:
-        keys = [self._k("h", address.key), self._k("seen"), self._k("ip", address.ip)]
+        keys = [self._k("h", address.key), self._k("seen"), self._k("ip", source_key(address.ip))]
         keys.append(self._k("events"))
         args = [address.key, _pack_info(info), self.replica_id, token, max_per_ip, self._maxlen]
         status, now_ms, sid = await self._script("upsert", keys, [*args, mode])
@@ -448,7 +455,7 @@ class RedisRegistry(Registry):
     def _upsert_local(
         self, address: Address, info: HostInfo, token: str, max_per_ip: int
     ) -> HostRecord:
-        if self._index.get(address) is None and self._index.ip_count(address.ip) >= max_per_ip:
+        if self._index.get(address) is None and self._index.source_count(address.ip) >= max_per_ip:
             raise TooManyHosts(address.ip)
         now = self.now()
         rec = HostRecord(

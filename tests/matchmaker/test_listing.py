@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from matchmaker.addresses import Address
+from matchmaker.addresses import Address, source_key
 from matchmaker.listing import matches, paginate, select, shuffled, split_by_size
 from matchmaker.messages import HostInfo, ListFilter
 
@@ -31,7 +31,7 @@ def make_hosts(n: int = 1000, seed: int = 1) -> list[Entry]:
     out = []
     for i in range(n):
         if rng.random() < 0.3:
-            ip = f"2001:db8::{rng.randrange(1, 60):x}"
+            ip = f"2001:db8:{rng.randrange(1, 60):x}::1"  # one /64 each
         else:
             ip = f"198.51.100.{rng.randrange(1, 120)}"
         max_players = rng.choice((2, 8, 16))
@@ -161,7 +161,7 @@ def check_pages(entries: list[Entry], pages: list[list[Entry]], size: int, cap: 
     assert sorted(map(id, flat)) == sorted(map(id, entries))  # each exactly once
     for page in pages:
         assert 0 < len(page) <= size
-        assert max(Counter(e.address.ip for e in page).values()) <= cap
+        assert max(Counter(source_key(e.address.ip) for e in page).values()) <= cap
 
 
 def test_paginate_1000_hosts() -> None:
@@ -180,6 +180,14 @@ def test_paginate_one_ip_floods() -> None:
     check_pages(order, pages, 10, 2)
     # The first page has 2 flood entries and is then filled by the others.
     assert sum(e.address.ip == "198.51.100.1" for e in pages[0]) == 2
+    assert len(pages[0]) == 10
+
+
+def test_paginate_counts_an_ipv6_slash_64_as_one_source() -> None:
+    # A site rotating through its /64 is still one source for the page cap.
+    flood = [Entry(Address(f"2001:db8:5:6::{i:x}", 27960), HOSTS[0].info) for i in range(1, 9)]
+    pages = paginate(flood + HOSTS[:20], 10, 2)
+    assert sum(e.address.ip.startswith("2001:db8:5:6:") for e in pages[0]) == 2
     assert len(pages[0]) == 10
 
 

@@ -109,6 +109,22 @@ async def test_per_ip_cap(make_registry: RegistryFactory) -> None:
     await reg.upsert(A3, host(), max_per_ip=2)
 
 
+async def test_the_host_cap_counts_an_ipv6_slash_64_as_one_source(
+    make_registry: RegistryFactory,
+) -> None:
+    # One IPv6 site holds a whole /64: a cap per address would be no cap at all.
+    reg = await make_registry()
+    site = [Address(f"2001:db8:1:2::{i:x}", 27960) for i in range(1, 4)]
+    await reg.upsert(site[0], host(), max_per_ip=2)
+    await reg.upsert(site[1], host(), max_per_ip=2)
+    with pytest.raises(TooManyHosts):
+        await reg.upsert(site[2], host(), max_per_ip=2)
+    await reg.upsert(Address("2001:db8:1:3::1", 27960), host(), max_per_ip=2)  # another /64
+    # Leaving frees the slot: the entry left its /64's set too.
+    await reg.remove(site[0], RemovalReason.UNREGISTERED)
+    await reg.upsert(site[2], host(), max_per_ip=2)
+
+
 async def test_update(make_registry: RegistryFactory) -> None:
     reg = await make_registry()
     rec = await reg.upsert(A, host("before"), max_per_ip=5)

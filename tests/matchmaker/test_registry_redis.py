@@ -341,3 +341,26 @@ async def test_a_late_script_reply_does_not_undo_newer_stream_state(replica: Fac
     b_done.set()
     assert await removal
     assert (r := a.get(addr(1))) is not None and r.token == newer.token
+
+
+async def test_the_cap_sets_are_per_slash_64_and_entries_without_one_still_leave_theirs(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica()
+    v6 = Address("2001:db8:7:8::1", 27960)
+    old = Address("2001:db8:7:9::1", 27960)
+    await a.upsert(v6, host(), max_per_ip=10)
+    await a.upsert(old, host(), max_per_ip=10)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        assert await r.smembers("{mm}:ip:2001:db8:7:8::/64") == {v6.key.encode()}
+        assert await r.hget(f"{{mm}}:h:{old.key}", "cap") == b"{mm}:ip:2001:db8:7:9::/64"
+        # An entry as an older replica wrote it: no cap field, its address in a per-IP set.
+        await r.hdel(f"{{mm}}:h:{old.key}", "cap")
+        await r.delete("{mm}:ip:2001:db8:7:9::/64")
+        await r.sadd(f"{{mm}}:ip:{old.ip}", old.key)
+        assert await a.remove(old, RemovalReason.UNREGISTERED)
+        assert await a.remove(v6, RemovalReason.UNREGISTERED)
+        assert await r.keys("{mm}:ip:*") == []  # both left their sets
+    finally:
+        await r.aclose()
