@@ -1496,7 +1496,8 @@ class Connection:
     def _on_lost(self, pkt: SentPacket) -> None:
         self._in_flight -= 1
         self.stats.packets_lost += 1
-        if self._cc.on_lost(pkt.seq, pkt.size, self._tx_next, self._rtt.min_rtt):
+        rtt = self._rtt
+        if self._cc.on_lost(pkt.seq, pkt.size, self._tx_next, rtt.min_rtt, rtt.latest):
             self.stats.congestion_events += 1
         lost = self._lost_recently
         lost[pkt.seq] = None

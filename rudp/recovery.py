@@ -41,6 +41,11 @@ GRANULARITY: Final = 0.001  # clock granularity floor for timers (RFC 9002's kGr
 LOSS_DELAY_FLOOR: Final = 0.005
 NO_SSTHRESH: Final = 1 << 62  # slow start until the first loss
 RATE_SAMPLES: Final = 8  # delivery-rate samples (one per RTT or more) a loss looks back on
+# A loss is taken for random, not congestion, while the latest RTT is within this
+# fraction of the minimum RTT (no queue is building) and the losses of the current
+# rate sample stay within RANDOM_LOSS_SHARE of the window (at least two datagrams).
+QUEUE_FREE_FRACTION: Final = 0.125
+RANDOM_LOSS_SHARE: Final = 16  # a sixteenth
 
 
 class RttEstimator:
@@ -138,6 +143,14 @@ class CongestionController:
     loses packets at random it is about the window already in use, which is kept.
     Before the first rate sample a loss halves the window.
 
+    A loss is not congestion at all when nothing queues: while the latest RTT is
+    within an eighth of the minimum RTT, a full queue cannot be why a packet went
+    missing, so such a loss leaves the window alone (``random_losses`` counts them;
+    TCP Veno tells the two kinds apart the same way). Only a few are taken for
+    random per rate sample, at most a sixteenth of the window (and at least two
+    datagrams): a sender that overflows a queue too shallow to show in the RTT loses
+    more than that in one round trip, and the rest of those losses count.
+
     A loss begins a recovery period: losses of packets sent before it began are the
     same congestion event, and their acks do not grow the window. Periods are told
     apart by packet number, not time, so a packet sent in the very instant a period
@@ -161,6 +174,7 @@ class CongestionController:
         "_rate_next",
         "_rates",
         "_round_acked",
+        "_round_lost",
         "_round_start",
         "_undo_cwnd",
         "_undo_recovery",
@@ -169,6 +183,7 @@ class CongestionController:
         "bytes_in_flight",
         "cwnd",
         "enabled",
+        "random_losses",
         "recovery_seq",
         "ssthresh",
     )
@@ -191,6 +206,8 @@ class CongestionController:
         self._acc = 0  # bytes acknowledged towards the next congestion-avoidance step
         self._round_start = -1.0  # when the current delivery-rate sample began
         self._round_acked = 0
+        self._round_lost = 0  # bytes lost during the current rate sample
+        self.random_losses = 0  # losses taken for random, not congestion
         self._rates = [0.0] * RATE_SAMPLES  # the last delivery-rate samples, bytes/s
         self._rate_next = 0
         self._undo_seq = -1  # the packet whose loss began the current recovery
@@ -225,6 +242,7 @@ class CongestionController:
                 self._rate_next = (self._rate_next + 1) % RATE_SAMPLES
                 self._round_start = now
                 self._round_acked = 0
+                self._round_lost = 0
                 self._flight_peak_prev = self._flight_peak
                 self._flight_peak = self.bytes_in_flight
         if seq < self.recovery_seq:
@@ -241,7 +259,9 @@ class CongestionController:
                 cwnd += self._max_datagram
         self.cwnd = min(cwnd, self._max_window)
 
-    def on_lost(self, seq: int, size: int, next_seq: int, min_rtt: float) -> bool:
+    def on_lost(
+        self, seq: int, size: int, next_seq: int, min_rtt: float, latest_rtt: float
+    ) -> bool:
         """A packet was declared lost; ``next_seq`` is the number the next packet will
         get. Returns whether this began a congestion event (a new recovery period)."""
         self.bytes_in_flight -= size
@@ -251,6 +271,15 @@ class CongestionController:
             # Application-limited: the loss says nothing about the window, and the
             # rate samples only measure the application. Shrinking here would leave a
             # game's later bulk transfer starting from two datagrams.
+            return False
+        lost = self._round_lost + size
+        self._round_lost = lost
+        if (
+            min_rtt > 0.0
+            and latest_rtt - min_rtt <= min_rtt * QUEUE_FREE_FRACTION
+            and lost <= max(self.cwnd // RANDOM_LOSS_SHARE, self._min_window)
+        ):
+            self.random_losses += 1
             return False
         self._undo_seq = seq
         self._undo_cwnd = self.cwnd

@@ -96,6 +96,12 @@ class ConnectionStats:
         return self.cc.cwnd if self.cc else 0
 
     @property
+    def random_losses(self) -> int:
+        """Losses the congestion controller took for random, not congestion (no queue
+        was building), so they left the window alone."""
+        return self.cc.random_losses if self.cc else 0
+
+    @property
     def bytes_in_flight(self) -> int:
         """Bytes of ack-eliciting packets sent and neither acknowledged nor lost."""
         return self.cc.bytes_in_flight if self.cc else 0
@@ -114,6 +120,7 @@ class ConnectionStats:
             loss_estimate=self.loss_estimate,
             congestion_window=self.congestion_window,
             bytes_in_flight=self.bytes_in_flight,
+            random_losses=self.random_losses,
         )
         return out
 
