@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
 from types import TracebackType
 from typing import Any
@@ -25,12 +26,36 @@ def _set_buffers(sock: socket.socket, size: int) -> None:
 
 
 async def _resolve(host: str, port: int, family: int = 0, flags: int = 0) -> tuple[int, Address]:
+    if not 0 <= port <= 65535:  # getaddrinfo would silently take it modulo 65536
+        raise ValueError(f"port must be in 0..65535, got {port}")
+    literal = _literal(host, port, family, flags)
+    if literal is not None:
+        return literal
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM, flags=flags)
     if not infos:
         raise OSError(f"cannot resolve {host!r}")
     fam, _, _, _, sockaddr = infos[0]
     return fam, tuple(sockaddr)
+
+
+def _literal(host: str, port: int, family: int, flags: int) -> tuple[int, Address] | None:
+    """What getaddrinfo gives for an IP literal (what a game nearly always passes),
+    without its round trip through the loop's thread pool; None for anything else."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a name, or an IPv6 address with a zone: ask getaddrinfo
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.scope_id is not None:
+            return None  # "%eth0": getaddrinfo turns the zone into an interface index
+        if family in (0, socket.AF_INET6):
+            return socket.AF_INET6, (ip.compressed, port, 0, 0)
+    elif family in (0, socket.AF_INET):
+        return socket.AF_INET, (ip.compressed, port)
+    elif family == socket.AF_INET6 and flags & socket.AI_V4MAPPED:
+        return socket.AF_INET6, (f"::ffff:{ip.compressed}", port, 0, 0)
+    return None  # a family mismatch: getaddrinfo says what is wrong
 
 
 async def _open_socket(host: str | None, port: int, family: int, config: Config) -> socket.socket:

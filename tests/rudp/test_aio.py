@@ -642,9 +642,14 @@ async def test_two_peers_connecting_to_each_other_at_once_share_one_connection(
         for accept in accepting
     ]
     try:
-        to_b, to_a = await asyncio.wait_for(
-            asyncio.gather(a.connect(*b.address), b.connect(*a.address)), 10
-        )
+        both = asyncio.gather(a.connect(*b.address), b.connect(*a.address))
+        # Both handshakes start in this loop turn, before any datagram is read (an IP
+        # literal is resolved without the thread pool): the CONNECTs cross.
+        await asyncio.sleep(0)
+        for endpoint in (a, b):
+            (conn,) = endpoint.endpoint.core.connections
+            assert conn.state.value == "connecting"
+        to_b, to_a = await asyncio.wait_for(both, 10)
         assert to_b.remote_address[:2] == b.address and to_a.remote_address[:2] == a.address
         to_b.send(b"from a")
         to_a.send(b"from b")
@@ -658,3 +663,30 @@ async def test_two_peers_connecting_to_each_other_at_once_share_one_connection(
     finally:
         await a.close()
         await b.close()
+
+
+async def test_ip_literals_resolve_without_the_thread_pool_and_ports_are_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rudp.aio.server import _resolve
+
+    loop = asyncio.get_running_loop()
+    for host, port, family, flags in [
+        ("127.0.0.1", 5, 0, 0),
+        ("2001:db8:0::1", 5, 0, 0),
+        ("1.2.3.4", 5, socket.AF_INET6, socket.AI_V4MAPPED),
+    ]:
+        fam, _, _, _, sockaddr = (
+            await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM, flags=flags)
+        )[0]
+        assert await _resolve(host, port, family, flags) == (fam, tuple(sockaddr))
+
+    async def no_thread_pool(*args: object, **kwargs: object) -> object:
+        raise AssertionError("getaddrinfo called for an IP literal")
+
+    monkeypatch.setattr(loop, "getaddrinfo", no_thread_pool)
+    assert await _resolve("::1", 9) == (socket.AF_INET6, ("::1", 9, 0, 0))
+    with pytest.raises(AssertionError):  # a name still goes to getaddrinfo
+        await _resolve("localhost", 9)
+    with pytest.raises(ValueError, match=r"port must be in 0\.\.65535"):
+        await rudp.connect("127.0.0.1", 70000)  # getaddrinfo would have made it 4464
