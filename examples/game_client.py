@@ -137,6 +137,12 @@ async def main(argv: list[str] | None = None) -> int:
             move = {"t": "move", "dx": walk.choice((-1, 0, 1)), "dy": walk.choice((-1, 0, 1))}
             conn.send(msgpack.packb(move), channel=INPUT)
             await asyncio.sleep(0.1)
+        # A slow machine may not have shown us yet: give the checks below a while.
+        patience = loop.time() + 10.0
+        while (play.position is None or not play.chat_echoed) and not conn.closed:
+            if loop.time() > patience:
+                break
+            await asyncio.sleep(0.05)
         await conn.drain()
         ended = conn.close_reason
         if ended is not None:

@@ -147,11 +147,11 @@ async def punch(server: rudp.Server, mm: MatchmakerClient) -> None:
     """Answer introductions: one datagram towards the client opens our NAT for it."""
     while True:
         intro = await mm.introductions.get()
+        log(f"introduced to {intro.peer.ip}:{intro.peer.port}")
         for peer in filter(None, (intro.peer, intro.peer_lan)):
             # An unconnected query nobody answers: all we need is the datagram leaving.
             with contextlib.suppress(TimeoutError, OSError, rudp.RudpError):
                 await server.query((peer.ip, peer.port), b"punch", 0.05)
-        log(f"introduced to {intro.peer.ip}:{intro.peer.port}")
 
 
 async def main(argv: list[str] | None = None) -> int:
