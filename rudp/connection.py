@@ -224,6 +224,7 @@ class Connection:
         self.armed: float | None = None  # the endpoint's timer bookkeeping
         # -- send side
         self._isn = rng.getrandbits(16)
+        self.peer_isn = -1  # the peer's initial sequence number, once connected
         self._tx_next = self._isn
         self._sent: dict[int, SentPacket] = {}
         self._in_flight = 0
@@ -762,6 +763,7 @@ class Connection:
     def establish(self, token: int, peer_isn: int, now: float) -> None:
         """Handshake done: both sides know the token and each other's first sequence."""
         self.token = token
+        self.peer_isn = peer_isn
         self._rx_largest = peer_isn - 1
         self._last_recv = now
         self._last_eliciting = now

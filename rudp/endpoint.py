@@ -309,6 +309,17 @@ class Endpoint:
                 self._out.append((conn.accept_datagram, address))  # our ACCEPT was lost
                 return None
             return DropReason.DUPLICATE
+        if (
+            conn is not None
+            and conn.client
+            and not opening
+            and request.isn == conn.peer_isn
+            and request.salt < conn.salt
+        ):
+            # The losing handshake of a simultaneous open we won, late or duplicated:
+            # its CONNECTs carry the very sequence number the peer's ACCEPT gave us. (A
+            # restarted peer picks a new one; a 2^-17 clash costs it one connect().)
+            return DropReason.DUPLICATE
         if not self.accept and not opening:
             return DropReason.UNEXPECTED  # a new handshake: not ours to accept
         if not request.cookie:

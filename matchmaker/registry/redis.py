@@ -111,7 +111,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: h, seen, ip, events.  ARGV: addr, info, owner, token, max_per_ip, maxlen, mode.
+# KEYS: h, seen, ip (the address's cap set), events, ip-of-the-address (the cap set of
+# entries written before the sets were kept per source; the same key for IPv4).
+# ARGV: addr, info, owner, token, max_per_ip, maxlen, mode.
 # mode "new": a fresh registration.  mode "reassert": put back a registration
 # this replica still holds after an outage, unless the address now belongs to
 # a newer registration.
@@ -120,7 +122,21 @@ _UPSERT = (
     + """
 local cur = redis.call('HGET', KEYS[1], 'token')
 if ARGV[7] == 'reassert' and cur and cur ~= ARGV[4] then return {2, now, ''} end
-if not cur and redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, ''} end
+if cur then
+  -- Replacing an entry: it leaves the cap set it was counted in, if another.
+  local was = redis.call('HGET', KEYS[1], 'cap') or KEYS[5]
+  if was ~= KEYS[3] then redis.call('SREM', was, ARGV[1]) end
+elseif redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then
+  -- Members whose entry is gone (removed by a replica that kept the sets per IP)
+  -- do not count; drop them before refusing.
+  local hprefix = string.sub(KEYS[1], 1, #KEYS[1] - #ARGV[1])
+  for _, member in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+    if redis.call('EXISTS', hprefix .. member) == 0 then
+      redis.call('SREM', KEYS[3], member)
+    end
+  end
+  if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, ''} end
+end
 redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now,
   'cap', KEYS[3])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
@@ -433,8 +449,13 @@ class RedisRegistry(Registry):
     async def _upsert_remote(
         self, address: Address, info: HostInfo, token: str, max_per_ip: int, mode: str
     ) -> tuple[HostRecord | None, int]:
-        keys = [self._k("h", address.key), self._k("seen"), self._k("ip", source_key(address.ip))]
-        keys.append(self._k("events"))
+        keys = [
+            self._k("h", address.key),
+            self._k("seen"),
+            self._k("ip", source_key(address.ip)),
+            self._k("events"),
+            self._k("ip", address.ip),
+        ]
         args = [address.key, _pack_info(info), self.replica_id, token, max_per_ip, self._maxlen]
         status, now_ms, sid = await self._script("upsert", keys, [*args, mode])
         self._set_redis_now(now_ms)

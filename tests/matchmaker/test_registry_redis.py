@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from matchmaker.addresses import Address
 from matchmaker.messages import ListFilter
 from matchmaker.metrics import Metrics
-from matchmaker.registry import Notice, RemovalReason
+from matchmaker.registry import Notice, RemovalReason, TooManyHosts
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.server import build_registry
 from matchmaker.settings import Settings
@@ -362,5 +362,46 @@ async def test_the_cap_sets_are_per_slash_64_and_entries_without_one_still_leave
         assert await a.remove(old, RemovalReason.UNREGISTERED)
         assert await a.remove(v6, RemovalReason.UNREGISTERED)
         assert await r.keys("{mm}:ip:*") == []  # both left their sets
+    finally:
+        await r.aclose()
+
+
+async def test_a_legacy_entry_registered_again_leaves_its_per_ip_set(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica()
+    h = Address("2001:db8:7:b::1", 27960)
+    await a.upsert(h, host(), max_per_ip=10)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:  # make it an entry as an older replica wrote it
+        await r.hdel(f"{{mm}}:h:{h.key}", "cap")
+        await r.delete("{mm}:ip:2001:db8:7:b::/64")
+        await r.sadd(f"{{mm}}:ip:{h.ip}", h.key)
+        await a.upsert(h, host("again"), max_per_ip=10)  # the host registers again
+        assert await r.smembers(f"{{mm}}:ip:{h.ip}") == set()
+        assert await r.smembers("{mm}:ip:2001:db8:7:b::/64") == {h.key.encode()}
+        assert await a.remove(h, RemovalReason.UNREGISTERED)
+        assert await r.keys("{mm}:ip:*") == []
+    finally:
+        await r.aclose()
+
+
+async def test_a_member_whose_entry_is_gone_does_not_hold_a_slot(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    # An older replica removes entries from the per-IP set only: the /64 set keeps the
+    # address, which must not count against the cap for good.
+    a = await replica()
+    first = Address("2001:db8:7:c::1", 27960)
+    await a.upsert(first, host(), max_per_ip=1)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await r.delete(f"{{mm}}:h:{first.key}")  # what the older replica's removal leaves
+        await r.zrem("{mm}:seen", first.key)
+        second = Address("2001:db8:7:c::2", 27960)
+        await a.upsert(second, host(), max_per_ip=1)
+        assert await r.smembers("{mm}:ip:2001:db8:7:c::/64") == {second.key.encode()}
+        with pytest.raises(TooManyHosts):  # a live member still counts
+            await a.upsert(Address("2001:db8:7:c::3", 27960), host(), max_per_ip=1)
     finally:
         await r.aclose()

@@ -217,6 +217,40 @@ def test_simultaneous_open_gives_each_side_one_connection(
     assert b.received() == payloads and a.received() == [p[::-1] for p in payloads]
 
 
+def test_a_late_copy_of_the_losing_connect_does_not_end_the_opened_connection() -> None:
+    # The winner drops the loser's cookie CONNECT while connecting; a copy delayed or
+    # duplicated past the handshake once looked like a restart of the peer: both
+    # connections ended with "peer has no connection".
+    net = Network(seed=1)
+    a, b, to_b, to_a, winner = _simultaneous_open(net, (True, True))
+    loser, winner_address = (CLIENT, SERVER) if winner is a else (SERVER, CLIENT)
+    losing = [
+        d
+        for d, src, _ in net.sent
+        if src == loser
+        and wire.decode_type(d) is PacketType.CONNECT
+        and wire.decode_connect(d).cookie
+    ]
+    assert losing
+    net.inject(losing[-1], loser, winner_address)
+    net.run(5)
+    assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
+    assert winner.endpoint.stats.dropped[DropReason.DUPLICATE] >= 1
+    assert not a.disconnects() and not b.disconnects()
+
+
+@pytest.mark.parametrize("accept", [(True, True), (True, False), (False, True), (False, False)])
+def test_simultaneous_opens_under_duplication_and_reordering_all_hold(
+    accept: tuple[bool, bool],
+) -> None:
+    for seed in range(40):
+        net = Network(seed=seed, link=Link(loss=0.2, duplicate=0.1, reorder=0.1))
+        a, b, to_b, to_a, _ = _simultaneous_open(net, accept)
+        net.run(3)
+        assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED, seed
+        assert not a.disconnects() and not b.disconnects(), seed
+
+
 def test_an_endpoint_that_accepts_no_one_still_refuses_strangers_after_an_open() -> None:
     net = Network(seed=1)
     a, b, to_b, to_a, winner = _simultaneous_open(net, (False, False))
