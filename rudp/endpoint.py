@@ -110,7 +110,12 @@ class Endpoint:
         """Start a handshake to ``address``; the connection reports ``Connected``."""
         existing = self._conns.get(address)
         if existing is not None:
-            raise LocalProtocolError(f"already connected or connecting to {address!r}")
+            if existing.client:
+                raise LocalProtocolError(f"already connected or connecting to {address!r}")
+            raise LocalProtocolError(
+                f"{address!r} already connected to us (its connection was accepted, and "
+                "goes to the serve handler): use that one"
+            )
         conn = self._new_connection(address, now, client=True, salt=self._rng.getrandbits(64))
         self._dirty.add(conn)
         self._schedule(conn)

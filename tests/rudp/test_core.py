@@ -264,6 +264,16 @@ def test_an_endpoint_that_accepts_no_one_still_refuses_strangers_after_an_open()
     assert len((a if answering == SERVER else b).endpoint.connections) == 1
 
 
+def test_connecting_to_a_peer_already_connected_says_which_connection_exists() -> None:
+    # A peer's CONNECT that arrives before we connect to it is an ordinary inbound
+    # connection (no simultaneous open); connecting then must say where it went.
+    net, server, client, conn = pair()
+    with pytest.raises(LocalProtocolError, match="accepted, and goes to the serve handler"):
+        server.endpoint.connect(CLIENT, net.now)
+    with pytest.raises(LocalProtocolError, match="already connected or connecting"):
+        client.endpoint.connect(SERVER, net.now)
+
+
 def test_simultaneous_open_survives_a_lost_accept() -> None:
     net = Network(seed=1)
     lost: list[bytes] = []
