@@ -1,4 +1,5 @@
-"""Fixtures: a real redis-server on a free loopback port, in a temporary directory."""
+"""Fixtures: a real redis-server on a free loopback port, in a temporary directory, and a
+matchmaker daemon on loopback."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+
+from matchmaker.server import Matchmaker
 
 REDIS_BINARY = shutil.which("redis-server")
 
@@ -67,6 +70,17 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait(5)
         self.proc = None
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Matchmaker]:
+    """A matchmaker on loopback, in the test's loop, on its in-memory store."""
+    from tests.matchmaker.test_e2e import settings  # that module imports this one
+
+    mm = Matchmaker(settings())
+    await mm.start()
+    yield mm
+    await mm.shutdown()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import platform
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -49,14 +49,6 @@ def settings(**kw: Any) -> Settings:
     }
     options.update(kw)
     return Settings(**options)
-
-
-@pytest.fixture
-async def daemon() -> AsyncIterator[Matchmaker]:
-    mm = Matchmaker(settings())
-    await mm.start()
-    yield mm
-    await mm.shutdown()
 
 
 async def http_get(address: tuple[str, int], target: str) -> tuple[int, bytes]:

@@ -8,26 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
-
-import pytest
 
 from matchmaker.addresses import Address
 from matchmaker.server import Matchmaker
-from tests.matchmaker.test_e2e import settings
 from tests.matchmaker.test_registry import eventually
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEADLINE = 60.0
-
-
-@pytest.fixture
-async def daemon() -> AsyncIterator[Matchmaker]:
-    mm = Matchmaker(settings())
-    await mm.start()
-    yield mm
-    await mm.shutdown()
 
 
 async def start(script: str, *args: str) -> asyncio.subprocess.Process:
