@@ -1,0 +1,187 @@
+"""The version-2 handshake: a Noise handshake and each side's limits, in two messages.
+
+Theory of operation
+-------------------
+The client's CONNECT carries the first Noise message and the server's ACCEPT the
+second, so sealing costs no round trip beyond the stateless cookie exchange the
+handshake already had (the server computes no Diffie-Hellman and keeps no state
+for an address before it echoes a valid cookie: the cookie check comes first).
+
+* ``NK`` when the client knows the server's static public key: the first message
+  is already encrypted to that key, and only the holder of the private key can
+  answer, so the client knows whom it reached.
+* ``NN`` otherwise: both directions are sealed with fresh keys, but the server is
+  not authenticated; an on-path attacker who answers first can sit in the middle.
+  ``conn.server_authenticated`` says which one a connection used.
+
+The prologue binds the protocol version, the pattern and the client's salt, so a
+message cannot be moved to another handshake or downgraded from NK to NN without
+failing authentication.
+
+Each side's Noise payload is its :class:`TransportParams`: the connection id it
+wants on the packets it receives, and what it accepts (largest message, channels,
+receive buffer, datagram size, idle timeout). A sender checks the peer's limits
+before it queues anything, so a mismatch raises at once instead of stalling
+(``MessageTooLarge`` names the peer's limit). The server's parameters also carry
+the reset token that lets the client believe an unauthenticated NOCONN.
+
+Both messages are encrypted and authenticated except the client's parameters
+under ``NN``: they travel in clear in the first message (there is no key yet),
+but they are hashed into the transcript, so a change by an attacker makes the
+server's answer fail to authenticate at the client.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from rudp.noise import DHLEN, TAGLEN, HandshakeState, NoiseError
+
+PATTERN_NN: Final = 0
+PATTERN_NK: Final = 1
+_PROTOCOL_NAMES: Final = {
+    PATTERN_NN: "Noise_NN_25519_ChaChaPoly_BLAKE2s",
+    PATTERN_NK: "Noise_NK_25519_ChaChaPoly_BLAKE2s",
+}
+_PROLOGUE: Final = b"rudp/2"
+RESET_TOKEN_SIZE: Final = 16
+
+# connection id u32, max message u32, channels u8, receive buffer u32,
+# max datagram u16, idle timeout ms u32, reset token length u8 (0 or 16), token.
+_PARAMS: Final = struct.Struct("!IIBIHIB")
+PARAMS_SIZE: Final = _PARAMS.size + RESET_TOKEN_SIZE
+
+
+def first_message_size(pattern: int) -> int:
+    """Bytes of the client's Noise message (ephemeral key, parameters, tags)."""
+    tags = TAGLEN if pattern == PATTERN_NK else 0
+    return DHLEN + PARAMS_SIZE + tags
+
+
+SECOND_MESSAGE_SIZE: Final = DHLEN + PARAMS_SIZE + TAGLEN
+
+
+@dataclass(frozen=True, slots=True)
+class TransportParams:
+    """What one side tells the other in the handshake."""
+
+    connection_id: int
+    """The id the peer must put on the packets it sends to this side."""
+    max_message_size: int
+    """The largest message this side accepts, in bytes."""
+    channels: int
+    """How many channels this side accepts (0..channels-1)."""
+    recv_buffer_bytes: int
+    """How many bytes of out-of-order and partial messages this side buffers."""
+    max_datagram_size: int
+    """The largest datagram this side accepts."""
+    idle_timeout_ms: int
+    """Silence after which this side ends the connection."""
+    reset_token: bytes = b""
+    """The server's: a NOCONN must carry it to be believed; empty from the client."""
+
+    def encode(self) -> bytes:
+        token = self.reset_token
+        if len(token) not in (0, RESET_TOKEN_SIZE):
+            raise ValueError(f"a reset token is {RESET_TOKEN_SIZE} bytes")
+        head = _PARAMS.pack(
+            self.connection_id,
+            self.max_message_size,
+            self.channels,
+            self.recv_buffer_bytes,
+            self.max_datagram_size,
+            self.idle_timeout_ms,
+            len(token),
+        )
+        # Fixed size, so the handshake's datagrams have the same length whatever is said.
+        return head + token.ljust(RESET_TOKEN_SIZE, b"\x00")
+
+    @classmethod
+    def decode(cls, data: bytes) -> TransportParams:
+        """The parameters in ``data``; ValueError when they are malformed."""
+        if len(data) != PARAMS_SIZE:
+            raise ValueError("transport parameters have the wrong size")
+        cid, message, channels, buffer, datagram, idle, token_len = _PARAMS.unpack_from(data)
+        if token_len not in (0, RESET_TOKEN_SIZE) or channels == 0 or datagram < 576:
+            raise ValueError("transport parameters out of range")
+        token = data[_PARAMS.size : _PARAMS.size + token_len]
+        return cls(cid, message, channels, buffer, datagram, idle, token)
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """A finished handshake: the peer's parameters and this side's packet keys."""
+
+    peer: TransportParams
+    send_key: bytes
+    recv_key: bytes
+    handshake_hash: bytes
+    """Identical on both sides: a channel binding (for example for connect tokens)."""
+
+
+def _prologue(pattern: int, salt: int) -> bytes:
+    return _PROLOGUE + bytes((pattern,)) + salt.to_bytes(8, "big")
+
+
+class ClientHandshake:
+    """The client's side: the first message at once, the keys from the answer."""
+
+    def __init__(self, params: TransportParams, salt: int, server_key: bytes | None) -> None:
+        if server_key is not None and len(server_key) != DHLEN:
+            raise ValueError(f"a server key is {DHLEN} bytes (X25519 public key)")
+        self.pattern = PATTERN_NN if server_key is None else PATTERN_NK
+        self._state = HandshakeState(
+            _PROTOCOL_NAMES[self.pattern],
+            initiator=True,
+            prologue=_prologue(self.pattern, salt),
+            remote_static=server_key,
+        )
+        # Computed once: every CONNECT of this attempt carries the same message.
+        self.message = self._state.write_message(params.encode())
+
+    def finish(self, answer: bytes) -> Keys:
+        """The keys, from the server's message; NoiseError or ValueError if it is not genuine."""
+        if len(answer) != SECOND_MESSAGE_SIZE:
+            raise NoiseError("handshake answer has the wrong size")
+        peer = TransportParams.decode(self._state.read_message(answer))
+        if len(peer.reset_token) != RESET_TOKEN_SIZE:
+            raise ValueError("the server's parameters carry no reset token")
+        send_key, recv_key = self._state.split()
+        return Keys(peer, send_key, recv_key, self._state.handshake_hash)
+
+
+def answer(
+    static: X25519PrivateKey | None,
+    pattern: int,
+    salt: int,
+    message: bytes,
+    params: TransportParams,
+) -> tuple[bytes, Keys]:
+    """The server's side in one call: (its answer, its keys) for a client's first message.
+
+    Raises NoiseError or ValueError when the message is not a genuine first message
+    for this server (wrong size, wrong key, tampered), and ValueError when the
+    client asks for NK and this server has no static key.
+    """
+    if pattern not in _PROTOCOL_NAMES:
+        raise ValueError(f"unknown handshake pattern {pattern}")
+    if len(message) != first_message_size(pattern):
+        raise NoiseError("handshake message has the wrong size")
+    if pattern == PATTERN_NK and static is None:
+        raise ValueError("the client expects a server key and this server has none")
+    state = HandshakeState(
+        _PROTOCOL_NAMES[pattern],
+        initiator=False,
+        prologue=_prologue(pattern, salt),
+        static=static if pattern == PATTERN_NK else None,
+    )
+    peer = TransportParams.decode(state.read_message(message))
+    if peer.reset_token:
+        raise ValueError("a client's parameters carry no reset token")
+    reply = state.write_message(params.encode())
+    send_key, recv_key = state.split()
+    return reply, Keys(peer, send_key, recv_key, state.handshake_hash)
