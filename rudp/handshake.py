@@ -19,11 +19,12 @@ message cannot be moved to another handshake or downgraded from NK to NN without
 failing authentication.
 
 Each side's Noise payload is its :class:`TransportParams`: the connection id it
-wants on the packets it receives, and what it accepts (largest message, channels,
-receive buffer, datagram size, idle timeout). A sender checks the peer's limits
-before it queues anything, so a mismatch raises at once instead of stalling
-(``MessageTooLarge`` names the peer's limit). The server's parameters also carry
-the reset token that lets the client believe an unauthenticated NOCONN.
+wants on the packets it receives, what it accepts (largest message, channels,
+receive buffer, datagram size, idle timeout), and its reset token: the 16 bytes
+an unauthenticated NOCONN about this connection must carry to be believed, which
+an endpoint can recompute from the connection id after it forgot the connection.
+A sender checks the peer's limits before it queues anything, so a mismatch
+raises at once instead of stalling (``MessageTooLarge`` names the peer's limit).
 
 Both messages are encrypted and authenticated except the client's parameters
 under ``NN``: they travel in clear in the first message (there is no key yet),
@@ -51,9 +52,9 @@ _PROLOGUE: Final = b"rudp/2"
 RESET_TOKEN_SIZE: Final = 16
 
 # connection id u32, max message u32, channels u8, receive buffer u32,
-# max datagram u16, idle timeout ms u32, reset token length u8 (0 or 16), token.
-_PARAMS: Final = struct.Struct("!IIBIHIB")
-PARAMS_SIZE: Final = _PARAMS.size + RESET_TOKEN_SIZE
+# max datagram u16, idle timeout ms u32, reset token (16 bytes).
+_PARAMS: Final = struct.Struct("!IIBIHI16s")
+PARAMS_SIZE: Final = _PARAMS.size
 
 
 def first_message_size(pattern: int) -> int:
@@ -81,34 +82,30 @@ class TransportParams:
     """The largest datagram this side accepts."""
     idle_timeout_ms: int
     """Silence after which this side ends the connection."""
-    reset_token: bytes = b""
-    """The server's: a NOCONN must carry it to be believed; empty from the client."""
+    reset_token: bytes
+    """A NOCONN about this connection must carry it to be believed."""
 
     def encode(self) -> bytes:
-        token = self.reset_token
-        if len(token) not in (0, RESET_TOKEN_SIZE):
+        if len(self.reset_token) != RESET_TOKEN_SIZE:
             raise ValueError(f"a reset token is {RESET_TOKEN_SIZE} bytes")
-        head = _PARAMS.pack(
+        return _PARAMS.pack(
             self.connection_id,
             self.max_message_size,
             self.channels,
             self.recv_buffer_bytes,
             self.max_datagram_size,
             self.idle_timeout_ms,
-            len(token),
+            self.reset_token,
         )
-        # Fixed size, so the handshake's datagrams have the same length whatever is said.
-        return head + token.ljust(RESET_TOKEN_SIZE, b"\x00")
 
     @classmethod
     def decode(cls, data: bytes) -> TransportParams:
         """The parameters in ``data``; ValueError when they are malformed."""
         if len(data) != PARAMS_SIZE:
             raise ValueError("transport parameters have the wrong size")
-        cid, message, channels, buffer, datagram, idle, token_len = _PARAMS.unpack_from(data)
-        if token_len not in (0, RESET_TOKEN_SIZE) or channels == 0 or datagram < 576:
+        cid, message, channels, buffer, datagram, idle, token = _PARAMS.unpack(data)
+        if channels == 0 or datagram < 576 or message == 0:
             raise ValueError("transport parameters out of range")
-        token = data[_PARAMS.size : _PARAMS.size + token_len]
         return cls(cid, message, channels, buffer, datagram, idle, token)
 
 
@@ -148,8 +145,6 @@ class ClientHandshake:
         if len(answer) != SECOND_MESSAGE_SIZE:
             raise NoiseError("handshake answer has the wrong size")
         peer = TransportParams.decode(self._state.read_message(answer))
-        if len(peer.reset_token) != RESET_TOKEN_SIZE:
-            raise ValueError("the server's parameters carry no reset token")
         send_key, recv_key = self._state.split()
         return Keys(peer, send_key, recv_key, self._state.handshake_hash)
 
@@ -180,8 +175,6 @@ def answer(
         static=static if pattern == PATTERN_NK else None,
     )
     peer = TransportParams.decode(state.read_message(message))
-    if peer.reset_token:
-        raise ValueError("a client's parameters carry no reset token")
     reply = state.write_message(params.encode())
     send_key, recv_key = state.split()
     return reply, Keys(peer, send_key, recv_key, state.handshake_hash)
