@@ -39,9 +39,6 @@ from matchmaker.messages import (
     Update,
     WrongVersion,
     WrongVersionError,
-    _fast_entry,
-    _read_entry_slow,
-    _Reader,
     decode,
     decode_request,
     encode,
@@ -51,6 +48,7 @@ from matchmaker.messages import (
     filter_from_mapping,
     wire_entry_fields,
 )
+from matchmaker.messages._readers import _fast_entry, _read_entry_slow, _Reader
 
 HOST = HostInfo(
     name="Friday night — ünïcode",

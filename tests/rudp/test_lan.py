@@ -1,18 +1,23 @@
-"""LAN discovery: codec, responder rules, loopback plumbing, and a real LAN in namespaces.
+"""LAN discovery: codec, responder rules, the sans-IO search on a fake clock, loopback
+plumbing, and a real LAN in namespaces.
 
-Nothing here asserts on timing. Where a test needs to know the responder has
+Nothing here asserts on wall-clock timing. Where a test needs to know the responder has
 processed earlier datagrams, it relies on loopback delivering datagrams to one
 socket in order: once a later call is answered, every earlier one was handled.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
+import importlib
 import json
+import logging
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +26,7 @@ from hypothesis import strategies as st
 
 from rudp import lan
 from rudp.lan import Kind, MalformedDatagram, decode_packet, encode_packet
+from rudp.lan.aio import _Collector
 from tests.netns import NetLab, netlab_fixture  # noqa: F401  (provides fixture `netlab`)
 
 GAME = "skirmish"
@@ -183,9 +189,9 @@ class _FakeLoop:
         return self.now
 
 
-def _collector(game: str | None = None) -> tuple[lan._Collector, _FakeLoop]:
+def _collector(game: str | None = None) -> tuple[_Collector, _FakeLoop]:
     loop = _FakeLoop()
-    collector = lan._Collector(game, loop)  # type: ignore[arg-type]
+    collector = _Collector(game, loop)  # type: ignore[arg-type]
     collector.sent_at[NONCE] = 0.0
     return collector, loop
 
@@ -216,6 +222,212 @@ def test_collector_filters_game_and_counts_malformed() -> None:
     c.datagram_received(encode_packet(Kind.ANSWER, NONCE, {"id": 3}), ADDR)
     c.datagram_received(b"junk", ADDR)
     assert c.hosts == {} and c.malformed == 2
+
+
+# ----------------------------------------------------------------------------- sans-IO, fake clock
+
+
+class _Nonces:
+    """Deterministic stand-in for os.urandom: 8-byte counters, remembered in order."""
+
+    def __init__(self) -> None:
+        self.given: list[bytes] = []
+
+    def __call__(self, size: int) -> bytes:
+        self.given.append(len(self.given).to_bytes(size, "big"))
+        return self.given[-1]
+
+
+def _search(now: float = 100.0, **kwargs: Any) -> tuple[lan.Search, _Nonces]:
+    nonces = _Nonces()
+    return lan.Search(now=now, randbytes=nonces, **kwargs), nonces
+
+
+def _core_responder(info: Any = None, instance: bytes = b"I" * 8) -> lan.Responder:
+    return lan.Responder(info or {"name": "h"}, game=GAME, instance_id=instance)
+
+
+def _step(search: lan.Search, now: float) -> bytes | None:
+    """What the asyncio layer does when it wakes at ``now``."""
+    search.handle_timer(now)
+    return search.call_to_send(now)
+
+
+def test_search_spreads_calls_over_the_first_half_then_waits_for_the_deadline() -> None:
+    search, nonces = _search(timeout=1.2, attempts=3)
+    sent: list[float] = []
+    now = 100.0
+    for _ in range(100):  # bounded: a broken timer fails the test instead of hanging it
+        if (timer := search.get_timer()) is None:
+            break
+        now = max(now, timer)
+        if _step(search, now) is not None:
+            sent.append(now)
+    assert sent == pytest.approx([100.0, 100.2, 100.4])
+    assert now == pytest.approx(101.2) and search.finished
+    assert len(nonces.given) == 3 and len(set(nonces.given)) == 3
+    assert search.sent_at == dict(zip(nonces.given, sent, strict=True))
+
+
+def test_search_sends_nothing_before_the_timer_and_ends_exactly_at_the_deadline() -> None:
+    search, _ = _search(timeout=1.0, attempts=2)
+    assert search.get_timer() == 100.0
+    assert _step(search, 100.0) is not None
+    assert _step(search, 100.0) is None  # one call per attempt, not per wake-up
+    assert search.get_timer() == pytest.approx(100.25)
+    assert _step(search, 100.2) is None and not search.finished  # early wake-up
+    assert _step(search, 100.25) is not None
+    assert search.get_timer() == pytest.approx(101.0)  # no attempt left: the deadline
+    assert _step(search, 100.99) is None and not search.finished
+    assert _step(search, 101.0) is None
+    assert search.finished and search.get_timer() is None
+
+
+def test_a_late_wake_up_past_the_deadline_sends_no_more_calls() -> None:
+    search, nonces = _search(timeout=1.0, attempts=3)
+    assert _step(search, 100.0) is not None
+    assert _step(search, 105.0) is None
+    assert search.finished and len(nonces.given) == 1
+
+
+def test_search_call_is_padded_and_carries_the_game_filter() -> None:
+    search, nonces = _search(game=GAME, request_size=300)
+    call = _step(search, 100.0)
+    assert call is not None and len(call) == 300
+    assert decode_packet(call) == lan.Packet(Kind.CALL, nonces.given[0], {"game": GAME})
+
+
+def test_search_measures_rtt_against_the_call_answered() -> None:
+    search, nonces = _search(timeout=1.2, attempts=3)
+    _step(search, 100.0)
+    _step(search, 100.2)
+    first, second = nonces.given
+    # The answer to the second call arrives first; the late one to the first call
+    # is slower and must not replace it.
+    assert search.datagram_received(_answer(second), ("10.0.0.1", 47474), 100.25)
+    assert not search.datagram_received(_answer(first), ("10.0.0.1", 47474), 100.3)
+    [host] = search.results()
+    assert host.rtt == pytest.approx(0.05) and host.address == ("10.0.0.1", 47474)
+    assert host.instance_id == b"A" * 8 and host.info == {"n": 1} and host.game == GAME
+
+
+def test_search_ignores_strays_and_counts_malformed_answers() -> None:
+    search, nonces = _search(game=GAME)
+    _step(search, 100.0)
+    nonce = nonces.given[0]
+    assert not search.datagram_received(_answer(b"\x99" * 8), ADDR, 100.1)  # not our nonce
+    assert not search.datagram_received(_call(), ADDR, 100.1)  # a call, maybe our own
+    assert not search.datagram_received(_answer(nonce, game="chess"), ADDR, 100.1)
+    bad_body = encode_packet(Kind.ANSWER, nonce, {"id": b"short", "game": GAME, "info": {}})
+    assert not search.datagram_received(bad_body, ADDR, 100.1)
+    assert not search.datagram_received(b"\x00" * 40, ADDR, 100.1)
+    assert search.hosts == {} and search.malformed == 2
+
+
+def test_search_with_expected_ends_when_enough_hosts_answered() -> None:
+    search, nonces = _search(timeout=1.0, expected=2)
+    _step(search, 100.0)
+    nonce = nonces.given[0]
+    assert search.datagram_received(_answer(nonce, instance=b"A" * 8), ADDR, 100.1)
+    assert search.get_timer() is not None
+    assert search.datagram_received(_answer(nonce, instance=b"B" * 8), ADDR, 100.05)
+    assert search.finished and search.get_timer() is None
+    assert _step(search, 100.5) is None  # no call after the end
+    assert [h.instance_id for h in search.results()] == [b"B" * 8, b"A" * 8]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"timeout": 0},
+        {"timeout": -1.0},
+        {"attempts": 0},
+        {"request_size": 4},
+        {"request_size": 70_000},
+    ],
+)
+def test_search_arguments_are_checked(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        _search(**kwargs)
+
+
+def test_responder_core_answers_with_the_injected_instance_id() -> None:
+    r = _core_responder({"players": 4}, instance=b"12345678")
+    answer = r.answer_for(_call())
+    assert answer is not None
+    assert decode_packet(answer) == lan.Packet(
+        Kind.ANSWER, NONCE, {"id": b"12345678", "game": GAME, "info": {"players": 4}}
+    )
+    assert (r.stats.requests, r.stats.answered) == (1, 0)  # sending is the caller's business
+
+
+def test_responder_core_checks_its_arguments() -> None:
+    with pytest.raises(ValueError):
+        lan.Responder({}, game=GAME, instance_id=b"short")
+    with pytest.raises(ValueError):
+        lan.Responder({}, game="g" * 65, instance_id=b"I" * 8)
+
+
+def test_search_and_responder_over_a_lossy_link_on_a_fake_clock() -> None:
+    """Two responders, the first call lost on the way: found by the retry, RTT of the retry."""
+    search, _ = _search(game=GAME, timeout=1.2, attempts=3)
+    near = _core_responder({"name": "near"}, instance=b"N" * 8)
+    far = _core_responder({"name": "far"}, instance=b"F" * 8)
+    one_way = {near: 0.001, far: 0.010}
+    in_flight: list[tuple[float, bytes, tuple[str, int]]] = []
+    now, calls = 100.0, 0
+    for _ in range(100):  # bounded: a broken timer fails the test instead of hanging it
+        if (timer := search.get_timer()) is None:
+            break
+        arrivals = [t for t, _, _ in in_flight]
+        now = max(now, min([timer, *arrivals]))
+        for item in [i for i in in_flight if i[0] <= now]:
+            in_flight.remove(item)
+            search.datagram_received(item[1], item[2], now)
+        call = _step(search, now)
+        if call is None:
+            continue
+        calls += 1
+        if calls == 1:
+            continue  # the first broadcast is lost
+        for responder, delay in one_way.items():
+            answer = responder.answer_for(call, ("10.0.0.9", 5555))
+            assert answer is not None
+            addr = ("10.0.0.1" if responder is near else "10.0.0.2", 47474)
+            in_flight.append((now + 2 * delay, answer, addr))
+    assert calls == 3 and now == pytest.approx(101.2)
+    hosts = search.results()
+    assert [h.info["name"] for h in hosts] == ["near", "far"]
+    assert [h.rtt for h in hosts] == pytest.approx([0.002, 0.020])
+    assert near.stats.requests == far.stats.requests == 2
+
+
+def test_debug_log_lines_are_event_names_with_key_values(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="rudp.lan")
+    r = _core_responder()
+    assert r.answer_for(b"junk", ADDR) is None
+    search, _ = _search()
+    search.datagram_received(b"junk", ADDR, 100.0)
+    records = [(rec.name, rec.levelno, rec.getMessage()) for rec in caplog.records]
+    assert records == [
+        ("rudp.lan", logging.DEBUG, "lan_call_malformed"),
+        ("rudp.lan", logging.DEBUG, "lan_answer_malformed"),
+    ]
+    assert all(rec.addr == ADDR and rec.reason == "short header" for rec in caplog.records)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("module", ["rudp.lan.messages", "rudp.lan.responder", "rudp.lan.search"])
+def test_sans_io_modules_import_no_io(module: str) -> None:
+    tree = ast.parse(Path(importlib.import_module(module).__file__ or "").read_text())
+    imported = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    imported |= {
+        (n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+    }
+    assert not imported & {"asyncio", "socket", "time", "selectors"}
 
 
 # ----------------------------------------------------------------------------- loopback

@@ -1,0 +1,123 @@
+"""The responder's rules, sans-IO: which calls get an answer, and what it says.
+
+Theory of operation
+-------------------
+:class:`Responder` turns one received datagram into the bytes to send back,
+or into nothing and one counter bumped. A call is answered with this host's
+info (the mapping, or what the info callable returns at that moment) unless:
+
+* it is not a well-formed CALL (``malformed``);
+* it asks for another game (``other_game``);
+* the info callable raises, or returns something msgpack cannot encode
+  (``info_errors``; user code must not kill the event loop);
+* the answer would be larger than the call (``oversize``). This is the
+  anti-amplification rule: callers pad their calls to the request size, so an
+  honest answer fits, and a call from a spoofed address gets at most its own
+  size sent to the victim.
+
+The nonce of the call is echoed, so the caller can tie the answer to the send
+it answers. The instance id (random, injected) lets a caller merge answers
+that reached it by several routes. No sockets, clocks or asyncio here: the
+asyncio layer (:mod:`rudp.lan.aio`) owns the sockets and counts what the
+kernel does with the answer (``answered``, ``send_errors``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rudp.lan.messages import (
+    INSTANCE_ID_SIZE,
+    MAX_GAME_NAME,
+    Kind,
+    MalformedDatagram,
+    call_game,
+    decode_packet,
+    encode_answer,
+)
+
+__all__ = ["DiscoveryStats", "InfoSource", "Responder"]
+
+log = logging.getLogger("rudp.lan")
+
+InfoSource = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+"""A responder's info: a msgpack-able mapping, or a callable returning one per call."""
+
+
+@dataclass(slots=True)
+class DiscoveryStats:
+    """Counters kept by a responder. Every dropped datagram lands in exactly one."""
+
+    requests: int = 0
+    """Well-formed calls received."""
+    answered: int = 0
+    """Answers sent."""
+    malformed: int = 0
+    """Datagrams that failed to parse (wrong magic, version, truncated, bad body)."""
+    oversize: int = 0
+    """Answers withheld because they would be larger than the call (anti-amplification)."""
+    other_game: int = 0
+    """Calls filtered on a different game."""
+    info_errors: int = 0
+    """Calls left unanswered because the info callable raised or gave bad data."""
+    send_errors: int = 0
+    """Answers the kernel refused to send."""
+
+
+class Responder:
+    """Answers discovery calls for one game with one host's info (sans-IO)."""
+
+    def __init__(self, info: InfoSource, *, game: str, instance_id: bytes) -> None:
+        if not game or len(game) > MAX_GAME_NAME:
+            raise ValueError(f"game must be 1..{MAX_GAME_NAME} characters")
+        if len(instance_id) != INSTANCE_ID_SIZE:
+            raise ValueError(f"instance_id must be {INSTANCE_ID_SIZE} bytes")
+        self.game = game
+        """The game this responder answers for."""
+        self.instance_id = instance_id
+        """Random id sent in every answer, the same for the responder's lifetime."""
+        self.stats = DiscoveryStats()
+        self._info = info
+
+    def answer_for(self, data: bytes, addr: object = None) -> bytes | None:
+        """The answer to send back for ``data``, or ``None`` (and a counter bumped).
+
+        ``addr`` (where ``data`` came from) only appears in debug logs.
+        """
+        try:
+            packet = decode_packet(data)
+            if packet.kind != Kind.CALL:
+                raise MalformedDatagram("not a call")
+            wanted = call_game(packet.body)
+        except MalformedDatagram as exc:
+            self.stats.malformed += 1
+            log.debug("lan_call_malformed", extra={"addr": addr, "reason": str(exc)})
+            return None
+        self.stats.requests += 1
+        if wanted is not None and wanted != self.game:
+            self.stats.other_game += 1
+            return None
+        answer = self._encode_answer(packet.nonce)
+        if answer is None:
+            return None
+        if len(answer) > len(data):
+            self.stats.oversize += 1
+            log.debug(
+                "lan_answer_oversize",
+                extra={"addr": addr, "answer_size": len(answer), "call_size": len(data)},
+            )
+            return None
+        return answer
+
+    def _encode_answer(self, nonce: bytes) -> bytes | None:
+        try:
+            info = self._info() if callable(self._info) else self._info
+            return encode_answer(nonce, self.instance_id, self.game, info)
+        except Exception:
+            # The info callable is user code; its failure must not kill the loop.
+            self.stats.info_errors += 1
+            log.exception("lan_info_failed", extra={"game": self.game})
+            return None

@@ -1,0 +1,168 @@
+"""One discovery round from the caller's side, sans-IO: when to call, what an answer means.
+
+Theory of operation
+-------------------
+A :class:`Search` lasts ``timeout`` seconds from its creation. It asks for
+``attempts`` calls, the first at once and the others ``timeout / (2 *
+attempts)`` apart, so all of them leave in the first half of the round and the
+last one still has time to be answered: a broadcast can be lost like any
+datagram. Every call carries a fresh random nonce and the time it was sent;
+an answer is only accepted for a nonce we sent, so stray, replayed or late
+answers from an earlier round are ignored, and its round-trip time is measured
+against the very send it answers (Karn's rule, for free).
+
+Answers are merged by the responder's instance id, keeping the fastest, so a
+host heard over IPv4 and IPv6, or on two interfaces, is reported once. The
+round ends at the deadline, or as soon as ``expected`` distinct hosts have
+answered.
+
+The aioquic pattern: every entry point takes ``now``. The caller sends what
+:meth:`Search.call_to_send` returns to every destination, feeds every received
+datagram to :meth:`Search.datagram_received`, wakes at :meth:`Search.get_timer`
+and then calls :meth:`Search.handle_timer`; :meth:`Search.get_timer` returns
+``None`` once the round is over, and :meth:`Search.results` gives the hosts,
+fastest first. Where the calls go (broadcast, multicast, unicast) is the
+asyncio layer's business (:mod:`rudp.lan.aio`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rudp.lan.messages import (
+    DEFAULT_REQUEST_SIZE,
+    HEADER,
+    MAX_DATAGRAM,
+    NONCE_SIZE,
+    Kind,
+    MalformedDatagram,
+    answer_fields,
+    decode_packet,
+    encode_call,
+)
+
+__all__ = ["DiscoveredHost", "Search"]
+
+log = logging.getLogger("rudp.lan")
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveredHost:
+    """One answering host."""
+
+    address: tuple[str, int]
+    """Where the answer came from: ``(ip, discovery port)``; IPv6 link-local keeps ``%iface``."""
+    game: str
+    """The game the responder serves."""
+    info: dict[str, Any]
+    """The responder's info mapping, as sent."""
+    rtt: float
+    """Round-trip time of the fastest answer, in seconds."""
+    instance_id: bytes = field(repr=False)
+    """Random id of the responder, used to merge answers that arrived by several routes."""
+
+
+class Search:
+    """Calls to send and answers collected during one discovery round (sans-IO)."""
+
+    def __init__(
+        self,
+        *,
+        now: float,
+        game: str | None = None,
+        timeout: float = 1.0,
+        attempts: int = 3,
+        request_size: int = DEFAULT_REQUEST_SIZE,
+        expected: int | None = None,
+        randbytes: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        if timeout <= 0 or attempts < 1:
+            raise ValueError("timeout must be positive and attempts at least 1")
+        if request_size < HEADER.size or request_size > MAX_DATAGRAM:
+            raise ValueError(f"request_size must be in {HEADER.size}..{MAX_DATAGRAM}")
+        self.game = game
+        """Only answers for this game are kept (``None``: any game)."""
+        self.sent_at: dict[bytes, float] = {}
+        """Send time of every call, by nonce."""
+        self.hosts: dict[bytes, DiscoveredHost] = {}
+        """The fastest answer of every responder so far, by instance id."""
+        self.malformed = 0
+        """Datagrams dropped because they failed to parse."""
+        self._request_size = request_size
+        self._expected = expected
+        self._randbytes = randbytes
+        self._deadline = now + timeout
+        self._interval = timeout / (2 * attempts)
+        self._calls_left = attempts
+        self._next_call: float | None = now
+        self._over = self._enough()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the round is over (deadline passed, or ``expected`` hosts found)."""
+        return self._over
+
+    def get_timer(self) -> float | None:
+        """When to call :meth:`handle_timer` next; ``None`` once the round is over."""
+        if self._over:
+            return None
+        if self._next_call is None:
+            return self._deadline
+        return min(self._next_call, self._deadline)
+
+    def handle_timer(self, now: float) -> None:
+        """Act on the timer: end the round at its deadline. Early calls do nothing."""
+        if now >= self._deadline:
+            self._over = True
+
+    def call_to_send(self, now: float) -> bytes | None:
+        """The call to send now to every destination, or ``None`` if none is due."""
+        if self._over or self._next_call is None or now < self._next_call:
+            return None
+        # A fresh nonce per attempt: an answer then tells exactly which send it
+        # answers, so the RTT is never measured against a retransmission.
+        nonce = self._randbytes(NONCE_SIZE)
+        self.sent_at[nonce] = now
+        self._calls_left -= 1
+        self._next_call = now + self._interval if self._calls_left else None
+        return encode_call(nonce, self.game, self._request_size)
+
+    def datagram_received(self, data: bytes, address: tuple[str, int], now: float) -> bool:
+        """Take in a datagram from ``address``; ``True`` if it found a host or a faster route."""
+        try:
+            host = self._parse(data, address, now)
+        except MalformedDatagram as exc:
+            self.malformed += 1
+            log.debug("lan_answer_malformed", extra={"addr": address, "reason": str(exc)})
+            return False
+        if host is None:
+            return False
+        best = self.hosts.get(host.instance_id)
+        if best is not None and best.rtt <= host.rtt:
+            return False
+        self.hosts[host.instance_id] = host
+        self._over = self._over or self._enough()
+        return True
+
+    def results(self) -> list[DiscoveredHost]:
+        """The hosts found so far, fastest first."""
+        return sorted(self.hosts.values(), key=lambda h: h.rtt)
+
+    def _enough(self) -> bool:
+        return self._expected is not None and len(self.hosts) >= self._expected
+
+    def _parse(self, data: bytes, address: tuple[str, int], now: float) -> DiscoveredHost | None:
+        packet = decode_packet(data)
+        if packet.kind != Kind.ANSWER:
+            return None  # our own broadcast call looping back, or another client's
+        sent = self.sent_at.get(packet.nonce)
+        if sent is None:
+            return None  # not an answer to any of our calls
+        instance, game, info = answer_fields(packet.body)
+        if self.game is not None and game != self.game:
+            return None
+        return DiscoveredHost(address, game, info, max(0.0, now - sent), instance)
