@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
-
-import structlog
 
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
@@ -21,7 +20,7 @@ from rudp.wire import Delivery
 if TYPE_CHECKING:
     from rudp.aio.endpoint import AioEndpoint
 
-log = structlog.get_logger("rudp")
+log = logging.getLogger(__name__)
 
 Message = MessageReceived
 """A received message: ``.data`` (bytes), ``.channel`` (int), ``.reliable`` (bool)."""
@@ -274,7 +273,7 @@ class Connection:
         try:
             receiver(message)
         except Exception:
-            log.exception("receiver_failed", peer=str(self.remote_address))
+            log.exception("receiver_failed peer=%s", format_address(self.remote_address))
             if self._receiver is receiver:
                 self._receiver = None
             if not self._closed_future.done():
@@ -375,3 +374,9 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<rudp.Connection {self.remote_address!r} {self._core.state.value}>"
+
+
+def format_address(address: Address) -> str:
+    """``host:port`` (``[host]:port`` for IPv6), as log lines write addresses."""
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"

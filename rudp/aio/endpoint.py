@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import random
 import socket
 from collections import deque
@@ -21,9 +22,9 @@ from collections.abc import Awaitable, Callable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
-import structlog
 from mypy_extensions import mypyc_attr
 
+from rudp.aio.connection import format_address
 from rudp.config import Config
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
@@ -48,7 +49,7 @@ from rudp.events import (
 if TYPE_CHECKING:
     from rudp.aio.connection import Connection
 
-log = structlog.get_logger("rudp")
+log = logging.getLogger(__name__)
 
 Handler = Callable[["Connection"], Awaitable[None]]
 QueryHandler = Callable[[bytes, Address], "bytes | None"]
@@ -131,7 +132,7 @@ class AioEndpoint:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:  # e.g. an ICMP error queued on the socket
-                log.debug("recv_error", error=str(exc))
+                log.debug("recv_error error=%r", str(exc))
                 break
             if inbound is not None:
                 inbound.send(data, address)
@@ -213,7 +214,7 @@ class AioEndpoint:
     def _send_failed(self, exc: OSError, address: Address) -> None:
         self.send_errors += 1
         if exc.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
-            log.warning("send_error", error=str(exc), peer=str(address))
+            log.warning("send_error peer=%s error=%r", format_address(address), str(exc))
 
     # -- timers ---------------------------------------------------------------
 
@@ -281,9 +282,11 @@ class AioEndpoint:
         except asyncio.CancelledError:
             raise
         except RudpError as exc:
-            log.debug("handler_ended", peer=str(conn.remote_address), error=str(exc))
+            log.debug(
+                "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
+            )
         except Exception:
-            log.exception("handler_failed", peer=str(conn.remote_address))
+            log.exception("handler_failed peer=%s", format_address(conn.remote_address))
         if not conn.closed:
             with contextlib.suppress(RudpError):
                 await conn.close()
@@ -302,18 +305,18 @@ class AioEndpoint:
         try:
             reply = self.on_query(event.payload, event.address)
         except Exception:
-            log.exception("query_handler_failed", peer=str(event.address))
+            log.exception("query_handler_failed peer=%s", format_address(event.address))
             return
         if reply is None:
             return
         if not isinstance(reply, bytes | bytearray | memoryview):
-            log.error("query_handler_bad_reply", type=type(reply).__name__)
+            log.error("query_handler_bad_reply type=%s", type(reply).__name__)
             return
         if len(reply) > event.max_reply:
             # The request was not padded enough: answering would amplify. Anyone can
             # send such requests, so this is counted, not logged as an error.
             self.queries_unanswered += 1
-            log.debug("query_reply_too_large", size=len(reply), allowed=event.max_reply)
+            log.debug("query_reply_too_large size=%d allowed=%d", len(reply), event.max_reply)
             return
         self.core.reply_query(event, reply)
 
