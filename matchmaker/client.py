@@ -30,11 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
-
-import structlog
 
 import rudp
 from matchmaker.addresses import Address, make_address
@@ -69,7 +68,7 @@ from matchmaker.messages import (
 )
 from matchmaker.transport import TRANSPORT_ERRORS, Connector, Peer, rudp_connector
 
-log = structlog.get_logger("matchmaker.client")
+log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 _RETRYABLE = frozenset({ErrorReason.RATE_LIMITED, ErrorReason.UNAVAILABLE, ErrorReason.INTERNAL})
@@ -244,9 +243,9 @@ class MatchmakerClient:
                 delay = self._reconnect_delay
             except _KEEPER_ERRORS as exc:
                 if isinstance(exc, MatchmakerError) and exc.reason not in _RETRYABLE:
-                    log.warning("registration_refused", reason=exc.reason, detail=exc.detail)
+                    log.warning("registration_refused reason=%s detail=%r", exc.reason, exc.detail)
                     return
-                log.info("matchmaker_retry", error=type(exc).__name__, delay=delay)
+                log.info("matchmaker_retry error=%s delay=%s", type(exc).__name__, delay)
                 self._needs_register.set()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._max_reconnect_delay)
@@ -359,7 +358,7 @@ class MatchmakerClient:
         try:
             msg = decode(data, self._limits)
         except MessageError as exc:
-            log.warning("bad_reply", reason=exc.reason, detail=exc.detail)
+            log.warning("bad_reply reason=%s detail=%r", exc.reason, exc.detail)
             return
         if isinstance(msg, Introduction) and msg.role is Role.HOST:
             self._queue_introduction(msg)

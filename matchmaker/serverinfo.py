@@ -24,11 +24,10 @@ no handshake and no connection state on the host:
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
-
-import structlog
 
 import rudp
 from matchmaker.addresses import Address, make_address
@@ -45,7 +44,7 @@ from matchmaker.messages import (
     encode,
 )
 
-log = structlog.get_logger("matchmaker.serverinfo")
+log = logging.getLogger(__name__)
 
 QueryHandler = Callable[[bytes, Any], "bytes | None"]
 InfoSource = Callable[[], HostInfo | None]
@@ -144,7 +143,7 @@ async def query_server(
     try:
         msg = decode(reply, limits)
     except MessageError as exc:
-        log.debug("bad_server_info", host=target.key, reason=exc.reason, detail=exc.detail)
+        log.debug("bad_server_info host=%s reason=%s detail=%r", target.key, exc.reason, exc.detail)
         return ServerStatus(target, error="bad_reply")
     if isinstance(msg, WrongVersion):
         return ServerStatus(target, ping=rtt, error="wrong_version")

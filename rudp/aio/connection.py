@@ -1,27 +1,38 @@
-"""The user-facing connection: ``send``, ``recv``, ``drain``, ``close``."""
+"""The user-facing connection: ``send``, ``recv``, ``drain``, ``close``.
+
+The dependency between this module and ``rudp.aio.endpoint`` goes one way: the
+endpoint creates connections and calls the methods grouped under "called by the
+endpoint" below; a connection sees its endpoint only through ``EndpointLink``, the
+few members it needs (a typing ``Protocol``, nothing at run time).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Final
 
-import structlog
-
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
-from rudp.errors import ConnectionClosed, LocalProtocolError
-from rudp.events import Disconnected, MessageReceived
+from rudp.errors import (
+    ConnectError,
+    ConnectionClosed,
+    ConnectRefused,
+    ConnectTimeout,
+    LocalProtocolError,
+)
+from rudp.events import Disconnected, DisconnectReason, MessageReceived
 from rudp.recovery import ACKED, FAILED, SUPERSEDED, UNRELIABLE_MODES, OutMessage
 from rudp.stats import ConnectionStats
 from rudp.wire import Delivery
 
 if TYPE_CHECKING:
-    from rudp.aio.endpoint import AioEndpoint
+    from rudp.aio.link import EndpointLink
 
-log = structlog.get_logger("rudp")
+log = logging.getLogger(__name__)
 
 Message = MessageReceived
 """A received message: ``.data`` (bytes), ``.channel`` (int), ``.reliable`` (bool)."""
@@ -67,10 +78,10 @@ class Connection:
         "user_data",
     )
 
-    def __init__(self, endpoint: AioEndpoint, core: CoreConnection) -> None:
+    def __init__(self, endpoint: EndpointLink, core: CoreConnection) -> None:
         self._endpoint = endpoint
         self._core = core
-        self._loop = endpoint._loop
+        self._loop = endpoint.loop
         self._inbox: deque[MessageReceived] = deque()
         # Bytes the inbox holds, each message charged QUEUE_ENTRY_COST besides its payload:
         # past ``Config.recv_queue_bytes`` the peer is asked to pause (see ``_take``).
@@ -162,7 +173,7 @@ class Connection:
             )
         msg.waiter = self
         endpoint = self._endpoint
-        if not endpoint._flush_pending:
+        if not endpoint.flush_pending:
             endpoint.wake()
         return msg
 
@@ -196,7 +207,8 @@ class Connection:
         if self._closed_future.done():
             raise self._closed_error()  # ended while waiting: the queue never drained
 
-    def _check_drain(self) -> None:
+    def check_drain(self) -> None:
+        """Called by the endpoint: wake a ``drain()`` waiter once the queue is low enough."""
         waiter = self._drain_waiter
         if waiter is not None and self._core.queued <= self._endpoint.config.drain_threshold:
             self._drain_waiter = None
@@ -266,7 +278,7 @@ class Connection:
         if core.receiving_paused and left <= self._recv_limit >> 1:
             core.resume_receiving()
             endpoint = self._endpoint
-            if not endpoint._flush_pending:
+            if not endpoint.flush_pending:
                 endpoint.wake()
         return message
 
@@ -274,7 +286,7 @@ class Connection:
         try:
             receiver(message)
         except Exception:
-            log.exception("receiver_failed", peer=str(self.remote_address))
+            log.exception("receiver_failed peer=%s", format_address(self.remote_address))
             if self._receiver is receiver:
                 self._receiver = None
             if not self._closed_future.done():
@@ -299,15 +311,18 @@ class Connection:
         """Deliver what is queued, send DISCONNECT, wait for its ack (bounded)."""
         if not self._closed_future.done():
             self._core.close(monotonic(), code, reason)
-            self._endpoint._after_io()
+            self._endpoint.after_core_call()
         await self.wait_closed()
 
     async def wait_closed(self) -> Disconnected:
         return await asyncio.shield(self._closed_future)
 
     # -- called by the endpoint ---------------------------------------------------------
+    # Public names so that the endpoint need not reach into privates; they are not part
+    # of the documented API (docs/api.md), and an application has no reason to call them.
 
-    def _deliver(self, message: MessageReceived) -> None:
+    def message_received(self, message: MessageReceived) -> None:
+        """Called by the endpoint: a message arrived (to the receiver, or queued)."""
         receiver = self._receiver
         if receiver is not None:
             self._call_receiver(receiver, message)
@@ -329,22 +344,30 @@ class Connection:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _acked(self, msg: OutMessage) -> None:
+    def message_acked(self, msg: OutMessage) -> None:
+        """Called by the endpoint: the peer acknowledged ``msg``, which has waiters."""
         self._waiting.discard(msg)
         future = msg.user
         if isinstance(future, asyncio.Future) and not future.done():
             future.set_result(None)
 
-    def _established(self) -> None:
+    def handshake_completed(self) -> None:
+        """Called by the endpoint: the handshake completed."""
         if not self._established_future.done():
             self._established_future.set_result(None)
 
-    async def _wait_established(self) -> None:
+    async def wait_established(self) -> None:
+        """Used by the endpoint's ``connect()``: until the handshake completes, or raise
+        what ``connect()`` raises when it does not."""
         await self._established_future
 
-    def _ended(self, event: Disconnected) -> None:
-        from rudp.aio.endpoint import connect_error
+    @property
+    def closed_future(self) -> asyncio.Future[Disconnected]:
+        """Used by the endpoint's ``close()``: done once the connection has ended."""
+        return self._closed_future
 
+    def connection_ended(self, event: Disconnected) -> None:
+        """Called by the endpoint: the connection ended (``event`` says why)."""
         if not self._established_future.done():
             self._established_future.set_exception(connect_error(event))
         error = self._closed_error(event)
@@ -375,3 +398,20 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<rudp.Connection {self.remote_address!r} {self._core.state.value}>"
+
+
+def connect_error(event: Disconnected) -> Exception:
+    """The exception ``connect()`` raises when the handshake ends without success."""
+    if event.reason is DisconnectReason.REFUSED:
+        return ConnectRefused(event.text or "refused")
+    if event.reason is DisconnectReason.CONNECT_TIMEOUT:
+        return ConnectTimeout("no answer from the server within the connect timeout")
+    if not event.by_peer and event.reason in (DisconnectReason.ABORTED, DisconnectReason.CLOSED):
+        return ConnectError(f"closed locally before the handshake completed ({event.reason})")
+    return ConnectRefused(event.reason.value)
+
+
+def format_address(address: Address) -> str:
+    """``host:port`` (``[host]:port`` for IPv6), as log lines write addresses."""
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"

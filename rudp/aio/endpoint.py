@@ -14,43 +14,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import random
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import structlog
 from mypy_extensions import mypyc_attr
 
+from rudp.aio.connection import Connection, format_address
 from rudp.config import Config
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
 from rudp.endpoint import Endpoint as CoreEndpoint
-from rudp.errors import (
-    ConnectError,
-    ConnectRefused,
-    ConnectTimeout,
-    LocalProtocolError,
-    RudpError,
-)
+from rudp.errors import LocalProtocolError, RudpError
 from rudp.events import (
     Connected,
     Disconnected,
-    DisconnectReason,
     MessageAcked,
     MessageReceived,
     QueryAnswered,
     QueryReceived,
 )
 
-if TYPE_CHECKING:
-    from rudp.aio.connection import Connection
+log = logging.getLogger(__name__)
 
-log = structlog.get_logger("rudp")
-
-Handler = Callable[["Connection"], Awaitable[None]]
+Handler = Callable[[Connection], Awaitable[None]]
 QueryHandler = Callable[[bytes, Address], "bytes | None"]
 SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
 
@@ -61,6 +52,10 @@ SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
 @mypyc_attr(native_class=False)
 class AioEndpoint:
     """One UDP socket, its core ``Endpoint`` and the user-facing connections.
+
+    Its connections use it through ``rudp.aio.link.EndpointLink`` (``loop``,
+    ``config``, ``local_address``, ``flush_pending``, ``draining``, ``wake()``,
+    ``after_core_call()``, ``close_after_flush()``), which it implements.
 
     The core's clock is ``time.monotonic()``, not ``loop.time()``: uvloop's
     loop time has millisecond resolution, too coarse for loopback RTTs. Both
@@ -76,7 +71,7 @@ class AioEndpoint:
         accept: bool,
         handler: Handler | None = None,
     ) -> None:
-        self._loop = loop
+        self.loop = loop
         self._sock = sock
         self.config = config
         self.core = CoreEndpoint(config, now=monotonic(), rng=random.SystemRandom(), accept=accept)
@@ -88,7 +83,7 @@ class AioEndpoint:
         self._queries: dict[int, asyncio.Future[tuple[bytes, float]]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self._flush_pending = False
+        self.flush_pending = False  # see EndpointLink.flush_pending
         self._close_after_flush = False
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
         self.send_errors = 0
@@ -113,11 +108,11 @@ class AioEndpoint:
 
         if sim.inbound is not None:
             self._inbound = ConditionedPipe(
-                self._loop, sim.inbound, self._receive_one, seed=sim.seed
+                self.loop, sim.inbound, self._receive_one, seed=sim.seed
             )
         if sim.outbound is not None:
             self._outbound = ConditionedPipe(
-                self._loop, sim.outbound, self._sendto, seed=sim.seed + 1
+                self.loop, sim.outbound, self._sendto, seed=sim.seed + 1
             )
 
     def _read_ready(self) -> None:
@@ -131,21 +126,23 @@ class AioEndpoint:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:  # e.g. an ICMP error queued on the socket
-                log.debug("recv_error", error=str(exc))
+                log.debug("recv_error error=%r", str(exc))
                 break
             if inbound is not None:
                 inbound.send(data, address)
             else:
                 receive(data, address, now)
-        self._after_io()
+        self.after_core_call()
 
     def _receive_one(self, data: bytes, address: Address) -> None:
         """Deliver one datagram released by the inbound link conditioner."""
         if not self._closed:
             self.core.receive_datagram(data, address, monotonic())
-            self._after_io()
+            self.after_core_call()
 
-    def _after_io(self) -> None:
+    def after_core_call(self) -> None:
+        """Dispatch the core's events and schedule a flush: after every call into the
+        core (a read, a timer, or a connection's ``close()``)."""
         # The flush this schedules (or one already pending) re-arms the timer after it
         # has sent; a closed endpoint has no timer. Re-arming here as well would only
         # add work before the reply goes out.
@@ -153,12 +150,12 @@ class AioEndpoint:
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
-        if not self._flush_pending and not self._closed:
-            self._flush_pending = True
-            self._loop.call_soon(self._flush)
+        if not self.flush_pending and not self._closed:
+            self.flush_pending = True
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        self._flush_pending = False
+        self.flush_pending = False
         if self._closed:
             return
         send = self._outbound.send if self._outbound is not None else self._sendto
@@ -186,7 +183,7 @@ class AioEndpoint:
             self._sock.sendto(data, address)
         except (BlockingIOError, InterruptedError):
             self._buffer(data, address)
-            self._loop.add_writer(self._sock.fileno(), self._write_ready)
+            self.loop.add_writer(self._sock.fileno(), self._write_ready)
         except OSError as exc:
             self._send_failed(exc, address)
 
@@ -208,12 +205,12 @@ class AioEndpoint:
             except OSError as exc:
                 self._send_failed(exc, address)
             buffer.popleft()
-        self._loop.remove_writer(self._sock.fileno())
+        self.loop.remove_writer(self._sock.fileno())
 
     def _send_failed(self, exc: OSError, address: Address) -> None:
         self.send_errors += 1
         if exc.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
-            log.warning("send_error", error=str(exc), peer=str(address))
+            log.warning("send_error peer=%s error=%r", format_address(address), str(exc))
 
     # -- timers ---------------------------------------------------------------
 
@@ -225,7 +222,7 @@ class AioEndpoint:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer_at = deadline
-            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer = self.loop.call_at(deadline, self._on_timer)
 
     def _on_timer(self) -> None:
         deadline = self._timer_at or 0.0
@@ -233,7 +230,7 @@ class AioEndpoint:
         self._timer_at = None
         # call_at may fire within the clock resolution before the deadline.
         self.core.handle_timer(max(monotonic(), deadline))
-        self._after_io()
+        self.after_core_call()
 
     # -- events ----------------------------------------------------------------
 
@@ -245,32 +242,31 @@ class AioEndpoint:
             if core_conn is None:
                 self._endpoint_event(event)
                 continue
-            kind = type(event)
             conn = conns.get(core_conn)
             if conn is None:
-                if kind is not Connected:
+                if type(event) is not Connected:
                     continue
                 conn = self._adopt(core_conn)
-            if kind is MessageReceived:
-                conn._deliver(event)  # type: ignore[arg-type]
-            elif kind is MessageAcked:
-                conn._acked(event.handle)  # type: ignore[union-attr]
-            elif kind is Connected:
-                conn._established()
-            elif kind is Disconnected:
+            # ``type(event) is`` (not isinstance): what mypy narrows on, and the
+            # cheapest test interpreted (a specialised call) and compiled alike.
+            if type(event) is MessageReceived:
+                conn.message_received(event)
+            elif type(event) is MessageAcked:
+                conn.message_acked(event.handle)
+            elif type(event) is Connected:
+                conn.handshake_completed()
+            elif type(event) is Disconnected:
                 del conns[core_conn]
-                conn._ended(event)  # type: ignore[arg-type]
+                conn.connection_ended(event)
         if self.draining:
             for conn in list(self.draining):
-                conn._check_drain()
+                conn.check_drain()
 
     def _adopt(self, core_conn: CoreConnection) -> Connection:
-        from rudp.aio.connection import Connection
-
         conn = Connection(self, core_conn)
         self._conns[core_conn] = conn
         if not core_conn.client and self._handler is not None:
-            task = self._loop.create_task(self._run_handler(conn, self._handler))
+            task = self.loop.create_task(self._run_handler(conn, self._handler))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return conn
@@ -281,9 +277,11 @@ class AioEndpoint:
         except asyncio.CancelledError:
             raise
         except RudpError as exc:
-            log.debug("handler_ended", peer=str(conn.remote_address), error=str(exc))
+            log.debug(
+                "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
+            )
         except Exception:
-            log.exception("handler_failed", peer=str(conn.remote_address))
+            log.exception("handler_failed peer=%s", format_address(conn.remote_address))
         if not conn.closed:
             with contextlib.suppress(RudpError):
                 await conn.close()
@@ -302,18 +300,18 @@ class AioEndpoint:
         try:
             reply = self.on_query(event.payload, event.address)
         except Exception:
-            log.exception("query_handler_failed", peer=str(event.address))
+            log.exception("query_handler_failed peer=%s", format_address(event.address))
             return
         if reply is None:
             return
         if not isinstance(reply, bytes | bytearray | memoryview):
-            log.error("query_handler_bad_reply", type=type(reply).__name__)
+            log.error("query_handler_bad_reply type=%s", type(reply).__name__)
             return
         if len(reply) > event.max_reply:
             # The request was not padded enough: answering would amplify. Anyone can
             # send such requests, so this is counted, not logged as an error.
             self.queries_unanswered += 1
-            log.debug("query_reply_too_large", size=len(reply), allowed=event.max_reply)
+            log.debug("query_reply_too_large size=%d allowed=%d", len(reply), event.max_reply)
             return
         self.core.reply_query(event, reply)
 
@@ -326,20 +324,18 @@ class AioEndpoint:
     async def connect(self, address: Address, *, owns_endpoint: bool = False) -> Connection:
         """Connect out; with ``owns_endpoint`` the connection closes this endpoint when it
         ends (set before the handshake: the server may close it in the same datagram)."""
-        from rudp.aio.connection import Connection
-
         if self._closed:
             raise LocalProtocolError("endpoint is closed")
         core_conn = self.core.connect(address, monotonic())
         conn = Connection(self, core_conn)
         conn.owns_endpoint = owns_endpoint
         self._conns[core_conn] = conn
-        self._after_io()
+        self.after_core_call()
         try:
-            await conn._wait_established()
+            await conn.wait_established()
         except asyncio.CancelledError:
             core_conn.abort()
-            self._after_io()
+            self.after_core_call()
             raise
         return conn
 
@@ -347,7 +343,7 @@ class AioEndpoint:
         if self._closed:
             raise LocalProtocolError("endpoint is closed")
         nonce = self.core.query(address, payload, monotonic())
-        future: asyncio.Future[tuple[bytes, float]] = self._loop.create_future()
+        future: asyncio.Future[tuple[bytes, float]] = self.loop.create_future()
         self._queries[nonce] = future
         self._schedule_flush()
         try:
@@ -357,7 +353,7 @@ class AioEndpoint:
             self.core.cancel_query(nonce)
 
     def connections(self) -> list[Connection]:
-        return [c for c in self._conns.values() if c._core.client is False]
+        return [c for core, c in self._conns.items() if core.client is False]
 
     async def close(self, timeout: float | None = None) -> None:
         """Close every connection gracefully, then the socket.
@@ -370,13 +366,13 @@ class AioEndpoint:
         if self._closed:
             await self._closed_event.wait()
             return
-        loop = self._loop
+        loop = self.loop
         limit = timeout if timeout is not None else self.config.close_timeout + 1.0
         deadline = loop.time() + limit
         try:
             self.core.close(monotonic())
-            self._after_io()
-            closing = [c._closed_future for c in self._conns.values()]
+            self.after_core_call()
+            closing = [c.closed_future for c in self._conns.values()]
             if closing:
                 await asyncio.wait(closing, timeout=limit)
             self.core.abort()
@@ -405,14 +401,24 @@ class AioEndpoint:
             if pipe is not None:
                 pipe.close()
         with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._sock.fileno())
+            self.loop.remove_reader(self._sock.fileno())
         with contextlib.suppress(Exception):
-            self._loop.remove_writer(self._sock.fileno())
+            self.loop.remove_writer(self._sock.fileno())
         self._sock.close()
         for future in self._queries.values():
             if not future.done():
                 future.set_exception(LocalProtocolError("endpoint closed before the answer"))
         self._closed_event.set()
+
+    def destination_family(self) -> tuple[int, int]:
+        """The address family (and getaddrinfo flags) of destinations for this socket: a
+        dual-stack IPv6 socket reaches IPv4 hosts through v4-mapped addresses."""
+        sock = self._sock
+        if sock.family == socket.AF_INET6 and not sock.getsockopt(
+            socket.IPPROTO_IPV6, socket.IPV6_V6ONLY
+        ):
+            return sock.family, socket.AI_V4MAPPED
+        return sock.family, 0
 
     @property
     def is_closed(self) -> bool:
@@ -420,14 +426,3 @@ class AioEndpoint:
 
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
-
-
-def connect_error(event: Disconnected) -> Exception:
-    """The exception ``connect()`` raises when the handshake ends without success."""
-    if event.reason is DisconnectReason.REFUSED:
-        return ConnectRefused(event.text or "refused")
-    if event.reason is DisconnectReason.CONNECT_TIMEOUT:
-        return ConnectTimeout("no answer from the server within the connect timeout")
-    if not event.by_peer and event.reason in (DisconnectReason.ABORTED, DisconnectReason.CLOSED):
-        return ConnectError(f"closed locally before the handshake completed ({event.reason})")
-    return ConnectRefused(event.reason.value)

@@ -116,14 +116,14 @@ class Server:
 
     async def connect(self, host: str, port: int) -> Connection:
         """Open an outgoing connection from this server's socket (NAT traversal)."""
-        _, address = await _resolve(host, port, *_family(self))
+        _, address = await _resolve(host, port, *self._endpoint.destination_family())
         return await self._endpoint.connect(address)
 
     async def query(
         self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
     ) -> tuple[bytes, float]:
         """Send an unconnected query; returns (reply, round-trip seconds)."""
-        _, resolved = await _resolve(address[0], address[1], *_family(self))
+        _, resolved = await _resolve(address[0], address[1], *self._endpoint.destination_family())
         return await self._endpoint.query(resolved, payload, timeout)
 
     async def close(self) -> None:
@@ -148,17 +148,6 @@ class Server:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
-
-
-def _family(server: Server) -> tuple[int, int]:
-    """The address family (and getaddrinfo flags) of destinations for this socket: a
-    dual-stack IPv6 socket reaches IPv4 hosts through v4-mapped addresses."""
-    sock = server._endpoint._sock
-    if sock.family == socket.AF_INET6 and not sock.getsockopt(
-        socket.IPPROTO_IPV6, socket.IPV6_V6ONLY
-    ):
-        return sock.family, socket.AI_V4MAPPED
-    return sock.family, 0
 
 
 async def open_endpoint(

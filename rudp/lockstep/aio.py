@@ -31,6 +31,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import rudp
+from rudp.aio.connection import format_address
 from rudp.lockstep.client import LockstepClient, Turn
 from rudp.lockstep.config import LockstepConfig
 from rudp.lockstep.events import Event
@@ -46,7 +47,7 @@ def _check_message_size(conn: rudp.Connection, config: LockstepConfig) -> None:
         # Full NETTURNs would fail to send; the game would stall, so say why. (Messages
         # above conn.max_datagram_payload are fragmented, which works but costs latency.)
         log.warning(
-            "lockstep.message_size_too_large lockstep=%d rudp=%d",
+            "message_size_too_large lockstep=%d rudp=%d",
             config.max_message_size,
             conn.max_message_size,
         )
@@ -172,9 +173,8 @@ class LockstepServer:
                 try:
                     conn.send(data, channel=self.channel)
                 except rudp.RudpError as exc:  # closed, or its queue is full: it is gone
-                    log.info(
-                        "lockstep.server.send_failed peer=%s error=%s", conn.remote_address, exc
-                    )
+                    peer = format_address(conn.remote_address)
+                    log.info("send_failed peer=%s error=%r", peer, str(exc))
                     self.host.peer_disconnected(conn, self._pump.now())
                     self._pump.spawn_close(conn)  # or it lingers, forgotten but open
         for conn in self.host.peers_to_close():
@@ -257,7 +257,7 @@ class LockstepSession:
             try:
                 self.conn.send(data, channel=self.channel)
             except rudp.RudpError as exc:
-                log.info("lockstep.session.send_failed error=%s", exc)
+                log.info("send_failed error=%r", str(exc))
         while (event := self.client.next_event()) is not None:
             self._pump.put(event)
         self._pump.rearm()

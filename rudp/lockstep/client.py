@@ -187,11 +187,11 @@ class LockstepClient:
             msg = m.decode(data, self.config)
         except m.MalformedMessage as exc:
             self.stats.malformed += 1
-            log.debug("lockstep.client.malformed reason=%s", exc)
+            log.debug("malformed_message reason=%r", str(exc))
             return
         if not self._dispatch(msg, now):
             self.stats.unexpected += 1
-            log.debug("lockstep.client.unexpected type=%s state=%s", msg.TYPE.name, self.state)
+            log.debug("unexpected_message type=%s state=%s", msg.TYPE.name, self.state.value)
 
     def handle_timer(self, now: float) -> None:
         """Notice a silent host."""

@@ -208,7 +208,7 @@ class LockstepHost(Generic[P]):
             msg = m.decode(data, self.config)
         except m.MalformedMessage as exc:
             self.stats.malformed += 1
-            log.debug("lockstep.host.malformed peer=%r reason=%s", peer, exc)
+            log.debug("malformed_message peer=%r reason=%r", peer, str(exc))
             return
         client_id = self._by_peer.get(peer)
         if client_id is None:
@@ -371,7 +371,8 @@ class LockstepHost(Generic[P]):
         if desync.diverged <= self._blamed:
             return  # already reported; a desync never heals by itself
         self._blamed |= desync.diverged
-        log.info("lockstep.host.desync turn=%d diverged=%s", turn, sorted(desync.diverged))
+        diverged = ",".join(map(str, sorted(desync.diverged)))
+        log.info("desync turn=%d diverged=%s", turn, diverged)
         self._broadcast(m.Desync(turn, desync.checksums))
         self._events.append(desync)
 
@@ -405,7 +406,7 @@ class LockstepHost(Generic[P]):
                 self._remove(client.client_id, m.LeaveReason.TIMED_OUT, now)
             elif not client.unresponsive and now >= progress_since + self.config.unresponsive_after:
                 client.unresponsive = True
-                log.info("lockstep.host.unresponsive client=%d", client.client_id)
+                log.info("client_unresponsive client=%d", client.client_id)
                 self._broadcast(m.StatusChanged(client.client_id, m.ClientStatus.UNRESPONSIVE))
                 self._events.append(ClientUnresponsive(client.client_id))
 
@@ -434,4 +435,4 @@ class LockstepHost(Generic[P]):
 
     def _unexpected(self, peer: P, msg: m.Message) -> None:
         self.stats.unexpected += 1
-        log.debug("lockstep.host.unexpected peer=%r type=%s", peer, msg.TYPE.name)
+        log.debug("unexpected_message peer=%r type=%s", peer, msg.TYPE.name)

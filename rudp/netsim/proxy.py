@@ -137,7 +137,7 @@ class _Protocol(asyncio.DatagramProtocol):
             else:
                 self._proxy._from_target(data, self._session)
         except Exception:  # a proxy bug must cost one datagram, not the event loop
-            log.exception("rudp.netsim: failed to forward a datagram from %s", addr)
+            log.exception("forward_failed peer=%s", format_address(addr))
 
     def error_received(self, exc: Exception) -> None:
         self._proxy._note_error(exc)
@@ -296,7 +296,7 @@ class Proxy:
 
     def _note_error(self, exc: Exception) -> None:
         self._counts.errors += 1
-        log.debug("rudp.netsim: socket error: %s", exc)
+        log.debug("socket_error error=%r", str(exc))
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -331,11 +331,8 @@ class Proxy:
         except Exception as exc:  # out of descriptors, unreachable family, ...: lose this client
             if sock is not None:
                 sock.close()
-            log.warning(
-                "rudp.netsim: cannot open an upstream socket for %s: %s",
-                format_address(session.client),
-                exc,
-            )
+            client = format_address(session.client)
+            log.warning("upstream_socket_failed client=%s error=%r", client, str(exc))
             self._counts.errors += 1
             self._forget(session)
             return
@@ -358,7 +355,7 @@ class Proxy:
         now = self._loop.time()
         for session in list(self._sessions.values()):
             if now - session.last_active >= self._idle_timeout:
-                log.debug("rudp.netsim: client %s idle, closing", format_address(session.client))
+                log.debug("session_idle client=%s", format_address(session.client))
                 self._forget(session)
                 self._counts.clients_expired += 1
         self._arm_sweeper()
