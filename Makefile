@@ -1,29 +1,40 @@
 # Two entry points: `make run` (the matchmaker daemon on its in-memory store) and
 # `make test` (lint, types, tests, and tests/rudp again against the mypyc build).
-# Each creates .venv on first use and installs what it needs.
+# Each creates .venv on first use and installs what it needs: `run` the daemon's
+# extra only (aiorudp[matchmaker]), `test` the development tools too (aiorudp[dev]).
+# `make dev` prepares that development venv without running anything.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint typecheck pytest compiled-test bench clean
+.PHONY: run dev test lint typecheck pytest compiled-test bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	touch $@
+
+$(VENV)/.installed-run: pyproject.toml $(VENV)/.created
+	$(PY) -m pip install --quiet -e '.[matchmaker]'
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.created
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-run: $(VENV)/.installed
+run: $(VENV)/.installed-run
 	$(PY) -m matchmaker
 
-lint: $(VENV)/.installed
+dev: $(VENV)/.installed-dev
+
+lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-typecheck: $(VENV)/.installed
+typecheck: $(VENV)/.installed-dev
 	$(PY) -m mypy
 
-pytest: $(VENV)/.installed
+pytest: $(VENV)/.installed-dev
 	RUDP_EXPECT_COMPILED=0 $(PY) -m pytest -q
 
 test: lint typecheck pytest compiled-test
@@ -36,7 +47,7 @@ test: lint typecheck pytest compiled-test
 # nothing left there by an earlier build (a module since removed) lands in the wheel.
 COMPILED_DIR ?= .compiled-test
 
-compiled-test: $(VENV)/.installed
+compiled-test: $(VENV)/.installed-dev
 	rm -rf build $(COMPILED_DIR)
 	RUDP_COMPILE=1 $(PY) -m pip wheel --quiet --no-deps --wheel-dir $(COMPILED_DIR)/dist .
 	$(PYTHON) -m venv $(COMPILED_DIR)/venv

@@ -19,7 +19,17 @@ asyncio layer lives in ``rudp.aio``. See docs/api.md and docs/protocol.md.
 
 ``rudp.compiled`` tells which build is installed: True when the sans-IO core was
 compiled with mypyc (``RUDP_COMPILE=1 pip install .``), False for pure Python.
+
+The submodules outside the import path of the API above (``rudp.metrics``,
+``rudp.lan``, ``rudp.lockstep``, ``rudp.netsim``) are imported on first use, so
+``import rudp`` stays light and ``rudp.metrics`` needs prometheus-client (the
+``aiorudp[metrics]`` extra) only when it is used.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 from rudp.aio import Connection, Message, SendHandle, Server, connect, open_endpoint, run, serve
 from rudp.config import Config, NetsimConfig
@@ -36,6 +46,28 @@ from rudp.errors import (
 from rudp.events import Disconnected, DisconnectReason
 from rudp.stats import ConnectionStats, EndpointStats
 from rudp.wire import Delivery, DropReason
+
+__version__ = "0.1.0"  # the package's one version (pyproject.toml reads it from here)
+
+# Imported on first attribute access, not by ``import rudp``.
+_LAZY_SUBMODULES = ("lan", "lockstep", "metrics", "netsim")
+# What a lazy submodule needs beyond the plain install: module -> (import name, extra).
+_EXTRAS = {"metrics": ("prometheus_client", "metrics")}
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Import ``rudp.metrics``, ``rudp.lan``, ... on first use (PEP 562)."""
+    if name not in _LAZY_SUBMODULES:
+        raise AttributeError(f"module 'rudp' has no attribute {name!r}")
+    try:
+        return importlib.import_module(f"rudp.{name}")
+    except ModuleNotFoundError as exc:
+        needed, extra = _EXTRAS.get(name, ("", ""))
+        if not needed or exc.name != needed:
+            raise
+        message = f"rudp.{name} needs {needed}, which the '{extra}' extra installs: "
+        message += f"pip install 'aiorudp[{extra}]'"
+        raise ModuleNotFoundError(message, name=exc.name) from exc
 
 
 def _core_is_compiled() -> bool:

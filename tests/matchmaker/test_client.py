@@ -12,8 +12,7 @@ from matchmaker.client import ConnectionLost, MatchmakerClient, MatchmakerError
 from matchmaker.messages import ErrorReason, Role
 from matchmaker.registry import RemovalReason
 from tests.matchmaker.fakes import FakeConnection, pipe
-from tests.matchmaker.test_registry import eventually
-from tests.matchmaker.test_service import Harness, info, pub
+from tests.matchmaker.helpers import Harness, eventually, info, pub
 
 
 class Switchboard:

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import json
 import os
 import platform
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from typing import Any
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rudp
@@ -21,34 +17,14 @@ from matchmaker import __version__
 from matchmaker.addresses import Address
 from matchmaker.client import MatchmakerClient
 from matchmaker.server import Matchmaker
-from matchmaker.settings import Settings
-from tests.matchmaker.conftest import RedisProcess, free_port
-from tests.matchmaker.test_registry import eventually
-
-HOST: dict[str, Any] = {"name": "e2e", "game": "q3", "version": "1", "max_players": 8}
-
-
-@pytest.fixture(autouse=True)
-def watchdog() -> Iterator[None]:
-    # A hang in a socket test must fail loudly, not stall the run.
-    faulthandler.dump_traceback_later(60, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
-
-
-def settings(**kw: Any) -> Settings:
-    options: dict[str, Any] = {
-        "bind": "127.0.0.1",
-        "port": 0,
-        "http_bind": "127.0.0.1",
-        "http_port": 0,
-        "allow_private": True,  # everything here is loopback
-        "keepalive": 0.2,
-        "sweep_interval": 0.1,
-        "shutdown_timeout": 3.0,
-    }
-    options.update(kw)
-    return Settings(**options)
+from tests.matchmaker.helpers import (
+    HOST,
+    RedisProcess,
+    accepting_endpoint,
+    eventually,
+    free_port,
+    settings,
+)
 
 
 async def http_get(address: tuple[str, int], target: str) -> tuple[int, bytes]:
@@ -58,18 +34,6 @@ async def http_get(address: tuple[str, int], target: str) -> tuple[int, bytes]:
     writer.close()
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split(b" ")[1]), body
-
-
-async def accepting_endpoint() -> tuple[rudp.Server, asyncio.Queue[rudp.Connection]]:
-    """A game's own rudp socket: accepts peers and talks to the matchmaker."""
-    accepted: asyncio.Queue[rudp.Connection] = asyncio.Queue()
-
-    async def handler(conn: rudp.Connection) -> None:
-        await accepted.put(conn)
-        await conn.wait_closed()
-
-    server = await rudp.serve(handler, "127.0.0.1", 0)
-    return server, accepted
 
 
 async def test_register_list_introduce_join(daemon: Matchmaker) -> None:

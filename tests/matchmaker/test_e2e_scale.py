@@ -16,10 +16,9 @@ registry, within the configured times.  Every wait is a poll with a deadline.
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,14 +45,6 @@ MAPS = ("dm1", "dm2", "ctf1", "ctf2", "")
 REGIONS = ("eu", "us", "asia", "")
 TAG_POOL = ("ctf", "ffa", "tdm", "insta")
 WORDS = ("Friday Night", "CTF fun", "casual", "NIGHT owls", "Pro League", "newbies")
-
-
-@pytest.fixture(autouse=True)
-def watchdog() -> Iterator[None]:
-    # A hang in a socket test must fail loudly, not stall the run.
-    faulthandler.dump_traceback_later(120, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def ipv6_loopback() -> bool:

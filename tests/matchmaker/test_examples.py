@@ -12,7 +12,7 @@ from pathlib import Path
 
 from matchmaker.addresses import Address
 from matchmaker.server import Matchmaker
-from tests.matchmaker.test_registry import eventually
+from tests.matchmaker.helpers import eventually
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEADLINE = 60.0

@@ -19,7 +19,7 @@ from matchmaker.http import MAX_CONNECTIONS_PER_IP, HttpApi, HttpServer, entry_j
 from matchmaker.messages import ListRequest, entry_fields
 from matchmaker.metrics import capped_games
 from matchmaker.ratelimit import RateLimiter
-from tests.matchmaker.test_service import Harness, collect_list, info, pub
+from tests.matchmaker.helpers import Harness, collect_list, info, pub
 
 
 class Site:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from matchmaker.addresses import Address
-from matchmaker.messages import HostInfo, ListFilter
+from matchmaker.messages import ListFilter
 from matchmaker.registry import (
     ChangeKind,
     FeedOverflow,
@@ -22,27 +22,13 @@ from matchmaker.registry import (
     TooManyHosts,
 )
 from matchmaker.registry.redis import RedisRegistry
-from tests.matchmaker.conftest import RedisProcess
 from tests.matchmaker.fakes import FakeClock
+from tests.matchmaker.helpers import RedisProcess, host
 
 A = Address("198.51.100.1", 27960)
 A2 = Address("198.51.100.1", 27961)
 A3 = Address("198.51.100.1", 27962)
 B = Address("2001:db8::b", 27960)
-
-
-def host(name: str = "h", game: str = "q3", **kw: object) -> HostInfo:
-    return HostInfo(name=name, game=game, version="1", max_players=8, **kw)  # type: ignore[arg-type]
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait (bounded) for state another task or process is bringing about."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 RegistryFactory = Callable[..., Awaitable[Registry]]

@@ -17,9 +17,8 @@ from matchmaker.registry import Notice, RemovalReason, TooManyHosts
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.server import build_registry
 from matchmaker.settings import Settings
-from tests.matchmaker.conftest import RedisProcess
 from tests.matchmaker.fakes import FakeClock
-from tests.matchmaker.test_registry import eventually, host
+from tests.matchmaker.helpers import RedisProcess, eventually, host
 
 Q3 = ListFilter(game="q3")
 Factory = Callable[..., Awaitable[RedisRegistry]]

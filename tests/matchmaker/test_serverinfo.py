@@ -22,7 +22,7 @@ from matchmaker.messages import (
 )
 from matchmaker.server import Matchmaker
 from matchmaker.serverinfo import InfoResponder, query_servers, serve_info
-from tests.matchmaker.test_e2e import HOST, settings
+from tests.matchmaker.helpers import HOST, settings
 
 GAME = HostInfo(
     name="Friday night",

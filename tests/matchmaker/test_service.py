@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any
 
 import msgpack
 import pytest
 import structlog
-from prometheus_client import CollectorRegistry
 
 from matchmaker.addresses import Address
 from matchmaker.messages import (
     Error,
     ErrorReason,
     Heartbeat,
-    HostInfo,
     HostUpdate,
     InfoReply,
     InfoRequest,
@@ -35,73 +32,15 @@ from matchmaker.messages import (
     WrongVersion,
     encode,
 )
-from matchmaker.metrics import Metrics
-from matchmaker.registry import MemoryRegistry, Registry, RemovalReason
-from matchmaker.service import MatchmakerService
-from matchmaker.settings import Settings
-from tests.matchmaker.fakes import FakeClock, Wire, attach, settle
-
-NONCE = b"N" * 16
-
-
-def pub(n: int) -> str:
-    """A global (listable) IPv4 address."""
-    return f"93.184.216.{n}"
-
-
-def info(name: str = "srv", **kw: Any) -> HostInfo:
-    fields: dict[str, Any] = {"name": name, "game": "q3", "version": "1", "max_players": 8}
-    fields.update(kw)
-    return HostInfo(**fields)
-
-
-class Harness:
-    def __init__(self, registry: Registry | None = None, **overrides: Any) -> None:
-        self.clock = FakeClock()
-        self.registry = registry or MemoryRegistry(clock=self.clock)
-        self.metrics = Metrics(CollectorRegistry())
-        options: dict[str, Any] = {"register_burst": 100.0, "list_burst": 100.0}
-        options["introduce_burst"] = 100.0
-        options.update(overrides)
-        self.settings = Settings(**options)
-        self.service = MatchmakerService(
-            self.settings,
-            self.registry,
-            self.metrics,
-            rng=random.Random(1),
-            clock=self.clock,
-            nonce=lambda n: NONCE[:n],
-        )
-
-    def connect(self, ip: str, port: int = 27960) -> Wire:
-        return attach(self.service.handle, (ip, port))
-
-    async def host(self, ip: str, port: int = 27960, **kw: Any) -> Wire:
-        wire = self.connect(ip, port)
-        reply = await wire.request(Register(request_id=1, host=info(**kw)))
-        assert isinstance(reply, Registered), reply
-        return wire
-
-    def sample(self, name: str, **labels: str) -> float:
-        value = self.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
+from matchmaker.registry import RemovalReason
+from tests.matchmaker.fakes import Wire, settle
+from tests.matchmaker.helpers import NONCE, Harness, collect_list, info, pub
 
 
 async def error_of(wire: Wire, msg: Message) -> Error:
     reply = await wire.request(msg)
     assert isinstance(reply, Error), reply
     return reply
-
-
-async def collect_list(wire: Wire, request_id: int = 9, **filters: Any) -> list[ListPage]:
-    wire.send(ListRequest(request_id=request_id, filter=ListFilter(game="q3", **filters)))
-    pages = []
-    while True:
-        page = await wire.recv()
-        assert isinstance(page, ListPage), page
-        pages.append(page)
-        if page.end:
-            return pages
 
 
 # ------------------------------------------------------------------ registration

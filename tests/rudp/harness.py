@@ -1,19 +1,25 @@
 """A deterministic in-memory network for the sans-IO core: a stepped fake clock,
-seeded loss, duplication, reordering, corruption and delay. No sockets, no sleeps."""
+seeded loss, duplication, reordering, corruption and delay. No sockets, no sleeps.
+
+Also what the core's tests share: ``pair()`` (a client connected to a server),
+``server_conn``, ``pump``, and tagged messages (``tagged``, ``tags``)."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 import random
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rudp import wire
 from rudp.config import Config
-from rudp.connection import Connection
+from rudp.connection import Connection, State
 from rudp.endpoint import Endpoint
 from rudp.events import Disconnected, EndpointEvent, Event, MessageReceived
+from rudp.wire import DropReason
 
 Address = tuple[Any, ...]
 
@@ -168,3 +174,72 @@ class Network:
         while not predicate():
             if not self.step(end) and self.now >= end:
                 raise AssertionError(f"condition not met within {timeout} simulated seconds")
+
+
+# -- two connected endpoints: the tests of the core start from here ----------------------
+
+
+SERVER = ("10.0.0.1", 9000)
+CLIENT = ("10.0.0.2", 5000)
+
+
+def pair(
+    link: Link | None = None, seed: int = 1, config: Config | None = None
+) -> tuple[Network, Node, Node, Connection]:
+    net = Network(seed=seed, link=link)
+    server = net.add(SERVER, config, accept=True)
+    client = net.add(CLIENT, config)
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: conn.state is State.CONNECTED, timeout=30)
+    return net, server, client, conn
+
+
+def server_conn(server: Node) -> Connection:
+    (conn,) = server.endpoint.connections
+    return conn
+
+
+def pump(net: Network, conn: Connection, payloads: list[bytes], **kwargs: object) -> None:
+    """Send every payload, respecting the send queue, until all are acknowledged."""
+    pending = list(payloads)
+    pending.reverse()
+    while pending or conn.queued:
+        while pending and conn.queued < 1000:
+            conn.send(pending.pop(), **kwargs)  # type: ignore[arg-type]
+        assert net.step(net.now + 5), "network went idle with messages outstanding"
+
+
+# -- tagged messages, and frames injected as the client ----------------------------------
+
+
+TAG = struct.Struct("!I")
+
+
+def tagged(i: int, size: int = 8) -> bytes:
+    return TAG.pack(i) + bytes(size - TAG.size)
+
+
+def tags(node: Node, channel: int | None = None) -> list[int]:
+    return [
+        TAG.unpack_from(e.data)[0]
+        for _, e in node.events
+        if isinstance(e, MessageReceived) and (channel is None or e.channel == channel)
+    ]
+
+
+def settle(net: Network, conn: Connection, timeout: float = 120.0) -> None:
+    net.run_until(lambda: conn.queued == 0, timeout=timeout)
+    net.run(1.0)
+
+
+def inject_frames(net: Network, server: Node, *frames: bytes) -> DropReason | None:
+    """Deliver a DATA packet carrying ``frames`` to the server's connection as the client."""
+    conn = server_conn(server)
+    seq = (conn._rx_largest + 1) & 0xFFFF
+    ack = (conn._tx_next - 1) & 0xFFFF
+    packet = wire.seal_rest(wire.data_header(conn.token, seq, ack, 0) + b"".join(frames))
+    before = server.endpoint.stats.dropped.copy()
+    server.endpoint.receive_datagram(packet, CLIENT, net.now)
+    after = server.endpoint.stats.dropped
+    changed = [reason for reason in after if after[reason] != before.get(reason, 0)]
+    return changed[0] if changed else None

@@ -10,8 +10,7 @@ import pytest
 from rudp.config import Config
 from rudp.connection import Connection
 from rudp.recovery import NO_SSTHRESH, CongestionController
-from tests.rudp.harness import Address, Link, Network
-from tests.rudp.test_core import CLIENT, pair, pump
+from tests.rudp.harness import CLIENT, Address, Link, Network, pair, pump
 
 D = Config().max_datagram_size
 ON = Config(congestion_control=True)

@@ -8,7 +8,6 @@ stepped, nothing sleeps.
 from __future__ import annotations
 
 import random
-import struct
 
 import pytest
 
@@ -19,23 +18,22 @@ from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, MessageReceived
 from rudp.recovery import OutMessage
 from rudp.wire import Delivery, DropReason, PacketType
-from tests.rudp.harness import Link, Network, Node
-from tests.rudp.test_core import CLIENT, SERVER, pair, server_conn
+from tests.rudp.harness import (
+    CLIENT,
+    SERVER,
+    TAG,
+    Link,
+    Network,
+    Node,
+    inject_frames,
+    pair,
+    server_conn,
+    settle,
+    tagged,
+    tags,
+)
 
-TAG = struct.Struct("!I")
 LOSSY = Link(loss=0.2, duplicate=0.1, reorder=0.2, delay=0.02, jitter=0.005)
-
-
-def tagged(i: int, size: int = 8) -> bytes:
-    return TAG.pack(i) + bytes(size - TAG.size)
-
-
-def tags(node: Node, channel: int | None = None) -> list[int]:
-    return [
-        TAG.unpack_from(e.data)[0]
-        for _, e in node.events
-        if isinstance(e, MessageReceived) and (channel is None or e.channel == channel)
-    ]
 
 
 def arrival_times(node: Node) -> dict[int, float]:
@@ -63,11 +61,6 @@ def timed_pair(link: Link, config: Config | None = None) -> tuple[TimedNetwork, 
     conn = client.endpoint.connect(SERVER, net.now)
     net.run_until(lambda: conn.state is State.CONNECTED)
     return net, server, conn
-
-
-def settle(net: Network, conn: Connection, timeout: float = 120.0) -> None:
-    net.run_until(lambda: conn.queued == 0, timeout=timeout)
-    net.run(1.0)
 
 
 def assert_sender_state_is_empty(conn: Connection) -> None:
@@ -318,19 +311,6 @@ def test_pending_dependencies_cost_two_bytes_each_and_executed_ones_nothing() ->
 
 
 # -- receiver bounds and protocol errors ----------------------------------------------------
-
-
-def inject_frames(net: Network, server: Node, *frames: bytes) -> DropReason | None:
-    """Deliver a DATA packet carrying ``frames`` to the server's connection as the client."""
-    conn = server_conn(server)
-    seq = (conn._rx_largest + 1) & 0xFFFF
-    ack = (conn._tx_next - 1) & 0xFFFF
-    packet = wire.seal_rest(wire.data_header(conn.token, seq, ack, 0) + b"".join(frames))
-    before = server.endpoint.stats.dropped.copy()
-    server.endpoint.receive_datagram(packet, CLIENT, net.now)
-    after = server.endpoint.stats.dropped
-    changed = [reason for reason in after if after[reason] != before.get(reason, 0)]
-    return changed[0] if changed else None
 
 
 def test_a_dependency_on_a_later_message_is_a_protocol_error() -> None:

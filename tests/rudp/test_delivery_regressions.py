@@ -17,9 +17,17 @@ from rudp.config import Config
 from rudp.connection import State
 from rudp.events import DisconnectReason, MessageReceived
 from rudp.wire import Delivery
-from tests.rudp.harness import Link, Network
-from tests.rudp.test_core import CLIENT, pair, server_conn
-from tests.rudp.test_delivery import inject_frames, settle, tagged, tags
+from tests.rudp.harness import (
+    CLIENT,
+    Link,
+    Network,
+    inject_frames,
+    pair,
+    server_conn,
+    settle,
+    tagged,
+    tags,
+)
 
 
 def test_two_disagreeing_first_fragments_in_one_packet_are_malformed() -> None:

@@ -18,8 +18,7 @@ from rudp.connection import Connection, State
 from rudp.errors import SendQueueFull
 from rudp.events import Disconnected, DisconnectReason
 from rudp.wire import DropReason
-from tests.rudp.harness import Address, Link, Network, Node
-from tests.rudp.test_core import CLIENT, SERVER, pair, server_conn
+from tests.rudp.harness import CLIENT, SERVER, Address, Link, Network, Node, pair, server_conn
 
 
 def _flow_frames(data: bytes) -> int:

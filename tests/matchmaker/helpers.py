@@ -1,0 +1,198 @@
+"""What the matchmaker tests share beyond the test doubles of ``fakes``: a real
+redis-server, the service on the fake transport, settings for a daemon on loopback
+and a game's own rudp socket, host records, and a bounded wait."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+import rudp
+from matchmaker.messages import HostInfo, ListFilter, ListPage, ListRequest, Register, Registered
+from matchmaker.metrics import Metrics
+from matchmaker.registry import MemoryRegistry, Registry
+from matchmaker.service import MatchmakerService
+from matchmaker.settings import Settings
+from tests.matchmaker.fakes import FakeClock, Wire, attach
+
+# -- a redis-server of the test's own ------------------------------------------------------
+
+
+REDIS_BINARY = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RedisProcess:
+    """One redis-server we start, kill and restart (same port, same data dir).
+
+    Appendonly with fsync on every write, so a SIGKILL loses nothing: a
+    restart comes back with the hosts' old `seen` scores, which is the case
+    the no-mass-expiry logic exists for.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        assert REDIS_BINARY is not None
+        self.directory = directory
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert REDIS_BINARY is not None
+        args = [REDIS_BINARY, "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--dir", str(self.directory), "--save", "", "--appendonly", "yes"]
+        args += ["--appendfsync", "always", "--protected-mode", "no"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._ping():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            time.sleep(0.02)
+        raise RuntimeError("redis-server did not answer PING within 10 s")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
+
+# -- a bounded wait ------------------------------------------------------------------------
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (bounded) for state another task or process is bringing about."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+# -- host records --------------------------------------------------------------------------
+
+
+def host(name: str = "h", game: str = "q3", **kw: object) -> HostInfo:
+    return HostInfo(name=name, game=game, version="1", max_players=8, **kw)  # type: ignore[arg-type]
+
+
+def pub(n: int) -> str:
+    """A global (listable) IPv4 address."""
+    return f"93.184.216.{n}"
+
+
+def info(name: str = "srv", **kw: Any) -> HostInfo:
+    fields: dict[str, Any] = {"name": name, "game": "q3", "version": "1", "max_players": 8}
+    fields.update(kw)
+    return HostInfo(**fields)
+
+
+# -- the service over the fake transport, on a stepped clock -------------------------------
+
+
+NONCE = b"N" * 16
+
+
+class Harness:
+    def __init__(self, registry: Registry | None = None, **overrides: Any) -> None:
+        self.clock = FakeClock()
+        self.registry = registry or MemoryRegistry(clock=self.clock)
+        self.metrics = Metrics(CollectorRegistry())
+        options: dict[str, Any] = {"register_burst": 100.0, "list_burst": 100.0}
+        options["introduce_burst"] = 100.0
+        options.update(overrides)
+        self.settings = Settings(**options)
+        self.service = MatchmakerService(
+            self.settings,
+            self.registry,
+            self.metrics,
+            rng=random.Random(1),
+            clock=self.clock,
+            nonce=lambda n: NONCE[:n],
+        )
+
+    def connect(self, ip: str, port: int = 27960) -> Wire:
+        return attach(self.service.handle, (ip, port))
+
+    async def host(self, ip: str, port: int = 27960, **kw: Any) -> Wire:
+        wire = self.connect(ip, port)
+        reply = await wire.request(Register(request_id=1, host=info(**kw)))
+        assert isinstance(reply, Registered), reply
+        return wire
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+async def collect_list(wire: Wire, request_id: int = 9, **filters: Any) -> list[ListPage]:
+    wire.send(ListRequest(request_id=request_id, filter=ListFilter(game="q3", **filters)))
+    pages = []
+    while True:
+        page = await wire.recv()
+        assert isinstance(page, ListPage), page
+        pages.append(page)
+        if page.end:
+            return pages
+
+
+# -- a daemon on loopback ------------------------------------------------------------------
+
+
+HOST: dict[str, Any] = {"name": "e2e", "game": "q3", "version": "1", "max_players": 8}
+
+
+def settings(**kw: Any) -> Settings:
+    options: dict[str, Any] = {
+        "bind": "127.0.0.1",
+        "port": 0,
+        "http_bind": "127.0.0.1",
+        "http_port": 0,
+        "allow_private": True,  # everything here is loopback
+        "keepalive": 0.2,
+        "sweep_interval": 0.1,
+        "shutdown_timeout": 3.0,
+    }
+    options.update(kw)
+    return Settings(**options)
+
+
+async def accepting_endpoint() -> tuple[rudp.Server, asyncio.Queue[rudp.Connection]]:
+    """A game's own rudp socket: accepts peers and talks to the matchmaker."""
+    accepted: asyncio.Queue[rudp.Connection] = asyncio.Queue()
+
+    async def handler(conn: rudp.Connection) -> None:
+        await accepted.put(conn)
+        await conn.wait_closed()
+
+    server = await rudp.serve(handler, "127.0.0.1", 0)
+    return server, accepted

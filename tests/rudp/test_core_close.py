@@ -1,0 +1,89 @@
+"""The sans-IO core's graceful close, on a stepped fake clock and an in-memory lossy network."""
+
+from __future__ import annotations
+
+import pytest
+
+from rudp import wire
+from rudp.config import Config
+from rudp.connection import State
+from rudp.errors import ConnectionClosed
+from rudp.events import Disconnected, DisconnectReason
+from tests.rudp.harness import CLIENT, SERVER, Link, pair, server_conn
+
+# -- graceful close ---------------------------------------------------------------------------
+
+
+def test_close_delivers_everything_queued_then_both_sides_report_the_same_reason() -> None:
+    net, server, client, conn = pair(Link(loss=0.25, duplicate=0.05, reorder=0.1))
+    payloads = [f"m{i}".encode() for i in range(500)]
+    for p in payloads:
+        conn.send(p)
+    conn.close(net.now, 4001, "game over")
+    assert conn.state is State.CLOSING
+    with pytest.raises(ConnectionClosed) as closing:  # as the connection reads: closed
+        conn.send(b"too late")
+    assert closing.value.reason == "closed" and closing.value.code == 4001
+    sconn = server_conn(server)
+    net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED)
+    assert server.received() == payloads
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED, 4001, "game over")]
+    assert server.disconnects() == [
+        Disconnected(DisconnectReason.CLOSED, 4001, "game over", by_peer=True)
+    ]
+    with pytest.raises(ConnectionClosed) as info:
+        conn.send(b"after")
+    assert info.value.reason == "closed" and info.value.code == 4001
+
+
+def test_unreliable_messages_queued_before_close_go_out_before_the_disconnect() -> None:
+    # The peer drops messages once it has the DISCONNECT: it must not be sent ahead of
+    # unreliable messages that were queued first (several datagrams' worth here).
+    net, server, client, conn = pair()
+    payloads = [i.to_bytes(2, "big") + bytes(300) for i in range(40)]
+    for p in payloads:
+        conn.send(p, reliable=False)
+    conn.close(net.now)
+    sconn = server_conn(server)
+    net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED)
+    assert server.received() == payloads
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED)]
+
+
+def test_lost_disconnect_is_resent_until_acknowledged() -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    drops = [0]
+
+    def drop_disconnects(data: bytes, src: object, dst: object) -> None:
+        net.link.blackout = False
+        if src == CLIENT and wire.decode_frames(data).disconnect and drops[0] < 3:
+            drops[0] += 1
+            net.link.blackout = True
+
+    net.tap = drop_disconnects
+    conn.close(net.now, 1, "x")
+    net.run_until(lambda: conn.state is State.CLOSED)
+    assert drops[0] == 3
+    assert sconn.state in (State.DRAINING, State.CLOSED)
+    assert client.disconnects()[0].reason is DisconnectReason.CLOSED
+    assert server.disconnects()[0].by_peer
+
+
+def test_unacknowledged_disconnect_ends_after_the_close_timeout() -> None:
+    net, server, client, conn = pair()
+    net.link.blackout = True
+    conn.close(net.now)
+    start = net.now
+    net.run_until(lambda: conn.state is State.CLOSED)
+    assert net.now - start == pytest.approx(Config().close_timeout, abs=0.01)
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED)]
+
+
+def test_peer_that_already_forgot_us_completes_our_close() -> None:
+    net, server, client, conn = pair()
+    net.remove(SERVER)
+    net.add(SERVER, accept=True)
+    conn.close(net.now, 2, "bye")
+    net.run_until(lambda: conn.state is State.CLOSED)
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED, 2, "bye")]

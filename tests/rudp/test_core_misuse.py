@@ -1,0 +1,78 @@
+"""The sans-IO core: the caller's misuse raises at once, and what it asks for is bounded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rudp import wire
+from rudp.config import Config
+from rudp.connection import State
+from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull
+from rudp.events import MessageAcked
+from rudp.wire import DropReason
+from tests.rudp.harness import CLIENT, SERVER, Link, pair, server_conn
+
+# -- the caller's misuse raises at once --------------------------------------------------------
+
+
+def test_misuse_raises_clear_errors() -> None:
+    net, server, client, conn = pair(config=Config(send_queue_limit=10, drain_low_water=5))
+    with pytest.raises(MessageTooLarge):
+        conn.send(bytes(conn.max_datagram_payload + 1), reliable=False)
+    conn.send(bytes(conn.max_datagram_payload), reliable=False)
+    with pytest.raises(LocalProtocolError):
+        conn.send(b"x", channel=32)
+    with pytest.raises(TypeError):
+        conn.send("text")  # type: ignore[arg-type]
+    for _ in range(9):
+        conn.send(b"x")
+    with pytest.raises(SendQueueFull):
+        conn.send(b"x")
+    with pytest.raises(LocalProtocolError):
+        conn.close(net.now, code=70000)
+    with pytest.raises(LocalProtocolError):
+        client.endpoint.connect(SERVER, net.now)
+
+
+def test_acked_event_only_for_messages_that_asked() -> None:
+    net, server, client, conn = pair()
+    quiet = conn.send(b"a")
+    loud = conn.send(b"b")
+    loud.notify = True
+    net.run(1)
+    acked = [e.handle for _, e in client.events if isinstance(e, MessageAcked)]
+    assert acked == [loud]
+    assert quiet.acked and loud.acked
+
+
+def test_receive_buffer_is_bounded_and_drops_whole_packets() -> None:
+    cfg = Config(recv_buffer_bytes=4000, window=64)
+    net, server, client, conn = pair(Link(delay=0.01), config=cfg)
+    sconn = server_conn(server)
+    # Forge early messages far ahead on channel 0 straight into the server core.
+    seq = conn._tx_next
+    for i in range(1, 20):
+        frame = wire.message_frame(1, 0, i * 10, bytes(1000))
+        packet = wire.seal_rest(wire.data_header(sconn.token, (seq + i) & 0xFFFF, 0, 0) + frame)
+        server.endpoint.receive_datagram(packet, CLIENT, net.now)
+    assert sconn._rx_buffered_bytes <= 4000
+    assert server.endpoint.stats.dropped[DropReason.RECV_BUFFER_FULL] > 0
+
+
+def test_illegal_state_transition_raises_and_keeps_the_state() -> None:
+    net, server, client, conn = pair()
+    with pytest.raises(LocalProtocolError):
+        conn._set_state(State.CONNECTING)
+    assert conn.state is State.CONNECTED
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="max_datagram_size"):
+        Config(max_datagram_size=100)
+    with pytest.raises(ValueError, match="keepalive_interval"):
+        Config(keepalive_interval=20.0, idle_timeout=10.0)
+    with pytest.raises(ValueError, match="rto"):
+        Config(rto_min=1.0, rto_initial=0.5)
+    assert dataclasses.replace(Config(), window=8).window == 8
