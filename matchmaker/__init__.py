@@ -30,4 +30,6 @@ Daemon side, the matchmaker process itself:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from rudp import __version__  # one version for the whole distribution
+
+__all__ = ["__version__"]

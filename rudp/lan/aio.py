@@ -46,7 +46,7 @@ from rudp.lan.search import DiscoveredHost, Search
 
 __all__ = ["DiscoveryResponder", "discover", "serve_discovery"]
 
-log = logging.getLogger("rudp.lan.aio")
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- responder
@@ -70,7 +70,7 @@ class _ResponderProtocol(asyncio.DatagramProtocol):
         # asyncio reports a failed sendto here rather than raising it (and ICMP
         # errors from earlier answers, e.g. port unreachable, land here too).
         self._responder.stats.send_errors += 1
-        log.debug("lan_responder_error_received", extra={"error": repr(exc)})
+        log.debug("responder_error_received error=%r", str(exc))
 
 
 class DiscoveryResponder:
@@ -133,7 +133,7 @@ class DiscoveryResponder:
             transport.sendto(answer, addr)
         except OSError as exc:
             self.stats.send_errors += 1
-            log.debug("lan_answer_send_failed", extra={"addr": addr, "error": repr(exc)})
+            log.debug("answer_send_failed peer=%s error=%r", format_address(addr), str(exc))
             return
         self.stats.answered += 1
 
@@ -171,7 +171,7 @@ async def serve_discovery(
             sock6 = _bind_udp(socket.AF_INET6, "::", sock4.getsockname()[1])
             _join_group(sock6, ipv6_group)
         except OSError as exc:
-            log.info("lan_responder_ipv6_unavailable", extra={"error": repr(exc)})
+            log.info("responder_ipv6_unavailable error=%r", str(exc))
         else:
             await _attach(loop, responder, sock6)
     return responder
@@ -215,7 +215,7 @@ def _join_group(sock: socket.socket, group: str) -> None:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP, mreq)
             joined += 1
         except OSError as exc:
-            log.debug("lan_group_join_failed", extra={"iface": iface.name, "error": repr(exc)})
+            log.debug("group_join_failed iface=%s error=%r", iface.name, str(exc))
     if not joined:
         sock.close()
         raise OSError(errno.ENODEV, "no interface could join the IPv6 discovery group")
@@ -268,7 +268,7 @@ class _Collector(asyncio.DatagramProtocol):
             self.changed.set()
 
     def error_received(self, exc: Exception) -> None:
-        log.debug("lan_discover_error_received", extra={"error": repr(exc)})
+        log.debug("discover_error_received error=%r", str(exc))
 
 
 async def discover(
@@ -389,7 +389,7 @@ async def _open_sender(
         transport, _ = await loop.create_datagram_endpoint(lambda: collector, sock=sock)
     except OSError as exc:
         sock.close()
-        log.debug("lan_sender_socket_failed", extra={"family": family.name, "error": repr(exc)})
+        log.debug("sender_socket_failed family=%s error=%r", family.name, str(exc))
         return None
     stack.callback(transport.close)
     return transport

@@ -159,3 +159,11 @@ def answer_fields(body: Mapping[str, Any]) -> tuple[bytes, str, dict[str, Any]]:
     if not isinstance(game, str) or not isinstance(info, dict):
         raise MalformedDatagram("bad game or info")
     return instance, game, info
+
+
+def log_address(address: object) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) for log lines, as the rest of rudp writes it."""
+    if isinstance(address, tuple) and len(address) >= 2:
+        host, port = address[0], address[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(address)

@@ -37,11 +37,12 @@ from rudp.lan.messages import (
     call_game,
     decode_packet,
     encode_answer,
+    log_address,
 )
 
 __all__ = ["DiscoveryStats", "InfoSource", "Responder"]
 
-log = logging.getLogger("rudp.lan")
+log = logging.getLogger(__name__)
 
 InfoSource = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
 """A responder's info: a msgpack-able mapping, or a callable returning one per call."""
@@ -94,7 +95,7 @@ class Responder:
             wanted = call_game(packet.body)
         except MalformedDatagram as exc:
             self.stats.malformed += 1
-            log.debug("lan_call_malformed", extra={"addr": addr, "reason": str(exc)})
+            log.debug("call_malformed peer=%s reason=%r", log_address(addr), str(exc))
             return None
         self.stats.requests += 1
         if wanted is not None and wanted != self.game:
@@ -106,8 +107,10 @@ class Responder:
         if len(answer) > len(data):
             self.stats.oversize += 1
             log.debug(
-                "lan_answer_oversize",
-                extra={"addr": addr, "answer_size": len(answer), "call_size": len(data)},
+                "answer_oversize peer=%s answer_size=%d call_size=%d",
+                log_address(addr),
+                len(answer),
+                len(data),
             )
             return None
         return answer
@@ -119,5 +122,5 @@ class Responder:
         except Exception:
             # The info callable is user code; its failure must not kill the loop.
             self.stats.info_errors += 1
-            log.exception("lan_info_failed", extra={"game": self.game})
+            log.exception("info_failed game=%r", self.game)
             return None

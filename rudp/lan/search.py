@@ -43,11 +43,12 @@ from rudp.lan.messages import (
     answer_fields,
     decode_packet,
     encode_call,
+    log_address,
 )
 
 __all__ = ["DiscoveredHost", "Search"]
 
-log = logging.getLogger("rudp.lan")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +138,7 @@ class Search:
             host = self._parse(data, address, now)
         except MalformedDatagram as exc:
             self.malformed += 1
-            log.debug("lan_answer_malformed", extra={"addr": address, "reason": str(exc)})
+            log.debug("answer_malformed peer=%s reason=%r", log_address(address), str(exc))
             return False
         if host is None:
             return False

@@ -20,7 +20,7 @@ import pytest
 from matchmaker.client import MatchmakerClient, MatchmakerError
 from matchmaker.logging import rudp_fields
 from matchmaker.messages import ErrorReason, InfoRequest, encode
-from tests.matchmaker.test_e2e import accepting_endpoint
+from tests.matchmaker.helpers import accepting_endpoint
 
 # `python -m matchmaker`, with one fault injected where nothing from outside can
 # reach an error: the info reply (asked over a connection, and as an unconnected

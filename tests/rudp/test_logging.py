@@ -59,7 +59,7 @@ def log_calls(path: Path) -> list[ast.Call]:
 
 
 MODULES = sorted(
-    p for package in ("aio", "lockstep", "netsim") for p in (ROOT / package).rglob("*.py")
+    p for package in ("aio", "lan", "lockstep", "netsim") for p in (ROOT / package).rglob("*.py")
 )
 
 
