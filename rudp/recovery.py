@@ -30,7 +30,7 @@ at the rate that filled it.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Generator
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from rudp.config import Config
 
@@ -329,6 +329,16 @@ SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel repl
 UNRELIABLE_MODES: Final = (0, 2)  # Delivery.UNRELIABLE and UNRELIABLE_SEQUENCED
 
 
+class Waiter(Protocol):
+    """What makes a handle awaitable: the I/O layer's connection (the asyncio
+    ``rudp.Connection``) sets itself as ``OutMessage.waiter``. Defined here so that
+    the core names the one call it makes up into that layer, and imports none of it."""
+
+    def _wait_for(self, msg: OutMessage, /) -> Awaitable[None]:
+        """An awaitable that completes when ``msg`` is done (raises if it failed)."""
+        ...
+
+
 class OutMessage:
     """One message on its way out; ``Connection.send`` returns it as the handle
     (``rudp.SendHandle`` in the asyncio API).
@@ -367,9 +377,8 @@ class OutMessage:
         self.copies = 0  # packets in flight that carry it
         self.notify = False  # emit MessageAcked when acknowledged
         self.user: object = None  # free slot for the asyncio layer
-        # What makes the handle awaitable: the I/O layer sets it to an object whose
-        # ``_wait_for(msg)`` returns an awaitable (see ``__await__``).
-        self.waiter: Any = None
+        # What makes the handle awaitable (see ``Waiter`` and ``__await__``).
+        self.waiter: Waiter | None = None
         self.parent: OutMessage | None = None
         self.parts = 0
         self.fragments: list[OutMessage] | None = None
@@ -404,8 +413,7 @@ class OutMessage:
             raise TypeError(
                 "only a handle returned by an asyncio rudp.Connection.send() can be awaited"
             )
-        awaitable: Awaitable[None] = waiter._wait_for(self)
-        return awaitable.__await__()
+        return waiter._wait_for(self).__await__()
 
 
 class GraphNode:
