@@ -26,6 +26,7 @@ COMPILED_MODULES = [
     "rudp/recovery.py",
     "rudp/connection.py",
     "rudp/endpoint.py",
+    "rudp/sink.py",
     "rudp/stats.py",
     "rudp/aio/connection.py",
     "rudp/aio/endpoint.py",

@@ -56,7 +56,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Final
 
 from rudp import wire
@@ -66,7 +66,6 @@ from rudp.events import (
     Connected,
     Disconnected,
     DisconnectReason,
-    Event,
     MessageAcked,
     MessageReceived,
 )
@@ -83,6 +82,7 @@ from rudp.recovery import (
     SentPacket,
 )
 from rudp.seqnum import SEQ_MASK, seq_diff, unwrap
+from rudp.sink import EndpointSink
 from rudp.stats import ConnectionStats
 from rudp.wire import Delivery, DropReason, FrameExtra
 
@@ -201,9 +201,7 @@ class Connection:
         rng: random.Random,
         client: bool,
         salt: int,
-        events: deque[tuple[Connection, Event]] | None = None,
-        dirty: set[Connection] | None = None,
-        on_closed: Callable[[Connection], None] | None = None,
+        sink: EndpointSink | None = None,
     ) -> None:
         self.config = config
         self.address = address
@@ -213,15 +211,13 @@ class Connection:
         self.state = CONNECTING
         self.stats = ConnectionStats()
         self.close_reason: Disconnected | None = None
-        self._events: deque[tuple[Connection, Event]] = deque() if events is None else events
-        self._dirty: set[Connection] = set() if dirty is None else dirty
-        self._on_closed = on_closed
+        # Where events, flush requests and our end go: the endpoint's (see ``sink``).
+        self._sink = EndpointSink() if sink is None else sink
         self._rtt = RttEstimator(config)
         self.stats.rtt = self._rtt
         self._cc = CongestionController(config)
         self.stats.cc = self._cc
         self._probe_due = False  # a resend timeout's probe may exceed the congestion window
-        self.armed: float | None = None  # the endpoint's timer bookkeeping
         # -- send side
         self._isn = rng.getrandbits(16)
         self.peer_isn = -1  # the peer's initial sequence number, once connected
@@ -242,7 +238,7 @@ class Connection:
         self._ack_pending = False
         # Oldest ack-eliciting packet received since our last packet reported the receive
         # window, and ack-only packets built early because it was about to leave the 33
-        # packets one header can acknowledge (see ``receive_data``).
+        # packets one header can acknowledge (see ``_receive_data``).
         self._ack_low: int | None = None
         self._early_acks: list[bytes] = []
         self._queued = 0  # messages not yet sent, plus reliable ones not yet acked
@@ -310,7 +306,7 @@ class Connection:
         self._send_connect = client
         self._connect_deadline = now + config.connect_timeout
         self._next_connect = now + config.connect_retry_interval
-        self.accept_datagram = b""  # server side: the ACCEPT, resent on duplicate CONNECTs
+        self._accept_datagram = b""  # our ACCEPT, if we answered a CONNECT (see _answer_connect)
         self._close_code = 0
         self._close_text = ""
         self._disconnect_queued = False
@@ -393,7 +389,7 @@ class Connection:
             msg.queued_at = now
             self._unrel_queue.append(msg)
         self._queued += 1
-        self._dirty.add(self)
+        self._sink.wants_flush(self)
         return msg
 
     def _check_unfragmented(self, data: bytes) -> None:
@@ -433,7 +429,7 @@ class Connection:
             msg.queued_at = now
             self._unrel_queue.append(msg)
             self._queued += 1
-            self._dirty.add(self)
+            self._sink.wants_flush(self)
             return msg
         if mode == RELIABLE_SEQUENCED:
             previous = self._tx_rseq_last[channel]
@@ -492,7 +488,7 @@ class Connection:
         self._rel_queue.append(msg)
         self._unacked_reliable += 1
         self._queued += 1
-        self._dirty.add(self)
+        self._sink.wants_flush(self)
         return msg
 
     def _next_seq(self, mode: int, channel: int, n: int) -> int:
@@ -564,7 +560,7 @@ class Connection:
         self._rel_queue.extend(fragments)
         self._unacked_reliable += count
         self._queued += count
-        self._dirty.add(self)
+        self._sink.wants_flush(self)
         return parent
 
     def _supersede(self, msg: OutMessage) -> None:
@@ -580,7 +576,7 @@ class Connection:
         msg.state = SUPERSEDED
         self.stats.messages_superseded += 1
         if msg.notify:
-            self._events.append((self, MessageAcked(msg)))
+            self._sink.event(self, MessageAcked(msg))
 
     def _check_can_send(self) -> None:
         if self.state is CONNECTING:
@@ -600,7 +596,7 @@ class Connection:
         elif self.state is CONNECTED:
             self._close_code, self._close_text = code, text
             self._set_state(CLOSING)
-            self._dirty.add(self)  # queued unreliable messages go first, then DISCONNECT
+            self._sink.wants_flush(self)  # queued unreliable messages go first, then DISCONNECT
             if self.peer_paused:
                 # What is queued may never be taken: a close must still end.
                 self._deadline = now + self.config.close_timeout
@@ -620,7 +616,7 @@ class Connection:
         self._pause_budget = self._byte_window
         self.stats.receive_pauses += 1
         self._flow_frame = wire.PAUSE_FRAME
-        self._dirty.add(self)
+        self._sink.wants_flush(self)
 
     def resume_receiving(self) -> None:
         """Let the peer send messages again (undoes ``pause_receiving()``)."""
@@ -628,7 +624,7 @@ class Connection:
             return
         self.receiving_paused = False
         self._flow_frame = wire.RESUME_FRAME
-        self._dirty.add(self)
+        self._sink.wants_flush(self)
         # While paused we may have refused the very dependencies these wait for: their
         # dependency_timeout counts from now, not from their arrival.
         clock = self._clock
@@ -714,25 +710,25 @@ class Connection:
             self.stats.bytes_sent += sum(map(len, out))
         return out
 
-    # -- handshake (called by the endpoint) ----------------------------------------------
+    # -- the endpoint's interface: handshake and DATA --------------------------------------------
 
-    def nudge_connect(self) -> None:
+    def _nudge_connect(self) -> None:
         """The server is already sending us data: our ACCEPT was lost or overtaken,
         so ask again now rather than at the next retry."""
         if self.state is CONNECTING and self._cookie:
             self._send_connect = True
-            self._dirty.add(self)
+            self._sink.wants_flush(self)
 
-    def receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
+    def _receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
         if self.state is not CONNECTING or challenge.salt != self.salt:
             return DropReason.UNEXPECTED
         self._cookie = challenge.cookie
         self._cookie_connects = 0
         self._send_connect = True
-        self._dirty.add(self)
+        self._sink.wants_flush(self)
         return None
 
-    def receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
+    def _receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
         if accept.salt != self.salt:
             return DropReason.UNEXPECTED
         if self.state is not CONNECTING:
@@ -741,26 +737,28 @@ class Connection:
             # One CONNECT, one ACCEPT: an unambiguous first RTT sample (Karn's rule),
             # so the first data packet does not wait on rto_initial.
             self._rtt.on_sample(now - self._cookie_connect_at)
-        self.establish(accept.token, accept.isn, now)
+        self._establish(accept.token, accept.isn, now)
         return None
 
-    def receive_reject(self, reject: wire.Reject) -> DropReason | None:
+    def _receive_reject(self, reject: wire.Reject) -> DropReason | None:
         if self.state is not CONNECTING or reject.salt != self.salt:
             return DropReason.UNEXPECTED
         self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
         return None
 
-    def answer_connect(self, salt: int, token: int, peer_isn: int, now: float) -> None:
+    def _answer_connect(self, salt: int, token: int, peer_isn: int, now: float) -> bytes:
         """The endpoint accepted the peer's CONNECT into this connection: a new one, or
         ours in a simultaneous open that the peer's handshake won (our own CONNECTs
         stop; the connection takes the peer's salt, so a duplicate of its CONNECT gets
-        the ACCEPT again)."""
+        the ACCEPT again). Returns the ACCEPT to send; ``_accept_datagram`` keeps it."""
+        self._accept_datagram = wire.encode_accept(salt, token, self._isn)
         self.salt = salt
         self._send_connect = False
         self._cookie = b""
-        self.establish(token, peer_isn, now)
+        self._establish(token, peer_isn, now)
+        return self._accept_datagram
 
-    def establish(self, token: int, peer_isn: int, now: float) -> None:
+    def _establish(self, token: int, peer_isn: int, now: float) -> None:
         """Handshake done: both sides know the token and each other's first sequence."""
         self.token = token
         self.peer_isn = peer_isn
@@ -768,10 +766,10 @@ class Connection:
         self._last_recv = now
         self._last_eliciting = now
         self._set_state(CONNECTED)
-        self._events.append((self, Connected()))
-        self._dirty.add(self)
+        self._sink.event(self, Connected())
+        self._sink.wants_flush(self)
 
-    def receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
+    def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it echoes
         a packet we really sent, so an off-path attacker can't end connections."""
         seq = unwrap(noconn.seq, self._tx_next - 1)
@@ -788,7 +786,7 @@ class Connection:
 
     # -- receive path -------------------------------------------------------------------------
 
-    def receive_data(
+    def _receive_data(
         self, data: bytes, seq16: int, ack16: int, ack_bits: int, now: float
     ) -> DropReason | None:
         """Process one DATA packet whose CRC and token the endpoint checked."""
@@ -848,7 +846,7 @@ class Connection:
             eliciting = True
         if eliciting:
             self._ack_pending = True
-            self._dirty.add(self)
+            self._sink.wants_flush(self)
             low = self._ack_low
             if seq >= self._rx_largest - ACK_SPAN:
                 if low is None or seq < low:
@@ -868,7 +866,7 @@ class Connection:
             if self.state is CLOSING and self._deadline is None:
                 self._deadline = now + self.config.close_timeout
         else:
-            self._dirty.add(self)  # what waited goes out now
+            self._sink.wants_flush(self)  # what waited goes out now
             if self.state is CLOSING and not self._disconnect_queued:
                 self._deadline = None
 
@@ -987,21 +985,21 @@ class Connection:
 
     def _deliver(self, messages: list[wire.MessageFrame], now: float) -> bool:
         """Deliver or buffer each message; returns whether any was reliable."""
-        events = self._events
+        sink = self._sink
         rx_next = self._rx_ch_next
         delivered = 0
         reliable_seen = False
         for mode, channel, seq16, payload, more in messages:
             if more is None:
                 if mode == UNRELIABLE:
-                    events.append((self, MessageReceived(payload, channel, False)))
+                    sink.event(self, MessageReceived(payload, channel, False))
                     delivered += 1
                     continue
                 if mode == RELIABLE_ORDERED:
                     reliable_seen = True
                     expected = rx_next[channel]
                     if seq16 == expected & SEQ_MASK:  # the common case: next in order
-                        events.append((self, MessageReceived(payload, channel, True)))
+                        sink.event(self, MessageReceived(payload, channel, True))
                         delivered += 1
                         expected += 1
                         buf = self._rx_ch_buf[channel]
@@ -1035,7 +1033,7 @@ class Connection:
 
     def _flush_buffered(self, channel: int, expected: int, buf: dict[int, bytes | _Whole]) -> int:
         """Deliver the buffered messages that are now in order; returns how many."""
-        events = self._events
+        sink = self._sink
         n = 0
         while buf:
             early = buf.pop(expected, None)
@@ -1043,11 +1041,11 @@ class Connection:
                 break
             if isinstance(early, bytes):
                 self._rx_buffered_bytes -= len(early) + BUFFER_ENTRY_COST
-                events.append((self, MessageReceived(early, channel, True)))
+                sink.event(self, MessageReceived(early, channel, True))
                 expected += 1
             else:
                 self._rx_reassembly_bytes -= early.reserved
-                events.append((self, MessageReceived(early.data, channel, True)))
+                sink.event(self, MessageReceived(early.data, channel, True))
                 expected += early.span
             n += 1
         self._rx_ch_next[channel] = expected
@@ -1208,7 +1206,7 @@ class Connection:
             buf[base] = whole  # complete, but earlier messages are still missing
             return 0
         self._rx_reassembly_bytes -= whole.reserved
-        self._events.append((self, MessageReceived(whole.data, channel, True)))
+        self._sink.event(self, MessageReceived(whole.data, channel, True))
         return 1 + self._flush_buffered(channel, base + whole.span, buf)
 
     def _sequenced(
@@ -1238,7 +1236,7 @@ class Connection:
         lasts[channel] = newest
         if self._rx_parts and mode == RELIABLE_SEQUENCED:
             self._drop_superseded_parts(channel, newest)
-        self._events.append((self, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED)))
+        self._sink.event(self, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED))
         return 1
 
     def _drop_superseded_parts(self, channel: int, newest: int) -> None:
@@ -1307,7 +1305,7 @@ class Connection:
     def _graph_execute(self, gid: int, span: int, data: bytes, channel: int, reserved: int) -> int:
         """Deliver a ready message and every waiting message it was the last
         dependency of, transitively; returns how many were delivered."""
-        events = self._events
+        sink = self._sink
         done = self._rx_g_done
         nodes = self._rx_g_nodes
         waiters = self._rx_g_waiters
@@ -1316,7 +1314,7 @@ class Connection:
         n = 0
         while ready:
             gid, span, data, channel, reserved = ready.popleft()
-            events.append((self, MessageReceived(data, channel, True)))
+            sink.event(self, MessageReceived(data, channel, True))
             n += 1
             self._rx_reassembly_bytes -= reserved
             if span == 1:
@@ -1395,7 +1393,7 @@ class Connection:
             if self._rel_queue or self._retx:
                 # The ack opened the window: what waited for room can go out now, not at the
                 # next timer (an ack-only packet does not otherwise schedule a flush).
-                self._dirty.add(self)
+                self._sink.wants_flush(self)
             if self.state is CLOSING:
                 self._maybe_send_disconnect(now)
 
@@ -1430,7 +1428,7 @@ class Connection:
                 elif msg.graph is not None and msg.graph.waiting == 0:
                     self._graph_executed(msg)
                 if msg.notify:
-                    self._events.append((self, MessageAcked(msg)))
+                    self._sink.event(self, MessageAcked(msg))
         self._unacked_bytes -= freed
         self._queued -= newly
         self._unacked_reliable -= newly
@@ -1459,7 +1457,7 @@ class Connection:
         while graph and graph[0].graph.executed:  # type: ignore[union-attr]
             graph.popleft()
         if self._rel_queue:
-            self._dirty.add(self)  # the graph window may have opened
+            self._sink.wants_flush(self)  # the graph window may have opened
 
     def _detect_losses(self, now: float) -> None:
         largest = self._largest_acked
@@ -1516,7 +1514,7 @@ class Connection:
         if pkt.seq == self._flow_seq and not self._flow_frame:
             # Our latest PAUSE or RESUME was lost: tell the current state again.
             self._flow_frame = wire.PAUSE_FRAME if self.receiving_paused else wire.RESUME_FRAME
-        self._dirty.add(self)
+        self._sink.wants_flush(self)
 
     # -- send path ---------------------------------------------------------------------------
 
@@ -1805,7 +1803,7 @@ class Connection:
         elif now >= self._next_connect:
             self._next_connect = now + self.config.connect_retry_interval
             self._send_connect = True
-            self._dirty.add(self)
+            self._sink.wants_flush(self)
 
     def _connected_timer(self, now: float) -> None:
         cfg = self.config
@@ -1843,7 +1841,7 @@ class Connection:
                 self._rtt.on_timeout()
         elif now >= self._last_eliciting + cfg.keepalive_interval:
             self._ping = True
-            self._dirty.add(self)
+            self._sink.wants_flush(self)
 
     # -- closing ----------------------------------------------------------------------------
 
@@ -1853,7 +1851,7 @@ class Connection:
         self._disconnect_queued = True
         self._control.append(wire.disconnect_frame(self._close_code, self._close_text))
         self._deadline = now + self.config.close_timeout
-        self._dirty.add(self)
+        self._sink.wants_flush(self)
 
     def _on_peer_disconnect(self, frame: wire.DisconnectFrame, now: float) -> None:
         if self.state is DRAINING:
@@ -1865,7 +1863,7 @@ class Connection:
             event = Disconnected(DisconnectReason.CLOSED, frame.code, frame.text, True)
         self._fail_pending()
         self.close_reason = event
-        self._events.append((self, event))
+        self._sink.event(self, event)
         self._set_state(DRAINING)
         # Linger to re-acknowledge a resent DISCONNECT whose ack was lost.
         self._deadline = now + max(3 * self._rtt.rto, 0.05)
@@ -1874,7 +1872,7 @@ class Connection:
         self._fail_pending()
         event = Disconnected(reason, code, text, by_peer)
         self.close_reason = event
-        self._events.append((self, event))
+        self._sink.event(self, event)
         self._set_state(CLOSED)
 
     def _fail_pending(self) -> None:
@@ -1911,9 +1909,7 @@ class Connection:
             raise LocalProtocolError(f"illegal transition {self.state.value} -> {new.value}")
         self.state = new
         if new is CLOSED:
-            self._dirty.discard(self)
-            if self._on_closed is not None:
-                self._on_closed(self)
+            self._sink.closed(self)
 
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
