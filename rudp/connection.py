@@ -60,7 +60,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from rudp import wire
-from rudp.config import REDUNDANT_FRAME_MAX, Config
+from rudp.config import BUFFER_ENTRY_COST, REDUNDANT_FRAME_MAX, Config
 from rudp.errors import ConnectionClosed, LocalProtocolError, MessageTooLarge, SendQueueFull
 from rudp.events import (
     Connected,
@@ -84,25 +84,25 @@ from rudp.recovery import (
 from rudp.seqnum import SEQ_MASK, seq_diff, unwrap
 from rudp.sink import EndpointSink
 from rudp.stats import ConnectionStats
-from rudp.wire import Delivery, DropReason, FrameExtra
+from rudp.wire import (
+    ACK_SPAN,
+    DEPENDENCY_ORDERED,
+    GRAPH,
+    RELIABLE_ORDERED,
+    RELIABLE_SEQUENCED,
+    UNRELIABLE,
+    UNRELIABLE_SEQUENCED,
+    Delivery,
+    DropReason,
+    FrameExtra,
+)
 
 Address = tuple[Any, ...]
 # Module constants are ``Final``: compiled with mypyc, a literal one is inlined and any
 # other is a C static, where a plain module global costs a dict lookup per use.
-ACK_SPAN: Final = 32  # a header acknowledges its largest packet and this many before it
 NOCONN_SPAN: Final = 4096  # a NOCONN must echo one of our last few thousand packets
-BUFFER_ENTRY_COST: Final = 64  # bytes charged per buffered message besides its payload
 LOST_MEMORY: Final = 1024  # packets declared lost that are remembered to detect spurious losses
 MAX_REORDER_THRESHOLD: Final = 256
-# Delivery modes as plain ints (``OutMessage.mode`` and frame modes are ints): comparing
-# an int with an IntEnum member is a generic rich comparison, with another int one
-# machine instruction.
-UNRELIABLE: Final = 0
-RELIABLE_ORDERED: Final = 1
-UNRELIABLE_SEQUENCED: Final = 2
-GRAPH: Final = 3  # wire mode of reliable-unordered and dependency-ordered
-RELIABLE_SEQUENCED: Final = 4
-DEPENDENCY_ORDERED: Final = 5
 RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
 
 

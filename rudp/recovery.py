@@ -34,6 +34,9 @@ from typing import Any, Final, Protocol
 
 from rudp.config import Config
 
+# The asyncio layer reads UNRELIABLE_MODES here.
+from rudp.wire import UNRELIABLE_MODES as UNRELIABLE_MODES
+
 GRANULARITY: Final = 0.001  # clock granularity floor for timers (RFC 9002's kGranularity)
 # The peer acknowledges at the end of its event-loop turn, which on a loaded
 # machine can take a few milliseconds: on loopback a bare 9/8 RTT would declare
@@ -326,7 +329,6 @@ SENT: Final = 1
 ACKED: Final = 2
 FAILED: Final = 3
 SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel replaced it
-UNRELIABLE_MODES: Final = (0, 2)  # Delivery.UNRELIABLE and UNRELIABLE_SEQUENCED
 
 
 class Waiter(Protocol):
