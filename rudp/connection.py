@@ -389,7 +389,7 @@ class Connection:
             msg.queued_at = now
             self._unrel_queue.append(msg)
         self._queued += 1
-        self._sink.wants_flush(self)
+        self._sink.dirty[self] = None
         return msg
 
     def _check_unfragmented(self, data: bytes) -> None:
@@ -429,7 +429,7 @@ class Connection:
             msg.queued_at = now
             self._unrel_queue.append(msg)
             self._queued += 1
-            self._sink.wants_flush(self)
+            self._sink.dirty[self] = None
             return msg
         if mode == RELIABLE_SEQUENCED:
             previous = self._tx_rseq_last[channel]
@@ -488,7 +488,7 @@ class Connection:
         self._rel_queue.append(msg)
         self._unacked_reliable += 1
         self._queued += 1
-        self._sink.wants_flush(self)
+        self._sink.dirty[self] = None
         return msg
 
     def _next_seq(self, mode: int, channel: int, n: int) -> int:
@@ -560,7 +560,7 @@ class Connection:
         self._rel_queue.extend(fragments)
         self._unacked_reliable += count
         self._queued += count
-        self._sink.wants_flush(self)
+        self._sink.dirty[self] = None
         return parent
 
     def _supersede(self, msg: OutMessage) -> None:
@@ -576,7 +576,7 @@ class Connection:
         msg.state = SUPERSEDED
         self.stats.messages_superseded += 1
         if msg.notify:
-            self._sink.event(self, MessageAcked(msg))
+            self._sink.events.append((self, MessageAcked(msg)))
 
     def _check_can_send(self) -> None:
         if self.state is CONNECTING:
@@ -596,7 +596,7 @@ class Connection:
         elif self.state is CONNECTED:
             self._close_code, self._close_text = code, text
             self._set_state(CLOSING)
-            self._sink.wants_flush(self)  # queued unreliable messages go first, then DISCONNECT
+            self._sink.dirty[self] = None  # queued unreliable messages go first, then DISCONNECT
             if self.peer_paused:
                 # What is queued may never be taken: a close must still end.
                 self._deadline = now + self.config.close_timeout
@@ -616,7 +616,7 @@ class Connection:
         self._pause_budget = self._byte_window
         self.stats.receive_pauses += 1
         self._flow_frame = wire.PAUSE_FRAME
-        self._sink.wants_flush(self)
+        self._sink.dirty[self] = None
 
     def resume_receiving(self) -> None:
         """Let the peer send messages again (undoes ``pause_receiving()``)."""
@@ -624,7 +624,7 @@ class Connection:
             return
         self.receiving_paused = False
         self._flow_frame = wire.RESUME_FRAME
-        self._sink.wants_flush(self)
+        self._sink.dirty[self] = None
         # While paused we may have refused the very dependencies these wait for: their
         # dependency_timeout counts from now, not from their arrival.
         clock = self._clock
@@ -717,7 +717,7 @@ class Connection:
         so ask again now rather than at the next retry."""
         if self.state is CONNECTING and self._cookie:
             self._send_connect = True
-            self._sink.wants_flush(self)
+            self._sink.dirty[self] = None
 
     def _receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
         if self.state is not CONNECTING or challenge.salt != self.salt:
@@ -725,7 +725,7 @@ class Connection:
         self._cookie = challenge.cookie
         self._cookie_connects = 0
         self._send_connect = True
-        self._sink.wants_flush(self)
+        self._sink.dirty[self] = None
         return None
 
     def _receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
@@ -766,8 +766,8 @@ class Connection:
         self._last_recv = now
         self._last_eliciting = now
         self._set_state(CONNECTED)
-        self._sink.event(self, Connected())
-        self._sink.wants_flush(self)
+        self._sink.events.append((self, Connected()))
+        self._sink.dirty[self] = None
 
     def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it echoes
@@ -846,7 +846,7 @@ class Connection:
             eliciting = True
         if eliciting:
             self._ack_pending = True
-            self._sink.wants_flush(self)
+            self._sink.dirty[self] = None
             low = self._ack_low
             if seq >= self._rx_largest - ACK_SPAN:
                 if low is None or seq < low:
@@ -866,7 +866,7 @@ class Connection:
             if self.state is CLOSING and self._deadline is None:
                 self._deadline = now + self.config.close_timeout
         else:
-            self._sink.wants_flush(self)  # what waited goes out now
+            self._sink.dirty[self] = None  # what waited goes out now
             if self.state is CLOSING and not self._disconnect_queued:
                 self._deadline = None
 
@@ -985,21 +985,21 @@ class Connection:
 
     def _deliver(self, messages: list[wire.MessageFrame], now: float) -> bool:
         """Deliver or buffer each message; returns whether any was reliable."""
-        sink = self._sink
+        events = self._sink.events
         rx_next = self._rx_ch_next
         delivered = 0
         reliable_seen = False
         for mode, channel, seq16, payload, more in messages:
             if more is None:
                 if mode == UNRELIABLE:
-                    sink.event(self, MessageReceived(payload, channel, False))
+                    events.append((self, MessageReceived(payload, channel, False)))
                     delivered += 1
                     continue
                 if mode == RELIABLE_ORDERED:
                     reliable_seen = True
                     expected = rx_next[channel]
                     if seq16 == expected & SEQ_MASK:  # the common case: next in order
-                        sink.event(self, MessageReceived(payload, channel, True))
+                        events.append((self, MessageReceived(payload, channel, True)))
                         delivered += 1
                         expected += 1
                         buf = self._rx_ch_buf[channel]
@@ -1033,7 +1033,7 @@ class Connection:
 
     def _flush_buffered(self, channel: int, expected: int, buf: dict[int, bytes | _Whole]) -> int:
         """Deliver the buffered messages that are now in order; returns how many."""
-        sink = self._sink
+        events = self._sink.events
         n = 0
         while buf:
             early = buf.pop(expected, None)
@@ -1041,11 +1041,11 @@ class Connection:
                 break
             if isinstance(early, bytes):
                 self._rx_buffered_bytes -= len(early) + BUFFER_ENTRY_COST
-                sink.event(self, MessageReceived(early, channel, True))
+                events.append((self, MessageReceived(early, channel, True)))
                 expected += 1
             else:
                 self._rx_reassembly_bytes -= early.reserved
-                sink.event(self, MessageReceived(early.data, channel, True))
+                events.append((self, MessageReceived(early.data, channel, True)))
                 expected += early.span
             n += 1
         self._rx_ch_next[channel] = expected
@@ -1206,7 +1206,7 @@ class Connection:
             buf[base] = whole  # complete, but earlier messages are still missing
             return 0
         self._rx_reassembly_bytes -= whole.reserved
-        self._sink.event(self, MessageReceived(whole.data, channel, True))
+        self._sink.events.append((self, MessageReceived(whole.data, channel, True)))
         return 1 + self._flush_buffered(channel, base + whole.span, buf)
 
     def _sequenced(
@@ -1236,7 +1236,9 @@ class Connection:
         lasts[channel] = newest
         if self._rx_parts and mode == RELIABLE_SEQUENCED:
             self._drop_superseded_parts(channel, newest)
-        self._sink.event(self, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED))
+        self._sink.events.append(
+            (self, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED))
+        )
         return 1
 
     def _drop_superseded_parts(self, channel: int, newest: int) -> None:
@@ -1305,7 +1307,7 @@ class Connection:
     def _graph_execute(self, gid: int, span: int, data: bytes, channel: int, reserved: int) -> int:
         """Deliver a ready message and every waiting message it was the last
         dependency of, transitively; returns how many were delivered."""
-        sink = self._sink
+        events = self._sink.events
         done = self._rx_g_done
         nodes = self._rx_g_nodes
         waiters = self._rx_g_waiters
@@ -1314,7 +1316,7 @@ class Connection:
         n = 0
         while ready:
             gid, span, data, channel, reserved = ready.popleft()
-            sink.event(self, MessageReceived(data, channel, True))
+            events.append((self, MessageReceived(data, channel, True)))
             n += 1
             self._rx_reassembly_bytes -= reserved
             if span == 1:
@@ -1393,7 +1395,7 @@ class Connection:
             if self._rel_queue or self._retx:
                 # The ack opened the window: what waited for room can go out now, not at the
                 # next timer (an ack-only packet does not otherwise schedule a flush).
-                self._sink.wants_flush(self)
+                self._sink.dirty[self] = None
             if self.state is CLOSING:
                 self._maybe_send_disconnect(now)
 
@@ -1428,7 +1430,7 @@ class Connection:
                 elif msg.graph is not None and msg.graph.waiting == 0:
                     self._graph_executed(msg)
                 if msg.notify:
-                    self._sink.event(self, MessageAcked(msg))
+                    self._sink.events.append((self, MessageAcked(msg)))
         self._unacked_bytes -= freed
         self._queued -= newly
         self._unacked_reliable -= newly
@@ -1457,7 +1459,7 @@ class Connection:
         while graph and graph[0].graph.executed:  # type: ignore[union-attr]
             graph.popleft()
         if self._rel_queue:
-            self._sink.wants_flush(self)  # the graph window may have opened
+            self._sink.dirty[self] = None  # the graph window may have opened
 
     def _detect_losses(self, now: float) -> None:
         largest = self._largest_acked
@@ -1514,7 +1516,7 @@ class Connection:
         if pkt.seq == self._flow_seq and not self._flow_frame:
             # Our latest PAUSE or RESUME was lost: tell the current state again.
             self._flow_frame = wire.PAUSE_FRAME if self.receiving_paused else wire.RESUME_FRAME
-        self._sink.wants_flush(self)
+        self._sink.dirty[self] = None
 
     # -- send path ---------------------------------------------------------------------------
 
@@ -1803,7 +1805,7 @@ class Connection:
         elif now >= self._next_connect:
             self._next_connect = now + self.config.connect_retry_interval
             self._send_connect = True
-            self._sink.wants_flush(self)
+            self._sink.dirty[self] = None
 
     def _connected_timer(self, now: float) -> None:
         cfg = self.config
@@ -1841,7 +1843,7 @@ class Connection:
                 self._rtt.on_timeout()
         elif now >= self._last_eliciting + cfg.keepalive_interval:
             self._ping = True
-            self._sink.wants_flush(self)
+            self._sink.dirty[self] = None
 
     # -- closing ----------------------------------------------------------------------------
 
@@ -1851,7 +1853,7 @@ class Connection:
         self._disconnect_queued = True
         self._control.append(wire.disconnect_frame(self._close_code, self._close_text))
         self._deadline = now + self.config.close_timeout
-        self._sink.wants_flush(self)
+        self._sink.dirty[self] = None
 
     def _on_peer_disconnect(self, frame: wire.DisconnectFrame, now: float) -> None:
         if self.state is DRAINING:
@@ -1863,7 +1865,7 @@ class Connection:
             event = Disconnected(DisconnectReason.CLOSED, frame.code, frame.text, True)
         self._fail_pending()
         self.close_reason = event
-        self._sink.event(self, event)
+        self._sink.events.append((self, event))
         self._set_state(DRAINING)
         # Linger to re-acknowledge a resent DISCONNECT whose ack was lost.
         self._deadline = now + max(3 * self._rtt.rto, 0.05)
@@ -1872,7 +1874,7 @@ class Connection:
         self._fail_pending()
         event = Disconnected(reason, code, text, by_peer)
         self.close_reason = event
-        self._sink.event(self, event)
+        self._sink.events.append((self, event))
         self._set_state(CLOSED)
 
     def _fail_pending(self) -> None:

@@ -122,7 +122,7 @@ class Endpoint:
                 "goes to the serve handler): use that one"
             )
         conn = self._new_connection(address, now, client=True, salt=self._rng.getrandbits(64))
-        self._sink.wants_flush(conn)
+        self._sink.dirty[conn] = None
         self._schedule(conn)
         return conn
 
