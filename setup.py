@@ -24,6 +24,7 @@ COMPILED_MODULES = [
     "rudp/wire.py",
     "rudp/seqnum.py",
     "rudp/recovery.py",
+    "rudp/congestion.py",
     "rudp/connection.py",
     "rudp/endpoint.py",
     "rudp/sink.py",

@@ -61,6 +61,7 @@ from typing import Any, Final
 
 from rudp import wire
 from rudp.config import BUFFER_ENTRY_COST, REDUNDANT_FRAME_MAX, Config
+from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError, MessageTooLarge, SendQueueFull
 from rudp.events import (
     Connected,
@@ -75,7 +76,6 @@ from rudp.recovery import (
     QUEUED,
     SENT,
     SUPERSEDED,
-    CongestionController,
     GraphNode,
     OutMessage,
     RttEstimator,

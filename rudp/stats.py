@@ -6,7 +6,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from rudp.recovery import CongestionController, RttEstimator
+    from rudp.congestion import CongestionController
+    from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
 
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from rudp.config import Config
+from rudp.congestion import NO_SSTHRESH, CongestionController
 from rudp.connection import Connection
-from rudp.recovery import NO_SSTHRESH, CongestionController
 from tests.rudp.harness import Address, Link, Network
 from tests.rudp.test_core import CLIENT, pair, pump
 
