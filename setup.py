@@ -25,6 +25,8 @@ COMPILED_MODULES = [
     "rudp/seqnum.py",
     "rudp/recovery.py",
     "rudp/congestion.py",
+    "rudp/receiving.py",
+    "rudp/graph.py",
     "rudp/connection.py",
     "rudp/endpoint.py",
     "rudp/sink.py",

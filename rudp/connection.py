@@ -68,8 +68,10 @@ from rudp.events import (
     Disconnected,
     DisconnectReason,
     MessageAcked,
-    MessageReceived,
 )
+from rudp.graph import Waiting
+from rudp.receiving import NO_BUFFER as NO_BUFFER
+from rudp.receiving import Partial, Receiver, Whole
 from rudp.recovery import (
     ACKED,
     FAILED,
@@ -81,7 +83,7 @@ from rudp.recovery import (
     RttEstimator,
     SentPacket,
 )
-from rudp.seqnum import SEQ_MASK, seq_diff, unwrap
+from rudp.seqnum import SEQ_MASK, unwrap
 from rudp.sink import EndpointSink
 from rudp.stats import ConnectionStats
 from rudp.wire import (
@@ -94,7 +96,6 @@ from rudp.wire import (
     UNRELIABLE_SEQUENCED,
     Delivery,
     DropReason,
-    FrameExtra,
 )
 
 Address = tuple[Any, ...]
@@ -127,66 +128,6 @@ _TRANSITIONS = {
     DRAINING: {CLOSED},
     CLOSED: set(),
 }
-
-
-class _Partial:
-    """A fragmented message being reassembled."""
-
-    __slots__ = ("channel", "chunks", "count", "deps", "have", "reserved", "size", "total")
-
-    def __init__(self, count: int, total: int, channel: int) -> None:
-        self.reserved = 0
-        self.count = count
-        self.total = total
-        self.channel = channel
-        self.chunks: list[bytes | None] = [None] * count
-        self.have = 0
-        self.size = 0
-        self.deps: tuple[int, ...] = ()
-
-
-PARTIAL_COST: Final = 256  # bytes charged per reassembly besides its data and chunk slots
-
-
-def _reservation(more: FrameExtra) -> int:
-    """What a fragmented message holds of the reassembly budget: its size, plus its
-    bookkeeping, so that many tiny "messages" cannot hold memory for free."""
-    return more.total + PARTIAL_COST + 8 * more.parts
-
-
-class _Whole:
-    """A reassembled message: ``span`` sequence numbers, ``reserved`` bytes of the
-    reassembly budget held until it is delivered."""
-
-    __slots__ = ("data", "deps", "reserved", "span")
-
-    def __init__(self, data: bytes, span: int, reserved: int, deps: tuple[int, ...]) -> None:
-        self.data = data
-        self.span = span
-        self.reserved = reserved
-        self.deps = deps
-
-
-# The reorder buffer of every channel that has nothing buffered: never written (the
-# two places that buffer a message give the channel a dict of its own first), so an
-# idle connection's 32 channels share one empty dict instead of holding 32.
-NO_BUFFER: Final[dict[int, bytes | _Whole]] = {}
-
-
-class _Waiting:
-    """A received graph message waiting for its dependencies."""
-
-    __slots__ = ("arrived", "channel", "data", "reserved", "span", "waiting")
-
-    def __init__(
-        self, data: bytes, channel: int, span: int, reserved: int, waiting: int, arrived: float
-    ) -> None:
-        self.data = data
-        self.channel = channel
-        self.span = span
-        self.reserved = reserved
-        self.waiting = waiting
-        self.arrived = arrived
 
 
 class Connection:
@@ -276,28 +217,12 @@ class Connection:
         # so reordering within a full window is never mistaken for staleness.
         self._rx_window = max(1024, 2 * config.window)
         self._rx_mask = (1 << self._rx_window) - 1
-        self._rx_ch_next = [0] * config.channels
-        self._rx_ch_buf: list[dict[int, bytes | _Whole]] = [NO_BUFFER] * config.channels
-        self._rx_buffered_bytes = 0
-        self._rx_useq_last = [-1] * config.channels  # newest sequenced number delivered
-        self._rx_rseq_last = [-1] * config.channels
-        self._rx_rseq_floor = [0] * config.channels  # base of the newest message started
-        # The dependency graph: every id below ``_rx_g_low`` was executed; ``_rx_g_done``
-        # holds executed ids above it, ``_rx_g_nodes`` the messages waiting for
-        # dependencies (in arrival order), ``_rx_g_waiters`` who waits for which id.
-        self._rx_g_low = 0
-        self._rx_g_done: set[int] = set()
-        self._rx_g_nodes: dict[int, _Waiting] = {}
-        self._rx_g_waiters: dict[int, list[int]] = {}
-        self._rx_parts: dict[tuple[int, int, int], _Partial] = {}
-        self._rx_reassembly_bytes = 0
-        self._max_reassembly = config.max_reassembly_bytes
+        self._receiver = Receiver(self, self._sink.events, self.stats, config)
         # Reliable bytes sent and not yet acknowledged that could sit in the peer's
         # reorder buffer: kept below the buffer's size, so that an honest peer's packets
         # are never refused for want of room (which could stall a channel head).
         self._unacked_bytes = 0
         self._byte_window = config.recv_buffer_bytes
-        self._max_fragments = config.max_fragments
         self._last_recv = now
         # -- handshake and close
         self._cookie = b""
@@ -627,9 +552,7 @@ class Connection:
         self._sink.dirty[self] = None
         # While paused we may have refused the very dependencies these wait for: their
         # dependency_timeout counts from now, not from their arrival.
-        clock = self._clock
-        for node in self._rx_g_nodes.values():
-            node.arrived = max(node.arrived, clock)
+        self._receiver.graph.restart_clocks(self._clock)
 
     def abort(
         self, reason: DisconnectReason = DisconnectReason.ABORTED, *, by_peer: bool = False
@@ -658,13 +581,10 @@ class Connection:
             t = min(t, self._last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
-        if self._rx_g_nodes and not self.receiving_paused:
-            t = min(t, self._dependency_deadline())
+        graph = self._receiver.graph
+        if graph.nodes and not self.receiving_paused:
+            t = min(t, graph.deadline(self.config.dependency_timeout))
         return t
-
-    def _dependency_deadline(self) -> float:
-        oldest = next(iter(self._rx_g_nodes.values()))
-        return oldest.arrived + self.config.dependency_timeout
 
     def handle_timer(self, now: float) -> None:
         self._clock = now
@@ -809,11 +729,11 @@ class Connection:
             self._peer_flow_seq = seq
             self._on_peer_flow(flow == 1, now)
         if frames.special and state is not DRAINING:
-            reason = self._check_special(frames.messages)
+            reason = self._receiver.check_fragments(frames.messages)
             if reason is not None:
                 return reason
         if frames.messages:
-            if not self._can_buffer(frames.messages, len(data)):
+            if not self._receiver.can_buffer(frames.messages, len(data)):
                 return DropReason.RECV_BUFFER_FULL
             if self.receiving_paused and state is not DRAINING:
                 if len(data) > self._pause_budget:
@@ -839,8 +759,10 @@ class Connection:
             return None
         eliciting = frames.ping or frames.disconnect is not None or flow != wire.NO_FLOW
         if frames.messages and state is not DRAINING:
-            eliciting = self._deliver(frames.messages, now) or eliciting
-            if self.close_reason is not None:  # the peer broke the protocol
+            eliciting = self._receiver.deliver(frames.messages, now) or eliciting
+            violation = self._receiver.graph.violation
+            if violation:  # the peer broke the protocol
+                self._protocol_error(violation)
                 return None
         elif frames.messages:
             eliciting = True
@@ -869,476 +791,6 @@ class Connection:
             self._sink.dirty[self] = None  # what waited goes out now
             if self.state is CLOSING and not self._disconnect_queued:
                 self._deadline = None
-
-    def _can_buffer(self, messages: list[wire.MessageFrame], size: int) -> bool:
-        """Whether the packet's early reliable messages fit the reorder buffer.
-
-        A packet is accepted whole or not at all: acknowledging it while dropping a
-        message in it would lose that message for good. Each buffered message is
-        charged ``BUFFER_ENTRY_COST`` on top of its payload, so empty messages
-        cannot fill the buffer with entries for free. The common case, a packet
-        that fits even if every message in it were early, is decided at once.
-        """
-        limit = self._byte_window
-        if self._rx_buffered_bytes + size + BUFFER_ENTRY_COST * len(messages) <= limit:
-            return self._channels_ok(messages)
-        if not self._channels_ok(messages):
-            return False
-        # Replay the packet's in-order deliveries: a message right behind one that
-        # is delivered is not buffered, and buffered ones it releases free space.
-        # Counting them as early would refuse, forever, the very packet that
-        # unblocks the channel.
-        extra = 0
-        # (channel, first seq, span, cost if buffered): replayed in sequence order per
-        # channel, since a message later in the packet may release earlier ones.
-        ordered: list[tuple[int, int, int, int]] = []
-        for mode, channel, seq16, payload, more in messages:
-            if mode == GRAPH:
-                if more is not None and more.parts:
-                    continue
-                low = self._rx_g_low
-                gid = low + seq_diff(seq16, low & SEQ_MASK)
-                if gid < low or gid in self._rx_g_done or gid in self._rx_g_nodes:
-                    continue  # a copy of one already here: it costs nothing
-                if more is not None and self._graph_pending(more.deps):
-                    # It may wait for its dependencies (see _graph_arrive for the cost).
-                    extra += len(payload) + BUFFER_ENTRY_COST * (1 + len(more.deps))
-                else:
-                    extra -= self._graph_releases(gid)
-                continue
-            if mode != RELIABLE_ORDERED:
-                continue
-            expected = self._rx_ch_next[channel]
-            if more is not None and more.parts:
-                # Held in the reassembly budget; but the last missing fragment of a
-                # message completes it, and it may be the one the channel waits for.
-                key = self._fragment_key(mode, channel, seq16, more.part)
-                part = self._rx_parts.get(key) if key is not None else None
-                if (
-                    part is not None
-                    and part.have == part.count - 1
-                    and part.chunks[more.part] is None
-                ):
-                    ordered.append((channel, key[2], part.count, 0))  # type: ignore[index]
-                continue
-            ahead = self._ahead(seq16, expected)
-            if ahead == 0 or (ahead > 0 and expected + ahead not in self._rx_ch_buf[channel]):
-                ordered.append((channel, expected + ahead, 1, len(payload) + BUFFER_ENTRY_COST))
-        ordered = sorted(set(ordered))  # a message can be in a packet twice (redundancy)
-        running: dict[int, int] = {}
-        for channel, seq, span, cost in ordered:
-            expected = running.get(channel, self._rx_ch_next[channel])
-            if seq > expected:
-                extra += cost
-            elif seq == expected:
-                expected += span
-                buf = self._rx_ch_buf[channel]
-                while expected in buf:
-                    early = buf[expected]
-                    if isinstance(early, bytes):
-                        extra -= len(early) + BUFFER_ENTRY_COST
-                        expected += 1
-                    else:
-                        expected += early.span
-                running[channel] = expected
-        return self._rx_buffered_bytes + extra <= limit
-
-    def _graph_pending(self, deps: tuple[int, ...]) -> bool:
-        low = self._rx_g_low
-        done = self._rx_g_done
-        for dep16 in deps:
-            back = seq_diff(dep16, low & SEQ_MASK)
-            if back >= 0 and low + back not in done:
-                return True
-        return False
-
-    def _graph_releases(self, gid: int) -> int:
-        """Receive-buffer bytes freed by executing ``gid`` (one level, a lower bound)."""
-        freed = 0
-        left: dict[int, int] = {}
-        nodes = self._rx_g_nodes
-        for succ in self._rx_g_waiters.get(gid, ()):
-            node = nodes[succ]
-            if node.reserved:
-                continue
-            n = left[succ] = left.get(succ, node.waiting) - 1
-            freed += BUFFER_ENTRY_COST
-            if n == 0:
-                freed += len(node.data) + BUFFER_ENTRY_COST
-        return freed
-
-    def _ahead(self, seq16: int, expected: int) -> int:
-        """How far a reliable message is ahead of the next expected one; -1 if it is
-        a duplicate. Within ``channel_window`` only: an honest sender never runs
-        further ahead, so anything else is an old copy whose 16-bit number wrapped
-        (a long-delayed packet), and unwrapping it would deliver it in place of a
-        newer message."""
-        ahead = seq_diff(seq16, expected & SEQ_MASK)
-        return ahead if 0 <= ahead < self._window else -1
-
-    def _channels_ok(self, messages: list[wire.MessageFrame]) -> bool:
-        channels = self._channels
-        for m in messages:  # noqa: SIM110 (all() over a generator costs more per packet)
-            if m[1] >= channels:
-                return False
-        return True
-
-    def _deliver(self, messages: list[wire.MessageFrame], now: float) -> bool:
-        """Deliver or buffer each message; returns whether any was reliable."""
-        events = self._sink.events
-        rx_next = self._rx_ch_next
-        delivered = 0
-        reliable_seen = False
-        for mode, channel, seq16, payload, more in messages:
-            if more is None:
-                if mode == UNRELIABLE:
-                    events.append((self, MessageReceived(payload, channel, False)))
-                    delivered += 1
-                    continue
-                if mode == RELIABLE_ORDERED:
-                    reliable_seen = True
-                    expected = rx_next[channel]
-                    if seq16 == expected & SEQ_MASK:  # the common case: next in order
-                        events.append((self, MessageReceived(payload, channel, True)))
-                        delivered += 1
-                        expected += 1
-                        buf = self._rx_ch_buf[channel]
-                        if buf:
-                            delivered += self._flush_buffered(channel, expected, buf)
-                        else:
-                            rx_next[channel] = expected
-                        continue
-                    ahead = self._ahead(seq16, expected)
-                    buf = self._rx_ch_buf[channel]
-                    if ahead > 0 and expected + ahead not in buf:
-                        if buf is NO_BUFFER:
-                            buf = self._rx_ch_buf[channel] = {}
-                        buf[expected + ahead] = payload
-                        self._rx_buffered_bytes += len(payload) + BUFFER_ENTRY_COST
-                    else:
-                        self.stats.duplicate_messages += 1
-                    continue
-            if mode != UNRELIABLE_SEQUENCED:
-                reliable_seen = True
-            if mode == GRAPH:
-                delivered += self._graph_receive(channel, seq16, payload, more, now)
-                if self.close_reason is not None:
-                    break  # the peer broke the protocol
-            elif mode == RELIABLE_ORDERED:
-                delivered += self._ordered_fragment(channel, seq16, payload, more)  # type: ignore[arg-type]
-            else:
-                delivered += self._sequenced(mode, channel, seq16, payload, more)
-        self.stats.messages_received += delivered
-        return reliable_seen
-
-    def _flush_buffered(self, channel: int, expected: int, buf: dict[int, bytes | _Whole]) -> int:
-        """Deliver the buffered messages that are now in order; returns how many."""
-        events = self._sink.events
-        n = 0
-        while buf:
-            early = buf.pop(expected, None)
-            if early is None:
-                break
-            if isinstance(early, bytes):
-                self._rx_buffered_bytes -= len(early) + BUFFER_ENTRY_COST
-                events.append((self, MessageReceived(early, channel, True)))
-                expected += 1
-            else:
-                self._rx_reassembly_bytes -= early.reserved
-                events.append((self, MessageReceived(early.data, channel, True)))
-                expected += early.span
-            n += 1
-        self._rx_ch_next[channel] = expected
-        return n
-
-    # -- fragments, sequencing and the dependency graph (receive side) ---------------------
-
-    def _fragment_key(
-        self, mode: int, channel: int, seq16: int, index: int
-    ) -> tuple[int, int, int] | None:
-        """The reassembly key (mode, channel, first sequence number) of a fragment, or
-        None if its message was already delivered (a duplicate or a stale copy)."""
-        if mode == RELIABLE_ORDERED:
-            expected = self._rx_ch_next[channel]
-            ahead = self._ahead(seq16, expected)
-            base = expected + ahead - index
-            if ahead < 0 or base < expected or base in self._rx_ch_buf[channel]:
-                return None
-            return (mode, channel, base)
-        if mode == GRAPH:
-            low = self._rx_g_low
-            diff = seq_diff(seq16, low & SEQ_MASK)
-            base = low + diff - index
-            if not 0 <= diff < self._window or base < low:
-                return None
-            if base in self._rx_g_nodes or low + diff in self._rx_g_done:
-                return None
-            return (mode, 0, base)
-        last = self._rx_rseq_last[channel]
-        diff = seq_diff(seq16, (last + 1) & SEQ_MASK)
-        base = last + 1 + diff - index
-        if diff < 0 or base <= last or base < self._rx_rseq_floor[channel]:
-            return None
-        return (mode, channel, base)
-
-    def _check_special(self, messages: list[wire.MessageFrame]) -> DropReason | None:
-        """Check a packet's fragments before accepting it (all or nothing).
-
-        A fragment that disagrees with the rest of its message, or announces a
-        message larger than ``max_message_size``, is malformed. A fragment that
-        starts a message reserves its whole size in the reassembly budget; if
-        that does not fit, the packet is dropped unacknowledged and will be
-        resent, once messages already started have completed and freed room
-        (they always can: their room is reserved).
-        """
-        new_bytes = 0
-        head = False
-        starting: dict[tuple[int, int, int], tuple[int, int]] = {}
-        credited: set[tuple[int, int, int]] = set()
-        for mode, channel, seq16, payload, more in messages:
-            if more is None or not more.parts or channel >= self._channels:
-                continue
-            if more.total > self._max_message or len(payload) > more.total:
-                self.stats.fragments_dropped += 1
-                return DropReason.MALFORMED
-            key = self._fragment_key(mode, channel, seq16, more.part)
-            if key is None:
-                continue
-            part = self._rx_parts.get(key)
-            if part is None:
-                shape = starting.get(key)
-                if shape is None:
-                    starting[key] = (more.parts, more.total)
-                    new_bytes += _reservation(more)
-                    head = head or self._is_head(key)
-                    if mode == RELIABLE_SEQUENCED:
-                        for old in self._older_rs_parts(channel, key[2]):
-                            if old not in credited:
-                                credited.add(old)
-                                new_bytes -= self._rx_parts[old].reserved
-                elif shape != (more.parts, more.total):
-                    self.stats.fragments_dropped += 1
-                    return DropReason.MALFORMED
-            elif part.count != more.parts or part.total != more.total:
-                self.stats.fragments_dropped += 1
-                return DropReason.MALFORMED
-        if new_bytes > 0 and self._rx_reassembly_bytes + new_bytes > self._budget(head):
-            return DropReason.RECV_BUFFER_FULL
-        return None
-
-    def _budget(self, head: bool) -> int:
-        """The reassembly budget; one more largest message for the message every
-        other one waits for, which can always complete and be delivered."""
-        if not head:
-            return self._max_reassembly
-        return self._max_reassembly + self._max_message + PARTIAL_COST + 8 * self._max_fragments
-
-    def _is_head(self, key: tuple[int, int, int]) -> bool:
-        mode, channel, base = key
-        if mode == RELIABLE_ORDERED:
-            return base == self._rx_ch_next[channel]
-        if mode == GRAPH:
-            return base == self._rx_g_low
-        return True  # reliable-sequenced: delivered as soon as it completes
-
-    def _older_rs_parts(self, channel: int, base: int) -> list[tuple[int, int, int]]:
-        return [
-            k
-            for k in self._rx_parts
-            if k[0] == RELIABLE_SEQUENCED and k[1] == channel and k[2] < base
-        ]
-
-    def _assemble(
-        self, key: tuple[int, int, int], payload: bytes, more: FrameExtra, channel: int
-    ) -> _Whole | None:
-        """Add a fragment; the whole message once the last one is in, else None."""
-        parts = self._rx_parts
-        part = parts.get(key)
-        if part is None:
-            reserved = _reservation(more)
-            if key[0] == RELIABLE_SEQUENCED:
-                for old in self._older_rs_parts(channel, key[2]):
-                    self._rx_reassembly_bytes -= parts.pop(old).reserved
-                self._rx_rseq_floor[channel] = key[2]
-            if self._rx_reassembly_bytes + reserved > self._budget(self._is_head(key)):
-                # Not reserved by _check_special (it was outside the window then): only
-                # a hostile peer sends that.
-                self.stats.fragments_dropped += 1
-                return None
-            part = parts[key] = _Partial(more.parts, more.total, channel)
-            part.reserved = reserved
-            self._rx_reassembly_bytes += reserved
-        elif part.count != more.parts or part.total != more.total:
-            self.stats.fragments_dropped += 1
-            return None
-        if part.chunks[more.part] is not None:
-            self.stats.duplicate_messages += 1
-            return None
-        part.chunks[more.part] = payload
-        part.have += 1
-        part.size += len(payload)
-        if more.part == 0:
-            part.deps = more.deps
-        if part.have < part.count and part.size < part.total:
-            return None
-        del parts[key]
-        if part.have < part.count or part.size != part.total:
-            # The sizes of the fragments do not add up to the announced total.
-            self._rx_reassembly_bytes -= part.reserved
-            self.stats.fragments_dropped += part.have
-            return None
-        data = b"".join(part.chunks)  # type: ignore[arg-type]
-        return _Whole(data, part.count, part.reserved, part.deps)
-
-    def _ordered_fragment(self, channel: int, seq16: int, payload: bytes, more: FrameExtra) -> int:
-        key = self._fragment_key(RELIABLE_ORDERED, channel, seq16, more.part)
-        if key is None:
-            self.stats.duplicate_messages += 1
-            return 0
-        whole = self._assemble(key, payload, more, channel)
-        if whole is None:
-            return 0
-        base = key[2]
-        buf = self._rx_ch_buf[channel]
-        if base != self._rx_ch_next[channel]:
-            if buf is NO_BUFFER:
-                buf = self._rx_ch_buf[channel] = {}
-            buf[base] = whole  # complete, but earlier messages are still missing
-            return 0
-        self._rx_reassembly_bytes -= whole.reserved
-        self._sink.events.append((self, MessageReceived(whole.data, channel, True)))
-        return 1 + self._flush_buffered(channel, base + whole.span, buf)
-
-    def _sequenced(
-        self, mode: int, channel: int, seq16: int, payload: bytes, more: FrameExtra | None
-    ) -> int:
-        """Unreliable- and reliable-sequenced: deliver only what is newer than the
-        newest delivered on the channel."""
-        lasts = self._rx_useq_last if mode == UNRELIABLE_SEQUENCED else self._rx_rseq_last
-        last = lasts[channel]
-        diff = seq_diff(seq16, (last + 1) & SEQ_MASK)
-        if diff < 0:
-            self.stats.stale_messages += 1
-            return 0
-        if more is not None and more.parts:
-            key = self._fragment_key(mode, channel, seq16, more.part)
-            if key is None:
-                self.stats.stale_messages += 1
-                return 0
-            whole = self._assemble(key, payload, more, channel)
-            if whole is None:
-                return 0
-            self._rx_reassembly_bytes -= whole.reserved
-            payload = whole.data
-            newest = key[2] + whole.span - 1
-        else:
-            newest = last + 1 + diff
-        lasts[channel] = newest
-        if self._rx_parts and mode == RELIABLE_SEQUENCED:
-            self._drop_superseded_parts(channel, newest)
-        self._sink.events.append(
-            (self, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED))
-        )
-        return 1
-
-    def _drop_superseded_parts(self, channel: int, newest: int) -> None:
-        """Incomplete reliable-sequenced messages older than one delivered are moot."""
-        for key in self._older_rs_parts(channel, newest + 1):
-            self._rx_reassembly_bytes -= self._rx_parts.pop(key).reserved
-
-    def _graph_receive(
-        self, channel: int, seq16: int, payload: bytes, more: FrameExtra | None, now: float
-    ) -> int:
-        """A reliable-unordered or dependency-ordered message (or fragment) arrived."""
-        low = self._rx_g_low
-        diff = seq_diff(seq16, low & SEQ_MASK)
-        if more is not None and more.parts:
-            key = self._fragment_key(GRAPH, channel, seq16, more.part)
-            if key is None:
-                self.stats.duplicate_messages += 1
-                return 0
-            whole = self._assemble(key, payload, more, channel)
-            if whole is None:
-                return 0
-            return self._graph_arrive(
-                key[2], whole.span, whole.data, whole.deps, channel, whole.reserved, now
-            )
-        gid = low + diff
-        if not 0 <= diff < self._window or gid in self._rx_g_done or gid in self._rx_g_nodes:
-            self.stats.duplicate_messages += 1
-            return 0
-        deps = more.deps if more is not None else ()
-        return self._graph_arrive(gid, 1, payload, deps, channel, 0, now)
-
-    def _graph_arrive(
-        self,
-        gid: int,
-        span: int,
-        data: bytes,
-        deps: tuple[int, ...],
-        channel: int,
-        reserved: int,
-        now: float,
-    ) -> int:
-        """Run the message if every dependency was executed, else make it wait."""
-        low = self._rx_g_low
-        done = self._rx_g_done
-        waiting = 0
-        for dep16 in deps:
-            back = seq_diff(dep16, low & SEQ_MASK)
-            dep = low + back
-            if back < -self._window:
-                self._protocol_error("a dependency lies beyond the window")
-                return 0
-            if dep >= gid:
-                self._protocol_error("a message depends on itself or a later message")
-                return 0
-            if back < 0 or dep in done:
-                continue  # executed already
-            self._rx_g_waiters.setdefault(dep, []).append(gid)
-            waiting += 1
-        if waiting:
-            self._rx_g_nodes[gid] = _Waiting(data, channel, span, reserved, waiting, now)
-            if not reserved:
-                self._rx_buffered_bytes += len(data) + BUFFER_ENTRY_COST * (1 + waiting)
-            return 0
-        return self._graph_execute(gid, span, data, channel, reserved)
-
-    def _graph_execute(self, gid: int, span: int, data: bytes, channel: int, reserved: int) -> int:
-        """Deliver a ready message and every waiting message it was the last
-        dependency of, transitively; returns how many were delivered."""
-        events = self._sink.events
-        done = self._rx_g_done
-        nodes = self._rx_g_nodes
-        waiters = self._rx_g_waiters
-        ready: deque[tuple[int, int, bytes, int, int]] = deque()
-        ready.append((gid, span, data, channel, reserved))
-        n = 0
-        while ready:
-            gid, span, data, channel, reserved = ready.popleft()
-            events.append((self, MessageReceived(data, channel, True)))
-            n += 1
-            self._rx_reassembly_bytes -= reserved
-            if span == 1:
-                done.add(gid)
-            else:
-                done.update(range(gid, gid + span))
-            for successor in waiters.pop(gid, ()):
-                node = nodes[successor]
-                node.waiting -= 1
-                if not node.reserved:
-                    self._rx_buffered_bytes -= BUFFER_ENTRY_COST
-                if node.waiting == 0:
-                    del nodes[successor]
-                    if not node.reserved:
-                        self._rx_buffered_bytes -= len(node.data) + BUFFER_ENTRY_COST
-                    ready.append((successor, node.span, node.data, node.channel, node.reserved))
-        low = self._rx_g_low
-        while low in done:
-            done.remove(low)
-            low += 1
-        self._rx_g_low = low
-        return n
 
     def _protocol_error(self, text: str) -> None:
         """The peer broke the protocol in a way that cannot be dropped and forgotten."""
@@ -1818,7 +1270,12 @@ class Connection:
             # Our DISCONNECT was never acknowledged: end anyway, with our reason.
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
             return
-        if self._rx_g_nodes and not self.receiving_paused and now >= self._dependency_deadline():
+        graph = self._receiver.graph
+        if (
+            graph.nodes
+            and not self.receiving_paused
+            and now >= graph.deadline(cfg.dependency_timeout)
+        ):
             self._protocol_error("a dependency never arrived")
             return
         if self._loss_time is not None and now >= self._loss_time:
@@ -1899,12 +1356,7 @@ class Connection:
         self._cc.reset_flight()
         self._queued = 0
         self._unacked_reliable = 0
-        self._rx_ch_buf = [NO_BUFFER] * self.config.channels
-        self._rx_buffered_bytes = 0
-        self._rx_g_nodes.clear()
-        self._rx_g_waiters.clear()
-        self._rx_parts.clear()
-        self._rx_reassembly_bytes = 0
+        self._receiver.clear()
 
     def _set_state(self, new: State) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -1915,6 +1367,40 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
+
+    # -- the receiver's state under the names it had here (read-only) -----------------------
+
+    @property
+    def _rx_ch_next(self) -> list[int]:
+        return self._receiver.ch_next
+
+    @property
+    def _rx_ch_buf(self) -> list[dict[int, bytes | Whole]]:
+        return self._receiver.ch_buf
+
+    @property
+    def _rx_buffered_bytes(self) -> int:
+        return self._receiver.buffered_bytes
+
+    @property
+    def _rx_parts(self) -> dict[tuple[int, int, int], Partial]:
+        return self._receiver.parts
+
+    @property
+    def _rx_reassembly_bytes(self) -> int:
+        return self._receiver.reserved_bytes
+
+    @property
+    def _rx_g_nodes(self) -> dict[int, Waiting]:
+        return self._receiver.graph.nodes
+
+    @property
+    def _rx_g_waiters(self) -> dict[int, list[int]]:
+        return self._receiver.graph.waiters
+
+    @property
+    def _rx_g_done(self) -> set[int]:
+        return self._receiver.graph.done
 
 
 def _buffer_cost(msg: OutMessage) -> int:
