@@ -23,6 +23,7 @@ COMPILED_MODULES = [
     "rudp/events.py",
     "rudp/wire.py",
     "rudp/seqnum.py",
+    "rudp/sending.py",
     "rudp/recovery.py",
     "rudp/congestion.py",
     "rudp/receiving.py",

@@ -62,27 +62,17 @@ from typing import Any, Final
 from rudp import wire
 from rudp.config import BUFFER_ENTRY_COST, REDUNDANT_FRAME_MAX, Config
 from rudp.congestion import CongestionController
-from rudp.errors import ConnectionClosed, LocalProtocolError, MessageTooLarge, SendQueueFull
+from rudp.errors import ConnectionClosed, LocalProtocolError
 from rudp.events import (
     Connected,
     Disconnected,
     DisconnectReason,
-    MessageAcked,
 )
-from rudp.graph import Waiting
+from rudp.graph import Waiting, refresh_deps
 from rudp.receiving import NO_BUFFER as NO_BUFFER
 from rudp.receiving import Partial, Receiver, Whole
-from rudp.recovery import (
-    ACKED,
-    FAILED,
-    QUEUED,
-    SENT,
-    SUPERSEDED,
-    GraphNode,
-    OutMessage,
-    RttEstimator,
-    SentPacket,
-)
+from rudp.recovery import RttEstimator, SentPacket
+from rudp.sending import FAILED, SENT, OutMessage, Sender, buffer_cost
 from rudp.seqnum import SEQ_MASK, unwrap
 from rudp.sink import EndpointSink
 from rudp.stats import ConnectionStats
@@ -97,6 +87,20 @@ from rudp.wire import (
     Delivery,
     DropReason,
 )
+
+# The delivery modes as plain ints are the connection's vocabulary too.
+__all__ = [
+    "DEPENDENCY_ORDERED",
+    "GRAPH",
+    "NO_BUFFER",
+    "RELIABLE_ORDERED",
+    "RELIABLE_SEQUENCED",
+    "UNRELIABLE",
+    "UNRELIABLE_SEQUENCED",
+    "Address",
+    "Connection",
+    "State",
+]
 
 Address = tuple[Any, ...]
 # Module constants are ``Final``: compiled with mypyc, a literal one is inlined and any
@@ -171,9 +175,7 @@ class Connection:
         self._reorder_threshold = config.reorder_threshold  # widened by spurious losses
         self._lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
         self._lost_max = -1  # the newest packet ever declared lost
-        self._rel_queue: deque[OutMessage] = deque()
-        self._unrel_queue: deque[OutMessage] = deque()
-        self._retx: deque[OutMessage] = deque()
+        self._sender = Sender(self, self._sink, self.stats, config)
         self._control: list[bytes] = []
         self._ping = False
         self._ack_pending = False
@@ -182,28 +184,12 @@ class Connection:
         # packets one header can acknowledge (see ``_receive_data``).
         self._ack_low: int | None = None
         self._early_acks: list[bytes] = []
-        self._queued = 0  # messages not yet sent, plus reliable ones not yet acked
-        self._unacked_reliable = 0
-        self._tx_ch_next = [0] * config.channels
-        # Reliable-ordered messages sent on each channel and not all acknowledged yet,
-        # oldest first; a channel's deque is created by its first such message (32
-        # empty deques would be most of an idle connection's memory).
-        self._tx_ch_unacked: list[deque[OutMessage] | None] = [None] * config.channels
-        self._tx_useq = [0] * config.channels  # unreliable-sequenced numbers
-        self._tx_rseq = [0] * config.channels  # reliable-sequenced numbers
-        self._tx_rseq_last: list[OutMessage | None] = [None] * config.channels
-        self._tx_gid = 0  # next dependency-graph id
-        self._tx_graph: deque[OutMessage] = deque()  # graph messages not known executed
         self._recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
         self._redundancy = config.redundancy
         self._clock = now  # the latest time the core was given
         self._last_eliciting = now
         self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
-        self._max_single = self._max_payload - wire.MESSAGE_OVERHEAD
-        self._max_message = config.max_message_size
-        self._channels = config.channels
         self._window = config.channel_window
-        self._queue_limit = config.send_queue_limit
         # Config values read per packet, copied into native attributes (see RttEstimator).
         self._idle_timeout = config.idle_timeout
         self._keepalive_interval = config.keepalive_interval
@@ -218,10 +204,6 @@ class Connection:
         self._rx_window = max(1024, 2 * config.window)
         self._rx_mask = (1 << self._rx_window) - 1
         self._receiver = Receiver(self, self._sink.events, self.stats, config)
-        # Reliable bytes sent and not yet acknowledged that could sit in the peer's
-        # reorder buffer: kept below the buffer's size, so that an honest peer's packets
-        # are never refused for want of room (which could stall a channel head).
-        self._unacked_bytes = 0
         self._byte_window = config.recv_buffer_bytes
         self._last_recv = now
         # -- handshake and close
@@ -253,18 +235,18 @@ class Connection:
     @property
     def queued(self) -> int:
         """Messages not yet sent plus reliable messages not yet acknowledged."""
-        return self._queued
+        return self._sender.queued
 
     @property
     def max_message_size(self) -> int:
         """The largest reliable message (``Config.max_message_size``)."""
-        return self._max_message
+        return self.config.max_message_size
 
     @property
     def max_datagram_payload(self) -> int:
         """The largest message sent in one datagram: the limit for unreliable
         messages; a larger reliable one is fragmented."""
-        return self._max_single
+        return self._sender.max_single
 
     def send(
         self,
@@ -287,221 +269,7 @@ class Connection:
         """
         if self.state is not CONNECTED:
             self._check_can_send()
-        if type(data) is not bytes:
-            data = _as_bytes(data)
-        if channel and not 0 < channel < self._channels:
-            raise LocalProtocolError(f"channel must be in [0, {self._channels}), got {channel}")
-        if self._queued >= self._queue_limit:
-            raise SendQueueFull(
-                f"send queue is full ({self._queued} messages); await drain() before sending"
-            )
-        if delivery is not None or depends_on is not None:
-            return self._send_mode(data, channel, reliable, delivery, depends_on, now)
-        if reliable:
-            if len(data) > self._max_single:
-                return self._send_fragmented(data, RELIABLE_ORDERED, channel, ())
-            seq = self._tx_ch_next[channel]
-            self._tx_ch_next[channel] = seq + 1
-            msg = OutMessage(
-                data, RELIABLE_ORDERED, channel, seq, wire.reliable_frame(channel, seq, data)
-            )
-            self._rel_queue.append(msg)
-            self._unacked_on(channel).append(msg)
-            self._unacked_reliable += 1
-        else:
-            self._check_unfragmented(data)
-            msg = OutMessage(data, UNRELIABLE, channel, 0, wire.unreliable_frame(channel, data))
-            msg.queued_at = now
-            self._unrel_queue.append(msg)
-        self._queued += 1
-        self._sink.dirty[self] = None
-        return msg
-
-    def _check_unfragmented(self, data: bytes) -> None:
-        if len(data) > self._max_single:
-            raise MessageTooLarge(
-                f"unreliable message of {len(data)} bytes exceeds the {self._max_single}-byte "
-                "datagram payload (unreliable messages are never fragmented; send it reliably)"
-            )
-
-    def _send_mode(
-        self,
-        data: bytes,
-        channel: int,
-        reliable: bool,
-        delivery: Delivery | int | None,
-        depends_on: Iterable[OutMessage] | None,
-        now: float | None,
-    ) -> OutMessage:
-        try:
-            kind = Delivery.DEPENDENCY_ORDERED if delivery is None else Delivery(delivery)
-        except ValueError:
-            raise LocalProtocolError(f"unknown delivery mode {delivery!r}") from None
-        mode = int(kind)
-        if depends_on is not None and mode != DEPENDENCY_ORDERED:
-            raise LocalProtocolError(
-                f"depends_on needs delivery=DEPENDENCY_ORDERED, not {kind.name}"
-            )
-        unreliable = mode in (UNRELIABLE, UNRELIABLE_SEQUENCED)
-        if not reliable and not unreliable:
-            raise LocalProtocolError(f"reliable=False contradicts delivery={kind.name}")
-        if mode in (UNRELIABLE, RELIABLE_ORDERED):
-            return self.send(data, reliable=mode == RELIABLE_ORDERED, channel=channel, now=now)
-        if mode == UNRELIABLE_SEQUENCED:
-            self._check_unfragmented(data)
-            # Numbered when it goes out (see _take_unreliable); the frame has its size.
-            msg = OutMessage(data, mode, channel, 0, wire.message_frame(mode, channel, 0, data))
-            msg.queued_at = now
-            self._unrel_queue.append(msg)
-            self._queued += 1
-            self._sink.dirty[self] = None
-            return msg
-        if mode == RELIABLE_SEQUENCED:
-            previous = self._tx_rseq_last[channel]
-            if previous is not None and previous.state <= SENT:
-                pieces = previous.fragments or (previous,)
-                if all(p.state == QUEUED for p in pieces):
-                    # None of its numbers reached the wire: reuse them, so the receiver
-                    # never sees a jump of 32768 or more (which reads as "older").
-                    self._tx_rseq[channel] = previous.seq
-                self._supersede(previous)
-            msg = self._send_reliable(data, mode, channel, ())
-            self._tx_rseq_last[channel] = msg
-            return msg
-        deps = self._pending_deps(depends_on) if depends_on is not None else []
-        msg = self._send_reliable(data, GRAPH, channel, tuple(d.seq for d in deps))
-        node = GraphNode(msg.seq, self)
-        node.waiting = len(deps)
-        node.deps = deps
-        msg.graph = node
-        for dep in deps:
-            dep.graph.dependents.append(msg)  # type: ignore[union-attr]
-        self._tx_graph.append(msg)
-        return msg
-
-    def _pending_deps(self, depends_on: Iterable[OutMessage]) -> list[OutMessage]:
-        """The dependencies the peer may not have executed yet; the others cost nothing."""
-        if isinstance(depends_on, OutMessage):
-            raise LocalProtocolError("depends_on takes a list of handles, not a single handle")
-        pending: list[OutMessage] = []
-        for dep in depends_on:
-            node = dep.graph if isinstance(dep, OutMessage) else None
-            if node is None or node.owner is not self:
-                raise LocalProtocolError(
-                    "depends_on takes handles that send() returned on this connection for "
-                    f"RELIABLE_UNORDERED or DEPENDENCY_ORDERED messages, got {dep!r}"
-                )
-            if not node.executed and dep not in pending:
-                pending.append(dep)
-        if len(pending) > wire.MAX_DEPS:
-            raise LocalProtocolError(
-                f"a message can wait for at most {wire.MAX_DEPS} unacknowledged messages, "
-                f"got {len(pending)}"
-            )
-        return pending
-
-    def _send_reliable(
-        self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
-    ) -> OutMessage:
-        """Queue a graph or reliable-sequenced message, fragmented if it needs to be."""
-        size = wire.message_frame_size(mode, channel, len(data), deps=len(deps))
-        if size > self._max_payload:
-            return self._send_fragmented(data, mode, channel, deps)
-        seq = self._next_seq(mode, channel, 1)
-        frame = wire.message_frame(mode, channel, seq, data, deps=deps)
-        msg = OutMessage(data, mode, channel, seq, frame)
-        self._rel_queue.append(msg)
-        self._unacked_reliable += 1
-        self._queued += 1
-        self._sink.dirty[self] = None
-        return msg
-
-    def _next_seq(self, mode: int, channel: int, n: int) -> int:
-        """Take ``n`` consecutive numbers from the mode's sequence space."""
-        if mode == RELIABLE_ORDERED:
-            seq = self._tx_ch_next[channel]
-            self._tx_ch_next[channel] = seq + n
-        elif mode == GRAPH:
-            seq = self._tx_gid
-            self._tx_gid = seq + n
-        else:
-            seq = self._tx_rseq[channel]
-            self._tx_rseq[channel] = seq + n
-        return seq
-
-    def _unacked_on(self, channel: int) -> deque[OutMessage]:
-        """The channel's reliable-ordered messages not all acknowledged, created on use."""
-        unacked = self._tx_ch_unacked[channel]
-        if unacked is None:
-            unacked = self._tx_ch_unacked[channel] = deque()
-        return unacked
-
-    def _send_fragmented(
-        self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
-    ) -> OutMessage:
-        """Split a reliable message into fragments with consecutive sequence numbers.
-
-        The handle returned is a parent that is never sent itself; each fragment
-        is an ordinary reliable message of the same mode, resent on its own.
-        """
-        total = len(data)
-        if total > self._max_message:
-            raise MessageTooLarge(
-                f"message of {total} bytes exceeds Config.max_message_size ({self._max_message})"
-            )
-        step = self.config.fragment_payload
-        first = step - (1 + 2 * len(deps) if deps else 0)
-        chunks = [data[:first]]
-        chunks += [data[i : i + step] for i in range(first, total, step)]
-        count = len(chunks)
-        if self._queued + count > self._queue_limit:
-            raise SendQueueFull(
-                f"a {count}-fragment message does not fit the send queue ({self._queued} of "
-                f"{self._queue_limit} messages); await drain() before sending"
-            )
-        base = self._next_seq(mode, channel, count)
-        parent = OutMessage(data, mode, channel, base, b"")
-        parent.parts = count
-        fragments: list[OutMessage] = []
-        unacked = self._unacked_on(channel) if mode == RELIABLE_ORDERED else None
-        for index, chunk in enumerate(chunks):
-            seq = base + index
-            frame = wire.message_frame(
-                mode,
-                channel,
-                seq,
-                chunk,
-                deps=deps if index == 0 else (),
-                fragment=(index, count, total),
-            )
-            fragment = OutMessage(chunk, mode, channel, seq, frame)
-            fragment.parent = parent
-            fragments.append(fragment)
-        if unacked is not None:
-            # The whole message: the receiver waits at its first sequence number until
-            # its last fragment arrives, so the window counts from there.
-            unacked.append(parent)
-        parent.fragments = fragments
-        self._rel_queue.extend(fragments)
-        self._unacked_reliable += count
-        self._queued += count
-        self._sink.dirty[self] = None
-        return parent
-
-    def _supersede(self, msg: OutMessage) -> None:
-        """A newer reliable-sequenced message replaces ``msg``: never send it again."""
-        pieces = msg.fragments if msg.fragments is not None else [msg]
-        dropped = 0
-        for piece in pieces:
-            if piece.state <= SENT:
-                piece.state = SUPERSEDED
-                dropped += 1
-        self._queued -= dropped
-        self._unacked_reliable -= dropped
-        msg.state = SUPERSEDED
-        self.stats.messages_superseded += 1
-        if msg.notify:
-            self._sink.events.append((self, MessageAcked(msg)))
+        return self._sender.send(data, reliable, channel, delivery, depends_on, now)
 
     def _check_can_send(self) -> None:
         if self.state is CONNECTING:
@@ -602,7 +370,7 @@ class Connection:
         self._clock = now
         out: list[bytes] = []
         if self.state is CONNECTING:
-            for msg in self._unrel_queue:
+            for msg in self._sender.unrel_queue:
                 if msg.queued_at is None:  # sent without a time: it ages from now
                     msg.queued_at = now
             if self._send_connect:
@@ -844,7 +612,7 @@ class Connection:
             if largest > self._largest_acked:
                 self._largest_acked = largest
             self._detect_losses(now)
-            if self._rel_queue or self._retx:
+            if self._sender.rel_queue or self._sender.retx:
                 # The ack opened the window: what waited for room can go out now, not at the
                 # next timer (an ack-only packet does not otherwise schedule a flush).
                 self._sink.dirty[self] = None
@@ -854,64 +622,9 @@ class Connection:
     def _on_acked(self, pkt: SentPacket, now: float) -> None:
         self._in_flight -= 1
         self._cc.on_acked(pkt.seq, pkt.size, now, self._rtt.srtt)
-        newly = 0
-        freed = 0  # reorder-buffer bytes the peer no longer holds for us
-        channels = self._tx_ch_unacked
-        for msg in pkt.messages:
-            msg.copies -= 1
-            if msg.state <= SENT:
-                msg.state = ACKED
-                newly += 1
-                parent = msg.parent
-                if parent is not None:
-                    parent.parts -= 1
-                    if parent.parts or parent.state > SENT:
-                        continue
-                    parent.state = ACKED
-                    msg = parent
-                if msg.mode == RELIABLE_ORDERED:
-                    unacked = channels[msg.channel]
-                    assert unacked is not None  # created when msg was sent
-                    if unacked[0] is msg:  # the channel's oldest: it and what follows
-                        while unacked and unacked[0].state == ACKED:
-                            head = unacked.popleft()
-                            if head.fragments is None:
-                                freed += len(head.frame) + BUFFER_ENTRY_COST
-                            else:
-                                freed += _charged(head)
-                elif msg.graph is not None and msg.graph.waiting == 0:
-                    self._graph_executed(msg)
-                if msg.notify:
-                    self._sink.events.append((self, MessageAcked(msg)))
-        self._unacked_bytes -= freed
-        self._queued -= newly
-        self._unacked_reliable -= newly
+        self._sender.on_acked(pkt)
         if pkt.disconnect and self.state is CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
-
-    def _graph_executed(self, msg: OutMessage) -> None:
-        """The peer must have executed ``msg`` (acknowledged, every dependency
-        executed): so must every acknowledged message that waited only for it."""
-        ready = [msg]
-        while ready:
-            executed = ready.pop()
-            node = executed.graph
-            assert node is not None
-            node.executed = True
-            for successor in node.dependents:
-                succ = successor.graph
-                assert succ is not None
-                succ.waiting -= 1
-                if succ.waiting == 0 and successor.state == ACKED:
-                    ready.append(successor)
-            node.dependents = []
-            self._unacked_bytes -= _charged(executed)  # it ran: it left the buffer
-            node.deps = []  # no chain of handles kept alive through executed nodes
-        graph = self._tx_graph
-        while graph and graph[0].graph.executed:  # type: ignore[union-attr]
-            graph.popleft()
-        if self._rel_queue:
-            self._sink.dirty[self] = None  # the graph window may have opened
 
     def _detect_losses(self, now: float) -> None:
         largest = self._largest_acked
@@ -959,10 +672,7 @@ class Connection:
             self._lost_max = pkt.seq
         if len(lost) > LOST_MEMORY:
             del lost[next(iter(lost))]
-        for msg in pkt.messages:
-            msg.copies -= 1
-            if msg.state <= SENT and msg.copies == 0:
-                self._retx.append(msg)
+        self._sender.on_lost(pkt)
         if pkt.control and self.state is CLOSING:
             self._control.extend(pkt.control)
         if pkt.seq == self._flow_seq and not self._flow_frame:
@@ -978,9 +688,9 @@ class Connection:
             or self._ping
             or self._control
             or self._flow_frame
-            or self._retx
-            or self._unrel_queue
-            or self._rel_queue
+            or self._sender.retx
+            or self._sender.unrel_queue
+            or self._sender.rel_queue
         ):
             return None  # the common last call of a flush: nothing left to send
         budget = self._max_payload
@@ -1002,9 +712,9 @@ class Connection:
         room = self._in_flight < self._packet_window and (self._cc.can_send() or self._probe_due)
         if room:
             budget = self._take_retransmissions(parts, messages, budget)
-        if self._unrel_queue:
+        if self._sender.unrel_queue:
             budget = self._take_unreliable(parts, budget, now)
-            if not self._unrel_queue and self.state is CLOSING:
+            if not self._sender.unrel_queue and self.state is CLOSING:
                 # The last unreliable messages queued before close() go out with the
                 # DISCONNECT, not after it: the peer drops messages once it has one.
                 self._maybe_send_disconnect(now)
@@ -1013,7 +723,7 @@ class Connection:
                     parts.append(frame)
                     control.append(frame)
                     budget -= len(frame)
-        if room and not self._retx and not self.peer_paused:
+        if room and not self._sender.retx and not self.peer_paused:
             # A paused peer gets no new reliable messages; unreliable ones still go (they
             # expire rather than wait, and the peer bounds what it accepts while paused).
             budget = self._take_new_reliable(parts, messages, budget)
@@ -1087,7 +797,7 @@ class Connection:
     def _take_retransmissions(
         self, parts: list[bytes], messages: list[OutMessage], budget: int
     ) -> int:
-        retx = self._retx
+        retx = self._sender.retx
         while retx:
             msg = retx[0]
             if msg.state > SENT or msg.copies:
@@ -1105,14 +815,14 @@ class Connection:
         return budget
 
     def _take_unreliable(self, parts: list[bytes], budget: int, now: float) -> int:
-        queue = self._unrel_queue
+        queue = self._sender.unrel_queue
         stale = now - self._unreliable_max_age
         while queue:
             msg = queue[0]
             queued_at = msg.queued_at
             if queued_at is not None and queued_at < stale:
                 queue.popleft().state = FAILED
-                self._queued -= 1
+                self._sender.queued -= 1
                 self.stats.messages_expired += 1
                 continue
             frame = msg.frame
@@ -1124,12 +834,12 @@ class Connection:
                 # queue leave no gap, and only a run of 32,768 lost on the path could
                 # make the receiver read a newer number as older.
                 channel = msg.channel
-                seq = msg.seq = self._tx_useq[channel]
-                self._tx_useq[channel] = seq + 1
+                seq = msg.seq = self._sender.tx_useq[channel]
+                self._sender.tx_useq[channel] = seq + 1
                 frame = msg.frame = wire.message_frame(UNRELIABLE_SEQUENCED, channel, seq, msg.data)
             queue.popleft().state = SENT
             parts.append(frame)
-            self._queued -= 1
+            self._sender.queued -= 1
             budget -= size
             self.stats.messages_sent += 1
         return budget
@@ -1137,11 +847,11 @@ class Connection:
     def _take_new_reliable(
         self, parts: list[bytes], messages: list[OutMessage], budget: int
     ) -> int:
-        queue = self._rel_queue
+        queue = self._sender.rel_queue
         window = self._window
-        unacked = self._tx_ch_unacked
+        unacked = self._sender.tx_ch_unacked
         # Bytes that may still go into the peer's reorder buffer (see _unacked_bytes).
-        room = self._byte_window - self._unacked_bytes
+        room = self._byte_window - self._sender.unacked_bytes
         sent = 0
         while queue:
             msg = queue[0]
@@ -1163,12 +873,12 @@ class Connection:
                 queue.popleft()  # superseded
                 continue
             elif mode == GRAPH:
-                if msg.seq - self._tx_graph[0].seq >= window:
+                if msg.seq - self._sender.tx_graph[0].seq >= window:
                     break  # beyond the ids the receiver accepts
-                if self._refresh_deps(msg):
+                if refresh_deps(msg):
                     frame = msg.frame
                     size = len(frame)
-                cost = _buffer_cost(msg)
+                cost = buffer_cost(msg)
                 if cost > room:
                     break
                 room -= cost
@@ -1178,32 +888,9 @@ class Connection:
             messages.append(msg)
             budget -= size
             sent += 1
-        self._unacked_bytes = self._byte_window - room
+        self._sender.unacked_bytes = self._byte_window - room
         self.stats.messages_sent += sent
         return budget
-
-    def _refresh_deps(self, msg: OutMessage) -> bool:
-        """Drop dependencies executed since send(): one executed long ago could lie
-        beyond the receiver's window by now. Returns whether the frame changed."""
-        parent = msg.parent
-        owner = msg if parent is None else parent
-        node = owner.graph
-        if node is None or not node.deps or (parent is not None and msg.seq != parent.seq):
-            return False
-        keep = [d for d in node.deps if not d.graph.executed]  # type: ignore[union-attr]
-        if len(keep) == len(node.deps):
-            return False
-        node.deps = keep
-        fragment = None if parent is None else (0, len(parent.fragments), len(parent.data))  # type: ignore[arg-type]
-        msg.frame = wire.message_frame(
-            GRAPH,
-            msg.channel,
-            msg.seq,
-            msg.data,
-            deps=tuple(d.seq for d in keep),
-            fragment=fragment,
-        )
-        return True
 
     def _take_redundant(self, parts: list[bytes], messages: list[OutMessage], budget: int) -> int:
         """Fill the rest of a packet with copies of recent unacknowledged small messages
@@ -1233,7 +920,7 @@ class Connection:
                     self.stats.messages_redundant += 1
                     if budget <= 3:
                         break
-        if not self._rel_queue:
+        if not self._sender.rel_queue:
             for msg in messages[:fresh]:
                 if len(msg.frame) <= REDUNDANT_FRAME_MAX:
                     recent.append(msg)
@@ -1305,7 +992,7 @@ class Connection:
     # -- closing ----------------------------------------------------------------------------
 
     def _maybe_send_disconnect(self, now: float) -> None:
-        if self._disconnect_queued or self._unacked_reliable or self._unrel_queue:
+        if self._disconnect_queued or self._sender.unacked_reliable or self._sender.unrel_queue:
             return
         self._disconnect_queued = True
         self._control.append(wire.disconnect_frame(self._close_code, self._close_text))
@@ -1335,27 +1022,12 @@ class Connection:
         self._set_state(CLOSED)
 
     def _fail_pending(self) -> None:
-        fail = _fail
-        for queue in (self._rel_queue, self._unrel_queue, self._retx, self._tx_graph):
-            for msg in queue:
-                fail(msg)
-            queue.clear()
-        for unacked in self._tx_ch_unacked:
-            if unacked is not None:
-                for msg in unacked:
-                    fail(msg)
-                unacked.clear()
-        for pkt in self._sent.values():
-            for msg in pkt.messages:
-                fail(msg)
+        self._sender.fail_all(self._sent.values())
         self._recent.clear()
-        self._unacked_bytes = 0
         self._sent.clear()
         self._control.clear()
         self._in_flight = 0
         self._cc.reset_flight()
-        self._queued = 0
-        self._unacked_reliable = 0
         self._receiver.clear()
 
     def _set_state(self, new: State) -> None:
@@ -1368,7 +1040,31 @@ class Connection:
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
 
-    # -- the receiver's state under the names it had here (read-only) -----------------------
+    # -- the parts' state under the names it had here (read-only) ---------------------------
+
+    @property
+    def _retx(self) -> deque[OutMessage]:
+        return self._sender.retx
+
+    @property
+    def _unacked_reliable(self) -> int:
+        return self._sender.unacked_reliable
+
+    @property
+    def _unacked_bytes(self) -> int:
+        return self._sender.unacked_bytes
+
+    @property
+    def _tx_graph(self) -> deque[OutMessage]:
+        return self._sender.tx_graph
+
+    @property
+    def _tx_gid(self) -> int:
+        return self._sender.tx_gid
+
+    @property
+    def _tx_ch_unacked(self) -> list[deque[OutMessage] | None]:
+        return self._sender.tx_ch_unacked
 
     @property
     def _rx_ch_next(self) -> list[int]:
@@ -1401,33 +1097,3 @@ class Connection:
     @property
     def _rx_g_done(self) -> set[int]:
         return self._receiver.graph.done
-
-
-def _buffer_cost(msg: OutMessage) -> int:
-    """What an unfragmented reliable message may occupy in the peer's reorder buffer
-    (the receiver's own charge: payload, entry, and one entry per dependency)."""
-    node = msg.graph
-    deps = len(node.deps) if node is not None else 0
-    return len(msg.frame) + BUFFER_ENTRY_COST * (1 + deps)
-
-
-def _charged(msg: OutMessage) -> int:
-    """What ``_take_new_reliable`` charged for a message (all its fragments, if any)."""
-    if msg.fragments is None:
-        return _buffer_cost(msg)
-    return sum(len(f.frame) + BUFFER_ENTRY_COST for f in msg.fragments)
-
-
-def _fail(msg: OutMessage) -> None:
-    """The connection ended before ``msg`` was acknowledged."""
-    if msg.state <= SENT:
-        msg.state = FAILED
-    parent = msg.parent
-    if parent is not None and parent.state <= SENT:
-        parent.state = FAILED
-
-
-def _as_bytes(data: object) -> bytes:
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"message data must be bytes-like, not {type(data).__name__}")
-    return bytes(data)

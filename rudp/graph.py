@@ -34,13 +34,83 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from rudp import wire
 from rudp.config import BUFFER_ENTRY_COST
 from rudp.events import MessageReceived
 from rudp.seqnum import SEQ_MASK, seq_diff
+from rudp.wire import GRAPH
 
 if TYPE_CHECKING:
     from rudp.connection import Connection
     from rudp.events import EndpointEvent, Event
+    from rudp.sending import OutMessage
+
+
+class GraphNode:
+    """The sender's copy of a dependency-graph node (the seed article's local graph).
+
+    ``executed`` becomes true once the peer must have executed the message: it
+    was acknowledged and everything it depended on was executed too. From then
+    on, a message that names it as a dependency sends nothing for it, so no
+    dependency ever travels that could be confused after the 16-bit id wraps.
+    """
+
+    __slots__ = ("dependents", "deps", "executed", "gid", "owner", "waiting")
+
+    def __init__(self, gid: int, owner: object) -> None:
+        self.deps: list[OutMessage] = []  # dependencies named in the frame, until executed
+        self.gid = gid
+        self.owner = owner
+        self.waiting = 0  # dependencies not yet executed
+        self.executed = False
+        self.dependents: list[OutMessage] = []
+
+
+def mark_executed(msg: OutMessage) -> list[OutMessage]:
+    """The peer must have executed ``msg`` (acknowledged, every dependency
+    executed): so must every acknowledged message that waited only for it.
+    Returns every message found executed, ``msg`` first; the caller drops their
+    ``deps`` once it has charged them."""
+    executed_now: list[OutMessage] = []
+    ready = [msg]
+    while ready:
+        executed = ready.pop()
+        node = executed.graph
+        assert node is not None
+        node.executed = True
+        for successor in node.dependents:
+            succ = successor.graph
+            assert succ is not None
+            succ.waiting -= 1
+            if succ.waiting == 0 and successor.acked:
+                ready.append(successor)
+        node.dependents = []
+        executed_now.append(executed)
+    return executed_now
+
+
+def refresh_deps(msg: OutMessage) -> bool:
+    """Drop dependencies executed since send(): one executed long ago could lie
+    beyond the receiver's window by now. Returns whether the frame changed."""
+    parent = msg.parent
+    owner = msg if parent is None else parent
+    node = owner.graph
+    if node is None or not node.deps or (parent is not None and msg.seq != parent.seq):
+        return False
+    keep = [d for d in node.deps if not d.graph.executed]  # type: ignore[union-attr]
+    if len(keep) == len(node.deps):
+        return False
+    node.deps = keep
+    fragment = None if parent is None else (0, len(parent.fragments), len(parent.data))  # type: ignore[arg-type]
+    msg.frame = wire.message_frame(
+        GRAPH,
+        msg.channel,
+        msg.seq,
+        msg.data,
+        deps=tuple(d.seq for d in keep),
+        fragment=fragment,
+    )
+    return True
 
 
 class Waiting:

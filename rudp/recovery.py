@@ -1,4 +1,4 @@
-"""Round-trip estimation, resend timeout and the records loss detection works on.
+"""Round-trip estimation, resend timeout and the record of a packet in flight.
 
 The seed article resends every 30 ms, then 60, 90... whatever the path. We
 measure instead, as TCP does (RFC 6298): a smoothed RTT and its variance give
@@ -29,13 +29,16 @@ at the rate that filled it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Generator
-from typing import Any, Final, Protocol
+from typing import Final
 
 from rudp.config import Config
 from rudp.congestion import GRANULARITY
 
-# The asyncio layer reads UNRELIABLE_MODES here.
+# The asyncio layer reads the message record and its states here.
+from rudp.sending import ACKED as ACKED
+from rudp.sending import FAILED as FAILED
+from rudp.sending import SUPERSEDED as SUPERSEDED
+from rudp.sending import OutMessage as OutMessage
 from rudp.wire import UNRELIABLE_MODES as UNRELIABLE_MODES
 
 # The peer acknowledges at the end of its event-loop turn, which on a loaded
@@ -118,122 +121,6 @@ class RttEstimator:
     def widen_reorder_window(self) -> None:
         """A loss turned out spurious: wait longer before the time threshold fires."""
         self.reorder_factor = min(self.reorder_factor + 0.125, 2.0)
-
-
-# Message states, plain ints: they are compared on every ack. A message is
-# pending while its state is <= SENT.
-QUEUED: Final = 0
-SENT: Final = 1
-ACKED: Final = 2
-FAILED: Final = 3
-SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel replaced it
-
-
-class Waiter(Protocol):
-    """What makes a handle awaitable: the I/O layer's connection (the asyncio
-    ``rudp.Connection``) sets itself as ``OutMessage.waiter``. Defined here so that
-    the core names the one call it makes up into that layer, and imports none of it."""
-
-    def _wait_for(self, msg: OutMessage, /) -> Awaitable[None]:
-        """An awaitable that completes when ``msg`` is done (raises if it failed)."""
-        ...
-
-
-class OutMessage:
-    """One message on its way out; ``Connection.send`` returns it as the handle
-    (``rudp.SendHandle`` in the asyncio API).
-
-    A message larger than one datagram is a *parent* that is never sent itself:
-    its fragments are OutMessages whose ``parent`` points back to it, and it is
-    acknowledged once every fragment is (``parts`` counts those still pending).
-    """
-
-    __slots__ = (
-        "channel",
-        "copies",
-        "data",
-        "fragments",
-        "frame",
-        "graph",
-        "mode",
-        "notify",
-        "parent",
-        "parts",
-        "queued_at",
-        "redundant",
-        "seq",
-        "state",
-        "user",
-        "waiter",
-    )
-
-    def __init__(self, data: bytes, mode: int, channel: int, seq: int, frame: bytes) -> None:
-        self.data = data
-        self.mode = mode
-        self.channel = channel
-        self.seq = seq  # the id on the wire, unwrapped: channel seq or graph id
-        self.frame = frame  # encoded once; a resend carries the same frame
-        self.state = QUEUED
-        self.copies = 0  # packets in flight that carry it
-        self.notify = False  # emit MessageAcked when acknowledged
-        self.user: object = None  # free slot for the asyncio layer
-        # What makes the handle awaitable (see ``Waiter`` and ``__await__``).
-        self.waiter: Waiter | None = None
-        self.parent: OutMessage | None = None
-        self.parts = 0
-        self.fragments: list[OutMessage] | None = None
-        self.graph: GraphNode | None = None
-        self.queued_at: float | None = None
-        self.redundant = 0  # extra copies sent by the redundancy option
-
-    @property
-    def acked(self) -> bool:
-        return self.state == ACKED
-
-    @property
-    def failed(self) -> bool:
-        return self.state == FAILED
-
-    @property
-    def superseded(self) -> bool:
-        """A newer reliable-sequenced message on the channel replaced this one first."""
-        return self.state == SUPERSEDED
-
-    def done(self) -> bool:
-        """Nothing more will happen to it: acknowledged, superseded or failed; for an
-        unreliable message, sent or dropped."""
-        state = self.state
-        return state >= ACKED or (self.mode in UNRELIABLE_MODES and state != QUEUED)
-
-    def __await__(self) -> Generator[Any, None, None]:
-        # One object per message instead of two: the asyncio layer returns the core's
-        # handle itself and only sets ``waiter``; the core stays free of asyncio.
-        waiter = self.waiter
-        if waiter is None:
-            raise TypeError(
-                "only a handle returned by an asyncio rudp.Connection.send() can be awaited"
-            )
-        return waiter._wait_for(self).__await__()
-
-
-class GraphNode:
-    """The sender's copy of a dependency-graph node (the seed article's local graph).
-
-    ``executed`` becomes true once the peer must have executed the message: it
-    was acknowledged and everything it depended on was executed too. From then
-    on, a message that names it as a dependency sends nothing for it, so no
-    dependency ever travels that could be confused after the 16-bit id wraps.
-    """
-
-    __slots__ = ("dependents", "deps", "executed", "gid", "owner", "waiting")
-
-    def __init__(self, gid: int, owner: object) -> None:
-        self.deps: list[OutMessage] = []  # dependencies named in the frame, until executed
-        self.gid = gid
-        self.owner = owner
-        self.waiting = 0  # dependencies not yet executed
-        self.executed = False
-        self.dependents: list[OutMessage] = []
 
 
 class SentPacket:
