@@ -71,7 +71,7 @@ from rudp.events import (
 from rudp.graph import Waiting, refresh_deps
 from rudp.receiving import NO_BUFFER as NO_BUFFER
 from rudp.receiving import Partial, Receiver, Whole
-from rudp.recovery import RttEstimator, SentPacket
+from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
 from rudp.sending import FAILED, SENT, OutMessage, Sender, buffer_cost
 from rudp.seqnum import SEQ_MASK, unwrap
 from rudp.sink import EndpointSink
@@ -106,8 +106,6 @@ Address = tuple[Any, ...]
 # Module constants are ``Final``: compiled with mypyc, a literal one is inlined and any
 # other is a C static, where a plain module global costs a dict lookup per use.
 NOCONN_SPAN: Final = 4096  # a NOCONN must echo one of our last few thousand packets
-LOST_MEMORY: Final = 1024  # packets declared lost that are remembered to detect spurious losses
-MAX_REORDER_THRESHOLD: Final = 256
 RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
 
 
@@ -162,19 +160,11 @@ class Connection:
         self.stats.rtt = self._rtt
         self._cc = CongestionController(config)
         self.stats.cc = self._cc
-        self._probe_due = False  # a resend timeout's probe may exceed the congestion window
         # -- send side
         self._isn = rng.getrandbits(16)
         self.peer_isn = -1  # the peer's initial sequence number, once connected
         self._tx_next = self._isn
-        self._sent: dict[int, SentPacket] = {}
-        self._in_flight = 0
-        self._largest_acked = self._isn - 1
-        self._loss_time: float | None = None
-        self._last_probe = 0.0  # when the resend timer last fired
-        self._reorder_threshold = config.reorder_threshold  # widened by spurious losses
-        self._lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
-        self._lost_max = -1  # the newest packet ever declared lost
+        self._recovery = PacketRecovery(self, config, self.stats, self._rtt, self._cc, self._isn)
         self._sender = Sender(self, self._sink, self.stats, config)
         self._control: list[bytes] = []
         self._ping = False
@@ -341,10 +331,11 @@ class Connection:
         if state is DRAINING:
             return self._deadline
         t = self._last_recv + self._idle_timeout
-        if self._sent:
-            t = min(t, self._probe_deadline())
-            if self._loss_time is not None:
-                t = min(t, self._loss_time)
+        recovery = self._recovery
+        if recovery.sent:
+            t = min(t, recovery.probe_deadline())
+            if recovery.loss_time is not None:
+                t = min(t, recovery.loss_time)
         elif not self._ping:  # a pending PING goes out with the next flush
             t = min(t, self._last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
@@ -522,7 +513,14 @@ class Connection:
         stats.packets_received += 1
         stats.bytes_received += len(data)
         self._last_recv = now
-        self._process_ack(ack16, ack_bits, now)
+        if self._recovery.on_ack_received(ack16, ack_bits, now, self._tx_next):
+            sender = self._sender
+            if sender.rel_queue or sender.retx:
+                # The ack opened the window: what waited for room can go out now, not at the
+                # next timer (an ack-only packet does not otherwise schedule a flush).
+                self._sink.dirty[self] = None
+            if self.state is CLOSING:
+                self._maybe_send_disconnect(now)
         if self.state is CLOSED:  # that ack completed our close
             return None
         eliciting = frames.ping or frames.disconnect is not None or flow != wire.NO_FLOW
@@ -565,113 +563,14 @@ class Connection:
         if self.state is not CLOSED:
             self._end(DisconnectReason.PROTOCOL_ERROR, 0, text, by_peer=False)
 
-    def _process_ack(self, ack16: int, bits: int, now: float) -> None:
-        sent = self._sent
-        largest = unwrap(ack16, self._tx_next - 1)
-        if largest >= self._tx_next:
-            self.stats.bad_acks += 1
-            return
-        lost = self._lost_recently
-        if not sent and not lost:
-            return
-        newly = False
-        # Every newly acknowledged packet gives an RTT sample: a packet number is used
-        # once, so none is ambiguous, and sampling only the largest would leave out
-        # exactly the slow packets that jitter overtakes, making RTTVAR (and so the
-        # resend timeout) too small for the path.
-        rtt = self._rtt
-        pkt = sent.pop(largest, None)
-        if pkt is not None:
-            rtt.on_sample(now - pkt.time_sent)
-            self._on_acked(pkt, now)
-            newly = True
-        elif largest in lost:
-            self._on_spurious_loss(largest)
-        # Walk the bits only as far back as a packet still in flight (``sent`` is in
-        # sending order), or all 32 while a packet declared lost may be among them, so
-        # that a late ack of one is seen (and the reordering it shows learnt). Most acks
-        # then walk a few bits, not 32 (each costs a dict lookup).
-        span = min(32, largest - next(iter(sent))) if sent else 0
-        if lost and self._lost_max >= largest - 32:
-            span = 32
-        i = 1
-        while bits and i <= span:
-            if bits & 1:
-                seq = largest - i
-                if seq in sent:
-                    pkt = sent.pop(seq)
-                    rtt.on_sample(now - pkt.time_sent)
-                    self._on_acked(pkt, now)
-                    newly = True
-                elif lost and seq in lost:
-                    self._on_spurious_loss(seq)
-            bits >>= 1
-            i += 1
-        if newly:
-            rtt.backoff = 0
-            if largest > self._largest_acked:
-                self._largest_acked = largest
-            self._detect_losses(now)
-            if self._sender.rel_queue or self._sender.retx:
-                # The ack opened the window: what waited for room can go out now, not at the
-                # next timer (an ack-only packet does not otherwise schedule a flush).
-                self._sink.dirty[self] = None
-            if self.state is CLOSING:
-                self._maybe_send_disconnect(now)
+    # -- what became of our packets (called by recovery) ------------------------------------
 
-    def _on_acked(self, pkt: SentPacket, now: float) -> None:
-        self._in_flight -= 1
-        self._cc.on_acked(pkt.seq, pkt.size, now, self._rtt.srtt)
+    def _on_packet_acked(self, pkt: SentPacket) -> None:
         self._sender.on_acked(pkt)
         if pkt.disconnect and self.state is CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
 
-    def _detect_losses(self, now: float) -> None:
-        largest = self._largest_acked
-        delay = self._rtt.loss_delay
-        threshold = largest - self._reorder_threshold
-        self._loss_time = None
-        lost: list[int] = []
-        for seq, pkt in self._sent.items():
-            if seq >= largest:
-                break
-            # One expression for the test and the deadline: a deadline computed
-            # differently could round to ``now`` and never be reached.
-            deadline = pkt.time_sent + delay
-            if seq <= threshold or deadline <= now:
-                lost.append(seq)
-            else:
-                self._loss_time = deadline
-                break
-        for seq in lost:
-            self._on_lost(self._sent.pop(seq))
-
-    def _on_spurious_loss(self, seq: int) -> None:
-        """A packet we declared lost was acknowledged after all: the path reorders.
-
-        Widen the packet and time thresholds to the reordering we saw (as RACK,
-        RFC 8985, adapts its reordering window), so it stops causing resends.
-        """
-        del self._lost_recently[seq]
-        self.stats.spurious_losses += 1
-        if self._cc.on_spurious_loss(seq):
-            self.stats.congestion_events_undone += 1
-        depth = self._largest_acked - seq + 1
-        self._reorder_threshold = min(max(self._reorder_threshold, depth), MAX_REORDER_THRESHOLD)
-        self._rtt.widen_reorder_window()
-
-    def _on_lost(self, pkt: SentPacket) -> None:
-        self._in_flight -= 1
-        self.stats.packets_lost += 1
-        rtt = self._rtt
-        if self._cc.on_lost(pkt.seq, pkt.size, self._tx_next, rtt.min_rtt, rtt.latest):
-            self.stats.congestion_events += 1
-        lost = self._lost_recently
-        lost[pkt.seq] = None
-        if pkt.seq > self._lost_max:
-            self._lost_max = pkt.seq
-        if len(lost) > LOST_MEMORY:
-            del lost[next(iter(lost))]
+    def _on_packet_lost(self, pkt: SentPacket) -> None:
         self._sender.on_lost(pkt)
         if pkt.control and self.state is CLOSING:
             self._control.extend(pkt.control)
@@ -709,7 +608,10 @@ class Connection:
             budget -= 1
         # Reliable data goes out while both windows have room: ``window`` packets and
         # the congestion window's bytes (which a resend timeout's probe may exceed).
-        room = self._in_flight < self._packet_window and (self._cc.can_send() or self._probe_due)
+        recovery = self._recovery
+        room = recovery.in_flight < self._packet_window and (
+            self._cc.can_send() or recovery.probe_due
+        )
         if room:
             budget = self._take_retransmissions(parts, messages, budget)
         if self._sender.unrel_queue:
@@ -753,17 +655,16 @@ class Connection:
         )
         datagram = wire.seal_rest(rest)
         if eliciting:
-            self._sent[seq] = SentPacket(
-                seq,
-                now,
-                messages,
-                control,
-                bool(control) and self._disconnect_in(control),
-                len(datagram),
+            recovery.on_packet_sent(
+                SentPacket(
+                    seq,
+                    now,
+                    messages,
+                    control,
+                    bool(control) and self._disconnect_in(control),
+                    len(datagram),
+                )
             )
-            self._in_flight += 1
-            self._cc.on_sent(len(datagram))
-            self._probe_due = False
             self._last_eliciting = now
             self.stats.eliciting_sent += 1
             if flow:
@@ -930,14 +831,6 @@ class Connection:
 
     # -- timers -----------------------------------------------------------------------------
 
-    def _probe_deadline(self) -> float:
-        """When the resend timer fires: one backed-off RTO after the oldest packet in
-        flight was sent, or after the last probe if that was later. Without the
-        latter, once the backoff is capped every packet behind the first would be
-        overdue at once after an outage, and fire in one burst."""
-        first = next(iter(self._sent.values()))
-        return max(first.time_sent, self._last_probe) + self._rtt.backed_off_rto
-
     def _connecting_timer(self, now: float) -> None:
         if now >= self._connect_deadline:
             self._end(DisconnectReason.CONNECT_TIMEOUT, 0, "", by_peer=False)
@@ -965,27 +858,10 @@ class Connection:
         ):
             self._protocol_error("a dependency never arrived")
             return
-        if self._loss_time is not None and now >= self._loss_time:
-            self._detect_losses(now)
-        if self._sent:
-            first = next(iter(self._sent.values()))
-            if now >= self._probe_deadline():
-                # Only the oldest packet is declared lost: its messages go out again as
-                # a probe. Declaring every expired packet lost at once turns a queue
-                # that grew faster than the RTO estimate into a resend storm; once the
-                # probe is acknowledged, the packet threshold finds any real losses
-                # behind it (RFC 9002's probe timeout works the same way).
-                self.stats.timeouts += 1
-                if self._rtt.backoff >= 1:
-                    # Two timeouts in a row: nothing acknowledged for three RTOs, so
-                    # the path is congested or gone (RFC 9002's persistent congestion).
-                    self._cc.on_persistent_congestion(self._tx_next)
-                self._on_lost(self._sent.pop(first.seq))
-                self._probe_due = True
-                self._ping = True  # a probe goes out even if nothing needed resending
-                self._last_probe = now
-                self._rtt.on_timeout()
-        elif now >= self._last_eliciting + cfg.keepalive_interval:
+        recovery = self._recovery
+        if recovery.on_timer(now, self._tx_next):
+            self._ping = True  # a probe goes out even if nothing needed resending
+        elif not recovery.sent and now >= self._last_eliciting + cfg.keepalive_interval:
             self._ping = True
             self._sink.dirty[self] = None
 
@@ -1022,12 +898,11 @@ class Connection:
         self._set_state(CLOSED)
 
     def _fail_pending(self) -> None:
-        self._sender.fail_all(self._sent.values())
+        recovery = self._recovery
+        self._sender.fail_all(recovery.sent.values())
         self._recent.clear()
-        self._sent.clear()
         self._control.clear()
-        self._in_flight = 0
-        self._cc.reset_flight()
+        recovery.clear()
         self._receiver.clear()
 
     def _set_state(self, new: State) -> None:
@@ -1041,6 +916,10 @@ class Connection:
         return f"<Connection {self.address!r} {self.state.value}>"
 
     # -- the parts' state under the names it had here (read-only) ---------------------------
+
+    @property
+    def _reorder_threshold(self) -> int:
+        return self._recovery.reorder_threshold
 
     @property
     def _retx(self) -> deque[OutMessage]:

@@ -1,4 +1,12 @@
-"""Round-trip estimation, resend timeout and the record of a packet in flight.
+"""Loss detection: round-trip time, the resend timeout, and which packets were lost.
+
+Theory of operation
+-------------------
+Every ack-eliciting packet we send is remembered (``SentPacket``, in sending
+order) until it is acknowledged or declared lost. Each DATA header we receive
+acknowledges the peer's newest packet and, in a bitfield, the 32 before it
+(``wire.ACK_SPAN``); ``PacketRecovery.on_ack_received`` walks it and tells the
+connection, per packet, what became of it.
 
 The seed article resends every 30 ms, then 60, 90... whatever the path. We
 measure instead, as TCP does (RFC 6298): a smoothed RTT and its variance give
@@ -21,25 +29,38 @@ Loss is detected three ways (as in QUIC, RFC 9002):
 - the resend timeout, for the tail of a burst where nothing later is acked:
   it declares only the oldest packet lost, and its resend probes the path.
 
-How much may be in flight is the smaller of ``Config.window`` packets and a
-NewReno congestion window (``CongestionController``), so that a sender on a
-slower path stops losing packets in the bottleneck's queue instead of resending
-at the rate that filled it.
+Every acknowledgment and loss is also reported to congestion control
+(``congestion``), which decides how many bytes may be in flight.
+
+Judgement call: what a packet's acknowledgment or loss *means* (its messages are
+done or go back to a queue, a DISCONNECT was received, a PAUSE must be said
+again) is the connection's business, so this module calls back
+``Connection._on_packet_acked`` and ``_on_packet_lost`` per packet, as aioquic's
+recovery calls each packet's delivery handlers. It never looks inside a packet.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from rudp.config import Config
-from rudp.congestion import GRANULARITY
+from rudp.congestion import GRANULARITY, CongestionController
 
 # The asyncio layer reads the message record and its states here.
 from rudp.sending import ACKED as ACKED
 from rudp.sending import FAILED as FAILED
 from rudp.sending import SUPERSEDED as SUPERSEDED
 from rudp.sending import OutMessage as OutMessage
+from rudp.seqnum import unwrap
+from rudp.wire import ACK_SPAN
 from rudp.wire import UNRELIABLE_MODES as UNRELIABLE_MODES
+
+if TYPE_CHECKING:
+    from rudp.connection import Connection
+    from rudp.stats import ConnectionStats
+
+LOST_MEMORY: Final = 1024  # packets declared lost that are remembered to detect spurious losses
+MAX_REORDER_THRESHOLD: Final = 256
 
 # The peer acknowledges at the end of its event-loop turn, which on a loaded
 # machine can take a few milliseconds: on loopback a bare 9/8 RTT would declare
@@ -143,3 +164,193 @@ class SentPacket:
         self.control = control
         self.disconnect = disconnect
         self.size = size
+
+
+class PacketRecovery:
+    """The ack-eliciting packets in flight, and what became of each."""
+
+    __slots__ = (
+        "_cc",
+        "_conn",
+        "_stats",
+        "in_flight",
+        "largest_acked",
+        "last_probe",
+        "loss_time",
+        "lost_max",
+        "lost_recently",
+        "probe_due",
+        "reorder_threshold",
+        "rtt",
+        "sent",
+    )
+
+    def __init__(
+        self,
+        conn: Connection,
+        config: Config,
+        stats: ConnectionStats,
+        rtt: RttEstimator,
+        cc: CongestionController,
+        isn: int,
+    ) -> None:
+        self._conn = conn
+        self._stats = stats
+        self.rtt = rtt
+        self._cc = cc
+        self.sent: dict[int, SentPacket] = {}  # in sending order
+        self.in_flight = 0
+        self.largest_acked = isn - 1
+        self.loss_time: float | None = None  # when the time threshold next fires
+        self.last_probe = 0.0  # when the resend timer last fired
+        self.probe_due = False  # a resend timeout's probe may exceed the congestion window
+        self.reorder_threshold = config.reorder_threshold  # widened by spurious losses
+        self.lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
+        self.lost_max = -1  # the newest packet ever declared lost
+
+    def on_packet_sent(self, pkt: SentPacket) -> None:
+        self.sent[pkt.seq] = pkt
+        self.in_flight += 1
+        self._cc.on_sent(pkt.size)
+        self.probe_due = False
+
+    def on_ack_received(self, ack16: int, bits: int, now: float, tx_next: int) -> bool:
+        """Process a DATA header's acknowledgment; ``tx_next`` is the number our next
+        packet will get. Returns whether it acknowledged anything new."""
+        sent = self.sent
+        largest = unwrap(ack16, tx_next - 1)
+        if largest >= tx_next:
+            self._stats.bad_acks += 1
+            return False
+        lost = self.lost_recently
+        if not sent and not lost:
+            return False
+        newly = False
+        # Every newly acknowledged packet gives an RTT sample: a packet number is used
+        # once, so none is ambiguous, and sampling only the largest would leave out
+        # exactly the slow packets that jitter overtakes, making RTTVAR (and so the
+        # resend timeout) too small for the path.
+        rtt = self.rtt
+        pkt = sent.pop(largest, None)
+        if pkt is not None:
+            rtt.on_sample(now - pkt.time_sent)
+            self._on_acked(pkt, now)
+            newly = True
+        elif largest in lost:
+            self._on_spurious_loss(largest)
+        # Walk the bits only as far back as a packet still in flight (``sent`` is in
+        # sending order), or all 32 while a packet declared lost may be among them, so
+        # that a late ack of one is seen (and the reordering it shows learnt). Most acks
+        # then walk a few bits, not 32 (each costs a dict lookup).
+        span = min(ACK_SPAN, largest - next(iter(sent))) if sent else 0
+        if lost and self.lost_max >= largest - ACK_SPAN:
+            span = ACK_SPAN
+        i = 1
+        while bits and i <= span:
+            if bits & 1:
+                seq = largest - i
+                if seq in sent:
+                    pkt = sent.pop(seq)
+                    rtt.on_sample(now - pkt.time_sent)
+                    self._on_acked(pkt, now)
+                    newly = True
+                elif lost and seq in lost:
+                    self._on_spurious_loss(seq)
+            bits >>= 1
+            i += 1
+        if newly:
+            rtt.backoff = 0
+            if largest > self.largest_acked:
+                self.largest_acked = largest
+            self.detect_losses(now, tx_next)
+        return newly
+
+    def _on_acked(self, pkt: SentPacket, now: float) -> None:
+        self.in_flight -= 1
+        self._cc.on_acked(pkt.seq, pkt.size, now, self.rtt.srtt)
+        self._conn._on_packet_acked(pkt)
+
+    def detect_losses(self, now: float, tx_next: int) -> None:
+        largest = self.largest_acked
+        delay = self.rtt.loss_delay
+        threshold = largest - self.reorder_threshold
+        self.loss_time = None
+        lost: list[int] = []
+        for seq, pkt in self.sent.items():
+            if seq >= largest:
+                break
+            # One expression for the test and the deadline: a deadline computed
+            # differently could round to ``now`` and never be reached.
+            deadline = pkt.time_sent + delay
+            if seq <= threshold or deadline <= now:
+                lost.append(seq)
+            else:
+                self.loss_time = deadline
+                break
+        for seq in lost:
+            self._on_lost(self.sent.pop(seq), tx_next)
+
+    def _on_spurious_loss(self, seq: int) -> None:
+        """A packet we declared lost was acknowledged after all: the path reorders.
+
+        Widen the packet and time thresholds to the reordering we saw (as RACK,
+        RFC 8985, adapts its reordering window), so it stops causing resends.
+        """
+        del self.lost_recently[seq]
+        self._stats.spurious_losses += 1
+        if self._cc.on_spurious_loss(seq):
+            self._stats.congestion_events_undone += 1
+        depth = self.largest_acked - seq + 1
+        self.reorder_threshold = min(max(self.reorder_threshold, depth), MAX_REORDER_THRESHOLD)
+        self.rtt.widen_reorder_window()
+
+    def _on_lost(self, pkt: SentPacket, tx_next: int) -> None:
+        self.in_flight -= 1
+        self._stats.packets_lost += 1
+        rtt = self.rtt
+        if self._cc.on_lost(pkt.seq, pkt.size, tx_next, rtt.min_rtt, rtt.latest):
+            self._stats.congestion_events += 1
+        lost = self.lost_recently
+        lost[pkt.seq] = None
+        if pkt.seq > self.lost_max:
+            self.lost_max = pkt.seq
+        if len(lost) > LOST_MEMORY:
+            del lost[next(iter(lost))]
+        self._conn._on_packet_lost(pkt)
+
+    def probe_deadline(self) -> float:
+        """When the resend timer fires: one backed-off RTO after the oldest packet in
+        flight was sent, or after the last probe if that was later. Without the
+        latter, once the backoff is capped every packet behind the first would be
+        overdue at once after an outage, and fire in one burst."""
+        first = next(iter(self.sent.values()))
+        return max(first.time_sent, self.last_probe) + self.rtt.backed_off_rto
+
+    def on_timer(self, now: float, tx_next: int) -> bool:
+        """The loss timers; returns whether the resend timer fired (a probe is due)."""
+        if self.loss_time is not None and now >= self.loss_time:
+            self.detect_losses(now, tx_next)
+        if not self.sent or now < self.probe_deadline():
+            return False
+        # Only the oldest packet is declared lost: its messages go out again as a
+        # probe. Declaring every expired packet lost at once turns a queue that grew
+        # faster than the RTO estimate into a resend storm; once the probe is
+        # acknowledged, the packet threshold finds any real losses behind it (RFC
+        # 9002's probe timeout works the same way).
+        first = next(iter(self.sent.values()))
+        self._stats.timeouts += 1
+        if self.rtt.backoff >= 1:
+            # Two timeouts in a row: nothing acknowledged for three RTOs, so the path
+            # is congested or gone (RFC 9002's persistent congestion).
+            self._cc.on_persistent_congestion(tx_next)
+        self._on_lost(self.sent.pop(first.seq), tx_next)
+        self.probe_due = True
+        self.last_probe = now
+        self.rtt.on_timeout()
+        return True
+
+    def clear(self) -> None:
+        """The connection ended: nothing is in flight any more."""
+        self.sent.clear()
+        self.in_flight = 0
+        self._cc.reset_flight()
