@@ -12,23 +12,24 @@ Packets carry *frames*: messages, PING and DISCONNECT. Reliability is per
 message, not per packet: when a packet is lost, the reliable messages in it
 that were not acknowledged some other way go back to the front of the queue
 and are sent again in a new packet, coalesced with whatever else is due. A
-message is acknowledged when any packet carrying it is.
+message is acknowledged when any packet carrying it is. Duplicate packets are
+dropped by the packet-level window kept here; duplicate messages by their
+sequence numbers (``receiving``).
 
-The receiver orders reliable messages per channel by a 16-bit per-channel
-sequence number, buffering what arrives early (bounded by
-``Config.recv_buffer_bytes``), so a loss on one channel never holds up another.
-Duplicate packets are dropped by the packet-level window; duplicate messages by
-the channel sequence. Unreliable messages are never resent, and the packet
-window keeps them from ever being delivered twice.
+The data path, one module per idea::
 
-The other delivery modes (see ``wire.Delivery`` and docs/protocol.md) each have
-their own sequence space: sequenced modes keep the newest number delivered per
-channel and drop anything older; reliable-unordered and dependency-ordered
-messages share the connection's graph ids, which the receiver runs as soon as
-every id they depend on has run, while the sender keeps its own copy of the
-graph so that only dependencies the receiver may not have executed travel.
-Reliable messages larger than a datagram are split into fragments, each an
-ordinary reliable message of its mode, and reassembled within a reserved budget.
+    send()  -> sending.Sender           queues, delivery modes, fragmentation, OutMessage
+            -> packet_builder           fills each datagram from the queues, acks, redundancy
+            -> recovery.PacketRecovery  RTT, loss detection (tells us each packet's fate)
+               congestion               how many bytes may be in flight
+    DATA    -> Connection._receive_data packet window, flow control, acknowledgments
+            -> receiving.Receiver       reorder buffers, sequenced modes, reassembly, delivery
+               graph                    the dependency graph, both sides
+    events, flush requests, our end     -> sink.EndpointSink (the endpoint's)
+
+This module keeps what belongs to the connection as a whole: the handshake,
+the lifecycle and its state machine, the timers, flow control and the
+packet-level receive window, and the glue that tells each part what happened.
 
 Flow control: a receiver whose application is not keeping up calls
 ``pause_receiving()``, which sends PAUSE; the peer then sends no new reliable
@@ -49,6 +50,11 @@ All state transitions happen in ``_set_state``; the states are::
 
 Sequence numbers are unwrapped into unbounded ints on arrival (``seqnum``), so
 wraparound is handled in one place.
+
+Judgement call: the parts are separate objects that own their state, as in
+aioquic, and the connection holds one of each. A few of their counters and
+tables are also readable here under their historical names (the properties at
+the end): they are the invariants a test checks after a connection ends.
 """
 
 from __future__ import annotations
@@ -60,20 +66,17 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from rudp import wire
-from rudp.config import BUFFER_ENTRY_COST, REDUNDANT_FRAME_MAX, Config
+from rudp.config import Config
 from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
-from rudp.events import (
-    Connected,
-    Disconnected,
-    DisconnectReason,
-)
-from rudp.graph import Waiting, refresh_deps
+from rudp.events import Connected, Disconnected, DisconnectReason
+from rudp.graph import Waiting
+from rudp.packet_builder import PacketBuilder
 from rudp.receiving import NO_BUFFER as NO_BUFFER
 from rudp.receiving import Partial, Receiver, Whole
 from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
-from rudp.sending import FAILED, SENT, OutMessage, Sender, buffer_cost
-from rudp.seqnum import SEQ_MASK, unwrap
+from rudp.sending import OutMessage, Sender
+from rudp.seqnum import unwrap
 from rudp.sink import EndpointSink
 from rudp.stats import ConnectionStats
 from rudp.wire import (
@@ -103,10 +106,7 @@ __all__ = [
 ]
 
 Address = tuple[Any, ...]
-# Module constants are ``Final``: compiled with mypyc, a literal one is inlined and any
-# other is a C static, where a plain module global costs a dict lookup per use.
 NOCONN_SPAN: Final = 4096  # a NOCONN must echo one of our last few thousand packets
-RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
 
 
 class State(enum.Enum):
@@ -160,32 +160,21 @@ class Connection:
         self.stats.rtt = self._rtt
         self._cc = CongestionController(config)
         self.stats.cc = self._cc
-        # -- send side
         self._isn = rng.getrandbits(16)
         self.peer_isn = -1  # the peer's initial sequence number, once connected
-        self._tx_next = self._isn
-        self._recovery = PacketRecovery(self, config, self.stats, self._rtt, self._cc, self._isn)
+        # -- the parts of the data path
         self._sender = Sender(self, self._sink, self.stats, config)
-        self._control: list[bytes] = []
-        self._ping = False
-        self._ack_pending = False
-        # Oldest ack-eliciting packet received since our last packet reported the receive
-        # window, and ack-only packets built early because it was about to leave the 33
-        # packets one header can acknowledge (see ``_receive_data``).
-        self._ack_low: int | None = None
-        self._early_acks: list[bytes] = []
-        self._recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
-        self._redundancy = config.redundancy
+        self._recovery = PacketRecovery(self, config, self.stats, self._rtt, self._cc, self._isn)
+        self._builder = PacketBuilder(
+            self, self._sender, self._recovery, self._cc, self.stats, config, self._isn, now
+        )
+        self._receiver = Receiver(self, self._sink.events, self.stats, config)
         self._clock = now  # the latest time the core was given
-        self._last_eliciting = now
-        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
-        self._window = config.channel_window
         # Config values read per packet, copied into native attributes (see RttEstimator).
         self._idle_timeout = config.idle_timeout
         self._keepalive_interval = config.keepalive_interval
-        self._packet_window = config.window
-        self._unreliable_max_age = config.unreliable_max_age
-        # -- receive side
+        self._byte_window = config.recv_buffer_bytes
+        # -- the packet-level receive window
         self._rx_largest = 0
         self._rx_bits = 0  # bit i: packet (largest - i) was received
         # Packets remembered for duplicate detection; older ones are dropped as
@@ -193,8 +182,6 @@ class Connection:
         # so reordering within a full window is never mistaken for staleness.
         self._rx_window = max(1024, 2 * config.window)
         self._rx_mask = (1 << self._rx_window) - 1
-        self._receiver = Receiver(self, self._sink.events, self.stats, config)
-        self._byte_window = config.recv_buffer_bytes
         self._last_recv = now
         # -- handshake and close
         self._cookie = b""
@@ -211,8 +198,6 @@ class Connection:
         # -- flow control (PAUSE / RESUME)
         self.receiving_paused = False  # we asked the peer to stop sending reliable messages
         self.peer_paused = False  # the peer asked us to
-        self._flow_frame = b""  # PAUSE or RESUME waiting to go out
-        self._flow_seq = -1  # the packet that carried our latest PAUSE or RESUME
         self._peer_flow_seq = -1  # the newest packet whose PAUSE or RESUME we applied
         self._pause_budget = 0  # datagram bytes with messages still accepted while paused
 
@@ -298,7 +283,7 @@ class Connection:
         self.receiving_paused = True
         self._pause_budget = self._byte_window
         self.stats.receive_pauses += 1
-        self._flow_frame = wire.PAUSE_FRAME
+        self._builder.flow_frame = wire.PAUSE_FRAME
         self._sink.dirty[self] = None
 
     def resume_receiving(self) -> None:
@@ -306,7 +291,7 @@ class Connection:
         if not self.receiving_paused:
             return
         self.receiving_paused = False
-        self._flow_frame = wire.RESUME_FRAME
+        self._builder.flow_frame = wire.RESUME_FRAME
         self._sink.dirty[self] = None
         # While paused we may have refused the very dependencies these wait for: their
         # dependency_timeout counts from now, not from their arrival.
@@ -336,8 +321,8 @@ class Connection:
             t = min(t, recovery.probe_deadline())
             if recovery.loss_time is not None:
                 t = min(t, recovery.loss_time)
-        elif not self._ping:  # a pending PING goes out with the next flush
-            t = min(t, self._last_eliciting + self._keepalive_interval)
+        elif not self._builder.ping:  # a pending PING goes out with the next flush
+            t = min(t, self._builder.last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
         graph = self._receiver.graph
@@ -360,7 +345,8 @@ class Connection:
         """Everything due now, coalesced into as few datagrams as possible."""
         self._clock = now
         out: list[bytes] = []
-        if self.state is CONNECTING:
+        state = self.state
+        if state is CONNECTING:
             for msg in self._sender.unrel_queue:
                 if msg.queued_at is None:  # sent without a time: it ages from now
                     msg.queued_at = now
@@ -374,13 +360,16 @@ class Connection:
                     wire.encode_connect(self.salt, self._isn, self._cookie, cfg.max_datagram_size)
                 )
             return out
-        if self.state is CLOSED:
+        if state is CLOSED:
             return out
-        if self._early_acks:
-            out.extend(self._early_acks)
-            self._early_acks.clear()
+        builder = self._builder
+        if builder.early_acks:
+            out.extend(builder.early_acks)
+            builder.early_acks.clear()
+        closing = state is CLOSING
+        draining = state is DRAINING
         while True:
-            datagram = self._build_packet(now)
+            datagram = builder.build(now, closing, draining)
             if datagram is None:
                 break
             out.append(datagram)
@@ -389,7 +378,7 @@ class Connection:
             self.stats.bytes_sent += sum(map(len, out))
         return out
 
-    # -- the endpoint's interface: handshake and DATA --------------------------------------------
+    # -- the endpoint's interface: handshake and DATA --------------------------------------
 
     def _nudge_connect(self) -> None:
         """The server is already sending us data: our ACCEPT was lost or overtaken,
@@ -443,7 +432,7 @@ class Connection:
         self.peer_isn = peer_isn
         self._rx_largest = peer_isn - 1
         self._last_recv = now
-        self._last_eliciting = now
+        self._builder.last_eliciting = now
         self._set_state(CONNECTED)
         self._sink.events.append((self, Connected()))
         self._sink.dirty[self] = None
@@ -451,8 +440,9 @@ class Connection:
     def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it echoes
         a packet we really sent, so an off-path attacker can't end connections."""
-        seq = unwrap(noconn.seq, self._tx_next - 1)
-        if self.state is CONNECTING or not self._tx_next - NOCONN_SPAN <= seq < self._tx_next:
+        tx_next = self._builder.tx_next
+        seq = unwrap(noconn.seq, tx_next - 1)
+        if self.state is CONNECTING or not tx_next - NOCONN_SPAN <= seq < tx_next:
             return DropReason.UNEXPECTED
         if self.state is CLOSING and self._disconnect_queued:
             # The peer already forgot us: our DISCONNECT has nothing left to do.
@@ -462,8 +452,6 @@ class Connection:
         else:
             self._end(DisconnectReason.NO_CONNECTION, 0, "", by_peer=True)
         return None
-
-    # -- receive path -------------------------------------------------------------------------
 
     def _receive_data(
         self, data: bytes, seq16: int, ack16: int, ack_bits: int, now: float
@@ -481,6 +469,7 @@ class Connection:
                 return DropReason.DUPLICATE
         frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
         self._clock = now
+        receiver = self._receiver
         flow = frames.flow
         if flow != wire.NO_FLOW and seq > self._peer_flow_seq and state is not DRAINING:
             # Applied even from a packet refused below: a RESUME that travels with
@@ -488,22 +477,23 @@ class Connection:
             self._peer_flow_seq = seq
             self._on_peer_flow(flow == 1, now)
         if frames.special and state is not DRAINING:
-            reason = self._receiver.check_fragments(frames.messages)
+            reason = receiver.check_fragments(frames.messages)
             if reason is not None:
                 return reason
         if frames.messages:
-            if not self._receiver.can_buffer(frames.messages, len(data)):
+            if not receiver.can_buffer(frames.messages, len(data)):
                 return DropReason.RECV_BUFFER_FULL
             if self.receiving_paused and state is not DRAINING:
                 if len(data) > self._pause_budget:
                     return DropReason.RECV_QUEUE_FULL
                 self._pause_budget -= len(data)
-        low = self._ack_low
+        builder = self._builder
+        low = builder.ack_low
         if low is not None and seq - low > ACK_SPAN:
             # A header acknowledges its largest packet and the 32 before it. When more than
             # that arrive between two flushes (one socket read drains up to 256 datagrams),
             # acknowledge the older ones now, or the sender would declare them lost and resend.
-            self._early_acks.append(self._ack_only_packet())
+            builder.early_acks.append(builder.ack_only())
         if delta > 0:
             self._rx_bits = ((self._rx_bits << delta) | 1) & self._rx_mask
             self._rx_largest = seq
@@ -513,7 +503,7 @@ class Connection:
         stats.packets_received += 1
         stats.bytes_received += len(data)
         self._last_recv = now
-        if self._recovery.on_ack_received(ack16, ack_bits, now, self._tx_next):
+        if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next):
             sender = self._sender
             if sender.rel_queue or sender.retx:
                 # The ack opened the window: what waited for room can go out now, not at the
@@ -525,22 +515,22 @@ class Connection:
             return None
         eliciting = frames.ping or frames.disconnect is not None or flow != wire.NO_FLOW
         if frames.messages and state is not DRAINING:
-            eliciting = self._receiver.deliver(frames.messages, now) or eliciting
-            violation = self._receiver.graph.violation
+            eliciting = receiver.deliver(frames.messages, now) or eliciting
+            violation = receiver.graph.violation
             if violation:  # the peer broke the protocol
                 self._protocol_error(violation)
                 return None
         elif frames.messages:
             eliciting = True
         if eliciting:
-            self._ack_pending = True
+            builder.ack_pending = True
             self._sink.dirty[self] = None
-            low = self._ack_low
+            low = builder.ack_low
             if seq >= self._rx_largest - ACK_SPAN:
                 if low is None or seq < low:
-                    self._ack_low = seq
+                    builder.ack_low = seq
             else:
-                self._early_acks.append(self._ack_only_packet(about=seq))
+                builder.early_acks.append(builder.ack_only(about=seq))
         if frames.disconnect is not None:
             self._on_peer_disconnect(frames.disconnect, now)
         return None
@@ -572,262 +562,13 @@ class Connection:
 
     def _on_packet_lost(self, pkt: SentPacket) -> None:
         self._sender.on_lost(pkt)
+        builder = self._builder
         if pkt.control and self.state is CLOSING:
-            self._control.extend(pkt.control)
-        if pkt.seq == self._flow_seq and not self._flow_frame:
+            builder.control.extend(pkt.control)
+        if pkt.seq == builder.flow_seq and not builder.flow_frame:
             # Our latest PAUSE or RESUME was lost: tell the current state again.
-            self._flow_frame = wire.PAUSE_FRAME if self.receiving_paused else wire.RESUME_FRAME
+            builder.flow_frame = wire.PAUSE_FRAME if self.receiving_paused else wire.RESUME_FRAME
         self._sink.dirty[self] = None
-
-    # -- send path ---------------------------------------------------------------------------
-
-    def _build_packet(self, now: float) -> bytes | None:
-        if not (
-            self._ack_pending
-            or self._ping
-            or self._control
-            or self._flow_frame
-            or self._sender.retx
-            or self._sender.unrel_queue
-            or self._sender.rel_queue
-        ):
-            return None  # the common last call of a flush: nothing left to send
-        budget = self._max_payload
-        parts: list[bytes] = []
-        messages: list[OutMessage] = []
-        control: list[bytes] = []
-        if self._control:
-            control, self._control = self._control, []
-            for frame in control:
-                parts.append(frame)
-                budget -= len(frame)
-        flow = self._flow_frame
-        if flow:
-            self._flow_frame = b""
-            parts.append(flow)
-            budget -= 1
-        # Reliable data goes out while both windows have room: ``window`` packets and
-        # the congestion window's bytes (which a resend timeout's probe may exceed).
-        recovery = self._recovery
-        room = recovery.in_flight < self._packet_window and (
-            self._cc.can_send() or recovery.probe_due
-        )
-        if room:
-            budget = self._take_retransmissions(parts, messages, budget)
-        if self._sender.unrel_queue:
-            budget = self._take_unreliable(parts, budget, now)
-            if not self._sender.unrel_queue and self.state is CLOSING:
-                # The last unreliable messages queued before close() go out with the
-                # DISCONNECT, not after it: the peer drops messages once it has one.
-                self._maybe_send_disconnect(now)
-                if self._control and budget >= len(self._control[-1]):
-                    frame = self._control.pop()
-                    parts.append(frame)
-                    control.append(frame)
-                    budget -= len(frame)
-        if room and not self._sender.retx and not self.peer_paused:
-            # A paused peer gets no new reliable messages; unreliable ones still go (they
-            # expire rather than wait, and the peer bounds what it accepts while paused).
-            budget = self._take_new_reliable(parts, messages, budget)
-        if self._redundancy and messages:
-            budget = self._take_redundant(parts, messages, budget)
-        eliciting = bool(messages or control or flow)
-        if self._ping and not eliciting and self.state is not DRAINING:
-            parts.append(wire.PING_FRAME)
-            eliciting = True
-        if not parts and not self._ack_pending:
-            return None
-        self._ping = False
-        self._ack_pending = False
-        self._ack_low = None
-        seq = self._tx_next
-        self._tx_next = seq + 1
-        rest = b"".join(
-            [
-                wire.data_header(
-                    self.token,
-                    seq & SEQ_MASK,
-                    self._rx_largest & SEQ_MASK,
-                    (self._rx_bits >> 1) & 0xFFFFFFFF,
-                ),
-                *parts,
-            ]
-        )
-        datagram = wire.seal_rest(rest)
-        if eliciting:
-            recovery.on_packet_sent(
-                SentPacket(
-                    seq,
-                    now,
-                    messages,
-                    control,
-                    bool(control) and self._disconnect_in(control),
-                    len(datagram),
-                )
-            )
-            self._last_eliciting = now
-            self.stats.eliciting_sent += 1
-            if flow:
-                self._flow_seq = seq
-            for msg in messages:
-                msg.copies += 1
-        return datagram
-
-    def _ack_only_packet(self, about: int | None = None) -> bytes:
-        """A packet carrying nothing but an acknowledgment.
-
-        By default it reports the newest packet and the 32 before it. With
-        ``about``, it reports that (late) packet and the 32 before it instead: a
-        packet that arrives after more than 32 later ones is outside every normal
-        ack header, and without this the sender could never learn it arrived.
-        """
-        if about is None:
-            self._ack_low = None
-            ack, bits = self._rx_largest, self._rx_bits >> 1
-        else:
-            ack, bits = about, self._rx_bits >> (self._rx_largest - about + 1)
-        seq = self._tx_next
-        self._tx_next = seq + 1
-        return wire.seal_rest(
-            wire.data_header(self.token, seq & SEQ_MASK, ack & SEQ_MASK, bits & 0xFFFFFFFF)
-        )
-
-    def _disconnect_in(self, control: list[bytes]) -> bool:
-        return any(frame[0] == wire.FrameType.DISCONNECT for frame in control)
-
-    def _take_retransmissions(
-        self, parts: list[bytes], messages: list[OutMessage], budget: int
-    ) -> int:
-        retx = self._sender.retx
-        while retx:
-            msg = retx[0]
-            if msg.state > SENT or msg.copies:
-                retx.popleft()
-                continue
-            frame = msg.frame
-            size = len(frame)
-            if size > budget:
-                break
-            retx.popleft()
-            parts.append(frame)
-            messages.append(msg)
-            budget -= size
-            self.stats.messages_resent += 1
-        return budget
-
-    def _take_unreliable(self, parts: list[bytes], budget: int, now: float) -> int:
-        queue = self._sender.unrel_queue
-        stale = now - self._unreliable_max_age
-        while queue:
-            msg = queue[0]
-            queued_at = msg.queued_at
-            if queued_at is not None and queued_at < stale:
-                queue.popleft().state = FAILED
-                self._sender.queued -= 1
-                self.stats.messages_expired += 1
-                continue
-            frame = msg.frame
-            size = len(frame)
-            if size > budget:
-                break
-            if msg.mode == UNRELIABLE_SEQUENCED:
-                # Numbered on the way out, not at send(): messages that expired in the
-                # queue leave no gap, and only a run of 32,768 lost on the path could
-                # make the receiver read a newer number as older.
-                channel = msg.channel
-                seq = msg.seq = self._sender.tx_useq[channel]
-                self._sender.tx_useq[channel] = seq + 1
-                frame = msg.frame = wire.message_frame(UNRELIABLE_SEQUENCED, channel, seq, msg.data)
-            queue.popleft().state = SENT
-            parts.append(frame)
-            self._sender.queued -= 1
-            budget -= size
-            self.stats.messages_sent += 1
-        return budget
-
-    def _take_new_reliable(
-        self, parts: list[bytes], messages: list[OutMessage], budget: int
-    ) -> int:
-        queue = self._sender.rel_queue
-        window = self._window
-        unacked = self._sender.tx_ch_unacked
-        # Bytes that may still go into the peer's reorder buffer (see _unacked_bytes).
-        room = self._byte_window - self._sender.unacked_bytes
-        sent = 0
-        while queue:
-            msg = queue[0]
-            frame = msg.frame
-            size = len(frame)
-            if size > budget:
-                break  # the packet is full
-            mode = msg.mode
-            if mode == RELIABLE_ORDERED:
-                oldest = unacked[msg.channel]
-                assert oldest is not None  # created when msg was sent
-                if msg.seq - oldest[0].seq >= window:
-                    break  # the receiver could not buffer it yet
-                cost = size + BUFFER_ENTRY_COST
-                if cost > room:
-                    break  # it might not fit the receiver's reorder buffer
-                room -= cost
-            elif msg.state > SENT:
-                queue.popleft()  # superseded
-                continue
-            elif mode == GRAPH:
-                if msg.seq - self._sender.tx_graph[0].seq >= window:
-                    break  # beyond the ids the receiver accepts
-                if refresh_deps(msg):
-                    frame = msg.frame
-                    size = len(frame)
-                cost = buffer_cost(msg)
-                if cost > room:
-                    break
-                room -= cost
-            queue.popleft()
-            msg.state = SENT
-            parts.append(frame)
-            messages.append(msg)
-            budget -= size
-            sent += 1
-        self._sender.unacked_bytes = self._byte_window - room
-        self.stats.messages_sent += sent
-        return budget
-
-    def _take_redundant(self, parts: list[bytes], messages: list[OutMessage], budget: int) -> int:
-        """Fill the rest of a packet with copies of recent unacknowledged small messages
-        (newest first), then remember this packet's own small messages for later ones.
-
-        Only a thin stream remembers its messages (the send queue is empty after this
-        packet): in a burst every packet is full anyway, so copies would find no room.
-        """
-        recent = self._recent
-        fresh = len(messages)
-        if recent:
-            limit = self._redundancy
-            while recent and (recent[0].state > SENT or recent[0].redundant >= limit):
-                recent.popleft()
-            if recent and budget > 3:
-                here = set(map(id, messages))
-                for msg in reversed(recent):
-                    if msg.state > SENT or msg.redundant >= limit or id(msg) in here:
-                        continue
-                    size = len(msg.frame)
-                    if size > budget:
-                        continue
-                    parts.append(msg.frame)
-                    messages.append(msg)
-                    msg.redundant += 1
-                    budget -= size
-                    self.stats.messages_redundant += 1
-                    if budget <= 3:
-                        break
-        if not self._sender.rel_queue:
-            for msg in messages[:fresh]:
-                if len(msg.frame) <= REDUNDANT_FRAME_MAX:
-                    recent.append(msg)
-            while len(recent) > RECENT_MAX:
-                recent.popleft()
-        return budget
 
     # -- timers -----------------------------------------------------------------------------
 
@@ -858,20 +599,22 @@ class Connection:
         ):
             self._protocol_error("a dependency never arrived")
             return
+        builder = self._builder
         recovery = self._recovery
-        if recovery.on_timer(now, self._tx_next):
-            self._ping = True  # a probe goes out even if nothing needed resending
-        elif not recovery.sent and now >= self._last_eliciting + cfg.keepalive_interval:
-            self._ping = True
+        if recovery.on_timer(now, builder.tx_next):
+            builder.ping = True  # a probe goes out even if nothing needed resending
+        elif not recovery.sent and now >= builder.last_eliciting + cfg.keepalive_interval:
+            builder.ping = True
             self._sink.dirty[self] = None
 
     # -- closing ----------------------------------------------------------------------------
 
     def _maybe_send_disconnect(self, now: float) -> None:
-        if self._disconnect_queued or self._sender.unacked_reliable or self._sender.unrel_queue:
+        sender = self._sender
+        if self._disconnect_queued or sender.unacked_reliable or sender.unrel_queue:
             return
         self._disconnect_queued = True
-        self._control.append(wire.disconnect_frame(self._close_code, self._close_text))
+        self._builder.control.append(wire.disconnect_frame(self._close_code, self._close_text))
         self._deadline = now + self.config.close_timeout
         self._sink.dirty[self] = None
 
@@ -900,8 +643,7 @@ class Connection:
     def _fail_pending(self) -> None:
         recovery = self._recovery
         self._sender.fail_all(recovery.sent.values())
-        self._recent.clear()
-        self._control.clear()
+        self._builder.clear()
         recovery.clear()
         self._receiver.clear()
 
@@ -916,6 +658,10 @@ class Connection:
         return f"<Connection {self.address!r} {self.state.value}>"
 
     # -- the parts' state under the names it had here (read-only) ---------------------------
+
+    @property
+    def _tx_next(self) -> int:
+        return self._builder.tx_next
 
     @property
     def _reorder_threshold(self) -> int:
