@@ -30,6 +30,13 @@ handle the caller gets back.
 What happens to a message when the packet carrying it is acknowledged or lost
 is decided here too (``on_acked``, ``on_lost``); loss detection (``recovery``)
 says which packets those are.
+
+Judgement calls: ``OutMessage`` lives here, not with loss detection, because it
+is the send queue's record (the message, its frame, its state); loss detection
+only ever sees packets. And ``Connection.send`` keeps the one check that needs
+the connection's state, then hands over: the sender knows nothing of the
+lifecycle, and the connection nothing of sequence spaces. That costs one call
+per message sent, which the per-message instruction counts allow.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Counters, kept as plain attributes on the hot path and read at scrape time."""
+"""Counters, kept as plain attributes on the hot path and read at scrape time.
+
+Every connection counter is named once, in ``COUNTER_TABLE``, with what it
+counts and the Prometheus counter that exports it (``metrics`` reads the table);
+``ConnectionStats`` declares one attribute per entry.
+"""
 
 from __future__ import annotations
 
