@@ -6,8 +6,13 @@ no sockets, no processes, no machine noise, and the same numbers on every run. I
 quick way to compare protocol variants (loss detection, redundancy) before measuring them
 for real with ``delivery_latency.py``.
 
+``--clients N`` adds N - 1 more clients sending the same stream to the same server (the
+figures are the first client's). The runs stay reproducible: an endpoint flushes its
+connections in the order they asked, never in the memory order of a set.
+
     .venv/bin/python bench/delivery_sim.py                       # every mode, redundancy 0 and 2
     .venv/bin/python bench/delivery_sim.py --modes ordered --redundancy 0,1,2,3 --seeds 1,2,3
+    .venv/bin/python bench/delivery_sim.py --modes ordered --clients 6
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rudp.config import Config
-from rudp.connection import State
+from rudp.connection import Connection, State
 from rudp.events import MessageReceived
-from rudp.recovery import OutMessage
+from rudp.sending import OutMessage
 from rudp.wire import Delivery
 from tests.rudp.harness import Link, Network
 
@@ -43,32 +48,43 @@ class _TimedNetwork(Network):
     def _drain_events(self) -> None:
         for node in self.nodes.values():
             while (item := node.endpoint.next_event()) is not None:
-                event = item[1]
-                if isinstance(event, MessageReceived) and len(event.data) >= TAG.size:
+                conn, event = item
+                if (
+                    isinstance(event, MessageReceived)
+                    and conn is not None
+                    and conn.address == CLIENT
+                    and len(event.data) >= TAG.size
+                ):
                     self.delivered.setdefault(TAG.unpack_from(event.data)[0], self.now)
 
 
-def run(mode: str, redundancy: int, seed: int, count: int, warmup: int) -> dict[str, Any]:
+def run(
+    mode: str, redundancy: int, seed: int, count: int, warmup: int, clients: int = 1
+) -> dict[str, Any]:
     net = _TimedNetwork(seed, Link(loss=0.05, delay=0.020, jitter=0.005))
     config = Config(redundancy=redundancy)
     net.add(SERVER, config, accept=True)
-    client = net.add(CLIENT, config)
-    conn = client.endpoint.connect(SERVER, net.now)
-    net.run_until(lambda: conn.state is State.CONNECTED)
+    conns: list[Connection] = []
+    for n in range(clients):
+        address = CLIENT if n == 0 else (f"10.0.1.{n}", 5000)
+        conns.append(net.add(address, config).endpoint.connect(SERVER, net.now))
+    net.run_until(lambda: all(c.state is State.CONNECTED for c in conns))
+    conn = conns[0]
     sent: dict[int, float] = {}
-    last: list[OutMessage | None] = [None] * ENTITIES
+    last: list[list[OutMessage | None]] = [[None] * ENTITIES for _ in conns]
     start = net.now
     for i in range(warmup + count):
         net.run(max(0.0, start + i * 0.001 - net.now))
         data = TAG.pack(i) + bytes(196)
         sent[i] = net.now
-        if mode == "ordered":
-            conn.send(data)
-        elif mode == "unordered":
-            conn.send(data, delivery=Delivery.RELIABLE_UNORDERED)
-        else:
-            prev = last[i % ENTITIES]
-            last[i % ENTITIES] = conn.send(data, depends_on=[prev] if prev else [])
+        for c, previous in zip(conns, last, strict=True):
+            if mode == "ordered":
+                c.send(data)
+            elif mode == "unordered":
+                c.send(data, delivery=Delivery.RELIABLE_UNORDERED)
+            else:
+                prev = previous[i % ENTITIES]
+                previous[i % ENTITIES] = c.send(data, depends_on=[prev] if prev else [])
     net.run(3.0)
     latencies = sorted(1e3 * (net.delivered[i] - sent[i]) for i in range(warmup, warmup + count))
     assert len(latencies) == count, "a reliable message was not delivered"
@@ -97,6 +113,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2")
     parser.add_argument("--count", type=int, default=5000)
     parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--clients", type=int, default=1, help="clients of the one server")
     args = parser.parse_args()
     print(
         "| mode | redundancy | seed | p50 ms | p99 ms | max ms | kB sent | packets lost "
@@ -106,7 +123,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         for redundancy in map(int, args.redundancy.split(",")):
             for seed in map(int, args.seeds.split(",")):
-                r = run(mode, redundancy, seed, args.count, args.warmup)
+                r = run(mode, redundancy, seed, args.count, args.warmup, args.clients)
                 print(
                     f"| {mode} | {redundancy} | {seed} | {r['p50']:.1f} | {r['p99']:.1f} "
                     f"| {r['max']:.1f} | {r['kB']:.0f} | {r['lost']} | {r['resent']} "

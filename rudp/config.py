@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
+from rudp.wire import FRAGMENT_FRAME_OVERHEAD, MAX_FRAGMENTS
+
 if TYPE_CHECKING:
     from rudp.netsim.conditioner import LinkProfile
 
@@ -21,11 +23,12 @@ if TYPE_CHECKING:
 # packets, so 1200 leaves room for tunnel headers (QUIC uses the same figure).
 MIN_DATAGRAM_SIZE: Final = 576
 MAX_DATAGRAM_SIZE: Final = 65507
-# DATA header (18), then a fragment frame's flags, channel, seq, fragment header, len.
-FRAGMENT_FRAME_OVERHEAD: Final = 18 + 14
-MAX_FRAGMENTS: Final = 0xFFFF
 REDUNDANT_FRAME_MAX: Final = 256
 """Largest message frame (payload plus 3-6 header bytes) that ``redundancy`` repeats."""
+BUFFER_ENTRY_COST: Final = 64
+"""Bytes charged per buffered message besides its payload (the receiver's reorder
+buffer, the sender's estimate of it, the asyncio receive queue), so that empty
+messages cannot fill a buffer with entries for free."""
 
 
 @dataclass(frozen=True, kw_only=True)

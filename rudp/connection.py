@@ -12,23 +12,24 @@ Packets carry *frames*: messages, PING and DISCONNECT. Reliability is per
 message, not per packet: when a packet is lost, the reliable messages in it
 that were not acknowledged some other way go back to the front of the queue
 and are sent again in a new packet, coalesced with whatever else is due. A
-message is acknowledged when any packet carrying it is.
+message is acknowledged when any packet carrying it is. Duplicate packets are
+dropped by the packet-level window kept here; duplicate messages by their
+sequence numbers (``receiving``).
 
-The receiver orders reliable messages per channel by a 16-bit per-channel
-sequence number, buffering what arrives early (bounded by
-``Config.recv_buffer_bytes``), so a loss on one channel never holds up another.
-Duplicate packets are dropped by the packet-level window; duplicate messages by
-the channel sequence. Unreliable messages are never resent, and the packet
-window keeps them from ever being delivered twice.
+The data path, one module per idea::
 
-The other delivery modes (see ``wire.Delivery`` and docs/protocol.md) each have
-their own sequence space: sequenced modes keep the newest number delivered per
-channel and drop anything older; reliable-unordered and dependency-ordered
-messages share the connection's graph ids, which the receiver runs as soon as
-every id they depend on has run, while the sender keeps its own copy of the
-graph so that only dependencies the receiver may not have executed travel.
-Reliable messages larger than a datagram are split into fragments, each an
-ordinary reliable message of its mode, and reassembled within a reserved budget.
+    send()  -> sending.Sender           queues, delivery modes, fragmentation, OutMessage
+            -> packet_builder           fills each datagram from the queues, acks, redundancy
+            -> recovery.PacketRecovery  RTT, loss detection (tells us each packet's fate)
+               congestion               how many bytes may be in flight
+    DATA    -> Connection._receive_data packet window, flow control, acknowledgments
+            -> receiving.Receiver       reorder buffers, sequenced modes, reassembly, delivery
+               graph                    the dependency graph, both sides
+    events, flush requests, our end     -> sink.EndpointSink (the endpoint's)
+
+This module keeps what belongs to the connection as a whole: the handshake,
+the lifecycle and its state machine, the timers, flow control and the
+packet-level receive window, and the glue that tells each part what happened.
 
 Flow control: a receiver whose application is not keeping up calls
 ``pause_receiving()``, which sends PAUSE; the peer then sends no new reliable
@@ -49,6 +50,11 @@ All state transitions happen in ``_set_state``; the states are::
 
 Sequence numbers are unwrapped into unbounded ints on arrival (``seqnum``), so
 wraparound is handled in one place.
+
+Judgement call: the parts are separate objects that own their state, as in
+aioquic, and the connection holds one of each. A few of their counters and
+tables are also readable here under their historical names (the properties at
+the end): they are the invariants a test checks after a connection ends.
 """
 
 from __future__ import annotations
@@ -56,54 +62,51 @@ from __future__ import annotations
 import enum
 import random
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Final
 
 from rudp import wire
-from rudp.config import REDUNDANT_FRAME_MAX, Config
-from rudp.errors import ConnectionClosed, LocalProtocolError, MessageTooLarge, SendQueueFull
-from rudp.events import (
-    Connected,
-    Disconnected,
-    DisconnectReason,
-    Event,
-    MessageAcked,
-    MessageReceived,
-)
-from rudp.recovery import (
-    ACKED,
-    FAILED,
-    QUEUED,
-    SENT,
-    SUPERSEDED,
-    CongestionController,
-    GraphNode,
-    OutMessage,
-    RttEstimator,
-    SentPacket,
-)
-from rudp.seqnum import SEQ_MASK, seq_diff, unwrap
+from rudp.config import Config
+from rudp.congestion import CongestionController
+from rudp.errors import ConnectionClosed, LocalProtocolError
+from rudp.events import Connected, Disconnected, DisconnectReason
+from rudp.graph import Waiting
+from rudp.packet_builder import PacketBuilder
+from rudp.receiving import NO_BUFFER as NO_BUFFER
+from rudp.receiving import Partial, Receiver, Whole
+from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
+from rudp.sending import OutMessage, Sender
+from rudp.seqnum import unwrap
+from rudp.sink import EndpointSink
 from rudp.stats import ConnectionStats
-from rudp.wire import Delivery, DropReason, FrameExtra
+from rudp.wire import (
+    ACK_SPAN,
+    DEPENDENCY_ORDERED,
+    GRAPH,
+    RELIABLE_ORDERED,
+    RELIABLE_SEQUENCED,
+    UNRELIABLE,
+    UNRELIABLE_SEQUENCED,
+    Delivery,
+    DropReason,
+)
+
+# The delivery modes as plain ints are the connection's vocabulary too.
+__all__ = [
+    "DEPENDENCY_ORDERED",
+    "GRAPH",
+    "NO_BUFFER",
+    "RELIABLE_ORDERED",
+    "RELIABLE_SEQUENCED",
+    "UNRELIABLE",
+    "UNRELIABLE_SEQUENCED",
+    "Address",
+    "Connection",
+    "State",
+]
 
 Address = tuple[Any, ...]
-# Module constants are ``Final``: compiled with mypyc, a literal one is inlined and any
-# other is a C static, where a plain module global costs a dict lookup per use.
-ACK_SPAN: Final = 32  # a header acknowledges its largest packet and this many before it
 NOCONN_SPAN: Final = 4096  # a NOCONN must echo one of our last few thousand packets
-BUFFER_ENTRY_COST: Final = 64  # bytes charged per buffered message besides its payload
-LOST_MEMORY: Final = 1024  # packets declared lost that are remembered to detect spurious losses
-MAX_REORDER_THRESHOLD: Final = 256
-# Delivery modes as plain ints (``OutMessage.mode`` and frame modes are ints): comparing
-# an int with an IntEnum member is a generic rich comparison, with another int one
-# machine instruction.
-UNRELIABLE: Final = 0
-RELIABLE_ORDERED: Final = 1
-UNRELIABLE_SEQUENCED: Final = 2
-GRAPH: Final = 3  # wire mode of reliable-unordered and dependency-ordered
-RELIABLE_SEQUENCED: Final = 4
-DEPENDENCY_ORDERED: Final = 5
-RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
 
 
 class State(enum.Enum):
@@ -129,66 +132,6 @@ _TRANSITIONS = {
 }
 
 
-class _Partial:
-    """A fragmented message being reassembled."""
-
-    __slots__ = ("channel", "chunks", "count", "deps", "have", "reserved", "size", "total")
-
-    def __init__(self, count: int, total: int, channel: int) -> None:
-        self.reserved = 0
-        self.count = count
-        self.total = total
-        self.channel = channel
-        self.chunks: list[bytes | None] = [None] * count
-        self.have = 0
-        self.size = 0
-        self.deps: tuple[int, ...] = ()
-
-
-PARTIAL_COST: Final = 256  # bytes charged per reassembly besides its data and chunk slots
-
-
-def _reservation(more: FrameExtra) -> int:
-    """What a fragmented message holds of the reassembly budget: its size, plus its
-    bookkeeping, so that many tiny "messages" cannot hold memory for free."""
-    return more.total + PARTIAL_COST + 8 * more.parts
-
-
-class _Whole:
-    """A reassembled message: ``span`` sequence numbers, ``reserved`` bytes of the
-    reassembly budget held until it is delivered."""
-
-    __slots__ = ("data", "deps", "reserved", "span")
-
-    def __init__(self, data: bytes, span: int, reserved: int, deps: tuple[int, ...]) -> None:
-        self.data = data
-        self.span = span
-        self.reserved = reserved
-        self.deps = deps
-
-
-# The reorder buffer of every channel that has nothing buffered: never written (the
-# two places that buffer a message give the channel a dict of its own first), so an
-# idle connection's 32 channels share one empty dict instead of holding 32.
-NO_BUFFER: Final[dict[int, bytes | _Whole]] = {}
-
-
-class _Waiting:
-    """A received graph message waiting for its dependencies."""
-
-    __slots__ = ("arrived", "channel", "data", "reserved", "span", "waiting")
-
-    def __init__(
-        self, data: bytes, channel: int, span: int, reserved: int, waiting: int, arrived: float
-    ) -> None:
-        self.data = data
-        self.channel = channel
-        self.span = span
-        self.reserved = reserved
-        self.waiting = waiting
-        self.arrived = arrived
-
-
 class Connection:
     """The protocol core of one connection. Created by ``Endpoint``."""
 
@@ -201,9 +144,7 @@ class Connection:
         rng: random.Random,
         client: bool,
         salt: int,
-        events: deque[tuple[Connection, Event]] | None = None,
-        dirty: set[Connection] | None = None,
-        on_closed: Callable[[Connection], None] | None = None,
+        sink: EndpointSink | None = None,
     ) -> None:
         self.config = config
         self.address = address
@@ -213,66 +154,27 @@ class Connection:
         self.state = CONNECTING
         self.stats = ConnectionStats()
         self.close_reason: Disconnected | None = None
-        self._events: deque[tuple[Connection, Event]] = deque() if events is None else events
-        self._dirty: set[Connection] = set() if dirty is None else dirty
-        self._on_closed = on_closed
+        # Where events, flush requests and our end go: the endpoint's (see ``sink``).
+        self._sink = EndpointSink() if sink is None else sink
         self._rtt = RttEstimator(config)
         self.stats.rtt = self._rtt
         self._cc = CongestionController(config)
         self.stats.cc = self._cc
-        self._probe_due = False  # a resend timeout's probe may exceed the congestion window
-        self.armed: float | None = None  # the endpoint's timer bookkeeping
-        # -- send side
         self._isn = rng.getrandbits(16)
         self.peer_isn = -1  # the peer's initial sequence number, once connected
-        self._tx_next = self._isn
-        self._sent: dict[int, SentPacket] = {}
-        self._in_flight = 0
-        self._largest_acked = self._isn - 1
-        self._loss_time: float | None = None
-        self._last_probe = 0.0  # when the resend timer last fired
-        self._reorder_threshold = config.reorder_threshold  # widened by spurious losses
-        self._lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
-        self._lost_max = -1  # the newest packet ever declared lost
-        self._rel_queue: deque[OutMessage] = deque()
-        self._unrel_queue: deque[OutMessage] = deque()
-        self._retx: deque[OutMessage] = deque()
-        self._control: list[bytes] = []
-        self._ping = False
-        self._ack_pending = False
-        # Oldest ack-eliciting packet received since our last packet reported the receive
-        # window, and ack-only packets built early because it was about to leave the 33
-        # packets one header can acknowledge (see ``receive_data``).
-        self._ack_low: int | None = None
-        self._early_acks: list[bytes] = []
-        self._queued = 0  # messages not yet sent, plus reliable ones not yet acked
-        self._unacked_reliable = 0
-        self._tx_ch_next = [0] * config.channels
-        # Reliable-ordered messages sent on each channel and not all acknowledged yet,
-        # oldest first; a channel's deque is created by its first such message (32
-        # empty deques would be most of an idle connection's memory).
-        self._tx_ch_unacked: list[deque[OutMessage] | None] = [None] * config.channels
-        self._tx_useq = [0] * config.channels  # unreliable-sequenced numbers
-        self._tx_rseq = [0] * config.channels  # reliable-sequenced numbers
-        self._tx_rseq_last: list[OutMessage | None] = [None] * config.channels
-        self._tx_gid = 0  # next dependency-graph id
-        self._tx_graph: deque[OutMessage] = deque()  # graph messages not known executed
-        self._recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
-        self._redundancy = config.redundancy
+        # -- the parts of the data path
+        self._sender = Sender(self, self._sink, self.stats, config)
+        self._recovery = PacketRecovery(self, config, self.stats, self._rtt, self._cc, self._isn)
+        self._builder = PacketBuilder(
+            self, self._sender, self._recovery, self._cc, self.stats, config, self._isn, now
+        )
+        self._receiver = Receiver(self, self._sink.events, self.stats, config)
         self._clock = now  # the latest time the core was given
-        self._last_eliciting = now
-        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
-        self._max_single = self._max_payload - wire.MESSAGE_OVERHEAD
-        self._max_message = config.max_message_size
-        self._channels = config.channels
-        self._window = config.channel_window
-        self._queue_limit = config.send_queue_limit
         # Config values read per packet, copied into native attributes (see RttEstimator).
         self._idle_timeout = config.idle_timeout
         self._keepalive_interval = config.keepalive_interval
-        self._packet_window = config.window
-        self._unreliable_max_age = config.unreliable_max_age
-        # -- receive side
+        self._byte_window = config.recv_buffer_bytes
+        # -- the packet-level receive window
         self._rx_largest = 0
         self._rx_bits = 0  # bit i: packet (largest - i) was received
         # Packets remembered for duplicate detection; older ones are dropped as
@@ -280,28 +182,6 @@ class Connection:
         # so reordering within a full window is never mistaken for staleness.
         self._rx_window = max(1024, 2 * config.window)
         self._rx_mask = (1 << self._rx_window) - 1
-        self._rx_ch_next = [0] * config.channels
-        self._rx_ch_buf: list[dict[int, bytes | _Whole]] = [NO_BUFFER] * config.channels
-        self._rx_buffered_bytes = 0
-        self._rx_useq_last = [-1] * config.channels  # newest sequenced number delivered
-        self._rx_rseq_last = [-1] * config.channels
-        self._rx_rseq_floor = [0] * config.channels  # base of the newest message started
-        # The dependency graph: every id below ``_rx_g_low`` was executed; ``_rx_g_done``
-        # holds executed ids above it, ``_rx_g_nodes`` the messages waiting for
-        # dependencies (in arrival order), ``_rx_g_waiters`` who waits for which id.
-        self._rx_g_low = 0
-        self._rx_g_done: set[int] = set()
-        self._rx_g_nodes: dict[int, _Waiting] = {}
-        self._rx_g_waiters: dict[int, list[int]] = {}
-        self._rx_parts: dict[tuple[int, int, int], _Partial] = {}
-        self._rx_reassembly_bytes = 0
-        self._max_reassembly = config.max_reassembly_bytes
-        # Reliable bytes sent and not yet acknowledged that could sit in the peer's
-        # reorder buffer: kept below the buffer's size, so that an honest peer's packets
-        # are never refused for want of room (which could stall a channel head).
-        self._unacked_bytes = 0
-        self._byte_window = config.recv_buffer_bytes
-        self._max_fragments = config.max_fragments
         self._last_recv = now
         # -- handshake and close
         self._cookie = b""
@@ -310,7 +190,7 @@ class Connection:
         self._send_connect = client
         self._connect_deadline = now + config.connect_timeout
         self._next_connect = now + config.connect_retry_interval
-        self.accept_datagram = b""  # server side: the ACCEPT, resent on duplicate CONNECTs
+        self._accept_datagram = b""  # our ACCEPT, if we answered a CONNECT (see _answer_connect)
         self._close_code = 0
         self._close_text = ""
         self._disconnect_queued = False
@@ -318,8 +198,6 @@ class Connection:
         # -- flow control (PAUSE / RESUME)
         self.receiving_paused = False  # we asked the peer to stop sending reliable messages
         self.peer_paused = False  # the peer asked us to
-        self._flow_frame = b""  # PAUSE or RESUME waiting to go out
-        self._flow_seq = -1  # the packet that carried our latest PAUSE or RESUME
         self._peer_flow_seq = -1  # the newest packet whose PAUSE or RESUME we applied
         self._pause_budget = 0  # datagram bytes with messages still accepted while paused
 
@@ -332,18 +210,18 @@ class Connection:
     @property
     def queued(self) -> int:
         """Messages not yet sent plus reliable messages not yet acknowledged."""
-        return self._queued
+        return self._sender.queued
 
     @property
     def max_message_size(self) -> int:
         """The largest reliable message (``Config.max_message_size``)."""
-        return self._max_message
+        return self.config.max_message_size
 
     @property
     def max_datagram_payload(self) -> int:
         """The largest message sent in one datagram: the limit for unreliable
         messages; a larger reliable one is fragmented."""
-        return self._max_single
+        return self._sender.max_single
 
     def send(
         self,
@@ -366,221 +244,7 @@ class Connection:
         """
         if self.state is not CONNECTED:
             self._check_can_send()
-        if type(data) is not bytes:
-            data = _as_bytes(data)
-        if channel and not 0 < channel < self._channels:
-            raise LocalProtocolError(f"channel must be in [0, {self._channels}), got {channel}")
-        if self._queued >= self._queue_limit:
-            raise SendQueueFull(
-                f"send queue is full ({self._queued} messages); await drain() before sending"
-            )
-        if delivery is not None or depends_on is not None:
-            return self._send_mode(data, channel, reliable, delivery, depends_on, now)
-        if reliable:
-            if len(data) > self._max_single:
-                return self._send_fragmented(data, RELIABLE_ORDERED, channel, ())
-            seq = self._tx_ch_next[channel]
-            self._tx_ch_next[channel] = seq + 1
-            msg = OutMessage(
-                data, RELIABLE_ORDERED, channel, seq, wire.reliable_frame(channel, seq, data)
-            )
-            self._rel_queue.append(msg)
-            self._unacked_on(channel).append(msg)
-            self._unacked_reliable += 1
-        else:
-            self._check_unfragmented(data)
-            msg = OutMessage(data, UNRELIABLE, channel, 0, wire.unreliable_frame(channel, data))
-            msg.queued_at = now
-            self._unrel_queue.append(msg)
-        self._queued += 1
-        self._dirty.add(self)
-        return msg
-
-    def _check_unfragmented(self, data: bytes) -> None:
-        if len(data) > self._max_single:
-            raise MessageTooLarge(
-                f"unreliable message of {len(data)} bytes exceeds the {self._max_single}-byte "
-                "datagram payload (unreliable messages are never fragmented; send it reliably)"
-            )
-
-    def _send_mode(
-        self,
-        data: bytes,
-        channel: int,
-        reliable: bool,
-        delivery: Delivery | int | None,
-        depends_on: Iterable[OutMessage] | None,
-        now: float | None,
-    ) -> OutMessage:
-        try:
-            kind = Delivery.DEPENDENCY_ORDERED if delivery is None else Delivery(delivery)
-        except ValueError:
-            raise LocalProtocolError(f"unknown delivery mode {delivery!r}") from None
-        mode = int(kind)
-        if depends_on is not None and mode != DEPENDENCY_ORDERED:
-            raise LocalProtocolError(
-                f"depends_on needs delivery=DEPENDENCY_ORDERED, not {kind.name}"
-            )
-        unreliable = mode in (UNRELIABLE, UNRELIABLE_SEQUENCED)
-        if not reliable and not unreliable:
-            raise LocalProtocolError(f"reliable=False contradicts delivery={kind.name}")
-        if mode in (UNRELIABLE, RELIABLE_ORDERED):
-            return self.send(data, reliable=mode == RELIABLE_ORDERED, channel=channel, now=now)
-        if mode == UNRELIABLE_SEQUENCED:
-            self._check_unfragmented(data)
-            # Numbered when it goes out (see _take_unreliable); the frame has its size.
-            msg = OutMessage(data, mode, channel, 0, wire.message_frame(mode, channel, 0, data))
-            msg.queued_at = now
-            self._unrel_queue.append(msg)
-            self._queued += 1
-            self._dirty.add(self)
-            return msg
-        if mode == RELIABLE_SEQUENCED:
-            previous = self._tx_rseq_last[channel]
-            if previous is not None and previous.state <= SENT:
-                pieces = previous.fragments or (previous,)
-                if all(p.state == QUEUED for p in pieces):
-                    # None of its numbers reached the wire: reuse them, so the receiver
-                    # never sees a jump of 32768 or more (which reads as "older").
-                    self._tx_rseq[channel] = previous.seq
-                self._supersede(previous)
-            msg = self._send_reliable(data, mode, channel, ())
-            self._tx_rseq_last[channel] = msg
-            return msg
-        deps = self._pending_deps(depends_on) if depends_on is not None else []
-        msg = self._send_reliable(data, GRAPH, channel, tuple(d.seq for d in deps))
-        node = GraphNode(msg.seq, self)
-        node.waiting = len(deps)
-        node.deps = deps
-        msg.graph = node
-        for dep in deps:
-            dep.graph.dependents.append(msg)  # type: ignore[union-attr]
-        self._tx_graph.append(msg)
-        return msg
-
-    def _pending_deps(self, depends_on: Iterable[OutMessage]) -> list[OutMessage]:
-        """The dependencies the peer may not have executed yet; the others cost nothing."""
-        if isinstance(depends_on, OutMessage):
-            raise LocalProtocolError("depends_on takes a list of handles, not a single handle")
-        pending: list[OutMessage] = []
-        for dep in depends_on:
-            node = dep.graph if isinstance(dep, OutMessage) else None
-            if node is None or node.owner is not self:
-                raise LocalProtocolError(
-                    "depends_on takes handles that send() returned on this connection for "
-                    f"RELIABLE_UNORDERED or DEPENDENCY_ORDERED messages, got {dep!r}"
-                )
-            if not node.executed and dep not in pending:
-                pending.append(dep)
-        if len(pending) > wire.MAX_DEPS:
-            raise LocalProtocolError(
-                f"a message can wait for at most {wire.MAX_DEPS} unacknowledged messages, "
-                f"got {len(pending)}"
-            )
-        return pending
-
-    def _send_reliable(
-        self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
-    ) -> OutMessage:
-        """Queue a graph or reliable-sequenced message, fragmented if it needs to be."""
-        size = wire.message_frame_size(mode, channel, len(data), deps=len(deps))
-        if size > self._max_payload:
-            return self._send_fragmented(data, mode, channel, deps)
-        seq = self._next_seq(mode, channel, 1)
-        frame = wire.message_frame(mode, channel, seq, data, deps=deps)
-        msg = OutMessage(data, mode, channel, seq, frame)
-        self._rel_queue.append(msg)
-        self._unacked_reliable += 1
-        self._queued += 1
-        self._dirty.add(self)
-        return msg
-
-    def _next_seq(self, mode: int, channel: int, n: int) -> int:
-        """Take ``n`` consecutive numbers from the mode's sequence space."""
-        if mode == RELIABLE_ORDERED:
-            seq = self._tx_ch_next[channel]
-            self._tx_ch_next[channel] = seq + n
-        elif mode == GRAPH:
-            seq = self._tx_gid
-            self._tx_gid = seq + n
-        else:
-            seq = self._tx_rseq[channel]
-            self._tx_rseq[channel] = seq + n
-        return seq
-
-    def _unacked_on(self, channel: int) -> deque[OutMessage]:
-        """The channel's reliable-ordered messages not all acknowledged, created on use."""
-        unacked = self._tx_ch_unacked[channel]
-        if unacked is None:
-            unacked = self._tx_ch_unacked[channel] = deque()
-        return unacked
-
-    def _send_fragmented(
-        self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
-    ) -> OutMessage:
-        """Split a reliable message into fragments with consecutive sequence numbers.
-
-        The handle returned is a parent that is never sent itself; each fragment
-        is an ordinary reliable message of the same mode, resent on its own.
-        """
-        total = len(data)
-        if total > self._max_message:
-            raise MessageTooLarge(
-                f"message of {total} bytes exceeds Config.max_message_size ({self._max_message})"
-            )
-        step = self.config.fragment_payload
-        first = step - (1 + 2 * len(deps) if deps else 0)
-        chunks = [data[:first]]
-        chunks += [data[i : i + step] for i in range(first, total, step)]
-        count = len(chunks)
-        if self._queued + count > self._queue_limit:
-            raise SendQueueFull(
-                f"a {count}-fragment message does not fit the send queue ({self._queued} of "
-                f"{self._queue_limit} messages); await drain() before sending"
-            )
-        base = self._next_seq(mode, channel, count)
-        parent = OutMessage(data, mode, channel, base, b"")
-        parent.parts = count
-        fragments: list[OutMessage] = []
-        unacked = self._unacked_on(channel) if mode == RELIABLE_ORDERED else None
-        for index, chunk in enumerate(chunks):
-            seq = base + index
-            frame = wire.message_frame(
-                mode,
-                channel,
-                seq,
-                chunk,
-                deps=deps if index == 0 else (),
-                fragment=(index, count, total),
-            )
-            fragment = OutMessage(chunk, mode, channel, seq, frame)
-            fragment.parent = parent
-            fragments.append(fragment)
-        if unacked is not None:
-            # The whole message: the receiver waits at its first sequence number until
-            # its last fragment arrives, so the window counts from there.
-            unacked.append(parent)
-        parent.fragments = fragments
-        self._rel_queue.extend(fragments)
-        self._unacked_reliable += count
-        self._queued += count
-        self._dirty.add(self)
-        return parent
-
-    def _supersede(self, msg: OutMessage) -> None:
-        """A newer reliable-sequenced message replaces ``msg``: never send it again."""
-        pieces = msg.fragments if msg.fragments is not None else [msg]
-        dropped = 0
-        for piece in pieces:
-            if piece.state <= SENT:
-                piece.state = SUPERSEDED
-                dropped += 1
-        self._queued -= dropped
-        self._unacked_reliable -= dropped
-        msg.state = SUPERSEDED
-        self.stats.messages_superseded += 1
-        if msg.notify:
-            self._events.append((self, MessageAcked(msg)))
+        return self._sender.send(data, reliable, channel, delivery, depends_on, now)
 
     def _check_can_send(self) -> None:
         if self.state is CONNECTING:
@@ -600,7 +264,7 @@ class Connection:
         elif self.state is CONNECTED:
             self._close_code, self._close_text = code, text
             self._set_state(CLOSING)
-            self._dirty.add(self)  # queued unreliable messages go first, then DISCONNECT
+            self._sink.dirty[self] = None  # queued unreliable messages go first, then DISCONNECT
             if self.peer_paused:
                 # What is queued may never be taken: a close must still end.
                 self._deadline = now + self.config.close_timeout
@@ -619,21 +283,19 @@ class Connection:
         self.receiving_paused = True
         self._pause_budget = self._byte_window
         self.stats.receive_pauses += 1
-        self._flow_frame = wire.PAUSE_FRAME
-        self._dirty.add(self)
+        self._builder.flow_frame = wire.PAUSE_FRAME
+        self._sink.dirty[self] = None
 
     def resume_receiving(self) -> None:
         """Let the peer send messages again (undoes ``pause_receiving()``)."""
         if not self.receiving_paused:
             return
         self.receiving_paused = False
-        self._flow_frame = wire.RESUME_FRAME
-        self._dirty.add(self)
+        self._builder.flow_frame = wire.RESUME_FRAME
+        self._sink.dirty[self] = None
         # While paused we may have refused the very dependencies these wait for: their
         # dependency_timeout counts from now, not from their arrival.
-        clock = self._clock
-        for node in self._rx_g_nodes.values():
-            node.arrived = max(node.arrived, clock)
+        self._receiver.graph.restart_clocks(self._clock)
 
     def abort(
         self, reason: DisconnectReason = DisconnectReason.ABORTED, *, by_peer: bool = False
@@ -654,21 +316,19 @@ class Connection:
         if state is DRAINING:
             return self._deadline
         t = self._last_recv + self._idle_timeout
-        if self._sent:
-            t = min(t, self._probe_deadline())
-            if self._loss_time is not None:
-                t = min(t, self._loss_time)
-        elif not self._ping:  # a pending PING goes out with the next flush
-            t = min(t, self._last_eliciting + self._keepalive_interval)
+        recovery = self._recovery
+        if recovery.sent:
+            t = min(t, recovery.probe_deadline())
+            if recovery.loss_time is not None:
+                t = min(t, recovery.loss_time)
+        elif not self._builder.ping:  # a pending PING goes out with the next flush
+            t = min(t, self._builder.last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
-        if self._rx_g_nodes and not self.receiving_paused:
-            t = min(t, self._dependency_deadline())
+        graph = self._receiver.graph
+        if graph.nodes and not self.receiving_paused:
+            t = min(t, graph.deadline(self.config.dependency_timeout))
         return t
-
-    def _dependency_deadline(self) -> float:
-        oldest = next(iter(self._rx_g_nodes.values()))
-        return oldest.arrived + self.config.dependency_timeout
 
     def handle_timer(self, now: float) -> None:
         self._clock = now
@@ -685,8 +345,9 @@ class Connection:
         """Everything due now, coalesced into as few datagrams as possible."""
         self._clock = now
         out: list[bytes] = []
-        if self.state is CONNECTING:
-            for msg in self._unrel_queue:
+        state = self.state
+        if state is CONNECTING:
+            for msg in self._sender.unrel_queue:
                 if msg.queued_at is None:  # sent without a time: it ages from now
                     msg.queued_at = now
             if self._send_connect:
@@ -699,13 +360,16 @@ class Connection:
                     wire.encode_connect(self.salt, self._isn, self._cookie, cfg.max_datagram_size)
                 )
             return out
-        if self.state is CLOSED:
+        if state is CLOSED:
             return out
-        if self._early_acks:
-            out.extend(self._early_acks)
-            self._early_acks.clear()
+        builder = self._builder
+        if builder.early_acks:
+            out.extend(builder.early_acks)
+            builder.early_acks.clear()
+        closing = state is CLOSING
+        draining = state is DRAINING
         while True:
-            datagram = self._build_packet(now)
+            datagram = builder.build(now, closing, draining)
             if datagram is None:
                 break
             out.append(datagram)
@@ -714,25 +378,25 @@ class Connection:
             self.stats.bytes_sent += sum(map(len, out))
         return out
 
-    # -- handshake (called by the endpoint) ----------------------------------------------
+    # -- the endpoint's interface: handshake and DATA --------------------------------------
 
-    def nudge_connect(self) -> None:
+    def _nudge_connect(self) -> None:
         """The server is already sending us data: our ACCEPT was lost or overtaken,
         so ask again now rather than at the next retry."""
         if self.state is CONNECTING and self._cookie:
             self._send_connect = True
-            self._dirty.add(self)
+            self._sink.dirty[self] = None
 
-    def receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
+    def _receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
         if self.state is not CONNECTING or challenge.salt != self.salt:
             return DropReason.UNEXPECTED
         self._cookie = challenge.cookie
         self._cookie_connects = 0
         self._send_connect = True
-        self._dirty.add(self)
+        self._sink.dirty[self] = None
         return None
 
-    def receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
+    def _receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
         if accept.salt != self.salt:
             return DropReason.UNEXPECTED
         if self.state is not CONNECTING:
@@ -741,41 +405,44 @@ class Connection:
             # One CONNECT, one ACCEPT: an unambiguous first RTT sample (Karn's rule),
             # so the first data packet does not wait on rto_initial.
             self._rtt.on_sample(now - self._cookie_connect_at)
-        self.establish(accept.token, accept.isn, now)
+        self._establish(accept.token, accept.isn, now)
         return None
 
-    def receive_reject(self, reject: wire.Reject) -> DropReason | None:
+    def _receive_reject(self, reject: wire.Reject) -> DropReason | None:
         if self.state is not CONNECTING or reject.salt != self.salt:
             return DropReason.UNEXPECTED
         self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
         return None
 
-    def answer_connect(self, salt: int, token: int, peer_isn: int, now: float) -> None:
+    def _answer_connect(self, salt: int, token: int, peer_isn: int, now: float) -> bytes:
         """The endpoint accepted the peer's CONNECT into this connection: a new one, or
         ours in a simultaneous open that the peer's handshake won (our own CONNECTs
         stop; the connection takes the peer's salt, so a duplicate of its CONNECT gets
-        the ACCEPT again)."""
+        the ACCEPT again). Returns the ACCEPT to send; ``_accept_datagram`` keeps it."""
+        self._accept_datagram = wire.encode_accept(salt, token, self._isn)
         self.salt = salt
         self._send_connect = False
         self._cookie = b""
-        self.establish(token, peer_isn, now)
+        self._establish(token, peer_isn, now)
+        return self._accept_datagram
 
-    def establish(self, token: int, peer_isn: int, now: float) -> None:
+    def _establish(self, token: int, peer_isn: int, now: float) -> None:
         """Handshake done: both sides know the token and each other's first sequence."""
         self.token = token
         self.peer_isn = peer_isn
         self._rx_largest = peer_isn - 1
         self._last_recv = now
-        self._last_eliciting = now
+        self._builder.last_eliciting = now
         self._set_state(CONNECTED)
-        self._events.append((self, Connected()))
-        self._dirty.add(self)
+        self._sink.events.append((self, Connected()))
+        self._sink.dirty[self] = None
 
-    def receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
+    def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it echoes
         a packet we really sent, so an off-path attacker can't end connections."""
-        seq = unwrap(noconn.seq, self._tx_next - 1)
-        if self.state is CONNECTING or not self._tx_next - NOCONN_SPAN <= seq < self._tx_next:
+        tx_next = self._builder.tx_next
+        seq = unwrap(noconn.seq, tx_next - 1)
+        if self.state is CONNECTING or not tx_next - NOCONN_SPAN <= seq < tx_next:
             return DropReason.UNEXPECTED
         if self.state is CLOSING and self._disconnect_queued:
             # The peer already forgot us: our DISCONNECT has nothing left to do.
@@ -786,9 +453,7 @@ class Connection:
             self._end(DisconnectReason.NO_CONNECTION, 0, "", by_peer=True)
         return None
 
-    # -- receive path -------------------------------------------------------------------------
-
-    def receive_data(
+    def _receive_data(
         self, data: bytes, seq16: int, ack16: int, ack_bits: int, now: float
     ) -> DropReason | None:
         """Process one DATA packet whose CRC and token the endpoint checked."""
@@ -804,6 +469,7 @@ class Connection:
                 return DropReason.DUPLICATE
         frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
         self._clock = now
+        receiver = self._receiver
         flow = frames.flow
         if flow != wire.NO_FLOW and seq > self._peer_flow_seq and state is not DRAINING:
             # Applied even from a packet refused below: a RESUME that travels with
@@ -811,22 +477,23 @@ class Connection:
             self._peer_flow_seq = seq
             self._on_peer_flow(flow == 1, now)
         if frames.special and state is not DRAINING:
-            reason = self._check_special(frames.messages)
+            reason = receiver.check_fragments(frames.messages)
             if reason is not None:
                 return reason
         if frames.messages:
-            if not self._can_buffer(frames.messages, len(data)):
+            if not receiver.can_buffer(frames.messages, len(data)):
                 return DropReason.RECV_BUFFER_FULL
             if self.receiving_paused and state is not DRAINING:
                 if len(data) > self._pause_budget:
                     return DropReason.RECV_QUEUE_FULL
                 self._pause_budget -= len(data)
-        low = self._ack_low
+        builder = self._builder
+        low = builder.ack_low
         if low is not None and seq - low > ACK_SPAN:
             # A header acknowledges its largest packet and the 32 before it. When more than
             # that arrive between two flushes (one socket read drains up to 256 datagrams),
             # acknowledge the older ones now, or the sender would declare them lost and resend.
-            self._early_acks.append(self._ack_only_packet())
+            builder.early_acks.append(builder.ack_only())
         if delta > 0:
             self._rx_bits = ((self._rx_bits << delta) | 1) & self._rx_mask
             self._rx_largest = seq
@@ -836,25 +503,34 @@ class Connection:
         stats.packets_received += 1
         stats.bytes_received += len(data)
         self._last_recv = now
-        self._process_ack(ack16, ack_bits, now)
+        if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next):
+            sender = self._sender
+            if sender.rel_queue or sender.retx:
+                # The ack opened the window: what waited for room can go out now, not at the
+                # next timer (an ack-only packet does not otherwise schedule a flush).
+                self._sink.dirty[self] = None
+            if self.state is CLOSING:
+                self._maybe_send_disconnect(now)
         if self.state is CLOSED:  # that ack completed our close
             return None
         eliciting = frames.ping or frames.disconnect is not None or flow != wire.NO_FLOW
         if frames.messages and state is not DRAINING:
-            eliciting = self._deliver(frames.messages, now) or eliciting
-            if self.close_reason is not None:  # the peer broke the protocol
+            eliciting = receiver.deliver(frames.messages, now) or eliciting
+            violation = receiver.graph.violation
+            if violation:  # the peer broke the protocol
+                self._protocol_error(violation)
                 return None
         elif frames.messages:
             eliciting = True
         if eliciting:
-            self._ack_pending = True
-            self._dirty.add(self)
-            low = self._ack_low
+            builder.ack_pending = True
+            self._sink.dirty[self] = None
+            low = builder.ack_low
             if seq >= self._rx_largest - ACK_SPAN:
                 if low is None or seq < low:
-                    self._ack_low = seq
+                    builder.ack_low = seq
             else:
-                self._early_acks.append(self._ack_only_packet(about=seq))
+                builder.early_acks.append(builder.ack_only(about=seq))
         if frames.disconnect is not None:
             self._on_peer_disconnect(frames.disconnect, now)
         return None
@@ -868,936 +544,33 @@ class Connection:
             if self.state is CLOSING and self._deadline is None:
                 self._deadline = now + self.config.close_timeout
         else:
-            self._dirty.add(self)  # what waited goes out now
+            self._sink.dirty[self] = None  # what waited goes out now
             if self.state is CLOSING and not self._disconnect_queued:
                 self._deadline = None
-
-    def _can_buffer(self, messages: list[wire.MessageFrame], size: int) -> bool:
-        """Whether the packet's early reliable messages fit the reorder buffer.
-
-        A packet is accepted whole or not at all: acknowledging it while dropping a
-        message in it would lose that message for good. Each buffered message is
-        charged ``BUFFER_ENTRY_COST`` on top of its payload, so empty messages
-        cannot fill the buffer with entries for free. The common case, a packet
-        that fits even if every message in it were early, is decided at once.
-        """
-        limit = self._byte_window
-        if self._rx_buffered_bytes + size + BUFFER_ENTRY_COST * len(messages) <= limit:
-            return self._channels_ok(messages)
-        if not self._channels_ok(messages):
-            return False
-        # Replay the packet's in-order deliveries: a message right behind one that
-        # is delivered is not buffered, and buffered ones it releases free space.
-        # Counting them as early would refuse, forever, the very packet that
-        # unblocks the channel.
-        extra = 0
-        # (channel, first seq, span, cost if buffered): replayed in sequence order per
-        # channel, since a message later in the packet may release earlier ones.
-        ordered: list[tuple[int, int, int, int]] = []
-        for mode, channel, seq16, payload, more in messages:
-            if mode == GRAPH:
-                if more is not None and more.parts:
-                    continue
-                low = self._rx_g_low
-                gid = low + seq_diff(seq16, low & SEQ_MASK)
-                if gid < low or gid in self._rx_g_done or gid in self._rx_g_nodes:
-                    continue  # a copy of one already here: it costs nothing
-                if more is not None and self._graph_pending(more.deps):
-                    # It may wait for its dependencies (see _graph_arrive for the cost).
-                    extra += len(payload) + BUFFER_ENTRY_COST * (1 + len(more.deps))
-                else:
-                    extra -= self._graph_releases(gid)
-                continue
-            if mode != RELIABLE_ORDERED:
-                continue
-            expected = self._rx_ch_next[channel]
-            if more is not None and more.parts:
-                # Held in the reassembly budget; but the last missing fragment of a
-                # message completes it, and it may be the one the channel waits for.
-                key = self._fragment_key(mode, channel, seq16, more.part)
-                part = self._rx_parts.get(key) if key is not None else None
-                if (
-                    part is not None
-                    and part.have == part.count - 1
-                    and part.chunks[more.part] is None
-                ):
-                    ordered.append((channel, key[2], part.count, 0))  # type: ignore[index]
-                continue
-            ahead = self._ahead(seq16, expected)
-            if ahead == 0 or (ahead > 0 and expected + ahead not in self._rx_ch_buf[channel]):
-                ordered.append((channel, expected + ahead, 1, len(payload) + BUFFER_ENTRY_COST))
-        ordered = sorted(set(ordered))  # a message can be in a packet twice (redundancy)
-        running: dict[int, int] = {}
-        for channel, seq, span, cost in ordered:
-            expected = running.get(channel, self._rx_ch_next[channel])
-            if seq > expected:
-                extra += cost
-            elif seq == expected:
-                expected += span
-                buf = self._rx_ch_buf[channel]
-                while expected in buf:
-                    early = buf[expected]
-                    if isinstance(early, bytes):
-                        extra -= len(early) + BUFFER_ENTRY_COST
-                        expected += 1
-                    else:
-                        expected += early.span
-                running[channel] = expected
-        return self._rx_buffered_bytes + extra <= limit
-
-    def _graph_pending(self, deps: tuple[int, ...]) -> bool:
-        low = self._rx_g_low
-        done = self._rx_g_done
-        for dep16 in deps:
-            back = seq_diff(dep16, low & SEQ_MASK)
-            if back >= 0 and low + back not in done:
-                return True
-        return False
-
-    def _graph_releases(self, gid: int) -> int:
-        """Receive-buffer bytes freed by executing ``gid`` (one level, a lower bound)."""
-        freed = 0
-        left: dict[int, int] = {}
-        nodes = self._rx_g_nodes
-        for succ in self._rx_g_waiters.get(gid, ()):
-            node = nodes[succ]
-            if node.reserved:
-                continue
-            n = left[succ] = left.get(succ, node.waiting) - 1
-            freed += BUFFER_ENTRY_COST
-            if n == 0:
-                freed += len(node.data) + BUFFER_ENTRY_COST
-        return freed
-
-    def _ahead(self, seq16: int, expected: int) -> int:
-        """How far a reliable message is ahead of the next expected one; -1 if it is
-        a duplicate. Within ``channel_window`` only: an honest sender never runs
-        further ahead, so anything else is an old copy whose 16-bit number wrapped
-        (a long-delayed packet), and unwrapping it would deliver it in place of a
-        newer message."""
-        ahead = seq_diff(seq16, expected & SEQ_MASK)
-        return ahead if 0 <= ahead < self._window else -1
-
-    def _channels_ok(self, messages: list[wire.MessageFrame]) -> bool:
-        channels = self._channels
-        for m in messages:  # noqa: SIM110 (all() over a generator costs more per packet)
-            if m[1] >= channels:
-                return False
-        return True
-
-    def _deliver(self, messages: list[wire.MessageFrame], now: float) -> bool:
-        """Deliver or buffer each message; returns whether any was reliable."""
-        events = self._events
-        rx_next = self._rx_ch_next
-        delivered = 0
-        reliable_seen = False
-        for mode, channel, seq16, payload, more in messages:
-            if more is None:
-                if mode == UNRELIABLE:
-                    events.append((self, MessageReceived(payload, channel, False)))
-                    delivered += 1
-                    continue
-                if mode == RELIABLE_ORDERED:
-                    reliable_seen = True
-                    expected = rx_next[channel]
-                    if seq16 == expected & SEQ_MASK:  # the common case: next in order
-                        events.append((self, MessageReceived(payload, channel, True)))
-                        delivered += 1
-                        expected += 1
-                        buf = self._rx_ch_buf[channel]
-                        if buf:
-                            delivered += self._flush_buffered(channel, expected, buf)
-                        else:
-                            rx_next[channel] = expected
-                        continue
-                    ahead = self._ahead(seq16, expected)
-                    buf = self._rx_ch_buf[channel]
-                    if ahead > 0 and expected + ahead not in buf:
-                        if buf is NO_BUFFER:
-                            buf = self._rx_ch_buf[channel] = {}
-                        buf[expected + ahead] = payload
-                        self._rx_buffered_bytes += len(payload) + BUFFER_ENTRY_COST
-                    else:
-                        self.stats.duplicate_messages += 1
-                    continue
-            if mode != UNRELIABLE_SEQUENCED:
-                reliable_seen = True
-            if mode == GRAPH:
-                delivered += self._graph_receive(channel, seq16, payload, more, now)
-                if self.close_reason is not None:
-                    break  # the peer broke the protocol
-            elif mode == RELIABLE_ORDERED:
-                delivered += self._ordered_fragment(channel, seq16, payload, more)  # type: ignore[arg-type]
-            else:
-                delivered += self._sequenced(mode, channel, seq16, payload, more)
-        self.stats.messages_received += delivered
-        return reliable_seen
-
-    def _flush_buffered(self, channel: int, expected: int, buf: dict[int, bytes | _Whole]) -> int:
-        """Deliver the buffered messages that are now in order; returns how many."""
-        events = self._events
-        n = 0
-        while buf:
-            early = buf.pop(expected, None)
-            if early is None:
-                break
-            if isinstance(early, bytes):
-                self._rx_buffered_bytes -= len(early) + BUFFER_ENTRY_COST
-                events.append((self, MessageReceived(early, channel, True)))
-                expected += 1
-            else:
-                self._rx_reassembly_bytes -= early.reserved
-                events.append((self, MessageReceived(early.data, channel, True)))
-                expected += early.span
-            n += 1
-        self._rx_ch_next[channel] = expected
-        return n
-
-    # -- fragments, sequencing and the dependency graph (receive side) ---------------------
-
-    def _fragment_key(
-        self, mode: int, channel: int, seq16: int, index: int
-    ) -> tuple[int, int, int] | None:
-        """The reassembly key (mode, channel, first sequence number) of a fragment, or
-        None if its message was already delivered (a duplicate or a stale copy)."""
-        if mode == RELIABLE_ORDERED:
-            expected = self._rx_ch_next[channel]
-            ahead = self._ahead(seq16, expected)
-            base = expected + ahead - index
-            if ahead < 0 or base < expected or base in self._rx_ch_buf[channel]:
-                return None
-            return (mode, channel, base)
-        if mode == GRAPH:
-            low = self._rx_g_low
-            diff = seq_diff(seq16, low & SEQ_MASK)
-            base = low + diff - index
-            if not 0 <= diff < self._window or base < low:
-                return None
-            if base in self._rx_g_nodes or low + diff in self._rx_g_done:
-                return None
-            return (mode, 0, base)
-        last = self._rx_rseq_last[channel]
-        diff = seq_diff(seq16, (last + 1) & SEQ_MASK)
-        base = last + 1 + diff - index
-        if diff < 0 or base <= last or base < self._rx_rseq_floor[channel]:
-            return None
-        return (mode, channel, base)
-
-    def _check_special(self, messages: list[wire.MessageFrame]) -> DropReason | None:
-        """Check a packet's fragments before accepting it (all or nothing).
-
-        A fragment that disagrees with the rest of its message, or announces a
-        message larger than ``max_message_size``, is malformed. A fragment that
-        starts a message reserves its whole size in the reassembly budget; if
-        that does not fit, the packet is dropped unacknowledged and will be
-        resent, once messages already started have completed and freed room
-        (they always can: their room is reserved).
-        """
-        new_bytes = 0
-        head = False
-        starting: dict[tuple[int, int, int], tuple[int, int]] = {}
-        credited: set[tuple[int, int, int]] = set()
-        for mode, channel, seq16, payload, more in messages:
-            if more is None or not more.parts or channel >= self._channels:
-                continue
-            if more.total > self._max_message or len(payload) > more.total:
-                self.stats.fragments_dropped += 1
-                return DropReason.MALFORMED
-            key = self._fragment_key(mode, channel, seq16, more.part)
-            if key is None:
-                continue
-            part = self._rx_parts.get(key)
-            if part is None:
-                shape = starting.get(key)
-                if shape is None:
-                    starting[key] = (more.parts, more.total)
-                    new_bytes += _reservation(more)
-                    head = head or self._is_head(key)
-                    if mode == RELIABLE_SEQUENCED:
-                        for old in self._older_rs_parts(channel, key[2]):
-                            if old not in credited:
-                                credited.add(old)
-                                new_bytes -= self._rx_parts[old].reserved
-                elif shape != (more.parts, more.total):
-                    self.stats.fragments_dropped += 1
-                    return DropReason.MALFORMED
-            elif part.count != more.parts or part.total != more.total:
-                self.stats.fragments_dropped += 1
-                return DropReason.MALFORMED
-        if new_bytes > 0 and self._rx_reassembly_bytes + new_bytes > self._budget(head):
-            return DropReason.RECV_BUFFER_FULL
-        return None
-
-    def _budget(self, head: bool) -> int:
-        """The reassembly budget; one more largest message for the message every
-        other one waits for, which can always complete and be delivered."""
-        if not head:
-            return self._max_reassembly
-        return self._max_reassembly + self._max_message + PARTIAL_COST + 8 * self._max_fragments
-
-    def _is_head(self, key: tuple[int, int, int]) -> bool:
-        mode, channel, base = key
-        if mode == RELIABLE_ORDERED:
-            return base == self._rx_ch_next[channel]
-        if mode == GRAPH:
-            return base == self._rx_g_low
-        return True  # reliable-sequenced: delivered as soon as it completes
-
-    def _older_rs_parts(self, channel: int, base: int) -> list[tuple[int, int, int]]:
-        return [
-            k
-            for k in self._rx_parts
-            if k[0] == RELIABLE_SEQUENCED and k[1] == channel and k[2] < base
-        ]
-
-    def _assemble(
-        self, key: tuple[int, int, int], payload: bytes, more: FrameExtra, channel: int
-    ) -> _Whole | None:
-        """Add a fragment; the whole message once the last one is in, else None."""
-        parts = self._rx_parts
-        part = parts.get(key)
-        if part is None:
-            reserved = _reservation(more)
-            if key[0] == RELIABLE_SEQUENCED:
-                for old in self._older_rs_parts(channel, key[2]):
-                    self._rx_reassembly_bytes -= parts.pop(old).reserved
-                self._rx_rseq_floor[channel] = key[2]
-            if self._rx_reassembly_bytes + reserved > self._budget(self._is_head(key)):
-                # Not reserved by _check_special (it was outside the window then): only
-                # a hostile peer sends that.
-                self.stats.fragments_dropped += 1
-                return None
-            part = parts[key] = _Partial(more.parts, more.total, channel)
-            part.reserved = reserved
-            self._rx_reassembly_bytes += reserved
-        elif part.count != more.parts or part.total != more.total:
-            self.stats.fragments_dropped += 1
-            return None
-        if part.chunks[more.part] is not None:
-            self.stats.duplicate_messages += 1
-            return None
-        part.chunks[more.part] = payload
-        part.have += 1
-        part.size += len(payload)
-        if more.part == 0:
-            part.deps = more.deps
-        if part.have < part.count and part.size < part.total:
-            return None
-        del parts[key]
-        if part.have < part.count or part.size != part.total:
-            # The sizes of the fragments do not add up to the announced total.
-            self._rx_reassembly_bytes -= part.reserved
-            self.stats.fragments_dropped += part.have
-            return None
-        data = b"".join(part.chunks)  # type: ignore[arg-type]
-        return _Whole(data, part.count, part.reserved, part.deps)
-
-    def _ordered_fragment(self, channel: int, seq16: int, payload: bytes, more: FrameExtra) -> int:
-        key = self._fragment_key(RELIABLE_ORDERED, channel, seq16, more.part)
-        if key is None:
-            self.stats.duplicate_messages += 1
-            return 0
-        whole = self._assemble(key, payload, more, channel)
-        if whole is None:
-            return 0
-        base = key[2]
-        buf = self._rx_ch_buf[channel]
-        if base != self._rx_ch_next[channel]:
-            if buf is NO_BUFFER:
-                buf = self._rx_ch_buf[channel] = {}
-            buf[base] = whole  # complete, but earlier messages are still missing
-            return 0
-        self._rx_reassembly_bytes -= whole.reserved
-        self._events.append((self, MessageReceived(whole.data, channel, True)))
-        return 1 + self._flush_buffered(channel, base + whole.span, buf)
-
-    def _sequenced(
-        self, mode: int, channel: int, seq16: int, payload: bytes, more: FrameExtra | None
-    ) -> int:
-        """Unreliable- and reliable-sequenced: deliver only what is newer than the
-        newest delivered on the channel."""
-        lasts = self._rx_useq_last if mode == UNRELIABLE_SEQUENCED else self._rx_rseq_last
-        last = lasts[channel]
-        diff = seq_diff(seq16, (last + 1) & SEQ_MASK)
-        if diff < 0:
-            self.stats.stale_messages += 1
-            return 0
-        if more is not None and more.parts:
-            key = self._fragment_key(mode, channel, seq16, more.part)
-            if key is None:
-                self.stats.stale_messages += 1
-                return 0
-            whole = self._assemble(key, payload, more, channel)
-            if whole is None:
-                return 0
-            self._rx_reassembly_bytes -= whole.reserved
-            payload = whole.data
-            newest = key[2] + whole.span - 1
-        else:
-            newest = last + 1 + diff
-        lasts[channel] = newest
-        if self._rx_parts and mode == RELIABLE_SEQUENCED:
-            self._drop_superseded_parts(channel, newest)
-        self._events.append((self, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED)))
-        return 1
-
-    def _drop_superseded_parts(self, channel: int, newest: int) -> None:
-        """Incomplete reliable-sequenced messages older than one delivered are moot."""
-        for key in self._older_rs_parts(channel, newest + 1):
-            self._rx_reassembly_bytes -= self._rx_parts.pop(key).reserved
-
-    def _graph_receive(
-        self, channel: int, seq16: int, payload: bytes, more: FrameExtra | None, now: float
-    ) -> int:
-        """A reliable-unordered or dependency-ordered message (or fragment) arrived."""
-        low = self._rx_g_low
-        diff = seq_diff(seq16, low & SEQ_MASK)
-        if more is not None and more.parts:
-            key = self._fragment_key(GRAPH, channel, seq16, more.part)
-            if key is None:
-                self.stats.duplicate_messages += 1
-                return 0
-            whole = self._assemble(key, payload, more, channel)
-            if whole is None:
-                return 0
-            return self._graph_arrive(
-                key[2], whole.span, whole.data, whole.deps, channel, whole.reserved, now
-            )
-        gid = low + diff
-        if not 0 <= diff < self._window or gid in self._rx_g_done or gid in self._rx_g_nodes:
-            self.stats.duplicate_messages += 1
-            return 0
-        deps = more.deps if more is not None else ()
-        return self._graph_arrive(gid, 1, payload, deps, channel, 0, now)
-
-    def _graph_arrive(
-        self,
-        gid: int,
-        span: int,
-        data: bytes,
-        deps: tuple[int, ...],
-        channel: int,
-        reserved: int,
-        now: float,
-    ) -> int:
-        """Run the message if every dependency was executed, else make it wait."""
-        low = self._rx_g_low
-        done = self._rx_g_done
-        waiting = 0
-        for dep16 in deps:
-            back = seq_diff(dep16, low & SEQ_MASK)
-            dep = low + back
-            if back < -self._window:
-                self._protocol_error("a dependency lies beyond the window")
-                return 0
-            if dep >= gid:
-                self._protocol_error("a message depends on itself or a later message")
-                return 0
-            if back < 0 or dep in done:
-                continue  # executed already
-            self._rx_g_waiters.setdefault(dep, []).append(gid)
-            waiting += 1
-        if waiting:
-            self._rx_g_nodes[gid] = _Waiting(data, channel, span, reserved, waiting, now)
-            if not reserved:
-                self._rx_buffered_bytes += len(data) + BUFFER_ENTRY_COST * (1 + waiting)
-            return 0
-        return self._graph_execute(gid, span, data, channel, reserved)
-
-    def _graph_execute(self, gid: int, span: int, data: bytes, channel: int, reserved: int) -> int:
-        """Deliver a ready message and every waiting message it was the last
-        dependency of, transitively; returns how many were delivered."""
-        events = self._events
-        done = self._rx_g_done
-        nodes = self._rx_g_nodes
-        waiters = self._rx_g_waiters
-        ready: deque[tuple[int, int, bytes, int, int]] = deque()
-        ready.append((gid, span, data, channel, reserved))
-        n = 0
-        while ready:
-            gid, span, data, channel, reserved = ready.popleft()
-            events.append((self, MessageReceived(data, channel, True)))
-            n += 1
-            self._rx_reassembly_bytes -= reserved
-            if span == 1:
-                done.add(gid)
-            else:
-                done.update(range(gid, gid + span))
-            for successor in waiters.pop(gid, ()):
-                node = nodes[successor]
-                node.waiting -= 1
-                if not node.reserved:
-                    self._rx_buffered_bytes -= BUFFER_ENTRY_COST
-                if node.waiting == 0:
-                    del nodes[successor]
-                    if not node.reserved:
-                        self._rx_buffered_bytes -= len(node.data) + BUFFER_ENTRY_COST
-                    ready.append((successor, node.span, node.data, node.channel, node.reserved))
-        low = self._rx_g_low
-        while low in done:
-            done.remove(low)
-            low += 1
-        self._rx_g_low = low
-        return n
 
     def _protocol_error(self, text: str) -> None:
         """The peer broke the protocol in a way that cannot be dropped and forgotten."""
         if self.state is not CLOSED:
             self._end(DisconnectReason.PROTOCOL_ERROR, 0, text, by_peer=False)
 
-    def _process_ack(self, ack16: int, bits: int, now: float) -> None:
-        sent = self._sent
-        largest = unwrap(ack16, self._tx_next - 1)
-        if largest >= self._tx_next:
-            self.stats.bad_acks += 1
-            return
-        lost = self._lost_recently
-        if not sent and not lost:
-            return
-        newly = False
-        # Every newly acknowledged packet gives an RTT sample: a packet number is used
-        # once, so none is ambiguous, and sampling only the largest would leave out
-        # exactly the slow packets that jitter overtakes, making RTTVAR (and so the
-        # resend timeout) too small for the path.
-        rtt = self._rtt
-        pkt = sent.pop(largest, None)
-        if pkt is not None:
-            rtt.on_sample(now - pkt.time_sent)
-            self._on_acked(pkt, now)
-            newly = True
-        elif largest in lost:
-            self._on_spurious_loss(largest)
-        # Walk the bits only as far back as a packet still in flight (``sent`` is in
-        # sending order), or all 32 while a packet declared lost may be among them, so
-        # that a late ack of one is seen (and the reordering it shows learnt). Most acks
-        # then walk a few bits, not 32 (each costs a dict lookup).
-        span = min(32, largest - next(iter(sent))) if sent else 0
-        if lost and self._lost_max >= largest - 32:
-            span = 32
-        i = 1
-        while bits and i <= span:
-            if bits & 1:
-                seq = largest - i
-                if seq in sent:
-                    pkt = sent.pop(seq)
-                    rtt.on_sample(now - pkt.time_sent)
-                    self._on_acked(pkt, now)
-                    newly = True
-                elif lost and seq in lost:
-                    self._on_spurious_loss(seq)
-            bits >>= 1
-            i += 1
-        if newly:
-            rtt.backoff = 0
-            if largest > self._largest_acked:
-                self._largest_acked = largest
-            self._detect_losses(now)
-            if self._rel_queue or self._retx:
-                # The ack opened the window: what waited for room can go out now, not at the
-                # next timer (an ack-only packet does not otherwise schedule a flush).
-                self._dirty.add(self)
-            if self.state is CLOSING:
-                self._maybe_send_disconnect(now)
+    # -- what became of our packets (called by recovery) ------------------------------------
 
-    def _on_acked(self, pkt: SentPacket, now: float) -> None:
-        self._in_flight -= 1
-        self._cc.on_acked(pkt.seq, pkt.size, now, self._rtt.srtt)
-        newly = 0
-        freed = 0  # reorder-buffer bytes the peer no longer holds for us
-        channels = self._tx_ch_unacked
-        for msg in pkt.messages:
-            msg.copies -= 1
-            if msg.state <= SENT:
-                msg.state = ACKED
-                newly += 1
-                parent = msg.parent
-                if parent is not None:
-                    parent.parts -= 1
-                    if parent.parts or parent.state > SENT:
-                        continue
-                    parent.state = ACKED
-                    msg = parent
-                if msg.mode == RELIABLE_ORDERED:
-                    unacked = channels[msg.channel]
-                    assert unacked is not None  # created when msg was sent
-                    if unacked[0] is msg:  # the channel's oldest: it and what follows
-                        while unacked and unacked[0].state == ACKED:
-                            head = unacked.popleft()
-                            if head.fragments is None:
-                                freed += len(head.frame) + BUFFER_ENTRY_COST
-                            else:
-                                freed += _charged(head)
-                elif msg.graph is not None and msg.graph.waiting == 0:
-                    self._graph_executed(msg)
-                if msg.notify:
-                    self._events.append((self, MessageAcked(msg)))
-        self._unacked_bytes -= freed
-        self._queued -= newly
-        self._unacked_reliable -= newly
+    def _on_packet_acked(self, pkt: SentPacket) -> None:
+        self._sender.on_acked(pkt)
         if pkt.disconnect and self.state is CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
 
-    def _graph_executed(self, msg: OutMessage) -> None:
-        """The peer must have executed ``msg`` (acknowledged, every dependency
-        executed): so must every acknowledged message that waited only for it."""
-        ready = [msg]
-        while ready:
-            executed = ready.pop()
-            node = executed.graph
-            assert node is not None
-            node.executed = True
-            for successor in node.dependents:
-                succ = successor.graph
-                assert succ is not None
-                succ.waiting -= 1
-                if succ.waiting == 0 and successor.state == ACKED:
-                    ready.append(successor)
-            node.dependents = []
-            self._unacked_bytes -= _charged(executed)  # it ran: it left the buffer
-            node.deps = []  # no chain of handles kept alive through executed nodes
-        graph = self._tx_graph
-        while graph and graph[0].graph.executed:  # type: ignore[union-attr]
-            graph.popleft()
-        if self._rel_queue:
-            self._dirty.add(self)  # the graph window may have opened
-
-    def _detect_losses(self, now: float) -> None:
-        largest = self._largest_acked
-        delay = self._rtt.loss_delay
-        threshold = largest - self._reorder_threshold
-        self._loss_time = None
-        lost: list[int] = []
-        for seq, pkt in self._sent.items():
-            if seq >= largest:
-                break
-            # One expression for the test and the deadline: a deadline computed
-            # differently could round to ``now`` and never be reached.
-            deadline = pkt.time_sent + delay
-            if seq <= threshold or deadline <= now:
-                lost.append(seq)
-            else:
-                self._loss_time = deadline
-                break
-        for seq in lost:
-            self._on_lost(self._sent.pop(seq))
-
-    def _on_spurious_loss(self, seq: int) -> None:
-        """A packet we declared lost was acknowledged after all: the path reorders.
-
-        Widen the packet and time thresholds to the reordering we saw (as RACK,
-        RFC 8985, adapts its reordering window), so it stops causing resends.
-        """
-        del self._lost_recently[seq]
-        self.stats.spurious_losses += 1
-        if self._cc.on_spurious_loss(seq):
-            self.stats.congestion_events_undone += 1
-        depth = self._largest_acked - seq + 1
-        self._reorder_threshold = min(max(self._reorder_threshold, depth), MAX_REORDER_THRESHOLD)
-        self._rtt.widen_reorder_window()
-
-    def _on_lost(self, pkt: SentPacket) -> None:
-        self._in_flight -= 1
-        self.stats.packets_lost += 1
-        rtt = self._rtt
-        if self._cc.on_lost(pkt.seq, pkt.size, self._tx_next, rtt.min_rtt, rtt.latest):
-            self.stats.congestion_events += 1
-        lost = self._lost_recently
-        lost[pkt.seq] = None
-        if pkt.seq > self._lost_max:
-            self._lost_max = pkt.seq
-        if len(lost) > LOST_MEMORY:
-            del lost[next(iter(lost))]
-        for msg in pkt.messages:
-            msg.copies -= 1
-            if msg.state <= SENT and msg.copies == 0:
-                self._retx.append(msg)
+    def _on_packet_lost(self, pkt: SentPacket) -> None:
+        self._sender.on_lost(pkt)
+        builder = self._builder
         if pkt.control and self.state is CLOSING:
-            self._control.extend(pkt.control)
-        if pkt.seq == self._flow_seq and not self._flow_frame:
+            builder.control.extend(pkt.control)
+        if pkt.seq == builder.flow_seq and not builder.flow_frame:
             # Our latest PAUSE or RESUME was lost: tell the current state again.
-            self._flow_frame = wire.PAUSE_FRAME if self.receiving_paused else wire.RESUME_FRAME
-        self._dirty.add(self)
-
-    # -- send path ---------------------------------------------------------------------------
-
-    def _build_packet(self, now: float) -> bytes | None:
-        if not (
-            self._ack_pending
-            or self._ping
-            or self._control
-            or self._flow_frame
-            or self._retx
-            or self._unrel_queue
-            or self._rel_queue
-        ):
-            return None  # the common last call of a flush: nothing left to send
-        budget = self._max_payload
-        parts: list[bytes] = []
-        messages: list[OutMessage] = []
-        control: list[bytes] = []
-        if self._control:
-            control, self._control = self._control, []
-            for frame in control:
-                parts.append(frame)
-                budget -= len(frame)
-        flow = self._flow_frame
-        if flow:
-            self._flow_frame = b""
-            parts.append(flow)
-            budget -= 1
-        # Reliable data goes out while both windows have room: ``window`` packets and
-        # the congestion window's bytes (which a resend timeout's probe may exceed).
-        room = self._in_flight < self._packet_window and (self._cc.can_send() or self._probe_due)
-        if room:
-            budget = self._take_retransmissions(parts, messages, budget)
-        if self._unrel_queue:
-            budget = self._take_unreliable(parts, budget, now)
-            if not self._unrel_queue and self.state is CLOSING:
-                # The last unreliable messages queued before close() go out with the
-                # DISCONNECT, not after it: the peer drops messages once it has one.
-                self._maybe_send_disconnect(now)
-                if self._control and budget >= len(self._control[-1]):
-                    frame = self._control.pop()
-                    parts.append(frame)
-                    control.append(frame)
-                    budget -= len(frame)
-        if room and not self._retx and not self.peer_paused:
-            # A paused peer gets no new reliable messages; unreliable ones still go (they
-            # expire rather than wait, and the peer bounds what it accepts while paused).
-            budget = self._take_new_reliable(parts, messages, budget)
-        if self._redundancy and messages:
-            budget = self._take_redundant(parts, messages, budget)
-        eliciting = bool(messages or control or flow)
-        if self._ping and not eliciting and self.state is not DRAINING:
-            parts.append(wire.PING_FRAME)
-            eliciting = True
-        if not parts and not self._ack_pending:
-            return None
-        self._ping = False
-        self._ack_pending = False
-        self._ack_low = None
-        seq = self._tx_next
-        self._tx_next = seq + 1
-        rest = b"".join(
-            [
-                wire.data_header(
-                    self.token,
-                    seq & SEQ_MASK,
-                    self._rx_largest & SEQ_MASK,
-                    (self._rx_bits >> 1) & 0xFFFFFFFF,
-                ),
-                *parts,
-            ]
-        )
-        datagram = wire.seal_rest(rest)
-        if eliciting:
-            self._sent[seq] = SentPacket(
-                seq,
-                now,
-                messages,
-                control,
-                bool(control) and self._disconnect_in(control),
-                len(datagram),
-            )
-            self._in_flight += 1
-            self._cc.on_sent(len(datagram))
-            self._probe_due = False
-            self._last_eliciting = now
-            self.stats.eliciting_sent += 1
-            if flow:
-                self._flow_seq = seq
-            for msg in messages:
-                msg.copies += 1
-        return datagram
-
-    def _ack_only_packet(self, about: int | None = None) -> bytes:
-        """A packet carrying nothing but an acknowledgment.
-
-        By default it reports the newest packet and the 32 before it. With
-        ``about``, it reports that (late) packet and the 32 before it instead: a
-        packet that arrives after more than 32 later ones is outside every normal
-        ack header, and without this the sender could never learn it arrived.
-        """
-        if about is None:
-            self._ack_low = None
-            ack, bits = self._rx_largest, self._rx_bits >> 1
-        else:
-            ack, bits = about, self._rx_bits >> (self._rx_largest - about + 1)
-        seq = self._tx_next
-        self._tx_next = seq + 1
-        return wire.seal_rest(
-            wire.data_header(self.token, seq & SEQ_MASK, ack & SEQ_MASK, bits & 0xFFFFFFFF)
-        )
-
-    def _disconnect_in(self, control: list[bytes]) -> bool:
-        return any(frame[0] == wire.FrameType.DISCONNECT for frame in control)
-
-    def _take_retransmissions(
-        self, parts: list[bytes], messages: list[OutMessage], budget: int
-    ) -> int:
-        retx = self._retx
-        while retx:
-            msg = retx[0]
-            if msg.state > SENT or msg.copies:
-                retx.popleft()
-                continue
-            frame = msg.frame
-            size = len(frame)
-            if size > budget:
-                break
-            retx.popleft()
-            parts.append(frame)
-            messages.append(msg)
-            budget -= size
-            self.stats.messages_resent += 1
-        return budget
-
-    def _take_unreliable(self, parts: list[bytes], budget: int, now: float) -> int:
-        queue = self._unrel_queue
-        stale = now - self._unreliable_max_age
-        while queue:
-            msg = queue[0]
-            queued_at = msg.queued_at
-            if queued_at is not None and queued_at < stale:
-                queue.popleft().state = FAILED
-                self._queued -= 1
-                self.stats.messages_expired += 1
-                continue
-            frame = msg.frame
-            size = len(frame)
-            if size > budget:
-                break
-            if msg.mode == UNRELIABLE_SEQUENCED:
-                # Numbered on the way out, not at send(): messages that expired in the
-                # queue leave no gap, and only a run of 32,768 lost on the path could
-                # make the receiver read a newer number as older.
-                channel = msg.channel
-                seq = msg.seq = self._tx_useq[channel]
-                self._tx_useq[channel] = seq + 1
-                frame = msg.frame = wire.message_frame(UNRELIABLE_SEQUENCED, channel, seq, msg.data)
-            queue.popleft().state = SENT
-            parts.append(frame)
-            self._queued -= 1
-            budget -= size
-            self.stats.messages_sent += 1
-        return budget
-
-    def _take_new_reliable(
-        self, parts: list[bytes], messages: list[OutMessage], budget: int
-    ) -> int:
-        queue = self._rel_queue
-        window = self._window
-        unacked = self._tx_ch_unacked
-        # Bytes that may still go into the peer's reorder buffer (see _unacked_bytes).
-        room = self._byte_window - self._unacked_bytes
-        sent = 0
-        while queue:
-            msg = queue[0]
-            frame = msg.frame
-            size = len(frame)
-            if size > budget:
-                break  # the packet is full
-            mode = msg.mode
-            if mode == RELIABLE_ORDERED:
-                oldest = unacked[msg.channel]
-                assert oldest is not None  # created when msg was sent
-                if msg.seq - oldest[0].seq >= window:
-                    break  # the receiver could not buffer it yet
-                cost = size + BUFFER_ENTRY_COST
-                if cost > room:
-                    break  # it might not fit the receiver's reorder buffer
-                room -= cost
-            elif msg.state > SENT:
-                queue.popleft()  # superseded
-                continue
-            elif mode == GRAPH:
-                if msg.seq - self._tx_graph[0].seq >= window:
-                    break  # beyond the ids the receiver accepts
-                if self._refresh_deps(msg):
-                    frame = msg.frame
-                    size = len(frame)
-                cost = _buffer_cost(msg)
-                if cost > room:
-                    break
-                room -= cost
-            queue.popleft()
-            msg.state = SENT
-            parts.append(frame)
-            messages.append(msg)
-            budget -= size
-            sent += 1
-        self._unacked_bytes = self._byte_window - room
-        self.stats.messages_sent += sent
-        return budget
-
-    def _refresh_deps(self, msg: OutMessage) -> bool:
-        """Drop dependencies executed since send(): one executed long ago could lie
-        beyond the receiver's window by now. Returns whether the frame changed."""
-        parent = msg.parent
-        owner = msg if parent is None else parent
-        node = owner.graph
-        if node is None or not node.deps or (parent is not None and msg.seq != parent.seq):
-            return False
-        keep = [d for d in node.deps if not d.graph.executed]  # type: ignore[union-attr]
-        if len(keep) == len(node.deps):
-            return False
-        node.deps = keep
-        fragment = None if parent is None else (0, len(parent.fragments), len(parent.data))  # type: ignore[arg-type]
-        msg.frame = wire.message_frame(
-            GRAPH,
-            msg.channel,
-            msg.seq,
-            msg.data,
-            deps=tuple(d.seq for d in keep),
-            fragment=fragment,
-        )
-        return True
-
-    def _take_redundant(self, parts: list[bytes], messages: list[OutMessage], budget: int) -> int:
-        """Fill the rest of a packet with copies of recent unacknowledged small messages
-        (newest first), then remember this packet's own small messages for later ones.
-
-        Only a thin stream remembers its messages (the send queue is empty after this
-        packet): in a burst every packet is full anyway, so copies would find no room.
-        """
-        recent = self._recent
-        fresh = len(messages)
-        if recent:
-            limit = self._redundancy
-            while recent and (recent[0].state > SENT or recent[0].redundant >= limit):
-                recent.popleft()
-            if recent and budget > 3:
-                here = set(map(id, messages))
-                for msg in reversed(recent):
-                    if msg.state > SENT or msg.redundant >= limit or id(msg) in here:
-                        continue
-                    size = len(msg.frame)
-                    if size > budget:
-                        continue
-                    parts.append(msg.frame)
-                    messages.append(msg)
-                    msg.redundant += 1
-                    budget -= size
-                    self.stats.messages_redundant += 1
-                    if budget <= 3:
-                        break
-        if not self._rel_queue:
-            for msg in messages[:fresh]:
-                if len(msg.frame) <= REDUNDANT_FRAME_MAX:
-                    recent.append(msg)
-            while len(recent) > RECENT_MAX:
-                recent.popleft()
-        return budget
+            builder.flow_frame = wire.PAUSE_FRAME if self.receiving_paused else wire.RESUME_FRAME
+        self._sink.dirty[self] = None
 
     # -- timers -----------------------------------------------------------------------------
-
-    def _probe_deadline(self) -> float:
-        """When the resend timer fires: one backed-off RTO after the oldest packet in
-        flight was sent, or after the last probe if that was later. Without the
-        latter, once the backoff is capped every packet behind the first would be
-        overdue at once after an outage, and fire in one burst."""
-        first = next(iter(self._sent.values()))
-        return max(first.time_sent, self._last_probe) + self._rtt.backed_off_rto
 
     def _connecting_timer(self, now: float) -> None:
         if now >= self._connect_deadline:
@@ -1805,7 +578,7 @@ class Connection:
         elif now >= self._next_connect:
             self._next_connect = now + self.config.connect_retry_interval
             self._send_connect = True
-            self._dirty.add(self)
+            self._sink.dirty[self] = None
 
     def _connected_timer(self, now: float) -> None:
         cfg = self.config
@@ -1818,42 +591,32 @@ class Connection:
             # Our DISCONNECT was never acknowledged: end anyway, with our reason.
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
             return
-        if self._rx_g_nodes and not self.receiving_paused and now >= self._dependency_deadline():
+        graph = self._receiver.graph
+        if (
+            graph.nodes
+            and not self.receiving_paused
+            and now >= graph.deadline(cfg.dependency_timeout)
+        ):
             self._protocol_error("a dependency never arrived")
             return
-        if self._loss_time is not None and now >= self._loss_time:
-            self._detect_losses(now)
-        if self._sent:
-            first = next(iter(self._sent.values()))
-            if now >= self._probe_deadline():
-                # Only the oldest packet is declared lost: its messages go out again as
-                # a probe. Declaring every expired packet lost at once turns a queue
-                # that grew faster than the RTO estimate into a resend storm; once the
-                # probe is acknowledged, the packet threshold finds any real losses
-                # behind it (RFC 9002's probe timeout works the same way).
-                self.stats.timeouts += 1
-                if self._rtt.backoff >= 1:
-                    # Two timeouts in a row: nothing acknowledged for three RTOs, so
-                    # the path is congested or gone (RFC 9002's persistent congestion).
-                    self._cc.on_persistent_congestion(self._tx_next)
-                self._on_lost(self._sent.pop(first.seq))
-                self._probe_due = True
-                self._ping = True  # a probe goes out even if nothing needed resending
-                self._last_probe = now
-                self._rtt.on_timeout()
-        elif now >= self._last_eliciting + cfg.keepalive_interval:
-            self._ping = True
-            self._dirty.add(self)
+        builder = self._builder
+        recovery = self._recovery
+        if recovery.on_timer(now, builder.tx_next):
+            builder.ping = True  # a probe goes out even if nothing needed resending
+        elif not recovery.sent and now >= builder.last_eliciting + cfg.keepalive_interval:
+            builder.ping = True
+            self._sink.dirty[self] = None
 
     # -- closing ----------------------------------------------------------------------------
 
     def _maybe_send_disconnect(self, now: float) -> None:
-        if self._disconnect_queued or self._unacked_reliable or self._unrel_queue:
+        sender = self._sender
+        if self._disconnect_queued or sender.unacked_reliable or sender.unrel_queue:
             return
         self._disconnect_queued = True
-        self._control.append(wire.disconnect_frame(self._close_code, self._close_text))
+        self._builder.control.append(wire.disconnect_frame(self._close_code, self._close_text))
         self._deadline = now + self.config.close_timeout
-        self._dirty.add(self)
+        self._sink.dirty[self] = None
 
     def _on_peer_disconnect(self, frame: wire.DisconnectFrame, now: float) -> None:
         if self.state is DRAINING:
@@ -1865,7 +628,7 @@ class Connection:
             event = Disconnected(DisconnectReason.CLOSED, frame.code, frame.text, True)
         self._fail_pending()
         self.close_reason = event
-        self._events.append((self, event))
+        self._sink.events.append((self, event))
         self._set_state(DRAINING)
         # Linger to re-acknowledge a resent DISCONNECT whose ack was lost.
         self._deadline = now + max(3 * self._rtt.rto, 0.05)
@@ -1874,76 +637,88 @@ class Connection:
         self._fail_pending()
         event = Disconnected(reason, code, text, by_peer)
         self.close_reason = event
-        self._events.append((self, event))
+        self._sink.events.append((self, event))
         self._set_state(CLOSED)
 
     def _fail_pending(self) -> None:
-        fail = _fail
-        for queue in (self._rel_queue, self._unrel_queue, self._retx, self._tx_graph):
-            for msg in queue:
-                fail(msg)
-            queue.clear()
-        for unacked in self._tx_ch_unacked:
-            if unacked is not None:
-                for msg in unacked:
-                    fail(msg)
-                unacked.clear()
-        for pkt in self._sent.values():
-            for msg in pkt.messages:
-                fail(msg)
-        self._recent.clear()
-        self._unacked_bytes = 0
-        self._sent.clear()
-        self._control.clear()
-        self._in_flight = 0
-        self._cc.reset_flight()
-        self._queued = 0
-        self._unacked_reliable = 0
-        self._rx_ch_buf = [NO_BUFFER] * self.config.channels
-        self._rx_buffered_bytes = 0
-        self._rx_g_nodes.clear()
-        self._rx_g_waiters.clear()
-        self._rx_parts.clear()
-        self._rx_reassembly_bytes = 0
+        recovery = self._recovery
+        self._sender.fail_all(recovery.sent.values())
+        self._builder.clear()
+        recovery.clear()
+        self._receiver.clear()
 
     def _set_state(self, new: State) -> None:
         if new not in _TRANSITIONS[self.state]:
             raise LocalProtocolError(f"illegal transition {self.state.value} -> {new.value}")
         self.state = new
         if new is CLOSED:
-            self._dirty.discard(self)
-            if self._on_closed is not None:
-                self._on_closed(self)
+            self._sink.closed(self)
 
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
 
+    # -- the parts' state under the names it had here (read-only) ---------------------------
 
-def _buffer_cost(msg: OutMessage) -> int:
-    """What an unfragmented reliable message may occupy in the peer's reorder buffer
-    (the receiver's own charge: payload, entry, and one entry per dependency)."""
-    node = msg.graph
-    deps = len(node.deps) if node is not None else 0
-    return len(msg.frame) + BUFFER_ENTRY_COST * (1 + deps)
+    @property
+    def _tx_next(self) -> int:
+        return self._builder.tx_next
 
+    @property
+    def _reorder_threshold(self) -> int:
+        return self._recovery.reorder_threshold
 
-def _charged(msg: OutMessage) -> int:
-    """What ``_take_new_reliable`` charged for a message (all its fragments, if any)."""
-    if msg.fragments is None:
-        return _buffer_cost(msg)
-    return sum(len(f.frame) + BUFFER_ENTRY_COST for f in msg.fragments)
+    @property
+    def _retx(self) -> deque[OutMessage]:
+        return self._sender.retx
 
+    @property
+    def _unacked_reliable(self) -> int:
+        return self._sender.unacked_reliable
 
-def _fail(msg: OutMessage) -> None:
-    """The connection ended before ``msg`` was acknowledged."""
-    if msg.state <= SENT:
-        msg.state = FAILED
-    parent = msg.parent
-    if parent is not None and parent.state <= SENT:
-        parent.state = FAILED
+    @property
+    def _unacked_bytes(self) -> int:
+        return self._sender.unacked_bytes
 
+    @property
+    def _tx_graph(self) -> deque[OutMessage]:
+        return self._sender.tx_graph
 
-def _as_bytes(data: object) -> bytes:
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"message data must be bytes-like, not {type(data).__name__}")
-    return bytes(data)
+    @property
+    def _tx_gid(self) -> int:
+        return self._sender.tx_gid
+
+    @property
+    def _tx_ch_unacked(self) -> list[deque[OutMessage] | None]:
+        return self._sender.tx_ch_unacked
+
+    @property
+    def _rx_ch_next(self) -> list[int]:
+        return self._receiver.ch_next
+
+    @property
+    def _rx_ch_buf(self) -> list[dict[int, bytes | Whole]]:
+        return self._receiver.ch_buf
+
+    @property
+    def _rx_buffered_bytes(self) -> int:
+        return self._receiver.buffered_bytes
+
+    @property
+    def _rx_parts(self) -> dict[tuple[int, int, int], Partial]:
+        return self._receiver.parts
+
+    @property
+    def _rx_reassembly_bytes(self) -> int:
+        return self._receiver.reserved_bytes
+
+    @property
+    def _rx_g_nodes(self) -> dict[int, Waiting]:
+        return self._receiver.graph.nodes
+
+    @property
+    def _rx_g_waiters(self) -> dict[int, list[int]]:
+        return self._receiver.graph.waiters
+
+    @property
+    def _rx_g_done(self) -> set[int]:
+        return self._receiver.graph.done

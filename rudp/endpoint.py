@@ -37,7 +37,7 @@ import hmac
 import itertools
 import random
 import struct
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Final
 
 from rudp import wire
@@ -45,6 +45,7 @@ from rudp.config import Config
 from rudp.connection import CONNECTED, CONNECTING, Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
+from rudp.sink import EndpointSink
 from rudp.stats import EndpointStats
 from rudp.wire import DecodeError, DropReason, PacketType
 
@@ -86,10 +87,14 @@ class Endpoint:
         self.stats = EndpointStats()
         self._rng = rng
         self._conns: dict[Address, Connection] = {}
-        self._events: deque[tuple[Connection | None, Event | EndpointEvent]] = deque()
-        self._dirty: set[Connection] = set()
+        # The one object every connection reports to (events, flushes, closure).
+        self._sink = EndpointSink(self._forget)
+        self._events = self._sink.events
         self._out: list[tuple[bytes, Address]] = []
+        # Timer entries (deadline, tiebreak, connection); ``_armed`` holds each
+        # connection's earliest entry, so that entries it replaced are skipped.
         self._heap: list[tuple[float, int, Connection]] = []
+        self._armed: dict[Connection, float] = {}
         self._ids = itertools.count()
         self._master = rng.randbytes(32)
         self._keys: dict[int, bytes] = {}
@@ -117,7 +122,7 @@ class Endpoint:
                 "goes to the serve handler): use that one"
             )
         conn = self._new_connection(address, now, client=True, salt=self._rng.getrandbits(64))
-        self._dirty.add(conn)
+        self._sink.dirty[conn] = None
         self._schedule(conn)
         return conn
 
@@ -132,10 +137,9 @@ class Endpoint:
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
         out, self._out = self._out, []
-        if self._dirty:
-            dirty = list(self._dirty)
-            self._dirty.clear()  # connections hold this very set: clear, don't replace
-            for conn in dirty:
+        if self._sink.dirty:
+            # In the order the connections asked to be flushed: a seeded run replays.
+            for conn in self._sink.take_dirty():
                 address = conn.address
                 for datagram in conn.datagrams_to_send(now):
                     out.append((datagram, address))
@@ -151,17 +155,19 @@ class Endpoint:
 
     def get_timer(self) -> float | None:
         heap = self._heap
-        while heap and heap[0][2].armed != heap[0][0]:
+        armed = self._armed
+        while heap and armed.get(heap[0][2]) != heap[0][0]:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
     def handle_timer(self, now: float) -> None:
         heap = self._heap
+        armed = self._armed
         due: list[Connection] = []
         while heap and heap[0][0] <= now:
             deadline, _, conn = heapq.heappop(heap)
-            if conn.armed == deadline:
-                conn.armed = None
+            if armed.get(conn) == deadline:
+                del armed[conn]
                 due.append(conn)
         # Each due connection runs once per call, so a deadline that stays in the
         # past until the next flush can never spin this loop.
@@ -251,7 +257,7 @@ class Endpoint:
             # DATA before our ACCEPT (lost, or overtaken). A NOCONN here would end the
             # server's brand-new connection; instead repeat the CONNECT now.
             self.stats.dropped[DropReason.UNEXPECTED] += 1
-            conn.nudge_connect()
+            conn._nudge_connect()
             return conn
         if conn is None or token != conn.token:
             self.stats.dropped[
@@ -260,7 +266,7 @@ class Endpoint:
             if len(data) > wire.DATA_HEADER_SIZE:  # it carries frames: tell the sender
                 self._send_noconn(token, seq, address, now)
             return conn
-        reason = conn.receive_data(data, seq, ack, bits, now)
+        reason = conn._receive_data(data, seq, ack, bits, now)
         if reason is not None:
             self.stats.dropped[reason] += 1
             conn.stats.packets_dropped += 1
@@ -281,15 +287,15 @@ class Endpoint:
         elif conn is None:
             reason = DropReason.UNKNOWN_PEER
         elif ptype == PacketType.CHALLENGE:
-            reason = conn.receive_challenge(wire.decode_challenge(data))
+            reason = conn._receive_challenge(wire.decode_challenge(data))
         elif ptype == PacketType.ACCEPT:
-            reason = conn.receive_accept(wire.decode_accept(data), now)
+            reason = conn._receive_accept(wire.decode_accept(data), now)
         elif ptype == PacketType.REJECT:
-            reason = conn.receive_reject(wire.decode_reject(data))
+            reason = conn._receive_reject(wire.decode_reject(data))
         else:  # NOCONN
             noconn = wire.decode_noconn(data)
             reason = (
-                DropReason.BAD_TOKEN if noconn.token != conn.token else conn.receive_noconn(noconn)
+                DropReason.BAD_TOKEN if noconn.token != conn.token else conn._receive_noconn(noconn)
             )
         if reason is not None:
             self.stats.dropped[reason] += 1
@@ -302,7 +308,7 @@ class Endpoint:
         # A CONNECT from the very peer we are connecting to is a simultaneous open (two
         # peers introduced to each other both connect): answered even by an endpoint
         # that accepts no one else, and so are its duplicates once it was answered.
-        answered = conn is not None and bool(conn.accept_datagram)
+        answered = conn is not None and bool(conn._accept_datagram)
         opening = conn is not None and conn.state is CONNECTING and not answered
         if not self.accept and not opening and not answered:
             return DropReason.UNEXPECTED
@@ -311,7 +317,7 @@ class Endpoint:
         request = wire.decode_connect(data)
         if answered and conn is not None and conn.salt == request.salt:
             if conn.state is CONNECTED:
-                self._out.append((conn.accept_datagram, address))  # our ACCEPT was lost
+                self._out.append((conn._accept_datagram, address))  # our ACCEPT was lost
                 return None
             return DropReason.DUPLICATE
         if (
@@ -365,9 +371,8 @@ class Endpoint:
         """Accept ``request`` into ``conn``: choose the token, send ACCEPT (kept for
         resending on a duplicate CONNECT), and the connection is established."""
         token = self._rng.getrandbits(32) or 1
-        conn.accept_datagram = wire.encode_accept(request.salt, token, conn.isn)
-        self._out.append((conn.accept_datagram, conn.address))
-        conn.answer_connect(request.salt, token, request.isn, now)
+        accept = conn._answer_connect(request.salt, token, request.isn, now)
+        self._out.append((accept, conn.address))
         self._schedule(conn)
 
     def _receive_query(self, data: bytes, address: Address) -> DropReason | None:
@@ -399,9 +404,7 @@ class Endpoint:
             rng=self._rng,
             client=client,
             salt=salt,
-            events=self._events,  # type: ignore[arg-type]
-            dirty=self._dirty,
-            on_closed=self._forget,
+            sink=self._sink,
         )
         self._conns[address] = conn
         return conn
@@ -419,9 +422,11 @@ class Endpoint:
         heap never fills with stale entries on the per-datagram path.
         """
         t = conn.get_timer()
-        if t is not None and (conn.armed is None or t < conn.armed):
-            conn.armed = t
-            heapq.heappush(self._heap, (t, next(self._ids), conn))
+        if t is not None:
+            armed = self._armed.get(conn)
+            if armed is None or t < armed:
+                self._armed[conn] = t
+                heapq.heappush(self._heap, (t, next(self._ids), conn))
 
     def _send_unvalidated(self, datagram: bytes, address: Address) -> None:
         self.stats.unvalidated_bytes_sent += len(datagram)

@@ -28,56 +28,16 @@ from prometheus_client.core import (
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from rudp.connection import State
+from rudp.stats import COUNTER_TABLE
 from rudp.wire import DropReason
 
 if TYPE_CHECKING:
     from rudp.endpoint import Endpoint
 
 RTT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_CONN_COUNTERS = (
-    ("packets_sent", "rudp_packets_sent_total", "DATA packets sent."),
-    ("packets_received", "rudp_packets_received_total", "DATA packets accepted."),
-    ("packets_lost", "rudp_packets_lost_total", "Ack-eliciting packets declared lost."),
-    ("messages_sent", "rudp_messages_sent_total", "Messages sent for the first time."),
-    ("messages_received", "rudp_messages_received_total", "Messages delivered."),
-    ("messages_resent", "rudp_retransmissions_total", "Reliable messages sent again."),
-    ("timeouts", "rudp_resend_timeouts_total", "Resend timer expirations."),
-    (
-        "congestion_events",
-        "rudp_congestion_events_total",
-        "Losses that shrank the congestion window (one per round trip of losses).",
-    ),
-    (
-        "messages_redundant",
-        "rudp_redundant_messages_total",
-        "Extra copies of reliable messages sent by the redundancy option.",
-    ),
-    (
-        "messages_expired",
-        "rudp_expired_messages_total",
-        "Unreliable messages dropped for waiting too long in the send queue.",
-    ),
-    (
-        "messages_superseded",
-        "rudp_superseded_messages_total",
-        "Reliable-sequenced messages replaced by a newer one before their ack.",
-    ),
-    (
-        "fragments_dropped",
-        "rudp_fragments_dropped_total",
-        "Fragments inconsistent with the rest of their message, dropped.",
-    ),
-    (
-        "receive_pauses",
-        "rudp_receive_pauses_total",
-        "Times a full receive queue asked the peer to pause sending (flow control).",
-    ),
-    (
-        "peer_pauses",
-        "rudp_peer_pauses_total",
-        "Times the peer asked us to pause sending (its receive queue was full).",
-    ),
-)
+# The exported connection counters: (attribute, Prometheus name, help), from the
+# one table of counters.
+_CONN_COUNTERS = tuple((name, metric, doc) for name, doc, metric in COUNTER_TABLE if metric)
 
 
 class HasCoreEndpoint(Protocol):

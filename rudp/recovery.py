@@ -1,4 +1,12 @@
-"""Round-trip estimation, resend timeout and the records loss detection works on.
+"""Loss detection: round-trip time, the resend timeout, and which packets were lost.
+
+Theory of operation
+-------------------
+Every ack-eliciting packet we send is remembered (``SentPacket``, in sending
+order) until it is acknowledged or declared lost. Each DATA header we receive
+acknowledges the peer's newest packet and, in a bitfield, the 32 before it
+(``wire.ACK_SPAN``); ``PacketRecovery.on_ack_received`` walks it and tells the
+connection, per packet, what became of it.
 
 The seed article resends every 30 ms, then 60, 90... whatever the path. We
 measure instead, as TCP does (RFC 6298): a smoothed RTT and its variance give
@@ -21,31 +29,37 @@ Loss is detected three ways (as in QUIC, RFC 9002):
 - the resend timeout, for the tail of a burst where nothing later is acked:
   it declares only the oldest packet lost, and its resend probes the path.
 
-How much may be in flight is the smaller of ``Config.window`` packets and a
-NewReno congestion window (``CongestionController``), so that a sender on a
-slower path stops losing packets in the bottleneck's queue instead of resending
-at the rate that filled it.
+Every acknowledgment and loss is also reported to congestion control
+(``congestion``), which decides how many bytes may be in flight.
+
+Judgement call: what a packet's acknowledgment or loss *means* (its messages are
+done or go back to a queue, a DISCONNECT was received, a PAUSE must be said
+again) is the connection's business, so this module calls back
+``Connection._on_packet_acked`` and ``_on_packet_lost`` per packet, as aioquic's
+recovery calls each packet's delivery handlers. It never looks inside a packet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Generator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 from rudp.config import Config
+from rudp.congestion import GRANULARITY, CongestionController
+from rudp.sending import OutMessage
+from rudp.seqnum import unwrap
+from rudp.wire import ACK_SPAN
 
-GRANULARITY: Final = 0.001  # clock granularity floor for timers (RFC 9002's kGranularity)
+if TYPE_CHECKING:
+    from rudp.connection import Connection
+    from rudp.stats import ConnectionStats
+
+LOST_MEMORY: Final = 1024  # packets declared lost that are remembered to detect spurious losses
+MAX_REORDER_THRESHOLD: Final = 256
+
 # The peer acknowledges at the end of its event-loop turn, which on a loaded
 # machine can take a few milliseconds: on loopback a bare 9/8 RTT would declare
 # packets lost that are merely waiting for that turn to end.
 LOSS_DELAY_FLOOR: Final = 0.005
-NO_SSTHRESH: Final = 1 << 62  # slow start until the first loss
-RATE_SAMPLES: Final = 8  # delivery-rate samples (one per RTT or more) a loss looks back on
-# A loss is taken for random, not congestion, while the latest RTT is within this
-# fraction of the minimum RTT (no queue is building) and the losses of the current
-# rate sample stay within RANDOM_LOSS_SHARE of the window (at least two datagrams).
-QUEUE_FREE_FRACTION: Final = 0.125
-RANDOM_LOSS_SHARE: Final = 16  # a sixteenth
 
 
 class RttEstimator:
@@ -124,310 +138,6 @@ class RttEstimator:
         self.reorder_factor = min(self.reorder_factor + 0.125, 2.0)
 
 
-class CongestionController:
-    """Congestion control in bytes of ack-eliciting packets: NewReno's window
-    (RFC 9002 section 7) with Westwood+'s answer to a loss.
-
-    The window starts at ten datagrams (RFC 9002's initial window). While it is in
-    use, each acknowledged byte adds a byte (slow start, doubling per round trip)
-    until ``ssthresh``, then each window's worth of acknowledged bytes adds one
-    datagram (congestion avoidance).
-
-    A loss does not simply halve the window, as NewReno's does: that treats every
-    loss as congestion, and a path that loses packets at random (a radio link, say)
-    would cut a reliable transfer to a fraction of what it carries. Instead, as
-    TCP Westwood+ does, the window becomes what the path has been delivering: the
-    best delivery rate of the last few round trips (bytes acknowledged per smoothed
-    RTT) times the minimum RTT. Behind a bottleneck that is its capacity times the
-    bare round trip, so the queue the sender built drains; on a path that only
-    loses packets at random it is about the window already in use, which is kept.
-    Before the first rate sample a loss halves the window.
-
-    A loss is not congestion at all when nothing queues: while the latest RTT is
-    within an eighth of the minimum RTT, a full queue cannot be why a packet went
-    missing, so such a loss leaves the window alone (``random_losses`` counts them;
-    TCP Veno tells the two kinds apart the same way). Only a few are taken for
-    random per rate sample, at most a sixteenth of the window (and at least two
-    datagrams): a sender that overflows a queue too shallow to show in the RTT loses
-    more than that in one round trip, and the rest of those losses count.
-
-    A loss begins a recovery period: losses of packets sent before it began are the
-    same congestion event, and their acks do not grow the window. Periods are told
-    apart by packet number, not time, so a packet sent in the very instant a period
-    began is never mistaken for an older one. A loss that proves spurious (the
-    packet is acknowledged after all) is undone, as Linux does. Persistent
-    congestion drops the window to two datagrams.
-
-    An application-limited sender (less than half the window in flight at any time
-    in the last round trip or two, like a game sending a few small messages per
-    tick) does not grow the window: growth would
-    only record that the path was never tested.
-    """
-
-    __slots__ = (
-        "_acc",
-        "_flight_peak",
-        "_flight_peak_prev",
-        "_max_datagram",
-        "_max_window",
-        "_min_window",
-        "_rate_next",
-        "_rates",
-        "_round_acked",
-        "_round_lost",
-        "_round_start",
-        "_undo_cwnd",
-        "_undo_recovery",
-        "_undo_seq",
-        "_undo_ssthresh",
-        "bytes_in_flight",
-        "cwnd",
-        "enabled",
-        "random_losses",
-        "recovery_seq",
-        "ssthresh",
-    )
-
-    def __init__(self, config: Config) -> None:
-        size = config.max_datagram_size
-        self._max_datagram = size
-        self._min_window = 2 * size
-        self._max_window = config.window * size
-        self.enabled = config.congestion_control
-        initial = min(10 * size, max(14720, 2 * size))
-        self.cwnd = min(initial, self._max_window) if self.enabled else self._max_window
-        self.ssthresh = NO_SSTHRESH
-        self.bytes_in_flight = 0
-        # The most in flight this sample round and the last: the window was in use
-        # (worth growing) if either reached half of it.
-        self._flight_peak = 0
-        self._flight_peak_prev = 0
-        self.recovery_seq = 0  # packets numbered below it were sent before recovery began
-        self._acc = 0  # bytes acknowledged towards the next congestion-avoidance step
-        self._round_start = -1.0  # when the current delivery-rate sample began
-        self._round_acked = 0
-        self._round_lost = 0  # bytes lost during the current rate sample
-        self.random_losses = 0  # losses taken for random, not congestion
-        self._rates = [0.0] * RATE_SAMPLES  # the last delivery-rate samples, bytes/s
-        self._rate_next = 0
-        self._undo_seq = -1  # the packet whose loss began the current recovery
-        self._undo_cwnd = 0
-        self._undo_ssthresh = 0
-        self._undo_recovery = 0
-
-    def can_send(self) -> bool:
-        """Whether another packet of reliable data may go out (it may overshoot the
-        window by less than one datagram)."""
-        return self.bytes_in_flight < self.cwnd
-
-    def on_sent(self, size: int) -> None:
-        in_flight = self.bytes_in_flight + size
-        self.bytes_in_flight = in_flight
-        if in_flight > self._flight_peak:
-            self._flight_peak = in_flight
-
-    def on_acked(self, seq: int, size: int, now: float, srtt: float) -> None:
-        self.bytes_in_flight -= size
-        if not self.enabled:
-            return
-        # Delivery rate: bytes acknowledged over at least one smoothed RTT.
-        start = self._round_start
-        if start < 0.0:
-            self._round_start = now
-        else:
-            self._round_acked += size
-            elapsed = now - start
-            if elapsed >= srtt and elapsed >= GRANULARITY:
-                self._rates[self._rate_next] = self._round_acked / elapsed
-                self._rate_next = (self._rate_next + 1) % RATE_SAMPLES
-                self._round_start = now
-                self._round_acked = 0
-                self._round_lost = 0
-                self._flight_peak_prev = self._flight_peak
-                self._flight_peak = self.bytes_in_flight
-        if seq < self.recovery_seq:
-            return
-        if 2 * max(self._flight_peak, self._flight_peak_prev) < self.cwnd:
-            return  # application-limited
-        cwnd = self.cwnd
-        if cwnd < self.ssthresh:
-            cwnd += size
-        else:
-            self._acc += size
-            if self._acc >= cwnd:
-                self._acc -= cwnd
-                cwnd += self._max_datagram
-        self.cwnd = min(cwnd, self._max_window)
-
-    def on_lost(
-        self, seq: int, size: int, next_seq: int, min_rtt: float, latest_rtt: float
-    ) -> bool:
-        """A packet was declared lost; ``next_seq`` is the number the next packet will
-        get. Returns whether this began a congestion event (a new recovery period)."""
-        self.bytes_in_flight -= size
-        if seq < self.recovery_seq or not self.enabled:
-            return False
-        if 2 * max(self._flight_peak, self._flight_peak_prev) < self.cwnd:
-            # Application-limited: the loss says nothing about the window, and the
-            # rate samples only measure the application. Shrinking here would leave a
-            # game's later bulk transfer starting from two datagrams.
-            return False
-        lost = self._round_lost + size
-        self._round_lost = lost
-        if (
-            min_rtt > 0.0
-            and latest_rtt - min_rtt <= min_rtt * QUEUE_FREE_FRACTION
-            and lost <= max(self.cwnd // RANDOM_LOSS_SHARE, self._min_window)
-        ):
-            self.random_losses += 1
-            return False
-        self._undo_seq = seq
-        self._undo_cwnd = self.cwnd
-        self._undo_ssthresh = self.ssthresh
-        self._undo_recovery = self.recovery_seq
-        self.recovery_seq = next_seq
-        rate = max(self._rates)
-        target = int(rate * min_rtt) if rate > 0.0 and min_rtt > 0.0 else self.cwnd // 2
-        self.ssthresh = max(target, self._min_window)
-        self.cwnd = min(self.cwnd, self.ssthresh)
-        self._acc = 0
-        return True
-
-    def on_spurious_loss(self, seq: int) -> bool:
-        """A packet declared lost was acknowledged: if its loss began the current
-        recovery, that congestion event never happened. Returns whether it was undone."""
-        if seq != self._undo_seq:
-            return False
-        self._undo_seq = -1
-        self.cwnd = max(self.cwnd, self._undo_cwnd)
-        self.ssthresh = self._undo_ssthresh
-        self.recovery_seq = self._undo_recovery
-        return True
-
-    def on_persistent_congestion(self, next_seq: int) -> None:
-        """Nothing was acknowledged over several resend timeouts: start again from
-        the minimum window (slow start back up to ``ssthresh``)."""
-        if not self.enabled:
-            return
-        self.cwnd = self._min_window
-        self.recovery_seq = next_seq
-        self._undo_seq = -1
-        self._acc = 0
-
-    def reset_flight(self) -> None:
-        """Everything in flight was forgotten (the connection ended)."""
-        self.bytes_in_flight = 0
-
-
-# Message states, plain ints: they are compared on every ack. A message is
-# pending while its state is <= SENT.
-QUEUED: Final = 0
-SENT: Final = 1
-ACKED: Final = 2
-FAILED: Final = 3
-SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel replaced it
-UNRELIABLE_MODES: Final = (0, 2)  # Delivery.UNRELIABLE and UNRELIABLE_SEQUENCED
-
-
-class OutMessage:
-    """One message on its way out; ``Connection.send`` returns it as the handle
-    (``rudp.SendHandle`` in the asyncio API).
-
-    A message larger than one datagram is a *parent* that is never sent itself:
-    its fragments are OutMessages whose ``parent`` points back to it, and it is
-    acknowledged once every fragment is (``parts`` counts those still pending).
-    """
-
-    __slots__ = (
-        "channel",
-        "copies",
-        "data",
-        "fragments",
-        "frame",
-        "graph",
-        "mode",
-        "notify",
-        "parent",
-        "parts",
-        "queued_at",
-        "redundant",
-        "seq",
-        "state",
-        "user",
-        "waiter",
-    )
-
-    def __init__(self, data: bytes, mode: int, channel: int, seq: int, frame: bytes) -> None:
-        self.data = data
-        self.mode = mode
-        self.channel = channel
-        self.seq = seq  # the id on the wire, unwrapped: channel seq or graph id
-        self.frame = frame  # encoded once; a resend carries the same frame
-        self.state = QUEUED
-        self.copies = 0  # packets in flight that carry it
-        self.notify = False  # emit MessageAcked when acknowledged
-        self.user: object = None  # free slot for the asyncio layer
-        # What makes the handle awaitable: the I/O layer sets it to an object whose
-        # ``_wait_for(msg)`` returns an awaitable (see ``__await__``).
-        self.waiter: Any = None
-        self.parent: OutMessage | None = None
-        self.parts = 0
-        self.fragments: list[OutMessage] | None = None
-        self.graph: GraphNode | None = None
-        self.queued_at: float | None = None
-        self.redundant = 0  # extra copies sent by the redundancy option
-
-    @property
-    def acked(self) -> bool:
-        return self.state == ACKED
-
-    @property
-    def failed(self) -> bool:
-        return self.state == FAILED
-
-    @property
-    def superseded(self) -> bool:
-        """A newer reliable-sequenced message on the channel replaced this one first."""
-        return self.state == SUPERSEDED
-
-    def done(self) -> bool:
-        """Nothing more will happen to it: acknowledged, superseded or failed; for an
-        unreliable message, sent or dropped."""
-        state = self.state
-        return state >= ACKED or (self.mode in UNRELIABLE_MODES and state != QUEUED)
-
-    def __await__(self) -> Generator[Any, None, None]:
-        # One object per message instead of two: the asyncio layer returns the core's
-        # handle itself and only sets ``waiter``; the core stays free of asyncio.
-        waiter = self.waiter
-        if waiter is None:
-            raise TypeError(
-                "only a handle returned by an asyncio rudp.Connection.send() can be awaited"
-            )
-        awaitable: Awaitable[None] = waiter._wait_for(self)
-        return awaitable.__await__()
-
-
-class GraphNode:
-    """The sender's copy of a dependency-graph node (the seed article's local graph).
-
-    ``executed`` becomes true once the peer must have executed the message: it
-    was acknowledged and everything it depended on was executed too. From then
-    on, a message that names it as a dependency sends nothing for it, so no
-    dependency ever travels that could be confused after the 16-bit id wraps.
-    """
-
-    __slots__ = ("dependents", "deps", "executed", "gid", "owner", "waiting")
-
-    def __init__(self, gid: int, owner: object) -> None:
-        self.deps: list[OutMessage] = []  # dependencies named in the frame, until executed
-        self.gid = gid
-        self.owner = owner
-        self.waiting = 0  # dependencies not yet executed
-        self.executed = False
-        self.dependents: list[OutMessage] = []
-
-
 class SentPacket:
     """An ack-eliciting packet in flight."""
 
@@ -448,3 +158,193 @@ class SentPacket:
         self.control = control
         self.disconnect = disconnect
         self.size = size
+
+
+class PacketRecovery:
+    """The ack-eliciting packets in flight, and what became of each."""
+
+    __slots__ = (
+        "_cc",
+        "_conn",
+        "_stats",
+        "in_flight",
+        "largest_acked",
+        "last_probe",
+        "loss_time",
+        "lost_max",
+        "lost_recently",
+        "probe_due",
+        "reorder_threshold",
+        "rtt",
+        "sent",
+    )
+
+    def __init__(
+        self,
+        conn: Connection,
+        config: Config,
+        stats: ConnectionStats,
+        rtt: RttEstimator,
+        cc: CongestionController,
+        isn: int,
+    ) -> None:
+        self._conn = conn
+        self._stats = stats
+        self.rtt = rtt
+        self._cc = cc
+        self.sent: dict[int, SentPacket] = {}  # in sending order
+        self.in_flight = 0
+        self.largest_acked = isn - 1
+        self.loss_time: float | None = None  # when the time threshold next fires
+        self.last_probe = 0.0  # when the resend timer last fired
+        self.probe_due = False  # a resend timeout's probe may exceed the congestion window
+        self.reorder_threshold = config.reorder_threshold  # widened by spurious losses
+        self.lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
+        self.lost_max = -1  # the newest packet ever declared lost
+
+    def on_packet_sent(self, pkt: SentPacket) -> None:
+        self.sent[pkt.seq] = pkt
+        self.in_flight += 1
+        self._cc.on_sent(pkt.size)
+        self.probe_due = False
+
+    def on_ack_received(self, ack16: int, bits: int, now: float, tx_next: int) -> bool:
+        """Process a DATA header's acknowledgment; ``tx_next`` is the number our next
+        packet will get. Returns whether it acknowledged anything new."""
+        sent = self.sent
+        largest = unwrap(ack16, tx_next - 1)
+        if largest >= tx_next:
+            self._stats.bad_acks += 1
+            return False
+        lost = self.lost_recently
+        if not sent and not lost:
+            return False
+        newly = False
+        # Every newly acknowledged packet gives an RTT sample: a packet number is used
+        # once, so none is ambiguous, and sampling only the largest would leave out
+        # exactly the slow packets that jitter overtakes, making RTTVAR (and so the
+        # resend timeout) too small for the path.
+        rtt = self.rtt
+        pkt = sent.pop(largest, None)
+        if pkt is not None:
+            rtt.on_sample(now - pkt.time_sent)
+            self._on_acked(pkt, now)
+            newly = True
+        elif largest in lost:
+            self._on_spurious_loss(largest)
+        # Walk the bits only as far back as a packet still in flight (``sent`` is in
+        # sending order), or all 32 while a packet declared lost may be among them, so
+        # that a late ack of one is seen (and the reordering it shows learnt). Most acks
+        # then walk a few bits, not 32 (each costs a dict lookup).
+        span = min(ACK_SPAN, largest - next(iter(sent))) if sent else 0
+        if lost and self.lost_max >= largest - ACK_SPAN:
+            span = ACK_SPAN
+        i = 1
+        while bits and i <= span:
+            if bits & 1:
+                seq = largest - i
+                if seq in sent:
+                    pkt = sent.pop(seq)
+                    rtt.on_sample(now - pkt.time_sent)
+                    self._on_acked(pkt, now)
+                    newly = True
+                elif lost and seq in lost:
+                    self._on_spurious_loss(seq)
+            bits >>= 1
+            i += 1
+        if newly:
+            rtt.backoff = 0
+            if largest > self.largest_acked:
+                self.largest_acked = largest
+            self.detect_losses(now, tx_next)
+        return newly
+
+    def _on_acked(self, pkt: SentPacket, now: float) -> None:
+        self.in_flight -= 1
+        self._cc.on_acked(pkt.seq, pkt.size, now, self.rtt.srtt)
+        self._conn._on_packet_acked(pkt)
+
+    def detect_losses(self, now: float, tx_next: int) -> None:
+        largest = self.largest_acked
+        delay = self.rtt.loss_delay
+        threshold = largest - self.reorder_threshold
+        self.loss_time = None
+        lost: list[int] = []
+        for seq, pkt in self.sent.items():
+            if seq >= largest:
+                break
+            # One expression for the test and the deadline: a deadline computed
+            # differently could round to ``now`` and never be reached.
+            deadline = pkt.time_sent + delay
+            if seq <= threshold or deadline <= now:
+                lost.append(seq)
+            else:
+                self.loss_time = deadline
+                break
+        for seq in lost:
+            self._on_lost(self.sent.pop(seq), tx_next)
+
+    def _on_spurious_loss(self, seq: int) -> None:
+        """A packet we declared lost was acknowledged after all: the path reorders.
+
+        Widen the packet and time thresholds to the reordering we saw (as RACK,
+        RFC 8985, adapts its reordering window), so it stops causing resends.
+        """
+        del self.lost_recently[seq]
+        self._stats.spurious_losses += 1
+        if self._cc.on_spurious_loss(seq):
+            self._stats.congestion_events_undone += 1
+        depth = self.largest_acked - seq + 1
+        self.reorder_threshold = min(max(self.reorder_threshold, depth), MAX_REORDER_THRESHOLD)
+        self.rtt.widen_reorder_window()
+
+    def _on_lost(self, pkt: SentPacket, tx_next: int) -> None:
+        self.in_flight -= 1
+        self._stats.packets_lost += 1
+        rtt = self.rtt
+        if self._cc.on_lost(pkt.seq, pkt.size, tx_next, rtt.min_rtt, rtt.latest):
+            self._stats.congestion_events += 1
+        lost = self.lost_recently
+        lost[pkt.seq] = None
+        if pkt.seq > self.lost_max:
+            self.lost_max = pkt.seq
+        if len(lost) > LOST_MEMORY:
+            del lost[next(iter(lost))]
+        self._conn._on_packet_lost(pkt)
+
+    def probe_deadline(self) -> float:
+        """When the resend timer fires: one backed-off RTO after the oldest packet in
+        flight was sent, or after the last probe if that was later. Without the
+        latter, once the backoff is capped every packet behind the first would be
+        overdue at once after an outage, and fire in one burst."""
+        first = next(iter(self.sent.values()))
+        return max(first.time_sent, self.last_probe) + self.rtt.backed_off_rto
+
+    def on_timer(self, now: float, tx_next: int) -> bool:
+        """The loss timers; returns whether the resend timer fired (a probe is due)."""
+        if self.loss_time is not None and now >= self.loss_time:
+            self.detect_losses(now, tx_next)
+        if not self.sent or now < self.probe_deadline():
+            return False
+        # Only the oldest packet is declared lost: its messages go out again as a
+        # probe. Declaring every expired packet lost at once turns a queue that grew
+        # faster than the RTO estimate into a resend storm; once the probe is
+        # acknowledged, the packet threshold finds any real losses behind it (RFC
+        # 9002's probe timeout works the same way).
+        first = next(iter(self.sent.values()))
+        self._stats.timeouts += 1
+        if self.rtt.backoff >= 1:
+            # Two timeouts in a row: nothing acknowledged for three RTOs, so the path
+            # is congested or gone (RFC 9002's persistent congestion).
+            self._cc.on_persistent_congestion(tx_next)
+        self._on_lost(self.sent.pop(first.seq), tx_next)
+        self.probe_due = True
+        self.last_probe = now
+        self.rtt.on_timeout()
+        return True
+
+    def clear(self) -> None:
+        """The connection ended: nothing is in flight any more."""
+        self.sent.clear()
+        self.in_flight = 0
+        self._cc.reset_flight()

@@ -1,4 +1,9 @@
-"""Counters, kept as plain attributes on the hot path and read at scrape time."""
+"""Counters, kept as plain attributes on the hot path and read at scrape time.
+
+Every connection counter is named once, in ``COUNTER_TABLE``, with what it
+counts and the Prometheus counter that exports it (``metrics`` reads the table);
+``ConnectionStats`` declares one attribute per entry.
+"""
 
 from __future__ import annotations
 
@@ -6,37 +11,70 @@ from collections import Counter
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from rudp.recovery import CongestionController, RttEstimator
+    from rudp.congestion import CongestionController
+    from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
 
 
-COUNTERS: Final = (
-    "bad_acks",
-    "bytes_received",
-    "bytes_sent",
-    "congestion_events",
-    "congestion_events_undone",
-    "duplicate_messages",
-    "eliciting_sent",
-    "fragments_dropped",
-    "messages_expired",
-    "messages_redundant",
-    "messages_superseded",
-    "messages_received",
-    "messages_resent",
-    "messages_sent",
-    "packets_dropped",
-    "packets_lost",
-    "packets_received",
-    "packets_sent",
-    "peer_pauses",
-    "receive_pauses",
-    "spurious_losses",
-    "stale_messages",
-    "timeouts",
+# Every counter of ``ConnectionStats``, named once: (attribute, what it counts, the
+# Prometheus counter that exports it or "" if none). ``metrics`` exports from this
+# table, and ended connections are folded into endpoint totals by it.
+COUNTER_TABLE: Final = (
+    ("bad_acks", "Acknowledgments of packets never sent, ignored.", ""),
+    ("bytes_received", "Bytes of DATA packets accepted.", ""),
+    ("bytes_sent", "Bytes of DATA packets sent.", ""),
+    (
+        "congestion_events",
+        "Losses that shrank the congestion window (one per round trip of losses).",
+        "rudp_congestion_events_total",
+    ),
+    ("congestion_events_undone", "Congestion events undone: the loss proved spurious.", ""),
+    ("duplicate_messages", "Messages received again, dropped.", ""),
+    ("eliciting_sent", "Ack-eliciting packets sent.", ""),
+    (
+        "fragments_dropped",
+        "Fragments inconsistent with the rest of their message, dropped.",
+        "rudp_fragments_dropped_total",
+    ),
+    (
+        "messages_expired",
+        "Unreliable messages dropped for waiting too long in the send queue.",
+        "rudp_expired_messages_total",
+    ),
+    (
+        "messages_redundant",
+        "Extra copies of reliable messages sent by the redundancy option.",
+        "rudp_redundant_messages_total",
+    ),
+    (
+        "messages_superseded",
+        "Reliable-sequenced messages replaced by a newer one before their ack.",
+        "rudp_superseded_messages_total",
+    ),
+    ("messages_received", "Messages delivered.", "rudp_messages_received_total"),
+    ("messages_resent", "Reliable messages sent again.", "rudp_retransmissions_total"),
+    ("messages_sent", "Messages sent for the first time.", "rudp_messages_sent_total"),
+    ("packets_dropped", "Datagrams from this peer dropped (duplicate, stale, bad...).", ""),
+    ("packets_lost", "Ack-eliciting packets declared lost.", "rudp_packets_lost_total"),
+    ("packets_received", "DATA packets accepted.", "rudp_packets_received_total"),
+    ("packets_sent", "DATA packets sent.", "rudp_packets_sent_total"),
+    (
+        "peer_pauses",
+        "Times the peer asked us to pause sending (its receive queue was full).",
+        "rudp_peer_pauses_total",
+    ),
+    (
+        "receive_pauses",
+        "Times a full receive queue asked the peer to pause sending (flow control).",
+        "rudp_receive_pauses_total",
+    ),
+    ("spurious_losses", "Losses disproved by a late acknowledgment.", ""),
+    ("stale_messages", "Sequenced messages older than the newest delivered, dropped.", ""),
+    ("timeouts", "Resend timer expirations.", "rudp_resend_timeouts_total"),
 )
-"""The counters of ``ConnectionStats``, named once (not read from ``__slots__``,
-which compiled builds do not expose)."""
+COUNTERS: Final = tuple(name for name, _, _ in COUNTER_TABLE)
+"""The counters of ``ConnectionStats`` (not read from ``__slots__``, which compiled
+builds do not expose)."""
 
 
 class ConnectionStats:
@@ -45,29 +83,30 @@ class ConnectionStats:
     __slots__ = (*COUNTERS, "cc", "rtt")
 
     def __init__(self) -> None:
-        self.packets_sent = 0
-        self.packets_received = 0
-        self.bytes_sent = 0
+        # One per name in COUNTER_TABLE, which says what each counts.
+        self.bad_acks = 0
         self.bytes_received = 0
-        self.messages_sent = 0
+        self.bytes_sent = 0
+        self.congestion_events = 0
+        self.congestion_events_undone = 0
+        self.duplicate_messages = 0
+        self.eliciting_sent = 0
+        self.fragments_dropped = 0
+        self.messages_expired = 0
+        self.messages_redundant = 0
+        self.messages_superseded = 0
         self.messages_received = 0
         self.messages_resent = 0
-        self.eliciting_sent = 0
+        self.messages_sent = 0
+        self.packets_dropped = 0
         self.packets_lost = 0
-        self.packets_dropped = 0  # datagrams from this peer dropped (duplicate, stale, bad...)
-        self.duplicate_messages = 0
-        self.bad_acks = 0
+        self.packets_received = 0
+        self.packets_sent = 0
+        self.peer_pauses = 0
+        self.receive_pauses = 0
+        self.spurious_losses = 0
+        self.stale_messages = 0
         self.timeouts = 0
-        self.spurious_losses = 0  # losses disproved by a late acknowledgment
-        self.messages_expired = 0  # unreliable messages dropped for waiting too long to go out
-        self.messages_redundant = 0  # extra copies sent by the redundancy option
-        self.messages_superseded = 0  # reliable-sequenced messages replaced before their ack
-        self.stale_messages = 0  # sequenced messages older than the newest delivered, dropped
-        self.fragments_dropped = 0  # fragments inconsistent with the rest of their message
-        self.receive_pauses = 0  # times we asked the peer to pause (our receive queue filled)
-        self.peer_pauses = 0  # times the peer asked us to pause sending
-        self.congestion_events = 0  # losses that shrank the congestion window
-        self.congestion_events_undone = 0  # ... and proved spurious, so were undone
         self.rtt: RttEstimator | None = None
         self.cc: CongestionController | None = None
 

@@ -84,10 +84,14 @@ RESERVED_MASK: Final = 0x20
 # flags, channel, seq, len.
 MESSAGE_OVERHEAD: Final = 6
 # What a fragment adds: index u16, count u16, total u32.
-FRAGMENT_OVERHEAD: Final = 8
 FRAGMENT: Final = struct.Struct("!HHI")
+FRAGMENT_OVERHEAD: Final = FRAGMENT.size
+# What a datagram holding one fragment spends besides the fragment's bytes: the DATA
+# header, the message frame header and the fragment header (``Config.fragment_payload``).
+FRAGMENT_FRAME_OVERHEAD: Final = DATA_HEADER_SIZE + MESSAGE_OVERHEAD + FRAGMENT_OVERHEAD
 MAX_DEPS: Final = 255  # pending dependencies one message can carry (n is a u8)
-MAX_FRAGMENTS: Final = 0xFFFF
+MAX_FRAGMENTS: Final = 0xFFFF  # fragments of one message (the count is a u16)
+ACK_SPAN: Final = 32  # a DATA header acknowledges its largest packet and this many before it
 
 
 class PacketType(enum.IntEnum):
@@ -108,6 +112,23 @@ class FrameType(enum.IntEnum):
     RESUME = 0x04
 
 
+# Plain-int twins of enum members used per message or per packet: compiled, a literal
+# Final is inlined, while an enum member costs a lookup and a generic comparison (and
+# comparing an int with an IntEnum member is a generic rich comparison, with another
+# int one machine instruction). ``OutMessage.mode`` and decoded frame modes are these.
+UNRELIABLE: Final = 0
+RELIABLE_ORDERED: Final = 1
+UNRELIABLE_SEQUENCED: Final = 2
+GRAPH: Final = 3  # the wire mode of RELIABLE_UNORDERED and DEPENDENCY_ORDERED
+RELIABLE_SEQUENCED: Final = 4
+DEPENDENCY_ORDERED: Final = 5  # sent as GRAPH with its dependencies
+UNRELIABLE_MODES: Final = (UNRELIABLE, UNRELIABLE_SEQUENCED)
+# This module's short names for the same values.
+_UNRELIABLE: Final = UNRELIABLE
+_ORDERED: Final = RELIABLE_ORDERED
+_UNORDERED: Final = GRAPH
+
+
 class Delivery(enum.IntEnum):
     """How a message is delivered; pass one to ``Connection.send(delivery=...)``.
 
@@ -115,27 +136,22 @@ class Delivery(enum.IntEnum):
     RELIABLE_UNORDERED plus the list of its pending dependencies.
     """
 
-    UNRELIABLE = 0
+    UNRELIABLE = UNRELIABLE
     """May be lost, never duplicated, delivered in arrival order."""
-    RELIABLE_ORDERED = 1
+    RELIABLE_ORDERED = RELIABLE_ORDERED
     """Exactly once, in send order within its channel (the default)."""
-    UNRELIABLE_SEQUENCED = 2
+    UNRELIABLE_SEQUENCED = UNRELIABLE_SEQUENCED
     """May be lost; one older than the newest already delivered on its channel is dropped."""
-    RELIABLE_UNORDERED = 3
+    RELIABLE_UNORDERED = GRAPH
     """Exactly once, delivered as soon as it arrives."""
-    RELIABLE_SEQUENCED = 4
+    RELIABLE_SEQUENCED = RELIABLE_SEQUENCED
     """Latest wins: exactly the newest reaches the peer; an older one not yet
     acknowledged is superseded and never resent."""
-    DEPENDENCY_ORDERED = 5
+    DEPENDENCY_ORDERED = DEPENDENCY_ORDERED
     """Exactly once, after every message named in ``depends_on``, otherwise at once."""
 
 
 WIRE_MODES: Final = 5  # wire modes 0..4 are valid
-# Plain-int twins of enum members used per message or per packet: compiled, a literal
-# Final is inlined, while an enum member costs a lookup and a generic comparison.
-_UNRELIABLE: Final = 0
-_ORDERED: Final = 1
-_UNORDERED: Final = 3
 _PING: Final = 0x01
 _DISCONNECT: Final = 0x02
 _PAUSE: Final = 0x03

@@ -13,8 +13,9 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
+from rudp.config import BUFFER_ENTRY_COST
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
 from rudp.errors import (
@@ -25,9 +26,9 @@ from rudp.errors import (
     LocalProtocolError,
 )
 from rudp.events import Disconnected, DisconnectReason, MessageReceived
-from rudp.recovery import ACKED, FAILED, SUPERSEDED, UNRELIABLE_MODES, OutMessage
+from rudp.sending import ACKED, FAILED, SUPERSEDED, OutMessage
 from rudp.stats import ConnectionStats
-from rudp.wire import Delivery
+from rudp.wire import UNRELIABLE_MODES, Delivery
 
 if TYPE_CHECKING:
     from rudp.aio.link import EndpointLink
@@ -40,9 +41,6 @@ Message = MessageReceived
 Receiver = Callable[[MessageReceived], object]
 """What ``Connection.set_receiver`` takes: called with each message as it arrives."""
 
-
-QUEUE_ENTRY_COST: Final = 64
-"""Bytes charged per queued received message besides its payload."""
 
 SendHandle = OutMessage
 """What ``send()`` returns: await it to know the peer acknowledged the message.
@@ -83,7 +81,7 @@ class Connection:
         self._core = core
         self._loop = endpoint.loop
         self._inbox: deque[MessageReceived] = deque()
-        # Bytes the inbox holds, each message charged QUEUE_ENTRY_COST besides its payload:
+        # Bytes the inbox holds, each message charged BUFFER_ENTRY_COST besides its payload:
         # past ``Config.recv_queue_bytes`` the peer is asked to pause (see ``_take``).
         self._inbox_bytes = 0
         self._recv_limit = endpoint.config.recv_queue_bytes
@@ -272,7 +270,7 @@ class Connection:
 
     def _take(self) -> MessageReceived:
         message = self._inbox.popleft()
-        left = self._inbox_bytes - len(message.data) - QUEUE_ENTRY_COST
+        left = self._inbox_bytes - len(message.data) - BUFFER_ENTRY_COST
         self._inbox_bytes = left
         core = self._core
         if core.receiving_paused and left <= self._recv_limit >> 1:
@@ -328,7 +326,7 @@ class Connection:
             self._call_receiver(receiver, message)
             return
         self._inbox.append(message)
-        queued = self._inbox_bytes + len(message.data) + QUEUE_ENTRY_COST
+        queued = self._inbox_bytes + len(message.data) + BUFFER_ENTRY_COST
         self._inbox_bytes = queued
         if queued >= self._recv_limit and not self._core.receiving_paused:
             # The application is not keeping up: the peer stops sending new messages

@@ -25,7 +25,7 @@ import rudp
 from rudp import wire
 from rudp.events import Disconnected, DisconnectReason
 from rudp.netsim import GilbertElliott, LinkProfile, Proxy, start_proxy
-from rudp.recovery import FAILED
+from rudp.sending import FAILED
 from rudp.wire import DropReason, PacketType
 from tests.rudp.harness import Link, Network
 

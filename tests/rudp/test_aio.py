@@ -319,7 +319,7 @@ async def test_connections_have_fixed_attributes_and_room_for_application_data(
 def test_the_send_handle_is_the_core_message_and_only_asyncio_makes_it_awaitable() -> None:
     from rudp.config import Config
     from rudp.endpoint import Endpoint
-    from rudp.recovery import OutMessage
+    from rudp.sending import OutMessage
 
     assert rudp.SendHandle is OutMessage
     core = Endpoint(Config(), now=0.0, rng=random.Random(3))

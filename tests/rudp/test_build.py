@@ -20,14 +20,27 @@ CORE = [
     "rudp.events",
     "rudp.wire",
     "rudp.seqnum",
+    "rudp.sending",
+    "rudp.packet_builder",
     "rudp.recovery",
+    "rudp.congestion",
+    "rudp.receiving",
+    "rudp.graph",
     "rudp.connection",
+    "rudp.sink",
     "rudp.endpoint",
     "rudp.stats",
     "rudp.aio.connection",
     "rudp.aio.endpoint",
 ]
-INTERPRETED = ["rudp.config", "rudp.errors", "rudp.aio.server", "rudp.metrics"]
+INTERPRETED = [
+    "rudp.config",
+    "rudp.errors",
+    "rudp.aio.server",
+    "rudp.metrics",
+    "rudp.noise",
+    "rudp.handshake",
+]
 
 
 def _is_extension(name: str) -> bool:

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from rudp.config import Config
+from rudp.congestion import NO_SSTHRESH, CongestionController
 from rudp.connection import Connection
-from rudp.recovery import NO_SSTHRESH, CongestionController
 from tests.rudp.harness import CLIENT, Address, Link, Network, pair, pump
 
 D = Config().max_datagram_size

@@ -16,7 +16,7 @@ from rudp.config import Config
 from rudp.connection import NO_BUFFER, Connection, State
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, MessageReceived
-from rudp.recovery import OutMessage
+from rudp.sending import OutMessage
 from rudp.wire import Delivery, DropReason, PacketType
 from tests.rudp.harness import (
     CLIENT,

@@ -38,7 +38,7 @@ from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.endpoint import Endpoint
 from rudp.events import Disconnected, DisconnectReason, MessageReceived
-from rudp.recovery import OutMessage
+from rudp.sending import OutMessage
 from rudp.wire import Delivery
 
 SERVER = ("10.0.0.1", 9000)

@@ -1,0 +1,383 @@
+"""Packet building: filling each DATA datagram from the queues, acks and redundancy.
+
+Theory of operation
+-------------------
+``Connection.datagrams_to_send`` calls ``PacketBuilder.build`` until it returns
+None. Each call fills one datagram of at most ``max_datagram_size`` bytes, in
+this order:
+
+1. control frames (DISCONNECT, and its resends), then PAUSE or RESUME;
+2. reliable messages whose packet was lost, while both windows have room
+   (``Config.window`` packets in flight, and the congestion window's bytes,
+   which a resend timeout's probe may exceed);
+3. unreliable messages, which expire after ``Config.unreliable_max_age``; an
+   unreliable-sequenced one takes its number only now, so expired ones leave no
+   gap;
+4. new reliable messages, unless the peer paused us, while they fit the
+   receiver's channel window, its graph-id window and what we estimate of its
+   reorder buffer (``Sender.unacked_bytes``);
+5. with ``Config.redundancy``, copies of recent small reliable messages not
+   acknowledged yet, newest first, in the room left;
+6. a PING if nothing else in it asks for an acknowledgment and one is due.
+
+Every packet, even an empty one, carries our acknowledgment of the peer's
+packets in its header: the newest one and a bitfield of the 32 before it. An
+*ack-only* packet (``ack_only``) carries nothing else; the connection builds one
+early when packets arrive faster than one header can acknowledge them.
+
+Each packet takes the next packet number (``tx_next``); ack-eliciting ones go to
+loss detection (``recovery.PacketRecovery``), which reports their fate back.
+
+Judgement call: which packets we received (the acknowledgment every header
+carries) is the connection's state (``Connection._rx_largest`` and ``_rx_bits``,
+updated as each packet is accepted); the builder reads it there rather than
+keeping a copy that could disagree. Likewise it asks the connection to queue its
+DISCONNECT (``_maybe_send_disconnect``) when the last unreliable message before a
+close goes out, since when to say goodbye is a lifecycle decision.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Final
+
+from rudp import wire
+from rudp.config import BUFFER_ENTRY_COST, REDUNDANT_FRAME_MAX, Config
+from rudp.graph import refresh_deps
+from rudp.recovery import PacketRecovery, SentPacket
+from rudp.sending import FAILED, SENT, OutMessage, Sender, buffer_cost
+from rudp.seqnum import SEQ_MASK
+from rudp.wire import GRAPH, RELIABLE_ORDERED, UNRELIABLE_SEQUENCED
+
+if TYPE_CHECKING:
+    from rudp.congestion import CongestionController
+    from rudp.connection import Connection
+    from rudp.stats import ConnectionStats
+
+RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
+
+
+class PacketBuilder:
+    """Builds the DATA packets of one connection and numbers them."""
+
+    __slots__ = (
+        "_byte_window",
+        "_cc",
+        "_conn",
+        "_max_payload",
+        "_packet_window",
+        "_recovery",
+        "_redundancy",
+        "_sender",
+        "_stats",
+        "_unreliable_max_age",
+        "_window",
+        "ack_low",
+        "ack_pending",
+        "control",
+        "early_acks",
+        "flow_frame",
+        "flow_seq",
+        "last_eliciting",
+        "ping",
+        "recent",
+        "tx_next",
+    )
+
+    def __init__(
+        self,
+        conn: Connection,
+        sender: Sender,
+        recovery: PacketRecovery,
+        cc: CongestionController,
+        stats: ConnectionStats,
+        config: Config,
+        isn: int,
+        now: float,
+    ) -> None:
+        self._conn = conn
+        self._sender = sender
+        self._recovery = recovery
+        self._cc = cc
+        self._stats = stats
+        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
+        # Config values read per packet, copied into native attributes (see RttEstimator).
+        self._packet_window = config.window
+        self._window = config.channel_window
+        self._byte_window = config.recv_buffer_bytes
+        self._unreliable_max_age = config.unreliable_max_age
+        self._redundancy = config.redundancy
+        self.tx_next = isn  # the number of our next packet
+        self.control: list[bytes] = []  # DISCONNECT, to go out (again)
+        self.flow_frame = b""  # PAUSE or RESUME waiting to go out
+        self.flow_seq = -1  # the packet that carried our latest PAUSE or RESUME
+        self.ping = False
+        self.ack_pending = False
+        # Oldest ack-eliciting packet received since our last packet reported the receive
+        # window, and ack-only packets built early because it was about to leave the 33
+        # packets one header can acknowledge (see ``Connection._receive_data``).
+        self.ack_low: int | None = None
+        self.early_acks: list[bytes] = []
+        self.recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
+        self.last_eliciting = now  # when our last ack-eliciting packet went out
+
+    def build(self, now: float, closing: bool, draining: bool) -> bytes | None:
+        """The next datagram due now, or None; ``closing`` and ``draining`` say
+        whether the connection is in that state."""
+        sender = self._sender
+        if not (
+            self.ack_pending
+            or self.ping
+            or self.control
+            or self.flow_frame
+            or sender.retx
+            or sender.unrel_queue
+            or sender.rel_queue
+        ):
+            return None  # the common last call of a flush: nothing left to send
+        conn = self._conn
+        recovery = self._recovery
+        budget = self._max_payload
+        parts: list[bytes] = []
+        messages: list[OutMessage] = []
+        control: list[bytes] = []
+        if self.control:
+            control, self.control = self.control, []
+            for frame in control:
+                parts.append(frame)
+                budget -= len(frame)
+        flow = self.flow_frame
+        if flow:
+            self.flow_frame = b""
+            parts.append(flow)
+            budget -= 1
+        # Reliable data goes out while both windows have room: ``window`` packets and
+        # the congestion window's bytes (which a resend timeout's probe may exceed).
+        room = recovery.in_flight < self._packet_window and (
+            self._cc.can_send() or recovery.probe_due
+        )
+        if room:
+            budget = self._take_retransmissions(parts, messages, budget)
+        if sender.unrel_queue:
+            budget = self._take_unreliable(parts, budget, now)
+            if not sender.unrel_queue and closing:
+                # The last unreliable messages queued before close() go out with the
+                # DISCONNECT, not after it: the peer drops messages once it has one.
+                conn._maybe_send_disconnect(now)
+                if self.control and budget >= len(self.control[-1]):
+                    frame = self.control.pop()
+                    parts.append(frame)
+                    control.append(frame)
+                    budget -= len(frame)
+        if room and not sender.retx and not conn.peer_paused:
+            # A paused peer gets no new reliable messages; unreliable ones still go (they
+            # expire rather than wait, and the peer bounds what it accepts while paused).
+            budget = self._take_new_reliable(parts, messages, budget)
+        if self._redundancy and messages:
+            budget = self._take_redundant(parts, messages, budget)
+        eliciting = bool(messages or control or flow)
+        if self.ping and not eliciting and not draining:
+            parts.append(wire.PING_FRAME)
+            eliciting = True
+        if not parts and not self.ack_pending:
+            return None
+        self.ping = False
+        self.ack_pending = False
+        self.ack_low = None
+        seq = self.tx_next
+        self.tx_next = seq + 1
+        rest = b"".join(
+            [
+                wire.data_header(
+                    conn.token,
+                    seq & SEQ_MASK,
+                    conn._rx_largest & SEQ_MASK,
+                    (conn._rx_bits >> 1) & 0xFFFFFFFF,
+                ),
+                *parts,
+            ]
+        )
+        datagram = wire.seal_rest(rest)
+        if eliciting:
+            recovery.on_packet_sent(
+                SentPacket(
+                    seq,
+                    now,
+                    messages,
+                    control,
+                    bool(control) and _disconnect_in(control),
+                    len(datagram),
+                )
+            )
+            self.last_eliciting = now
+            self._stats.eliciting_sent += 1
+            if flow:
+                self.flow_seq = seq
+            for msg in messages:
+                msg.copies += 1
+        return datagram
+
+    def ack_only(self, about: int | None = None) -> bytes:
+        """A packet carrying nothing but an acknowledgment.
+
+        By default it reports the newest packet and the 32 before it. With
+        ``about``, it reports that (late) packet and the 32 before it instead: a
+        packet that arrives after more than 32 later ones is outside every normal
+        ack header, and without this the sender could never learn it arrived.
+        """
+        conn = self._conn
+        if about is None:
+            self.ack_low = None
+            ack, bits = conn._rx_largest, conn._rx_bits >> 1
+        else:
+            ack, bits = about, conn._rx_bits >> (conn._rx_largest - about + 1)
+        seq = self.tx_next
+        self.tx_next = seq + 1
+        return wire.seal_rest(
+            wire.data_header(conn.token, seq & SEQ_MASK, ack & SEQ_MASK, bits & 0xFFFFFFFF)
+        )
+
+    def _take_retransmissions(
+        self, parts: list[bytes], messages: list[OutMessage], budget: int
+    ) -> int:
+        retx = self._sender.retx
+        while retx:
+            msg = retx[0]
+            if msg.state > SENT or msg.copies:
+                retx.popleft()
+                continue
+            frame = msg.frame
+            size = len(frame)
+            if size > budget:
+                break
+            retx.popleft()
+            parts.append(frame)
+            messages.append(msg)
+            budget -= size
+            self._stats.messages_resent += 1
+        return budget
+
+    def _take_unreliable(self, parts: list[bytes], budget: int, now: float) -> int:
+        sender = self._sender
+        queue = sender.unrel_queue
+        stale = now - self._unreliable_max_age
+        while queue:
+            msg = queue[0]
+            queued_at = msg.queued_at
+            if queued_at is not None and queued_at < stale:
+                queue.popleft().state = FAILED
+                sender.queued -= 1
+                self._stats.messages_expired += 1
+                continue
+            frame = msg.frame
+            size = len(frame)
+            if size > budget:
+                break
+            if msg.mode == UNRELIABLE_SEQUENCED:
+                # Numbered on the way out, not at send(): messages that expired in the
+                # queue leave no gap, and only a run of 32,768 lost on the path could
+                # make the receiver read a newer number as older.
+                channel = msg.channel
+                seq = msg.seq = sender.tx_useq[channel]
+                sender.tx_useq[channel] = seq + 1
+                frame = msg.frame = wire.message_frame(UNRELIABLE_SEQUENCED, channel, seq, msg.data)
+            queue.popleft().state = SENT
+            parts.append(frame)
+            sender.queued -= 1
+            budget -= size
+            self._stats.messages_sent += 1
+        return budget
+
+    def _take_new_reliable(
+        self, parts: list[bytes], messages: list[OutMessage], budget: int
+    ) -> int:
+        sender = self._sender
+        queue = sender.rel_queue
+        window = self._window
+        unacked = sender.tx_ch_unacked
+        # Bytes that may still go into the peer's reorder buffer (see unacked_bytes).
+        room = self._byte_window - sender.unacked_bytes
+        sent = 0
+        while queue:
+            msg = queue[0]
+            frame = msg.frame
+            size = len(frame)
+            if size > budget:
+                break  # the packet is full
+            mode = msg.mode
+            if mode == RELIABLE_ORDERED:
+                oldest = unacked[msg.channel]
+                assert oldest is not None  # created when msg was sent
+                if msg.seq - oldest[0].seq >= window:
+                    break  # the receiver could not buffer it yet
+                cost = size + BUFFER_ENTRY_COST
+                if cost > room:
+                    break  # it might not fit the receiver's reorder buffer
+                room -= cost
+            elif msg.state > SENT:
+                queue.popleft()  # superseded
+                continue
+            elif mode == GRAPH:
+                if msg.seq - sender.tx_graph[0].seq >= window:
+                    break  # beyond the ids the receiver accepts
+                if refresh_deps(msg):
+                    frame = msg.frame
+                    size = len(frame)
+                cost = buffer_cost(msg)
+                if cost > room:
+                    break
+                room -= cost
+            queue.popleft()
+            msg.state = SENT
+            parts.append(frame)
+            messages.append(msg)
+            budget -= size
+            sent += 1
+        sender.unacked_bytes = self._byte_window - room
+        self._stats.messages_sent += sent
+        return budget
+
+    def _take_redundant(self, parts: list[bytes], messages: list[OutMessage], budget: int) -> int:
+        """Fill the rest of a packet with copies of recent unacknowledged small messages
+        (newest first), then remember this packet's own small messages for later ones.
+
+        Only a thin stream remembers its messages (the send queue is empty after this
+        packet): in a burst every packet is full anyway, so copies would find no room.
+        """
+        recent = self.recent
+        fresh = len(messages)
+        if recent:
+            limit = self._redundancy
+            while recent and (recent[0].state > SENT or recent[0].redundant >= limit):
+                recent.popleft()
+            if recent and budget > 3:
+                here = set(map(id, messages))
+                for msg in reversed(recent):
+                    if msg.state > SENT or msg.redundant >= limit or id(msg) in here:
+                        continue
+                    size = len(msg.frame)
+                    if size > budget:
+                        continue
+                    parts.append(msg.frame)
+                    messages.append(msg)
+                    msg.redundant += 1
+                    budget -= size
+                    self._stats.messages_redundant += 1
+                    if budget <= 3:
+                        break
+        if not self._sender.rel_queue:
+            for msg in messages[:fresh]:
+                if len(msg.frame) <= REDUNDANT_FRAME_MAX:
+                    recent.append(msg)
+            while len(recent) > RECENT_MAX:
+                recent.popleft()
+        return budget
+
+    def clear(self) -> None:
+        """The connection ended: nothing more to send."""
+        self.recent.clear()
+        self.control.clear()
+
+
+def _disconnect_in(control: list[bytes]) -> bool:
+    return any(frame[0] == wire.FrameType.DISCONNECT for frame in control)
