@@ -28,7 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from rudp.connection import State
-from rudp.stats import COUNTER_TABLE
+from rudp.stats import COUNTER_TABLE, ENDPOINT_COUNTER_TABLE
 from rudp.wire import DropReason
 
 if TYPE_CHECKING:
@@ -99,30 +99,7 @@ class RudpCollector(Collector):
 
 
 def _endpoint_counters(endpoints: Sequence[Endpoint]) -> Iterable[Metric]:
-    simple = (
-        ("datagrams_received", "rudp_datagrams_received_total", "Datagrams read from the socket."),
-        ("datagrams_sent", "rudp_datagrams_sent_total", "Datagrams written to the socket."),
-        ("bytes_received", "rudp_received_bytes_total", "Bytes read from the socket."),
-        ("bytes_sent", "rudp_sent_bytes_total", "Bytes written to the socket."),
-        ("connections_accepted", "rudp_connections_accepted_total", "Handshakes accepted."),
-        ("connections_refused", "rudp_connections_refused_total", "Handshakes refused."),
-        (
-            "noconn_suppressed",
-            "rudp_noconn_suppressed_total",
-            "NOCONN replies held back by the rate limit.",
-        ),
-        (
-            "unvalidated_bytes_received",
-            "rudp_unvalidated_received_bytes_total",
-            "Bytes from addresses with no connection.",
-        ),
-        (
-            "unvalidated_bytes_sent",
-            "rudp_unvalidated_sent_bytes_total",
-            "Bytes sent to addresses with no connection (never more than received).",
-        ),
-    )
-    for attr, name, doc in simple:
+    for attr, doc, name in ENDPOINT_COUNTER_TABLE:
         yield CounterMetricFamily(name, doc, value=sum(getattr(e.stats, attr) for e in endpoints))
     dropped = CounterMetricFamily(
         "rudp_datagrams_dropped_total", "Datagrams dropped, by reason.", labels=["reason"]

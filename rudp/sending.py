@@ -81,7 +81,7 @@ class Waiter(Protocol):
     ``rudp.Connection``) sets itself as ``OutMessage.waiter``. Defined here so that
     the core names the one call it makes up into that layer, and imports none of it."""
 
-    def _wait_for(self, msg: OutMessage, /) -> Awaitable[None]:
+    def wait_for_handle(self, msg: OutMessage, /) -> Awaitable[None]:
         """An awaitable that completes when ``msg`` is done (raises if it failed)."""
         ...
 
@@ -160,7 +160,7 @@ class OutMessage:
             raise TypeError(
                 "only a handle returned by an asyncio rudp.Connection.send() can be awaited"
             )
-        return waiter._wait_for(self).__await__()
+        return waiter.wait_for_handle(self).__await__()
 
 
 class Sender:

@@ -2,7 +2,8 @@
 
 Every connection counter is named once, in ``COUNTER_TABLE``, with what it
 counts and the Prometheus counter that exports it (``metrics`` reads the table);
-``ConnectionStats`` declares one attribute per entry.
+``ConnectionStats`` declares one attribute per entry. The endpoint's counters
+are named once likewise, in ``ENDPOINT_COUNTER_TABLE``.
 """
 
 from __future__ import annotations
@@ -165,6 +166,39 @@ class ConnectionStats:
 
     def __repr__(self) -> str:
         return f"ConnectionStats({self.as_dict()!r})"
+
+
+# Every plain counter of ``EndpointStats``, named once: (attribute, what it counts,
+# the Prometheus counter that exports it). Drops by reason are a labelled family
+# of their own (``rudp_datagrams_dropped_total``).
+ENDPOINT_COUNTER_TABLE: Final = (
+    ("datagrams_received", "Datagrams read from the socket.", "rudp_datagrams_received_total"),
+    ("datagrams_sent", "Datagrams written to the socket.", "rudp_datagrams_sent_total"),
+    ("bytes_received", "Bytes read from the socket.", "rudp_received_bytes_total"),
+    ("bytes_sent", "Bytes written to the socket.", "rudp_sent_bytes_total"),
+    ("connections_accepted", "Handshakes accepted.", "rudp_connections_accepted_total"),
+    ("connections_refused", "Handshakes refused.", "rudp_connections_refused_total"),
+    (
+        "simultaneous_opens",
+        "Handshakes that crossed our own CONNECT to the same peer and won the tie-break.",
+        "rudp_simultaneous_opens_total",
+    ),
+    (
+        "noconn_suppressed",
+        "NOCONN replies held back by the rate limit.",
+        "rudp_noconn_suppressed_total",
+    ),
+    (
+        "unvalidated_bytes_received",
+        "Bytes from addresses with no connection.",
+        "rudp_unvalidated_received_bytes_total",
+    ),
+    (
+        "unvalidated_bytes_sent",
+        "Bytes sent to addresses with no connection (never more than received).",
+        "rudp_unvalidated_sent_bytes_total",
+    ),
+)
 
 
 class EndpointStats:

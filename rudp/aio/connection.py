@@ -175,8 +175,12 @@ class Connection:
             endpoint.wake()
         return msg
 
-    async def _wait_for(self, msg: OutMessage) -> None:
-        """What awaiting a handle of this connection does (see ``OutMessage.__await__``)."""
+    async def wait_for_handle(self, msg: OutMessage) -> None:
+        """Internal: what awaiting a handle of this connection does.
+
+        The core's one call up into this layer (``rudp.sending.Waiter``, made by
+        ``OutMessage.__await__``); applications await the handle instead.
+        """
         if msg.mode in UNRELIABLE_MODES:  # nothing will acknowledge it
             return
         if msg.state == ACKED or msg.state == SUPERSEDED:

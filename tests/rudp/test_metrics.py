@@ -14,6 +14,7 @@ import rudp
 from rudp.config import Config
 from rudp.endpoint import Endpoint
 from rudp.metrics import RudpCollector
+from rudp.stats import COUNTER_TABLE, ENDPOINT_COUNTER_TABLE, ConnectionStats
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -77,6 +78,25 @@ def test_collector_reads_a_core_endpoint_added_directly() -> None:
     scraped = scrape(registry)
     assert scraped[("rudp_datagrams_received_total", ())] == 1
     assert scraped[("rudp_datagrams_dropped_total", (("reason", "bad_checksum"),))] == 1
+
+
+def test_every_counter_in_the_tables_is_exported_with_its_value() -> None:
+    registry = CollectorRegistry()
+    endpoint = Endpoint(Config(), now=0.0, rng=random.Random(1), accept=True)
+    for i, (attr, _, _) in enumerate(ENDPOINT_COUNTER_TABLE):
+        setattr(endpoint.stats, attr, 100 + i)
+    RudpCollector([endpoint], registry=registry)
+    scraped = scrape(registry)
+    for i, (_, _, metric) in enumerate(ENDPOINT_COUNTER_TABLE):
+        assert scraped[(metric, ())] == 100 + i, metric
+    for i, (attr, _, metric) in enumerate(COUNTER_TABLE):
+        assert hasattr(ConnectionStats(), attr), attr
+        if metric:
+            endpoint.stats.closed_totals[attr] = 7 + i
+    scraped = scrape(registry)
+    for i, (_, _, metric) in enumerate(COUNTER_TABLE):
+        if metric:
+            assert scraped[(metric, ())] == 7 + i, metric
 
 
 async def test_collector_does_not_keep_a_server_alive() -> None:
