@@ -44,6 +44,7 @@ from rudp.errors import (
     SendQueueFull,
 )
 from rudp.events import Disconnected, DisconnectReason
+from rudp.noise import generate_key, public_key
 from rudp.stats import ConnectionStats, EndpointStats
 from rudp.wire import Delivery, DropReason
 
@@ -104,7 +105,9 @@ __all__ = [
     "Server",
     "compiled",
     "connect",
+    "generate_key",
     "open_endpoint",
+    "public_key",
     "run",
     "serve",
 ]

@@ -182,10 +182,28 @@ class Config:
     max_datagrams_per_read: int = 256
     """Datagrams drained from the socket per readiness event before yielding to the loop."""
 
+    static_key: bytes | None = None
+    """This endpoint's X25519 private key (32 bytes, ``rudp.generate_key()``). A server
+    needs one for clients that authenticate it (Noise NK, ``server_key``); its public
+    half (``rudp.public_key(key)``, ``Server.public_key``) is what they are given. It
+    also seeds the NOCONN reset tokens, so a server that restarts with the same key
+    tells its old clients at once that their connection is gone. Keep it secret
+    (see docs/security.md)."""
+
+    server_key: bytes | None = None
+    """The server's public key (32 bytes) a client expects: with it, the handshake is
+    Noise NK and only the holder of the matching ``static_key`` can complete it;
+    without it, NN: every packet is still sealed, but the server is not
+    authenticated (an on-path attacker could sit in the middle)."""
+
     netsim: NetsimConfig | None = field(default=None)
     """In-process link conditioner for this endpoint (testing and demos). Off by default."""
 
     def __post_init__(self) -> None:
+        for name in ("static_key", "server_key"):
+            key = getattr(self, name)
+            if key is not None and (not isinstance(key, bytes) or len(key) != 32):
+                raise ValueError(f"Config.{name} must be 32 bytes (an X25519 key)")
         _check_range(
             "max_datagram_size", self.max_datagram_size, MIN_DATAGRAM_SIZE, MAX_DATAGRAM_SIZE
         )

@@ -60,6 +60,7 @@ the end): they are the invariants a test checks after a connection ends.
 from __future__ import annotations
 
 import enum
+import hmac
 import random
 from collections import deque
 from collections.abc import Iterable
@@ -71,12 +72,14 @@ from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
 from rudp.events import Connected, Disconnected, DisconnectReason
 from rudp.graph import Waiting
+from rudp.handshake import PATTERN_NK, ClientHandshake, Keys, TransportParams
+from rudp.noise import NoiseError, ephemeral_key
 from rudp.packet_builder import PacketBuilder
+from rudp.protection import Opener, Sealer
 from rudp.receiving import NO_BUFFER as NO_BUFFER
 from rudp.receiving import Partial, Receiver, Whole
 from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
 from rudp.sending import OutMessage, Sender
-from rudp.seqnum import unwrap
 from rudp.sink import EndpointSink
 from rudp.stats import ConnectionStats
 from rudp.wire import (
@@ -106,7 +109,8 @@ __all__ = [
 ]
 
 Address = tuple[Any, ...]
-NOCONN_SPAN: Final = 4096  # a NOCONN must echo one of our last few thousand packets
+_U32: Final = 0xFFFFFFFF
+_PN_BITS: Final = 32  # the DATA header carries the packet number's low 32 bits
 
 
 class State(enum.Enum):
@@ -145,12 +149,26 @@ class Connection:
         client: bool,
         salt: int,
         sink: EndpointSink | None = None,
+        cid: int = 1,
+        reset_token: bytes = bytes(16),
+        server_key: bytes | None = None,
     ) -> None:
         self.config = config
         self.address = address
         self.client = client
         self.salt = salt
-        self.token = 0
+        self.cid = cid  # the connection id the peer puts on packets to us (ours to route)
+        self.peer_cid = 0  # the one we put on packets to the peer, from its parameters
+        self.reset_token = reset_token  # what a NOCONN about ``cid`` carries (we tell the peer)
+        self.peer_params: TransportParams | None = None
+        self.server_authenticated = False
+        """True when the handshake proved the server holds the key we expected (NK)."""
+        self.handshake_hash = b""
+        """The Noise handshake hash, identical on both sides (a channel binding)."""
+        self._sealer: Sealer | None = None
+        self._opener: Opener | None = None
+        self._peer_reset_token = b""
+        self._bad_answers = 0  # ACCEPTs for our salt that failed authentication
         self.state = CONNECTING
         self.stats = ConnectionStats()
         self.close_reason: Disconnected | None = None
@@ -160,13 +178,14 @@ class Connection:
         self.stats.rtt = self._rtt
         self._cc = CongestionController(config)
         self.stats.cc = self._cc
-        self._isn = rng.getrandbits(16)
-        self.peer_isn = -1  # the peer's initial sequence number, once connected
+        # Packet numbers start at 0 in each direction: with every packet sealed nothing is
+        # guessable from them, so no random initial number is needed (it was version 1's
+        # defence against blind injection).
         # -- the parts of the data path
         self._sender = Sender(self, self._sink, self.stats, config)
-        self._recovery = PacketRecovery(self, config, self.stats, self._rtt, self._cc, self._isn)
+        self._recovery = PacketRecovery(self, config, self.stats, self._rtt, self._cc, 0)
         self._builder = PacketBuilder(
-            self, self._sender, self._recovery, self._cc, self.stats, config, self._isn, now
+            self, self._sender, self._recovery, self._cc, self.stats, config, 0, now
         )
         self._receiver = Receiver(self, self._sink.events, self.stats, config)
         self._clock = now  # the latest time the core was given
@@ -175,7 +194,7 @@ class Connection:
         self._keepalive_interval = config.keepalive_interval
         self._byte_window = config.recv_buffer_bytes
         # -- the packet-level receive window
-        self._rx_largest = 0
+        self._rx_largest = -1
         self._rx_bits = 0  # bit i: packet (largest - i) was received
         # Packets remembered for duplicate detection; older ones are dropped as
         # stale (their reliable messages were resent anyway). Twice the window,
@@ -191,6 +210,12 @@ class Connection:
         self._connect_deadline = now + config.connect_timeout
         self._next_connect = now + config.connect_retry_interval
         self._accept_datagram = b""  # our ACCEPT, if we answered a CONNECT (see _answer_connect)
+        # The client's side of the Noise handshake: its first message goes in every CONNECT.
+        self._handshake = (
+            ClientHandshake(self.transport_params(), salt, server_key, ephemeral_key(rng))
+            if client
+            else None
+        )
         self._close_code = 0
         self._close_text = ""
         self._disconnect_queued = False
@@ -203,9 +228,47 @@ class Connection:
 
     # -- public API -----------------------------------------------------------------
 
-    @property
-    def isn(self) -> int:
-        return self._isn
+    def transport_params(self) -> TransportParams:
+        """What this side tells the peer in the handshake (``rudp.handshake``)."""
+        cfg = self.config
+        return TransportParams(
+            connection_id=self.cid,
+            max_message_size=max(1, cfg.max_message_size),
+            channels=cfg.channels,
+            recv_buffer_bytes=min(cfg.recv_buffer_bytes, _U32),
+            max_datagram_size=cfg.max_datagram_size,
+            idle_timeout_ms=min(round(cfg.idle_timeout * 1000), _U32),
+            reset_token=self.reset_token,
+        )
+
+    def seal_datagram(self, body: bytes) -> bytes:
+        """``body`` (acknowledgment fields, then frames) sealed as our next DATA packet.
+
+        The packet builder's last step; public for tests that play a peer and forge
+        its packets with its real keys. Raises LocalProtocolError before the handshake.
+        """
+        if self._sealer is None:
+            raise LocalProtocolError("no packet keys before the handshake completes")
+        builder = self._builder
+        pn = builder.tx_next
+        builder.tx_next = pn + 1
+        return self._seal(pn, body)
+
+    def peek_datagram(self, data: bytes) -> bytes | None:
+        """The opened body of a DATA packet sent to this connection, or None, without
+        receiving it: nothing changes. For tools and tests that watch a link."""
+        opener = self._opener
+        if opener is None or len(data) < wire.DATA_HEADER_SIZE:
+            return None
+        pn = opener.full_number(wire.decode_data_prefix(data)[1], _PN_BITS)
+        cut = wire.DATA_PREFIX_SIZE
+        return opener.peek(pn, data[:cut], data[cut:])
+
+    def _seal(self, pn: int, body: bytes) -> bytes:
+        sealer = self._sealer
+        assert sealer is not None  # only established connections build packets
+        header = wire.data_prefix(self.peer_cid, pn)
+        return header + sealer.seal(pn, header, body)
 
     @property
     def queued(self) -> int:
@@ -356,8 +419,12 @@ class Connection:
                     self._cookie_connects += 1
                     self._cookie_connect_at = now
                 cfg = self.config
+                hs = self._handshake
+                assert hs is not None  # a client sends CONNECT until it is answered
                 out.append(
-                    wire.encode_connect(self.salt, self._isn, self._cookie, cfg.max_datagram_size)
+                    wire.encode_connect(
+                        self.salt, hs.pattern, self._cookie, hs.message, cfg.max_datagram_size
+                    )
                 )
             return out
         if state is CLOSED:
@@ -380,18 +447,17 @@ class Connection:
 
     # -- the endpoint's interface: handshake and DATA --------------------------------------
 
-    def _nudge_connect(self) -> None:
-        """The server is already sending us data: our ACCEPT was lost or overtaken,
-        so ask again now rather than at the next retry."""
-        if self.state is CONNECTING and self._cookie:
-            self._send_connect = True
-            self._sink.dirty[self] = None
-
     def _receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
         if self.state is not CONNECTING or challenge.salt != self.salt:
             return DropReason.UNEXPECTED
+        answered = bool(self._cookie)
         self._cookie = challenge.cookie
         self._cookie_connects = 0
+        if answered:
+            # Only the first CHALLENGE is answered at once; later ones (a duplicate, or
+            # a flood from an on-path spoofer who read our salt) wait for the retry
+            # timer, so no received packet turns into a 1,200-byte CONNECT.
+            return DropReason.DUPLICATE
         self._send_connect = True
         self._sink.dirty[self] = None
         return None
@@ -399,13 +465,25 @@ class Connection:
     def _receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
         if accept.salt != self.salt:
             return DropReason.UNEXPECTED
-        if self.state is not CONNECTING:
+        hs = self._handshake
+        if self.state is not CONNECTING or hs is None:
             return DropReason.DUPLICATE
+        try:
+            keys = hs.finish(accept.message)
+        except (NoiseError, ValueError):
+            self._bad_answers += 1
+            # Not an answer to our message (forged, tampered, from another key). Judgement
+            # call: the attempt goes on and times out rather than ending on an
+            # unauthenticated packet; the Noise state it touched cannot take the genuine
+            # answer any more, which only an on-path attacker (who could drop it) can cause.
+            return DropReason.BAD_HANDSHAKE
         if self._cookie_connects == 1:
             # One CONNECT, one ACCEPT: an unambiguous first RTT sample (Karn's rule),
             # so the first data packet does not wait on rto_initial.
             self._rtt.on_sample(now - self._cookie_connect_at)
-        self._establish(accept.token, accept.isn, now)
+        self.server_authenticated = hs.pattern == PATTERN_NK
+        self._handshake = None
+        self._establish(keys, now)
         return None
 
     def _receive_reject(self, reject: wire.Reject) -> DropReason | None:
@@ -414,36 +492,57 @@ class Connection:
         self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
         return None
 
-    def _answer_connect(self, salt: int, token: int, peer_isn: int, now: float) -> bytes:
+    def _answer_connect(self, salt: int, answer: bytes, keys: Keys, now: float) -> bytes:
         """The endpoint accepted the peer's CONNECT into this connection: a new one, or
-        ours in a simultaneous open that the peer's handshake won (our own CONNECTs
-        stop; the connection takes the peer's salt, so a duplicate of its CONNECT gets
-        the ACCEPT again). Returns the ACCEPT to send; ``_accept_datagram`` keeps it."""
-        self._accept_datagram = wire.encode_accept(salt, token, self._isn)
+        ours in a simultaneous open that the peer's handshake won (our own CONNECTs and
+        our Noise state are dropped; the connection takes the peer's salt, so a duplicate
+        of its CONNECT gets the ACCEPT again). ``answer`` is our Noise message 2.
+        Returns the ACCEPT to send; ``_accept_datagram`` keeps it."""
+        self._accept_datagram = wire.encode_accept(salt, answer)
         self.salt = salt
         self._send_connect = False
         self._cookie = b""
-        self._establish(token, peer_isn, now)
+        self._handshake = None
+        self.server_authenticated = False
+        self._establish(keys, now)
         return self._accept_datagram
 
-    def _establish(self, token: int, peer_isn: int, now: float) -> None:
-        """Handshake done: both sides know the token and each other's first sequence."""
-        self.token = token
-        self.peer_isn = peer_isn
-        self._rx_largest = peer_isn - 1
+    def _establish(self, keys: Keys, now: float) -> None:
+        """Handshake done: packet keys, and the peer's connection id, token and limits."""
+        peer = keys.peer
+        self.peer_params = peer
+        self.peer_cid = peer.connection_id
+        self._peer_reset_token = peer.reset_token
+        self.handshake_hash = keys.handshake_hash
+        self._sealer = Sealer(keys.send_key)
+        self._opener = Opener(keys.recv_key)
+        self._apply_peer_limits(peer)
+        self._rx_largest = -1
         self._last_recv = now
         self._builder.last_eliciting = now
         self._set_state(CONNECTED)
         self._sink.events.append((self, Connected()))
         self._sink.dirty[self] = None
 
+    def _apply_peer_limits(self, peer: TransportParams) -> None:
+        """Use the smaller idle timeout of the two sides (either side's silence limit
+        ends the connection, so both must keep it alive within the smaller)."""
+        idle = peer.idle_timeout_ms / 1000.0
+        if 0 < idle < self._idle_timeout:
+            self._idle_timeout = idle
+            self._keepalive_interval = min(self._keepalive_interval, idle / 2)
+
     def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
-        """The peer says it has no connection with us; believe it only if it echoes
-        a packet we really sent, so an off-path attacker can't end connections."""
-        tx_next = self._builder.tx_next
-        seq = unwrap(noconn.seq, tx_next - 1)
-        if self.state is CONNECTING or not tx_next - NOCONN_SPAN <= seq < tx_next:
+        """The peer says it has no connection with us; believe it only if it carries
+        the reset token the peer gave us in the handshake, so that no one who did not
+        see that handshake can end the connection (the peer recomputes the token from
+        the connection id after it forgot us)."""
+        if self.state is CONNECTING or not self._peer_reset_token:
             return DropReason.UNEXPECTED
+        if noconn.dcid != self.peer_cid or not hmac.compare_digest(
+            noconn.token, self._peer_reset_token
+        ):
+            return DropReason.BAD_TOKEN
         if self.state is CLOSING and self._disconnect_queued:
             # The peer already forgot us: our DISCONNECT has nothing left to do.
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
@@ -453,20 +552,32 @@ class Connection:
             self._end(DisconnectReason.NO_CONNECTION, 0, "", by_peer=True)
         return None
 
+    def _receive_sealed(self, data: bytes, pn32: int, now: float) -> DropReason | None:
+        """Open one DATA packet routed here by its connection id, then process it.
+
+        A replay is refused before any decryption; a packet that fails authentication
+        changes nothing at all (no acknowledgment, RTT sample, timer or idle refresh).
+        """
+        opener = self._opener
+        if opener is None or self.state is CLOSED:
+            return DropReason.UNEXPECTED  # no keys yet: the ACCEPT was lost or overtaken
+        pn = opener.full_number(pn32, _PN_BITS)
+        if opener.window.seen(pn):
+            return DropReason.REPLAYED
+        body = opener.open(pn, data[: wire.DATA_PREFIX_SIZE], data[wire.DATA_PREFIX_SIZE :])
+        if body is None:
+            return DropReason.AUTH_FAILED
+        ack = (body[0] << 8) | body[1]
+        ack_bits = int.from_bytes(body[2:6], "big")
+        return self._receive_data(body, pn, ack, ack_bits, now, len(data))
+
     def _receive_data(
-        self, data: bytes, seq16: int, ack16: int, ack_bits: int, now: float
+        self, data: bytes, seq: int, ack16: int, ack_bits: int, now: float, size: int
     ) -> DropReason | None:
-        """Process one DATA packet whose CRC and token the endpoint checked."""
+        """Process the opened body of DATA packet number ``seq`` (``size`` bytes on the
+        wire). The replay window already refused duplicates and packets too old."""
         state = self.state
-        if state is CONNECTING or state is CLOSED:
-            return DropReason.UNEXPECTED
-        seq = unwrap(seq16, self._rx_largest)
         delta = seq - self._rx_largest
-        if delta <= 0:
-            if -delta >= self._rx_window:
-                return DropReason.STALE
-            if (self._rx_bits >> -delta) & 1:
-                return DropReason.DUPLICATE
         frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
         self._clock = now
         receiver = self._receiver
@@ -481,12 +592,12 @@ class Connection:
             if reason is not None:
                 return reason
         if frames.messages:
-            if not receiver.can_buffer(frames.messages, len(data)):
+            if not receiver.can_buffer(frames.messages, size):
                 return DropReason.RECV_BUFFER_FULL
             if self.receiving_paused and state is not DRAINING:
-                if len(data) > self._pause_budget:
+                if size > self._pause_budget:
                     return DropReason.RECV_QUEUE_FULL
-                self._pause_budget -= len(data)
+                self._pause_budget -= size
         builder = self._builder
         low = builder.ack_low
         if low is not None and seq - low > ACK_SPAN:
@@ -497,11 +608,11 @@ class Connection:
         if delta > 0:
             self._rx_bits = ((self._rx_bits << delta) | 1) & self._rx_mask
             self._rx_largest = seq
-        else:
+        elif -delta < self._rx_window:
             self._rx_bits |= 1 << -delta
         stats = self.stats
         stats.packets_received += 1
-        stats.bytes_received += len(data)
+        stats.bytes_received += size
         self._last_recv = now
         if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next):
             sender = self._sender
@@ -574,7 +685,10 @@ class Connection:
 
     def _connecting_timer(self, now: float) -> None:
         if now >= self._connect_deadline:
-            self._end(DisconnectReason.CONNECT_TIMEOUT, 0, "", by_peer=False)
+            text = ""
+            if self._bad_answers:
+                text = "the server's answers failed authentication (not the expected server key?)"
+            self._end(DisconnectReason.CONNECT_TIMEOUT, 0, text, by_peer=False)
         elif now >= self._next_connect:
             self._next_connect = now + self.config.connect_retry_interval
             self._send_connect = True
@@ -584,7 +698,7 @@ class Connection:
         cfg = self.config
         # Every test below uses the very expression get_timer() returns: written as
         # ``now - last >= interval`` it can disagree in the last bit and spin the timer.
-        if now >= self._last_recv + cfg.idle_timeout:
+        if now >= self._last_recv + self._idle_timeout:
             self._end(DisconnectReason.TIMEOUT, 0, "", by_peer=False)
             return
         if self._deadline is not None and now >= self._deadline:
@@ -603,7 +717,7 @@ class Connection:
         recovery = self._recovery
         if recovery.on_timer(now, builder.tx_next):
             builder.ping = True  # a probe goes out even if nothing needed resending
-        elif not recovery.sent and now >= builder.last_eliciting + cfg.keepalive_interval:
+        elif not recovery.sent and now >= builder.last_eliciting + self._keepalive_interval:
             builder.ping = True
             self._sink.dirty[self] = None
 

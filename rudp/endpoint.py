@@ -4,29 +4,48 @@ Sans-IO like ``Connection``: ``receive_datagram(data, addr, now)`` in,
 ``datagrams_to_send(now)`` and ``next_event()`` out, ``get_timer()`` /
 ``handle_timer(now)`` for time.
 
-Handshake (stateless until the client proves its address, like QUIC's Retry)::
+Handshake (stateless until the client proves its address, like QUIC's Retry; the
+Noise handshake of ``rudp.handshake`` rides in the last two messages)::
 
     client                                   server
-    CONNECT(salt, isn, no cookie, padded) ->
-                                          <- CHALLENGE(salt, cookie)      no state kept
-    CONNECT(salt, isn, cookie, padded)    ->                              cookie checked
-                                          <- ACCEPT(salt, token, isn)     connection made
+    CONNECT(salt, pattern, no cookie, msg1, padded) ->
+                                          <- CHALLENGE(salt, cookie)      no state, no DH
+    CONNECT(salt, pattern, cookie, msg1, padded)    ->                    cookie checked
+                                          <- ACCEPT(salt, msg2)           connection made
 
-The cookie is ``slot || HMAC-SHA256(key(slot), host, port, salt)[:16]`` where
-``slot = floor(now / cookie_lifetime)`` and ``key(slot)`` is derived from a
-random master secret, so the secret rotates every period with no state and the
-previous period's cookies are still accepted. A cookie is used once: a replay
-cache (bounded, expiring with the cookies) refuses a second connection from it.
+The client computes its Noise message once per connect() and sends the same
+CONNECT every time. The cookie is ``slot || HMAC-SHA256(key(slot), host, port,
+salt)[:16]`` where ``slot = floor(now / cookie_lifetime)`` and ``key(slot)`` is
+derived from a random master secret, so the secret rotates every period with no
+state and the previous period's cookies are still accepted. A cookie is used
+once: a replay cache (bounded, expiring with the cookies) refuses a second
+connection from it. Only after a valid cookie does the server spend a
+Diffie-Hellman on the client's message (``handshake.answer``); a message that is
+not genuine is dropped as ``bad_handshake`` and answered with a short REJECT
+that names the likely cause (the client expects another server key).
 
-Amplification: the client pads CONNECT to its datagram size and the server
-ignores a CONNECT shorter than ``wire.MIN_CONNECT_SIZE``; every reply to an
-address we have no connection with (CHALLENGE, REJECT, NOCONN, QUERY_REPLY) is
-no larger than the datagram that caused it. ``stats.unvalidated_bytes_*``
-count both directions so tests can check it.
+Routing: connections are indexed by address (handshake packets) and by the
+connection id each side chose for the packets it receives (DATA). A DATA for a
+known id from another address is dropped as ``wrong_address`` (connection
+migration is not supported). A DATA that does not authenticate is dropped as
+``auth_failed`` and changes nothing.
 
-NOCONN: a DATA packet carrying frames from an address or token we don't know
-gets NOCONN(token, seq) echoing its header, rate-limited by a token bucket; the
-peer believes it only if it echoes a packet the peer really sent.
+Amplification and reflection: the client pads CONNECT to its datagram size and
+the server ignores a CONNECT shorter than ``wire.MIN_CONNECT_SIZE``; every reply
+to an address we have no connection with (CHALLENGE, REJECT, NOCONN,
+QUERY_REPLY) is no larger than the datagram that caused it, and no received
+packet makes a connecting client send a CONNECT: they go out on the retry timer
+only, so a spoofer cannot turn a client into a reflector.
+``stats.unvalidated_bytes_*`` count both directions so tests can check it.
+
+NOCONN: a DATA for a connection id we do not know gets NOCONN(dcid, token),
+rate-limited by a token bucket, where ``token = HMAC-SHA256(reset secret,
+dcid)[:16]`` can be recomputed after the connection is forgotten. The peer
+believes it only if the token is the one we gave it in the handshake. The reset
+secret derives from ``Config.static_key`` when there is one, so a server that
+restarts with its key still ends its old clients' connections at once; without
+a static key it is random per endpoint, and clients of a restarted server learn
+by their idle timeout instead (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -40,17 +59,23 @@ import struct
 from collections import OrderedDict
 from typing import Final
 
-from rudp import wire
+from rudp import handshake, wire
 from rudp.config import Config
 from rudp.connection import CONNECTED, CONNECTING, Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
+from rudp.noise import NoiseError, ephemeral_key, private_key, public_bytes
 from rudp.sink import EndpointSink
 from rudp.stats import EndpointStats
 from rudp.wire import DecodeError, DropReason, PacketType
 
 COOKIE_MAC: Final = 16
-_DATA: Final = PacketType.DATA  # decode_type returns the members themselves
+_DATA_BYTE: Final = wire.DATA_BYTE
+_DATA_MIN: Final = wire.DATA_HEADER_SIZE
+_RESET_LABEL: Final = b"rudp reset secret"
+NO_STATIC_KEY: Final = "this server has no static key"
+HANDSHAKE_FAILED: Final = "handshake failed: the client expects another server key"
+V1_REFUSAL: Final = "this server speaks rudp protocol version 2; upgrade the client"
 _SLOT: Final = struct.Struct("!I")
 REPLAY_CACHE_LIMIT: Final = 65536
 QUERY_LIMIT: Final = 4096  # our own queries awaiting an answer
@@ -87,6 +112,7 @@ class Endpoint:
         self.stats = EndpointStats()
         self._rng = rng
         self._conns: dict[Address, Connection] = {}
+        self._by_cid: dict[int, Connection] = {}  # DATA routing: our connection ids
         # The one object every connection reports to (events, flushes, closure).
         self._sink = EndpointSink(self._forget)
         self._events = self._sink.events
@@ -97,6 +123,12 @@ class Endpoint:
         self._armed: dict[Connection, float] = {}
         self._ids = itertools.count()
         self._master = rng.randbytes(32)
+        self._static = None if config.static_key is None else private_key(config.static_key)
+        if config.static_key is not None:
+            # Recomputable by the same server after a restart (see the module docstring).
+            self._reset_secret = hmac.digest(config.static_key, _RESET_LABEL, hashlib.sha256)
+        else:
+            self._reset_secret = rng.randbytes(32)
         self._keys: dict[int, bytes] = {}
         self._used: OrderedDict[tuple[Address, int], float] = OrderedDict()
         self._noconn = TokenBucket(config.noconn_rate, config.noconn_burst, now)
@@ -111,8 +143,20 @@ class Endpoint:
     def connection(self, address: Address) -> Connection | None:
         return self._conns.get(address)
 
-    def connect(self, address: Address, now: float) -> Connection:
-        """Start a handshake to ``address``; the connection reports ``Connected``."""
+    @property
+    def public_key(self) -> bytes | None:
+        """Our static public key (what clients pass as ``server_key``), if we have one."""
+        return None if self._static is None else public_bytes(self._static)
+
+    def connect(
+        self, address: Address, now: float, *, server_key: bytes | None = None
+    ) -> Connection:
+        """Start a handshake to ``address``; the connection reports ``Connected``.
+
+        ``server_key`` (default ``Config.server_key``) is the public key the peer must
+        prove it holds (Noise NK); without one the handshake is NN: sealed, but the
+        peer is not authenticated.
+        """
         existing = self._conns.get(address)
         if existing is not None:
             if existing.client:
@@ -121,7 +165,10 @@ class Endpoint:
                 f"{address!r} already connected to us (its connection was accepted, and "
                 "goes to the serve handler): use that one"
             )
-        conn = self._new_connection(address, now, client=True, salt=self._rng.getrandbits(64))
+        key = self.config.server_key if server_key is None else server_key
+        conn = self._new_connection(
+            address, now, client=True, salt=self._rng.getrandbits(64), server_key=key
+        )
         self._sink.dirty[conn] = None
         self._schedule(conn)
         return conn
@@ -235,42 +282,44 @@ class Endpoint:
         stats = self.stats
         stats.datagrams_received += 1
         stats.bytes_received += len(data)
+        if data and data[0] == _DATA_BYTE and len(data) >= _DATA_MIN:
+            return self._receive_data(data, address, now)
         conn = self._conns.get(address)
         if conn is None:
             stats.unvalidated_bytes_received += len(data)
         try:
             ptype = wire.decode_type(data)
-            if ptype is _DATA:
-                return self._receive_data(conn, data, address, now)
             self._receive_other(ptype, conn, data, address, now)
         except DecodeError as exc:
             stats.dropped[exc.reason] += 1
             if conn is not None:
                 conn.stats.packets_dropped += 1
+            elif exc.reason is DropReason.WRONG_VERSION and self.accept:
+                self._refuse_v1(data, address)
         return conn
 
-    def _receive_data(
-        self, conn: Connection | None, data: bytes, address: Address, now: float
-    ) -> Connection | None:
-        token, seq, ack, bits = wire.decode_data_header(data)
-        if conn is not None and conn.state is CONNECTING:
-            # DATA before our ACCEPT (lost, or overtaken). A NOCONN here would end the
-            # server's brand-new connection; instead repeat the CONNECT now.
-            self.stats.dropped[DropReason.UNEXPECTED] += 1
-            conn._nudge_connect()
-            return conn
-        if conn is None or token != conn.token:
-            self.stats.dropped[
-                DropReason.UNKNOWN_PEER if conn is None else DropReason.BAD_TOKEN
-            ] += 1
-            if len(data) > wire.DATA_HEADER_SIZE:  # it carries frames: tell the sender
-                self._send_noconn(token, seq, address, now)
-            return conn
-        reason = conn._receive_data(data, seq, ack, bits, now)
+    def _receive_data(self, data: bytes, address: Address, now: float) -> Connection | None:
+        dcid, pn32 = wire.decode_data_prefix(data)
+        conn = self._by_cid.get(dcid)
+        stats = self.stats
+        if conn is None:
+            stats.unvalidated_bytes_received += len(data)
+            stats.dropped[DropReason.UNKNOWN_PEER] += 1
+            self._send_noconn(dcid, address, now)
+            return None
+        if conn.address != address:
+            # Not the connection's path: never answered (a NOCONN or anything else
+            # would make us a reflector), never a reason to move the connection.
+            stats.unvalidated_bytes_received += len(data)
+            stats.dropped[DropReason.WRONG_ADDRESS] += 1
+            return None
+        try:
+            reason = conn._receive_sealed(data, pn32, now)
+        except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
+            reason = exc.reason
         if reason is not None:
-            self.stats.dropped[reason] += 1
+            stats.dropped[reason] += 1
             conn.stats.packets_dropped += 1
-
         self._schedule(conn)
         return conn
 
@@ -284,6 +333,8 @@ class Endpoint:
             reason = self._receive_query(data, address)
         elif ptype == PacketType.QUERY_REPLY:
             reason = self._receive_query_reply(data, address, now)
+        elif ptype == PacketType.DATA:
+            reason = DropReason.TRUNCATED  # shorter than any sealed packet (decode_type)
         elif conn is None:
             reason = DropReason.UNKNOWN_PEER
         elif ptype == PacketType.CHALLENGE:
@@ -293,14 +344,19 @@ class Endpoint:
         elif ptype == PacketType.REJECT:
             reason = conn._receive_reject(wire.decode_reject(data))
         else:  # NOCONN
-            noconn = wire.decode_noconn(data)
-            reason = (
-                DropReason.BAD_TOKEN if noconn.token != conn.token else conn._receive_noconn(noconn)
-            )
+            reason = conn._receive_noconn(wire.decode_noconn(data))
         if reason is not None:
             self.stats.dropped[reason] += 1
         if conn is not None:
             self._schedule(conn)
+
+    def _refuse_v1(self, data: bytes, address: Address) -> None:
+        """Tell a version-1 client why it gets no connection: its own REJECT format,
+        smaller than its padded CONNECT."""
+        salt = wire.v1_connect_salt(data)
+        if salt is not None:
+            self.stats.connections_refused += 1
+            self._send_unvalidated(wire.encode_v1_reject(salt, V1_REFUSAL), address)
 
     def _receive_connect(
         self, conn: Connection | None, data: bytes, address: Address, now: float
@@ -320,19 +376,19 @@ class Endpoint:
                 self._out.append((conn._accept_datagram, address))  # our ACCEPT was lost
                 return None
             return DropReason.DUPLICATE
-        if (
-            conn is not None
-            and conn.client
-            and not opening
-            and request.isn == conn.peer_isn
-            and request.salt < conn.salt
-        ):
-            # The losing handshake of a simultaneous open we won, late or duplicated:
-            # its CONNECTs carry the very sequence number the peer's ACCEPT gave us. (A
-            # restarted peer picks a new one; a 2^-17 clash costs it one connect().)
+        late_loser = conn is not None and conn.client and not opening and request.salt < conn.salt
+        if late_loser and not self.accept:
+            # The losing handshake of a simultaneous open we won, late or duplicated (no
+            # other handshake is ours to take: we accept no one).
             return DropReason.DUPLICATE
         if not self.accept and not opening:
             return DropReason.UNEXPECTED  # a new handshake: not ours to accept
+        if request.pattern not in (handshake.PATTERN_NN, handshake.PATTERN_NK):
+            return DropReason.MALFORMED
+        if request.pattern == handshake.PATTERN_NK and self._static is None:
+            self.stats.connections_refused += 1
+            self._send_unvalidated(wire.encode_reject(request.salt, NO_STATIC_KEY), address)
+            return None
         if not request.cookie:
             self._send_unvalidated(
                 wire.encode_challenge(request.salt, self._cookie(address, request.salt, now)),
@@ -350,30 +406,72 @@ class Endpoint:
             # connection answers it, as a server would, and is established.
             if request.salt <= conn.salt:
                 return DropReason.UNEXPECTED
+            if not self._answer(conn, request, address, now):
+                return DropReason.BAD_HANDSHAKE
             self._remember_cookie(address, request.salt, now)
             self.stats.simultaneous_opens += 1
-            self._answer(conn, request, now)
             return None
+        if late_loser and conn is not None:
+            # From a peer we opened a connection to: the late losing handshake of a
+            # simultaneous open (its parameters name the very connection id the peer's
+            # ACCEPT gave us), or the peer restarted (a new id): worth one DH to tell.
+            try:
+                keys = handshake.answer(
+                    self._static,
+                    request.pattern,
+                    request.salt,
+                    self._message(request),
+                    conn.transport_params(),
+                    ephemeral_key(self._rng),
+                )[1]
+            except (NoiseError, ValueError):
+                return DropReason.BAD_HANDSHAKE
+            if keys.peer.connection_id == conn.peer_cid:
+                return DropReason.DUPLICATE
         self._remember_cookie(address, request.salt, now)
-        if conn is not None:
-            # The peer restarted: its old session is gone.
-            conn.abort(DisconnectReason.NO_CONNECTION, by_peer=True)
-        if len(self._conns) >= self.config.max_connections:
+        if len(self._conns) >= self.config.max_connections + (conn is not None):
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
             return None
-        conn = self._new_connection(address, now, client=False, salt=request.salt)
+        fresh = self._new_connection(address, now, client=False, salt=request.salt)
+        if not self._answer(fresh, request, address, now):
+            self._forget_unborn(fresh)
+            return DropReason.BAD_HANDSHAKE
+        if conn is not None:
+            # The peer restarted: its old session is gone.
+            conn.abort(DisconnectReason.NO_CONNECTION, by_peer=True)
+            self._conns[address] = fresh
         self.stats.connections_accepted += 1
-        self._answer(conn, request, now)
         return None
 
-    def _answer(self, conn: Connection, request: wire.Connect, now: float) -> None:
-        """Accept ``request`` into ``conn``: choose the token, send ACCEPT (kept for
-        resending on a duplicate CONNECT), and the connection is established."""
-        token = self._rng.getrandbits(32) or 1
-        accept = conn._answer_connect(request.salt, token, request.isn, now)
+    def _message(self, request: wire.Connect) -> bytes:
+        """The Noise message 1 of a CONNECT: its size follows from the pattern."""
+        return request.rest[: handshake.first_message_size(request.pattern)]
+
+    def _answer(
+        self, conn: Connection, request: wire.Connect, address: Address, now: float
+    ) -> bool:
+        """Run the server's side of the Noise handshake on ``request`` into ``conn`` and
+        send ACCEPT (kept for resending on a duplicate CONNECT); the connection is
+        established. False, with a REJECT sent, when the message is not genuine."""
+        try:
+            answer, keys = handshake.answer(
+                self._static,
+                request.pattern,
+                request.salt,
+                self._message(request),
+                conn.transport_params(),
+                ephemeral_key(self._rng),
+            )
+        except (NoiseError, ValueError):
+            # The address is proven (valid cookie) and the REJECT is smaller than the
+            # CONNECT. Under NK the usual cause is a client configured with another key.
+            self._send_unvalidated(wire.encode_reject(request.salt, HANDSHAKE_FAILED), address)
+            return False
+        accept = conn._answer_connect(request.salt, answer, keys, now)
         self._out.append((accept, conn.address))
         self._schedule(conn)
+        return True
 
     def _receive_query(self, data: bytes, address: Address) -> DropReason | None:
         query = wire.decode_query(data)
@@ -395,8 +493,15 @@ class Endpoint:
     # -- helpers -------------------------------------------------------------------
 
     def _new_connection(
-        self, address: Address, now: float, *, client: bool, salt: int
+        self,
+        address: Address,
+        now: float,
+        *,
+        client: bool,
+        salt: int,
+        server_key: bytes | None = None,
     ) -> Connection:
+        cid = self._new_cid()
         conn = Connection(
             config=self.config,
             address=address,
@@ -405,14 +510,37 @@ class Endpoint:
             client=client,
             salt=salt,
             sink=self._sink,
+            cid=cid,
+            reset_token=self._reset_token(cid),
+            server_key=server_key,
         )
-        self._conns[address] = conn
+        self._by_cid[cid] = conn
+        if address not in self._conns:
+            self._conns[address] = conn
         return conn
+
+    def _new_cid(self) -> int:
+        """A random nonzero connection id no connection of ours uses."""
+        while True:
+            cid = self._rng.getrandbits(32)
+            if cid and cid not in self._by_cid:
+                return cid
+
+    def _reset_token(self, cid: int) -> bytes:
+        return hmac.digest(self._reset_secret, _SLOT.pack(cid), hashlib.sha256)[:16]
 
     def _forget(self, conn: Connection) -> None:
         if self._conns.get(conn.address) is conn:
             del self._conns[conn.address]
+        if self._by_cid.get(conn.cid) is conn:
+            del self._by_cid[conn.cid]
         self.stats.absorb(conn.stats)
+
+    def _forget_unborn(self, fresh: Connection) -> None:
+        """Undo ``_new_connection`` for a connection whose handshake failed."""
+        del self._by_cid[fresh.cid]
+        if self._conns.get(fresh.address) is fresh:
+            del self._conns[fresh.address]
 
     def _schedule(self, conn: Connection) -> None:
         """Keep one heap entry per connection at its earliest deadline.
@@ -432,9 +560,9 @@ class Endpoint:
         self.stats.unvalidated_bytes_sent += len(datagram)
         self._out.append((datagram, address))
 
-    def _send_noconn(self, token: int, seq: int, address: Address, now: float) -> None:
+    def _send_noconn(self, dcid: int, address: Address, now: float) -> None:
         if self._noconn.take(now):
-            self._send_unvalidated(wire.encode_noconn(token, seq), address)
+            self._send_unvalidated(wire.encode_noconn(dcid, self._reset_token(dcid)), address)
         else:
             self.stats.noconn_suppressed += 1
 

@@ -127,7 +127,13 @@ def _prologue(pattern: int, salt: int) -> bytes:
 class ClientHandshake:
     """The client's side: the first message at once, the keys from the answer."""
 
-    def __init__(self, params: TransportParams, salt: int, server_key: bytes | None) -> None:
+    def __init__(
+        self,
+        params: TransportParams,
+        salt: int,
+        server_key: bytes | None,
+        ephemeral: X25519PrivateKey | None = None,
+    ) -> None:
         if server_key is not None and len(server_key) != DHLEN:
             raise ValueError(f"a server key is {DHLEN} bytes (X25519 public key)")
         self.pattern = PATTERN_NN if server_key is None else PATTERN_NK
@@ -136,6 +142,7 @@ class ClientHandshake:
             initiator=True,
             prologue=_prologue(self.pattern, salt),
             remote_static=server_key,
+            ephemeral=ephemeral,
         )
         # Computed once: every CONNECT of this attempt carries the same message.
         self.message = self._state.write_message(params.encode())
@@ -155,12 +162,15 @@ def answer(
     salt: int,
     message: bytes,
     params: TransportParams,
+    ephemeral: X25519PrivateKey | None = None,
 ) -> tuple[bytes, Keys]:
     """The server's side in one call: (its answer, its keys) for a client's first message.
 
     Raises NoiseError or ValueError when the message is not a genuine first message
     for this server (wrong size, wrong key, tampered), and ValueError when the
-    client asks for NK and this server has no static key.
+    client asks for NK and this server has no static key. ``ephemeral`` (default: a
+    fresh key from the operating system) lets a caller draw it from its own
+    cryptographically secure source; both sides' ``ephemeral`` exist for that.
     """
     if pattern not in _PROTOCOL_NAMES:
         raise ValueError(f"unknown handshake pattern {pattern}")
@@ -173,6 +183,7 @@ def answer(
         initiator=False,
         prologue=_prologue(pattern, salt),
         static=static if pattern == PATTERN_NK else None,
+        ephemeral=ephemeral,
     )
     peer = TransportParams.decode(state.read_message(message))
     reply = state.write_message(params.encode())

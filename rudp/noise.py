@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import random
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -85,6 +86,27 @@ def private_key(raw: bytes) -> X25519PrivateKey:
     if len(raw) != DHLEN:
         raise ValueError(f"an X25519 private key is {DHLEN} bytes, got {len(raw)}")
     return X25519PrivateKey.from_private_bytes(raw)
+
+
+def generate_key() -> bytes:
+    """A new X25519 private key (32 bytes) from the operating system's CSPRNG: a
+    server's ``Config.static_key``."""
+    return X25519PrivateKey.generate().private_bytes_raw()
+
+
+def public_key(private: bytes) -> bytes:
+    """The public key (32 bytes) of an X25519 private key: what clients are given as
+    ``server_key``."""
+    return public_bytes(private_key(private))
+
+
+def ephemeral_key(rng: random.Random) -> X25519PrivateKey:
+    """A fresh X25519 key drawn from ``rng``: the sans-IO core's injected randomness.
+
+    The asyncio layer passes ``random.SystemRandom`` (the operating system's CSPRNG);
+    a seeded ``random.Random`` makes every key predictable, and is for tests only.
+    """
+    return X25519PrivateKey.from_private_bytes(rng.randbytes(DHLEN))
 
 
 def _dh(key: X25519PrivateKey, public: bytes) -> bytes:

@@ -186,18 +186,13 @@ class PacketBuilder:
         self.ack_low = None
         seq = self.tx_next
         self.tx_next = seq + 1
-        rest = b"".join(
+        body = b"".join(
             [
-                wire.data_header(
-                    conn.token,
-                    seq & SEQ_MASK,
-                    conn._rx_largest & SEQ_MASK,
-                    (conn._rx_bits >> 1) & 0xFFFFFFFF,
-                ),
+                wire.ack_fields(conn._rx_largest & SEQ_MASK, (conn._rx_bits >> 1) & 0xFFFFFFFF),
                 *parts,
             ]
         )
-        datagram = wire.seal_rest(rest)
+        datagram = conn._seal(seq, body)
         if eliciting:
             recovery.on_packet_sent(
                 SentPacket(
@@ -233,9 +228,7 @@ class PacketBuilder:
             ack, bits = about, conn._rx_bits >> (conn._rx_largest - about + 1)
         seq = self.tx_next
         self.tx_next = seq + 1
-        return wire.seal_rest(
-            wire.data_header(conn.token, seq & SEQ_MASK, ack & SEQ_MASK, bits & 0xFFFFFFFF)
-        )
+        return conn._seal(seq, wire.ack_fields(ack & SEQ_MASK, bits & 0xFFFFFFFF))
 
     def _take_retransmissions(
         self, parts: list[bytes], messages: list[OutMessage], budget: int

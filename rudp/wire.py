@@ -1,28 +1,44 @@
-"""The wire format: packet layouts, frames, integrity check. Pure functions.
+"""The wire format, version 2: packet layouts, frames, integrity. Pure functions.
 
-Every datagram starts with the same 6 bytes (network byte order)::
+Every datagram's first byte is ``0xA0 | PacketType``. It is never ``0xFF``, so
+the port can be shared with A2S / Quake-style queries (``FF FF FF FF ...``).
+
+Sealed DATA (see ``rudp.protection``; the 9 cleartext bytes are the AEAD's
+associated data, the rest is ChaCha20-Poly1305 ciphertext and its 16-byte tag)::
 
     offset size field
-    0      4    crc32  zlib CRC-32 of bytes 4.. seeded with PROTOCOL_ID
-    4      1    version  PROTOCOL_VERSION
-    5      1    type     PacketType
+    0      1    0xA5
+    1      4    dcid     the connection id the receiver chose (its TransportParams)
+    5      4    pn       low 32 bits of the 64-bit packet number (the AEAD nonce)
+    9      ...  sealed:  ack u16, ack_bits u32, frames...   + 16-byte tag
 
-The CRC replaces the seed article's parity bit: a parity bit misses every even
-number of flipped bits, a CRC-32 catches all bursts up to 32 bits. Seeding it
-with the protocol id also rejects stray traffic from other UDP programs.
+NOCONN (21 bytes, no checksum: the reset token is its proof)::
 
-Then, by type (see docs/protocol.md for the full tables)::
+    0xA6, dcid u32 (of the DATA that caused it), reset token (16 bytes)
 
-    CONNECT      salt u64, isn u16, cookie_len u8, cookie, zero padding
+Every other packet is unsealed: it carries no secret and authenticates nothing,
+so a CRC-32 (seeded with PROTOCOL_ID) in its last 4 bytes catches corruption and
+stray traffic from other UDP programs. Judgement call: the CRC trails, so every
+table below reads from byte 0 as written and one CRC covers every byte before it::
+
+    0xA0|type u8, version u8 (2), body..., crc32 u32
+
+    CONNECT      salt u64, pattern u8 (0 NN, 1 NK), cookie_len u8, cookie,
+                 Noise message 1, zero padding to the client's max datagram size
     CHALLENGE    salt u64, cookie_len u8, cookie
-    ACCEPT       salt u64, token u32, isn u16
+    ACCEPT       salt u64, Noise message 2 (``handshake.SECOND_MESSAGE_SIZE``)
     REJECT       salt u64, text_len u8, text (utf-8)
-    DATA         token u32, seq u16, ack u16, ack_bits u32, frames...
-    NOCONN       token u32, seq u16            (echo of the packet that caused it)
     QUERY        nonce u32, len u16, payload, zero padding
     QUERY_REPLY  nonce u32, len u16, payload
 
-DATA frames::
+The Noise message 1 of a CONNECT runs to the padding; its size follows from the
+pattern (``handshake.first_message_size``), so the endpoint cuts it there.
+
+Version 1 datagrams (CRC-32 first, byte 4 the version, 1) are recognised only to
+be dropped as ``wrong_version``; a version-1 CONNECT is answered with a
+version-1 REJECT (``encode_v1_reject``) that tells the client why.
+
+DATA frames (inside the seal)::
 
     0x01 PING                                  ack-eliciting, no body
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
@@ -52,21 +68,34 @@ import zlib
 from typing import Final, NamedTuple
 
 PROTOCOL_ID: Final = 0x52554450  # "RUDP"
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
+MARKER: Final = 0xA0  # high nibble of every version-2 first byte
 
-HEADER: Final = struct.Struct("!IBB")
-DATA_HEADER: Final = struct.Struct("!IBBIHHI")
-CONNECT_BODY: Final = struct.Struct("!QHB")
+PREFIX: Final = struct.Struct("!BB")  # type byte, version (unsealed packets)
+CRC: Final = struct.Struct("!I")
+CRC_SIZE: Final = CRC.size
+BODY_OFFSET: Final = PREFIX.size
+# What an unsealed packet spends besides its body: type, version and CRC.
+HEADER_SIZE: Final = PREFIX.size + CRC_SIZE
+CONNECT_BODY: Final = struct.Struct("!QBB")
 CHALLENGE_BODY: Final = struct.Struct("!QB")
-ACCEPT_BODY: Final = struct.Struct("!QIH")
+ACCEPT_BODY: Final = struct.Struct("!Q")
 REJECT_BODY: Final = struct.Struct("!QB")
-NOCONN_BODY: Final = struct.Struct("!IH")
 QUERY_BODY: Final = struct.Struct("!IH")
 U16: Final = struct.Struct("!H")
 DISCONNECT_FRAME: Final = struct.Struct("!BHB")
 
-HEADER_SIZE: Final = HEADER.size
-DATA_HEADER_SIZE: Final = DATA_HEADER.size
+DATA_PREFIX: Final = struct.Struct("!BII")  # 0xA5, dcid, pn32: the associated data
+DATA_PREFIX_SIZE: Final = DATA_PREFIX.size
+ACK_FIELDS: Final = struct.Struct("!HI")  # ack u16, ack_bits u32: first in the sealed part
+ACK_SIZE: Final = 6
+TAG_SIZE: Final = 16  # the Poly1305 tag (``protection.TAG_SIZE``)
+# What a DATA packet spends besides its frames: cleartext header, ack fields, tag.
+# Every DATA is at least this long, and longer than a NOCONN: a NOCONN never amplifies.
+DATA_HEADER_SIZE: Final = DATA_PREFIX_SIZE + ACK_SIZE + TAG_SIZE
+RESET_TOKEN_SIZE: Final = 16
+NOCONN: Final = struct.Struct("!BI16s")
+NOCONN_SIZE: Final = NOCONN.size
 MAX_REJECT_TEXT: Final = 96
 MAX_CLOSE_TEXT: Final = 200
 MAX_COOKIE: Final = 64
@@ -177,6 +206,15 @@ class DropReason(enum.StrEnum):
     RECV_BUFFER_FULL = "recv_buffer_full"
     RECV_QUEUE_FULL = "recv_queue_full"
     UNEXPECTED = "unexpected"
+    REPLAYED = "replayed"
+    """A sealed packet whose number was already received, or is older than the replay window."""
+    AUTH_FAILED = "auth_failed"
+    """A sealed packet that does not authenticate under the connection's key (forged,
+    tampered, truncated, or reflected back at its sender)."""
+    WRONG_ADDRESS = "wrong_address"
+    """A sealed packet for a known connection id from another address than the connection's."""
+    BAD_HANDSHAKE = "bad_handshake"
+    """A CONNECT or ACCEPT whose Noise message is not genuine (wrong key, tampered)."""
 
 
 class DecodeError(Exception):
@@ -218,8 +256,9 @@ class DataFrames(NamedTuple):
 
 class Connect(NamedTuple):
     salt: int
-    isn: int
+    pattern: int
     cookie: bytes
+    rest: bytes  # the Noise message 1, then the padding (the endpoint cuts it)
 
 
 class Challenge(NamedTuple):
@@ -229,8 +268,7 @@ class Challenge(NamedTuple):
 
 class Accept(NamedTuple):
     salt: int
-    token: int
-    isn: int
+    message: bytes  # the Noise message 2
 
 
 class Reject(NamedTuple):
@@ -239,8 +277,8 @@ class Reject(NamedTuple):
 
 
 class NoConn(NamedTuple):
-    token: int
-    seq: int
+    dcid: int
+    token: bytes
 
 
 class Query(NamedTuple):
@@ -248,53 +286,73 @@ class Query(NamedTuple):
     payload: bytes
 
 
-_TYPES: Final = {int(t): t for t in PacketType}  # a dict lookup, not an enum call, per datagram
+_TYPES: Final = {MARKER | int(t): t for t in PacketType}  # a dict lookup per datagram
+_NOCONN_BYTE: Final = MARKER | 6
+DATA_BYTE: Final = MARKER | _DATA
 
 
 def _crc(data: bytes | bytearray | memoryview) -> int:
     return zlib.crc32(data, PROTOCOL_ID) & 0xFFFFFFFF
 
 
-def seal(buf: bytearray) -> bytes:
-    """Write the CRC of ``buf[4:]`` into ``buf[0:4]`` and return the datagram."""
-    struct.pack_into("!I", buf, 0, _crc(memoryview(buf)[4:]))
-    return bytes(buf)
-
-
 def _packet(ptype: PacketType, body: bytes) -> bytes:
-    buf = bytearray(HEADER.pack(0, PROTOCOL_VERSION, ptype))
-    buf += body
-    return seal(buf)
+    out = PREFIX.pack(MARKER | ptype, PROTOCOL_VERSION) + body
+    return out + CRC.pack(_crc(out))
 
 
 def decode_type(data: bytes) -> PacketType:
-    """Check length, CRC and version; return the packet type or raise DecodeError."""
-    if len(data) < HEADER_SIZE:
+    """Check length, checksum and version; return the packet type or raise DecodeError.
+
+    DATA and NOCONN are only checked for length here: their seal or token is their
+    proof, checked by the endpoint.
+    """
+    n = len(data)
+    if n == 0:
         raise DecodeError(DropReason.TRUNCATED)
-    crc, version, ptype = HEADER.unpack_from(data)
-    if crc != _crc(memoryview(data)[4:]):
-        raise DecodeError(DropReason.BAD_CHECKSUM)
-    if version != PROTOCOL_VERSION:
-        raise DecodeError(DropReason.WRONG_VERSION)
-    known = _TYPES.get(ptype)
+    known = _TYPES.get(data[0])
     if known is None:
-        raise DecodeError(DropReason.UNKNOWN_TYPE)
+        if is_v1(data):
+            raise DecodeError(DropReason.WRONG_VERSION)
+        if data[0] & 0xF0 == MARKER:
+            raise DecodeError(DropReason.UNKNOWN_TYPE)
+        raise DecodeError(DropReason.TRUNCATED if n < HEADER_SIZE else DropReason.BAD_CHECKSUM)
+    if known == PacketType.DATA:
+        if n < DATA_HEADER_SIZE:
+            raise DecodeError(_v1_or(data, DropReason.TRUNCATED))
+        return known
+    if known == PacketType.NOCONN:
+        if n != NOCONN_SIZE:
+            raise DecodeError(_v1_or(data, DropReason.MALFORMED))
+        return known
+    if n < HEADER_SIZE:
+        raise DecodeError(DropReason.TRUNCATED)
+    if CRC.unpack_from(data, n - CRC_SIZE)[0] != _crc(memoryview(data)[: n - CRC_SIZE]):
+        raise DecodeError(_v1_or(data, DropReason.BAD_CHECKSUM))
+    if data[1] != PROTOCOL_VERSION:
+        raise DecodeError(DropReason.WRONG_VERSION)
     return known
+
+
+def _v1_or(data: bytes, reason: DropReason) -> DropReason:
+    # A version-1 CRC can start with a version-2 type byte (1 in 32): check it
+    # only on this failure path, never per valid packet.
+    return DropReason.WRONG_VERSION if is_v1(data) else reason
 
 
 # -- handshake -----------------------------------------------------------------
 
 
-def encode_connect(salt: int, isn: int, cookie: bytes, pad_to: int) -> bytes:
-    body = CONNECT_BODY.pack(salt, isn, len(cookie)) + cookie
+def encode_connect(salt: int, pattern: int, cookie: bytes, message: bytes, pad_to: int) -> bytes:
+    body = CONNECT_BODY.pack(salt, pattern, len(cookie)) + cookie + message
     padding = max(0, pad_to - HEADER_SIZE - len(body))
     return _packet(PacketType.CONNECT, body + bytes(padding))
 
 
 def decode_connect(data: bytes) -> Connect:
-    salt, isn, n = _unpack(CONNECT_BODY, data)
-    cookie = _take(data, HEADER_SIZE + CONNECT_BODY.size, n, MAX_COOKIE)
-    return Connect(salt, isn, cookie)
+    salt, pattern, n = _unpack(CONNECT_BODY, data)
+    offset = BODY_OFFSET + CONNECT_BODY.size
+    cookie = _take(data, offset, n, MAX_COOKIE)
+    return Connect(salt, pattern, cookie, data[offset + n : len(data) - CRC_SIZE])
 
 
 def encode_challenge(salt: int, cookie: bytes) -> bytes:
@@ -303,15 +361,16 @@ def encode_challenge(salt: int, cookie: bytes) -> bytes:
 
 def decode_challenge(data: bytes) -> Challenge:
     salt, n = _unpack(CHALLENGE_BODY, data)
-    return Challenge(salt, _take(data, HEADER_SIZE + CHALLENGE_BODY.size, n, MAX_COOKIE))
+    return Challenge(salt, _take(data, BODY_OFFSET + CHALLENGE_BODY.size, n, MAX_COOKIE))
 
 
-def encode_accept(salt: int, token: int, isn: int) -> bytes:
-    return _packet(PacketType.ACCEPT, ACCEPT_BODY.pack(salt, token, isn))
+def encode_accept(salt: int, message: bytes) -> bytes:
+    return _packet(PacketType.ACCEPT, ACCEPT_BODY.pack(salt) + message)
 
 
 def decode_accept(data: bytes) -> Accept:
-    return Accept(*_unpack(ACCEPT_BODY, data))
+    (salt,) = _unpack(ACCEPT_BODY, data)
+    return Accept(salt, data[BODY_OFFSET + ACCEPT_BODY.size : len(data) - CRC_SIZE])
 
 
 def encode_reject(salt: int, text: str) -> bytes:
@@ -321,16 +380,19 @@ def encode_reject(salt: int, text: str) -> bytes:
 
 def decode_reject(data: bytes) -> Reject:
     salt, n = _unpack(REJECT_BODY, data)
-    raw = _take(data, HEADER_SIZE + REJECT_BODY.size, n, MAX_REJECT_TEXT)
+    raw = _take(data, BODY_OFFSET + REJECT_BODY.size, n, MAX_REJECT_TEXT)
     return Reject(salt, raw.decode("utf-8", "replace"))
 
 
-def encode_noconn(token: int, seq: int) -> bytes:
-    return _packet(PacketType.NOCONN, NOCONN_BODY.pack(token, seq))
+def encode_noconn(dcid: int, token: bytes) -> bytes:
+    return NOCONN.pack(_NOCONN_BYTE, dcid, token)
 
 
 def decode_noconn(data: bytes) -> NoConn:
-    return NoConn(*_unpack(NOCONN_BODY, data))
+    if len(data) != NOCONN_SIZE:
+        raise DecodeError(DropReason.MALFORMED)
+    _, dcid, token = NOCONN.unpack(data)
+    return NoConn(dcid, token)
 
 
 def encode_query(ptype: PacketType, nonce: int, payload: bytes, pad_to: int = 0) -> bytes:
@@ -341,19 +403,20 @@ def encode_query(ptype: PacketType, nonce: int, payload: bytes, pad_to: int = 0)
 
 def decode_query(data: bytes) -> Query:
     nonce, n = _unpack(QUERY_BODY, data)
-    return Query(nonce, _take(data, HEADER_SIZE + QUERY_BODY.size, n, len(data)))
+    offset = BODY_OFFSET + QUERY_BODY.size
+    return Query(nonce, _take(data, offset, n, len(data) - CRC_SIZE - offset))
 
 
 def _unpack(fmt: struct.Struct, data: bytes) -> tuple[int, ...]:
     if len(data) < HEADER_SIZE + fmt.size:
         raise DecodeError(DropReason.TRUNCATED)
-    return fmt.unpack_from(data, HEADER_SIZE)
+    return fmt.unpack_from(data, BODY_OFFSET)
 
 
 def _take(data: bytes, offset: int, n: int, limit: int) -> bytes:
     if n > limit:
         raise DecodeError(DropReason.MALFORMED)
-    if offset + n > len(data):
+    if offset + n > len(data) - CRC_SIZE:
         raise DecodeError(DropReason.TRUNCATED)
     return data[offset : offset + n]
 
@@ -362,29 +425,63 @@ def _clip_utf8(text: str, limit: int) -> bytes:
     return text.encode("utf-8")[:limit].decode("utf-8", "ignore").encode("utf-8")
 
 
+# -- version 1, recognised to be refused -----------------------------------------
+
+V1_HEADER: Final = struct.Struct("!IBB")  # crc32 of bytes 4.., version, type
+V1_CONNECT_SIZE: Final = 256  # version 1's MIN_CONNECT_SIZE
+_V1_CONNECT: Final = 1
+_V1_REJECT: Final = 4
+_V1_SALT: Final = struct.Struct("!Q")
+
+
+def is_v1(data: bytes) -> bool:
+    """Whether ``data`` is a well-formed version-1 datagram (its CRC checks)."""
+    if len(data) < V1_HEADER.size or data[4] != 1:
+        return False
+    return bool(V1_HEADER.unpack_from(data)[0] == _crc(memoryview(data)[4:]))
+
+
+def v1_connect_salt(data: bytes) -> int | None:
+    """The salt of a version-1 CONNECT large enough to answer, else None."""
+    if len(data) < V1_CONNECT_SIZE or not is_v1(data) or data[5] != _V1_CONNECT:
+        return None
+    return int(_V1_SALT.unpack_from(data, V1_HEADER.size)[0])
+
+
+def _v1_packet(ptype: int, body: bytes) -> bytes:
+    rest = bytes((1, ptype)) + body
+    return CRC.pack(_crc(rest)) + rest
+
+
+def encode_v1_reject(salt: int, text: str) -> bytes:
+    """A version-1 REJECT: what a version-1 client understands as a refusal."""
+    raw = _clip_utf8(text, MAX_REJECT_TEXT)
+    return _v1_packet(_V1_REJECT, REJECT_BODY.pack(salt, len(raw)) + raw)
+
+
+def encode_v1_connect(salt: int, pad_to: int = 1200) -> bytes:
+    """A version-1 CONNECT without cookie (what a version-1 client sends first)."""
+    body = struct.pack("!QHB", salt, 0, 0)
+    return _v1_packet(_V1_CONNECT, body + bytes(max(0, pad_to - V1_HEADER.size - len(body))))
+
+
 # -- DATA packets ----------------------------------------------------------------
 
 
-_DATA_REST: Final = struct.Struct("!BBIHHI")
-_CRC: Final = struct.Struct("!I")
+def data_prefix(dcid: int, pn: int) -> bytes:
+    """The cleartext header of a DATA packet: the AEAD's associated data."""
+    return DATA_PREFIX.pack(DATA_BYTE, dcid, pn & 0xFFFFFFFF)
 
 
-def data_header(token: int, seq: int, ack: int, ack_bits: int) -> bytes:
-    """A DATA header without its CRC; join the frames to it, then ``seal_rest()``."""
-    return _DATA_REST.pack(PROTOCOL_VERSION, _DATA, token, seq, ack, ack_bits)
+def ack_fields(ack: int, ack_bits: int) -> bytes:
+    """The acknowledgment that starts every DATA packet's sealed part."""
+    return ((ack << 32) | ack_bits).to_bytes(6, "big")
 
 
-def seal_rest(rest: bytes) -> bytes:
-    """Prefix the CRC to a datagram body that starts at the version byte."""
-    return _CRC.pack(zlib.crc32(rest, PROTOCOL_ID) & 0xFFFFFFFF) + rest
-
-
-def decode_data_header(data: bytes) -> tuple[int, int, int, int]:
-    """(token, seq, ack, ack_bits) of a DATA packet whose CRC was checked."""
-    if len(data) < DATA_HEADER_SIZE:
-        raise DecodeError(DropReason.TRUNCATED)
-    _, _, _, token, seq, ack, bits = DATA_HEADER.unpack_from(data)
-    return token, seq, ack, bits
+def decode_data_prefix(data: bytes) -> tuple[int, int]:
+    """(dcid, pn32) of a DATA packet at least ``DATA_HEADER_SIZE`` long."""
+    _, dcid, pn = DATA_PREFIX.unpack_from(data)
+    return dcid, pn
 
 
 def message_frame(
@@ -471,8 +568,8 @@ def disconnect_frame(code: int, text: str) -> bytes:
     return DISCONNECT_FRAME.pack(FrameType.DISCONNECT, code, len(raw)) + raw
 
 
-def decode_frames(data: bytes, offset: int = DATA_HEADER_SIZE) -> DataFrames:
-    """Parse every frame of a DATA packet, or raise DecodeError; all or nothing."""
+def decode_frames(data: bytes, offset: int = ACK_SIZE) -> DataFrames:
+    """Parse every frame of an opened DATA packet, or raise DecodeError; all or nothing."""
     try:
         return _decode_frames(data, offset)
     except (IndexError, struct.error):

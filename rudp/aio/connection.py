@@ -121,6 +121,18 @@ class Connection:
         return self._core.stats
 
     @property
+    def server_authenticated(self) -> bool:
+        """True when the handshake proved the server holds the key we expected
+        (``server_key``, Noise NK); False under NN and on the accepting side."""
+        return self._core.server_authenticated
+
+    @property
+    def handshake_hash(self) -> bytes:
+        """The Noise handshake hash, the same on both sides: a channel binding (for
+        example to sign into an application-level login)."""
+        return self._core.handshake_hash
+
+    @property
     def max_message_size(self) -> int:
         """The largest reliable message (``Config.max_message_size``); larger than a
         datagram, it is fragmented."""
@@ -407,7 +419,10 @@ def connect_error(event: Disconnected) -> Exception:
     if event.reason is DisconnectReason.REFUSED:
         return ConnectRefused(event.text or "refused")
     if event.reason is DisconnectReason.CONNECT_TIMEOUT:
-        return ConnectTimeout("no answer from the server within the connect timeout")
+        return ConnectTimeout(
+            "no answer from the server within the connect timeout"
+            + (f" ({event.text})" if event.text else "")
+        )
     if not event.by_peer and event.reason in (DisconnectReason.ABORTED, DisconnectReason.CLOSED):
         return ConnectError(f"closed locally before the handshake completed ({event.reason})")
     return ConnectRefused(event.reason.value)

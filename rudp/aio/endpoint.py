@@ -321,12 +321,15 @@ class AioEndpoint:
         """Something was queued: flush at the end of this loop turn."""
         self._schedule_flush()
 
-    async def connect(self, address: Address, *, owns_endpoint: bool = False) -> Connection:
+    async def connect(
+        self, address: Address, *, owns_endpoint: bool = False, server_key: bytes | None = None
+    ) -> Connection:
         """Connect out; with ``owns_endpoint`` the connection closes this endpoint when it
-        ends (set before the handshake: the server may close it in the same datagram)."""
+        ends (set before the handshake: the server may close it in the same datagram).
+        ``server_key`` overrides ``Config.server_key`` for this connection."""
         if self._closed:
             raise LocalProtocolError("endpoint is closed")
-        core_conn = self.core.connect(address, monotonic())
+        core_conn = self.core.connect(address, monotonic(), server_key=server_key)
         conn = Connection(self, core_conn)
         conn.owns_endpoint = owns_endpoint
         self._conns[core_conn] = conn

@@ -103,6 +103,12 @@ class Server:
         return self._endpoint
 
     @property
+    def public_key(self) -> bytes | None:
+        """This endpoint's static public key (``Config.static_key``'s public half), the
+        ``server_key`` its clients use to authenticate it; None without a static key."""
+        return self._endpoint.core.public_key
+
+    @property
     def on_query(self) -> QueryHandler | None:
         """``fn(payload, addr) -> bytes | None`` answering unconnected queries.
 
@@ -114,10 +120,13 @@ class Server:
     def on_query(self, handler: QueryHandler | None) -> None:
         self._endpoint.on_query = handler
 
-    async def connect(self, host: str, port: int) -> Connection:
-        """Open an outgoing connection from this server's socket (NAT traversal)."""
+    async def connect(self, host: str, port: int, *, server_key: bytes | None = None) -> Connection:
+        """Open an outgoing connection from this server's socket (NAT traversal).
+
+        ``server_key`` (default ``Config.server_key``): the peer's public key to expect.
+        """
         _, address = await _resolve(host, port, *self._endpoint.destination_family())
-        return await self._endpoint.connect(address)
+        return await self._endpoint.connect(address, server_key=server_key)
 
     async def query(
         self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
@@ -182,8 +191,15 @@ async def connect(
     *,
     config: Config | None = None,
     local_addr: tuple[str, int] | None = None,
+    server_key: bytes | None = None,
 ) -> Connection:
-    """Connect to a rudp server. Raises ``ConnectRefused`` or ``ConnectTimeout``."""
+    """Connect to a rudp server. Raises ``ConnectRefused`` or ``ConnectTimeout``.
+
+    ``server_key`` (default ``Config.server_key``) is the server's public key: the
+    handshake then proves the server holds its private half (Noise NK), and
+    ``conn.server_authenticated`` is True. Without it the connection is sealed all
+    the same, but the server is not authenticated (Noise NN).
+    """
     cfg = config or Config()
     family, address = await _resolve(host, port)
     local_host = local_addr[0] if local_addr else ("::" if family == socket.AF_INET6 else "0.0.0.0")
@@ -191,7 +207,7 @@ async def connect(
         local_host, local_addr[1] if local_addr else 0, config=cfg, family=family
     )
     try:
-        return await server.endpoint.connect(address, owns_endpoint=True)
+        return await server.endpoint.connect(address, owns_endpoint=True, server_key=server_key)
     except BaseException:
         server.endpoint.close_now()
         raise

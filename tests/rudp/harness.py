@@ -10,6 +10,7 @@ import heapq
 import itertools
 import random
 import struct
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,8 +58,12 @@ class Node:
         return [e for _, e in self.events if isinstance(e, Disconnected)]
 
 
+_NETWORKS: weakref.WeakSet[Network] = weakref.WeakSet()
+
+
 class Network:
     def __init__(self, seed: int = 1, link: Link | None = None) -> None:
+        _NETWORKS.add(self)
         self.now = 1000.0
         self.rng = random.Random(seed)
         self.link = link or Link()
@@ -233,13 +238,39 @@ def settle(net: Network, conn: Connection, timeout: float = 120.0) -> None:
 
 
 def inject_frames(net: Network, server: Node, *frames: bytes) -> DropReason | None:
-    """Deliver a DATA packet carrying ``frames`` to the server's connection as the client."""
+    """Deliver a DATA packet carrying ``frames`` to the server's connection as the client:
+    sealed with the client connection's real keys as its next packet."""
     conn = server_conn(server)
-    seq = (conn._rx_largest + 1) & 0xFFFF
+    peer = net.nodes[CLIENT].endpoint.connection(SERVER)
+    assert peer is not None, "the client's connection is gone: nothing can seal for it"
     ack = (conn._tx_next - 1) & 0xFFFF
-    packet = wire.seal_rest(wire.data_header(conn.token, seq, ack, 0) + b"".join(frames))
+    packet = peer.seal_datagram(wire.ack_fields(ack, 0) + b"".join(frames))
     before = server.endpoint.stats.dropped.copy()
     server.endpoint.receive_datagram(packet, CLIENT, net.now)
     after = server.endpoint.stats.dropped
     changed = [reason for reason in after if after[reason] != before.get(reason, 0)]
     return changed[0] if changed else None
+
+
+NO_FRAMES = wire.DataFrames([], False, None, False)
+
+
+def open_data(data: bytes) -> bytes | None:
+    """The opened body of a sealed DATA datagram of any live test network, or None: the
+    receiving connection (found by the datagram's connection id) peeks at it."""
+    if not data or data[0] != wire.DATA_BYTE or len(data) < wire.DATA_HEADER_SIZE:
+        return None
+    dcid = wire.decode_data_prefix(data)[0]
+    for net in list(_NETWORKS):
+        for node in net.nodes.values():
+            conn = node.endpoint._by_cid.get(dcid)
+            body = None if conn is None else conn.peek_datagram(data)
+            if body is not None:
+                return body
+    return None
+
+
+def frames_of(data: bytes) -> wire.DataFrames:
+    """The frames of a DATA datagram on a test network (none for other packets)."""
+    body = open_data(data)
+    return NO_FRAMES if body is None else wire.decode_frames(body)

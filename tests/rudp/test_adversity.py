@@ -26,7 +26,7 @@ from rudp import wire
 from rudp.events import Disconnected, DisconnectReason
 from rudp.netsim import GilbertElliott, LinkProfile, Proxy, start_proxy
 from rudp.sending import FAILED
-from rudp.wire import DropReason, PacketType
+from rudp.wire import DecodeError, DropReason, PacketType
 from tests.rudp.harness import Link, Network
 
 LOCAL = "127.0.0.1"
@@ -159,7 +159,9 @@ async def test_20000_messages_through_loss_dup_reorder_corruption_bursts(
         stats = proxy.stats
         assert stats.upstream.duplicated > 0 and stats.upstream.corrupted > 0
         assert stats.upstream.reordered > 0 and stats.downstream.dropped_loss > 0
-        assert server.stats.dropped[DropReason.BAD_CHECKSUM] > 0
+        # Corrupted DATA fails authentication (its tag is its checksum); other packets' CRC.
+        dropped = server.stats.dropped
+        assert dropped[DropReason.BAD_CHECKSUM] + dropped[DropReason.AUTH_FAILED] > 0
         assert conn.close_reason is None
     finally:
         await conn.close()
@@ -303,6 +305,11 @@ def test_fake_clock_long_blackout_times_out_both_sides_and_fails_pending() -> No
     assert client.endpoint.connections == [] and server.endpoint.connections == []
 
 
+# A server that restarts keeps its static key, from which its NOCONN reset tokens derive: that
+# is what lets its old clients believe it (without a key they learn by their idle timeout).
+KEYED = rudp.Config(static_key=bytes(range(32)))
+
+
 # -- 3. server restart ---------------------------------------------------------------------------
 
 
@@ -310,7 +317,7 @@ async def test_server_restart_clients_learn_by_noconn_and_reconnect() -> None:
     """A server dies without a word and a new one binds the same port: each old client learns
     on its next packet (NOCONN -> "peer has no connection") and can connect again."""
     sink = Sink()
-    server = await rudp.serve(sink.handler, LOCAL, 0)
+    server = await rudp.serve(sink.handler, LOCAL, 0, config=KEYED)
     host, port = server.address
     clients = [await rudp.connect(host, port) for _ in range(3)]
     for c in clients:
@@ -318,7 +325,7 @@ async def test_server_restart_clients_learn_by_noconn_and_reconnect() -> None:
     await wait_for(lambda: sink.count() == 3)
     server.endpoint.close_now()  # a crash: no DISCONNECT, the socket is simply gone
     sink2 = Sink()
-    server2 = await rudp.serve(sink2.handler, host, port)
+    server2 = await rudp.serve(sink2.handler, host, port, config=KEYED)
     try:
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -350,7 +357,7 @@ def test_fake_clock_restart_learned_within_one_round_trip() -> None:
     """With the fake clock: a restarted server is detected one round trip after the client's
     next packet, by an idle client within one keepalive interval plus one round trip."""
     delay = 0.03
-    cfg = rudp.Config()
+    cfg = KEYED
     net, _server, client, conn = _harness_pair(Link(delay=delay), cfg)
     server_addr = conn.address
     net.remove(server_addr)
@@ -369,14 +376,35 @@ def test_fake_clock_restart_learned_within_one_round_trip() -> None:
 # -- 4. hostile input at a live server -----------------------------------------------------------
 
 
-def _crc_ok(data: bytes) -> bool:
-    return len(data) >= 4 and struct.unpack_from("!I", data)[0] == zlib.crc32(
-        data[4:], wire.PROTOCOL_ID
-    )
+def _decodes(data: bytes) -> bool:
+    try:
+        wire.decode_type(data)
+    except DecodeError:
+        return False
+    return True
 
 
-def _expect_damaged(data: bytes) -> DropReason:
-    return DropReason.TRUNCATED if len(data) < wire.HEADER_SIZE else DropReason.BAD_CHECKSUM
+SEALED = "sealed"  # refused by the seal: a replayed number, or a failed authentication
+
+
+def _expect(data: bytes, cids: dict[int, bool]) -> str:
+    """The drop reason a damaged, replayed or forged datagram deserves at the server.
+
+    ``cids`` maps the server's connection ids to whether this datagram comes from that
+    connection's address. A sealed DATA for a known id from its own address is refused by
+    the replay window (its number was received) or by authentication: one bucket, since a
+    flipped packet number can land on either.
+    """
+    if len(data) >= wire.DATA_HEADER_SIZE and data[0] == wire.DATA_BYTE:
+        own_address = cids.get(wire.decode_data_prefix(data)[0])
+        if own_address is None:
+            return DropReason.UNKNOWN_PEER.value
+        return SEALED if own_address else DropReason.WRONG_ADDRESS.value
+    try:
+        wire.decode_type(data)
+    except DecodeError as exc:
+        return exc.reason.value
+    raise AssertionError("a hostile datagram decoded as a valid control packet")
 
 
 class Attacker:
@@ -447,10 +475,17 @@ async def test_hostile_input_loses_nothing_counts_every_drop_and_never_amplifies
     await wait_for(lambda: all(c.queued == 0 for c in clients))
     # Everything captured so far reached the server and was processed: safe to replay.
     old: list[list[bytes]] = [list(packets) for packets in captured]
-    old_data = [[p for p in packets if p[5] == PacketType.DATA] for packets in old]
-    real_tokens = {c._core.token for c in clients}
-
+    old_data = [[p for p in packets if p[0] == wire.DATA_BYTE] for packets in old]
     core = server.endpoint.core
+    server_cids = {c.cid: c.address for c in core._by_cid.values()}
+    client_address = [c.local_address[:2] for c in clients]
+
+    def cids_from(k: int | None) -> dict[int, bool]:
+        """Which server connection ids a datagram from client k's socket (None: a
+        stranger) would come from the right address for."""
+        address = None if k is None else client_address[k]
+        return {cid: tuple(a[:2]) == address for cid, a in server_cids.items()}
+
     stats = server.stats
     dropped_before = Counter(stats.dropped)
     received_before = stats.datagrams_received
@@ -462,7 +497,7 @@ async def test_hostile_input_loses_nothing_counts_every_drop_and_never_amplifies
 
     accepted_before = legit_accepted()
     attacker = Attacker(server.address, 64)
-    want: Counter[str] = Counter()  # reason -> count; "replay" = duplicate or stale
+    want: Counter[str] = Counter()  # reason -> count; SEALED = replayed or auth_failed
     injected = 0
     challenges = 0
 
@@ -474,59 +509,57 @@ async def test_hostile_input_loses_nothing_counts_every_drop_and_never_amplifies
     for _ in range(300):
         while True:
             data = rng.randbytes(rng.choice([0, 1, 3, 5, rng.randint(6, 1400)]))
-            if not _crc_ok(data):
+            if not _decodes(data):
                 break
-        attack.append((rng.randrange(8), -1, data, _expect_damaged(data).value))
+        attack.append((rng.randrange(8), -1, data, _expect(data, cids_from(None))))
     for _ in range(200):
         k = rng.randrange(len(clients))
         packet = rng.choice(old[k])
         data = packet[: rng.randrange(len(packet))]
-        if _crc_ok(data):
+        if _decodes(data):
             continue
         port = None if rng.random() < 0.5 else rng.randrange(8)
-        attack.append((port, k, data, _expect_damaged(data).value))
+        attack.append((port, k, data, _expect(data, cids_from(k if port is None else None))))
     for _ in range(200):
         k = rng.randrange(len(clients))
         buf = bytearray(rng.choice(old[k]))
         for bit in rng.sample(range(len(buf) * 8), rng.randint(1, 3)):
             buf[bit // 8] ^= 1 << (bit % 8)
+        if _decodes(bytes(buf)) and buf[0] != wire.DATA_BYTE:
+            continue  # a flip that made a CONNECT into a DATA or NOCONN of the right size
         port = None if rng.random() < 0.5 else rng.randrange(8)
-        attack.append((port, k, bytes(buf), DropReason.BAD_CHECKSUM.value))
-    for _ in range(150):  # replays from strangers: unknown peers (or, for CONNECTs, no state)
+        why = _expect(bytes(buf), cids_from(k if port is None else None))
+        attack.append((port, k, bytes(buf), why))
+    for _ in range(150):  # replays from strangers: wrong address (or, for CONNECTs, no state)
         k = rng.randrange(len(clients))
         packet = rng.choice(old[k])
-        if packet[5] == PacketType.CONNECT:
+        if packet[0] == wire.MARKER | PacketType.CONNECT:
             why = DropReason.BAD_COOKIE.value if wire.decode_connect(packet).cookie else None
         else:
-            why = DropReason.UNKNOWN_PEER.value
+            why = DropReason.WRONG_ADDRESS.value
         attack.append((rng.randrange(8), k, packet, why))
-    for _ in range(150):  # replays from the real source: duplicates or stale
+    for _ in range(150):  # replays from the real source: refused by the replay window
         k = rng.randrange(len(clients))
-        attack.append((None, k, rng.choice(old_data[k]), "replay"))
-    for _ in range(150):  # guessed session tokens
-        token = rng.getrandbits(32)
-        if token in real_tokens:
+        attack.append((None, k, rng.choice(old_data[k]), DropReason.REPLAYED.value))
+    for _ in range(150):  # guessed connection ids: unknown, answered by a (smaller) NOCONN
+        cid = rng.getrandbits(32)
+        if cid in server_cids:
             continue
-        frames = rng.choice(
-            [b"", wire.PING_FRAME, wire.message_frame(1, 0, rng.getrandbits(16), b"x")]
-        )
-        data = wire.seal_rest(
-            wire.data_header(token, rng.getrandbits(16), rng.getrandbits(16), 0) + frames
-        )
+        data = wire.data_prefix(cid, rng.getrandbits(32)) + rng.randbytes(rng.randint(22, 80))
         if rng.random() < 0.5:
-            attack.append((None, rng.randrange(len(clients)), data, DropReason.BAD_TOKEN.value))
+            attack.append((None, rng.randrange(len(clients)), data, DropReason.UNKNOWN_PEER.value))
         else:
             attack.append((rng.randrange(8), -1, data, DropReason.UNKNOWN_PEER.value))
     for port in range(64):  # CONNECT flood from 64 source ports
         salt = rng.getrandbits(64)
-        attack.append((port, -1, wire.encode_connect(salt, 1, b"", 1200), None))  # CHALLENGE
+        message = rng.randbytes(67)  # what a Noise NN first message looks like
+        attack.append((port, -1, wire.encode_connect(salt, 0, b"", message, 1200), None))
         attack.append(
-            (port, -1, wire.encode_connect(salt, 1, b"", 100), DropReason.MALFORMED.value)
+            (port, -1, wire.encode_connect(salt, 0, b"", message, 100), DropReason.MALFORMED.value)
         )
         forged = rng.randbytes(4 + 16)
-        attack.append(
-            (port, -1, wire.encode_connect(salt, 1, forged, 1200), DropReason.BAD_COOKIE.value)
-        )
+        connect = wire.encode_connect(salt, 0, forged, message, 1200)
+        attack.append((port, -1, connect, DropReason.BAD_COOKIE.value))
     rng.shuffle(attack)
 
     def hostile_processed() -> int:
@@ -570,10 +603,12 @@ async def test_hostile_input_loses_nothing_counts_every_drop_and_never_amplifies
         delta = Counter(stats.dropped)
         delta.subtract(dropped_before)
         got = {reason.value: n for reason, n in delta.items() if n}
-        replays = got.pop(DropReason.DUPLICATE.value, 0) + got.pop(DropReason.STALE.value, 0)
-        assert replays == want.pop("replay")
-        assert got == dict(want)
-        assert sum(got.values()) + replays + challenges == injected
+        sealed = got.pop(DropReason.AUTH_FAILED.value, 0)
+        sealed += got.get(DropReason.REPLAYED.value, 0) - want[DropReason.REPLAYED.value]
+        got[DropReason.REPLAYED.value] = want[DropReason.REPLAYED.value]
+        assert sealed == want.pop(SEALED, 0)
+        assert got == {reason: n for reason, n in want.items() if n}
+        assert sum(got.values()) + sealed + challenges == injected
         # No state for strangers: only the three real connections, bounded tables.
         assert len(core._conns) == 3
         assert len(core._used) <= 3  # only the real clients' cookies were ever used

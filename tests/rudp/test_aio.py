@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import socket
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -135,11 +136,13 @@ async def test_refused_when_full_and_timeout_when_nobody_answers() -> None:
 
 
 async def test_server_restart_is_noticed_within_a_round_trip() -> None:
-    srv = await rudp.serve(echo, "127.0.0.1", 0)
+    # The restarted server has the same static key: its NOCONN reset tokens derive from it.
+    keyed = rudp.Config(static_key=rudp.generate_key())
+    srv = await rudp.serve(echo, "127.0.0.1", 0, config=keyed)
     host, port = srv.address
     conn = await rudp.connect(host, port)
     srv.endpoint.close_now()  # crash: no DISCONNECT is sent
-    restarted = await rudp.serve(echo, host, port)
+    restarted = await rudp.serve(echo, host, port, config=keyed)
     conn.send(b"anyone?")
     closed = await asyncio.wait_for(conn.wait_closed(), 5)
     assert closed.reason is rudp.DisconnectReason.NO_CONNECTION
@@ -193,7 +196,7 @@ async def test_garbage_flood_while_a_connection_keeps_working(server: rudp.Serve
     attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     attacker.setblocking(False)
     sent_bytes = 0
-    captured = wire.encode_connect(1, 2, b"", 1200)
+    captured = wire.encode_connect(1, 0, b"", bytes(67), 1200)
     try:
         for round_ in range(40):
             for _ in range(50):
@@ -201,7 +204,8 @@ async def test_garbage_flood_while_a_connection_keeps_working(server: rudp.Serve
                 if kind < 0.4:
                     data = rng.randbytes(rng.randint(0, 1400))
                 elif kind < 0.7:  # valid CRC, random body
-                    data = wire.seal_rest(bytes([1, rng.randint(1, 8)]) + rng.randbytes(40))
+                    head = bytes([wire.MARKER | rng.randint(1, 8), 2]) + rng.randbytes(40)
+                    data = head + wire.CRC.pack(zlib.crc32(head, wire.PROTOCOL_ID))
                 else:  # CONNECT flood: stateless challenges only
                     data = captured
                 sent_bytes += len(data)

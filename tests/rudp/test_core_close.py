@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from rudp import wire
 from rudp.config import Config
 from rudp.connection import State
 from rudp.errors import ConnectionClosed
 from rudp.events import Disconnected, DisconnectReason
-from tests.rudp.harness import CLIENT, SERVER, Link, pair, server_conn
+from tests.rudp.harness import CLIENT, SERVER, Link, frames_of, pair, server_conn
 
 # -- graceful close ---------------------------------------------------------------------------
 
@@ -57,7 +56,7 @@ def test_lost_disconnect_is_resent_until_acknowledged() -> None:
 
     def drop_disconnects(data: bytes, src: object, dst: object) -> None:
         net.link.blackout = False
-        if src == CLIENT and wire.decode_frames(data).disconnect and drops[0] < 3:
+        if src == CLIENT and frames_of(data).disconnect and drops[0] < 3:
             drops[0] += 1
             net.link.blackout = True
 

@@ -14,7 +14,17 @@ from rudp import wire
 from rudp.config import Config
 from rudp.connection import NO_BUFFER, Connection
 from rudp.wire import PacketType
-from tests.rudp.harness import CLIENT, SERVER, Address, Link, Network, pair, pump, server_conn
+from tests.rudp.harness import (
+    CLIENT,
+    SERVER,
+    Address,
+    Link,
+    Network,
+    frames_of,
+    pair,
+    pump,
+    server_conn,
+)
 
 # -- delivery --------------------------------------------------------------------------------
 
@@ -57,7 +67,7 @@ def test_a_loss_on_one_channel_does_not_hold_up_another() -> None:
 
     def drop_first_data_packet(data: bytes, src: object, dst: object) -> None:
         is_data = wire.decode_type(data) is PacketType.DATA
-        if src == CLIENT and not victim and is_data and wire.decode_frames(data).messages:
+        if src == CLIENT and not victim and is_data and frames_of(data).messages:
             victim.append(data)
             net.link.blackout = True
 
@@ -130,7 +140,7 @@ def test_fast_resend_repairs_a_single_loss_before_the_timeout() -> None:
     dropped = []
 
     def drop_one(data: bytes, src: object, dst: object) -> None:
-        if src == CLIENT and not dropped and wire.decode_frames(data).messages:
+        if src == CLIENT and not dropped and frames_of(data).messages:
             dropped.append(net.now)
             net.link.blackout = True
 
@@ -184,7 +194,7 @@ def test_a_late_ack_of_a_packet_declared_lost_is_a_spurious_loss() -> None:
 
     def hold_one(data: bytes, src: object, dst: object) -> None:
         net.link.blackout = False
-        if src == CLIENT and not held and wire.decode_frames(data).messages:
+        if src == CLIENT and not held and frames_of(data).messages:
             held.append(data)
             net.link.blackout = True
 

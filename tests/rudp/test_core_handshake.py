@@ -23,7 +23,8 @@ def test_handshake_takes_two_round_trips_and_reports_connected() -> None:
     assert net.now == pytest.approx(1000.04)  # CONNECT, CHALLENGE, CONNECT, ACCEPT at 10 ms each
     assert [type(e) for _, e in client.events] == [Connected]
     assert [type(e) for _, e in server.events] == [Connected]
-    assert server_conn(server).token == conn.token != 0
+    sconn = server_conn(server)  # each side routes by the connection id it chose
+    assert sconn.peer_cid == conn.cid != 0 and conn.peer_cid == sconn.cid != 0
 
 
 def test_handshake_gives_the_client_its_first_rtt_sample() -> None:
@@ -60,7 +61,7 @@ def test_server_full_refuses_with_a_reason() -> None:
 def test_short_connect_gets_no_answer() -> None:
     net = Network()
     server = net.add(SERVER, accept=True)
-    short = wire.encode_connect(1, 2, b"", pad_to=100)
+    short = wire.encode_connect(1, 0, b"", bytes(67), pad_to=100)
     net.inject(short, CLIENT, SERVER)
     net.run(1)
     assert server.endpoint.stats.dropped[DropReason.MALFORMED] == 1
@@ -79,7 +80,8 @@ def test_forged_cookie_is_rejected() -> None:
     request = wire.decode_connect(_captured_connect(net))
     forged = bytearray(request.cookie)
     forged[-1] ^= 1
-    net.inject(wire.encode_connect(99, 1, bytes(forged), 1200), ("10.0.0.9", 1), SERVER)
+    forgery = wire.encode_connect(99, request.pattern, bytes(forged), request.rest, 1200)
+    net.inject(forgery, ("10.0.0.9", 1), SERVER)
     net.run(1)
     assert server.endpoint.stats.dropped[DropReason.BAD_COOKIE] == 1
     assert len(server.endpoint.connections) == 1
@@ -166,7 +168,7 @@ def test_simultaneous_open_gives_each_side_one_connection(
     net = Network(seed=seed, link=Link(loss=0.2, duplicate=0.1, reorder=0.1))
     a, b, to_b, to_a, winner = _simultaneous_open(net, accept)
     assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
-    assert to_b.token == to_a.token != 0
+    assert to_b.peer_cid == to_a.cid != 0 and to_a.peer_cid == to_b.cid != 0
     assert a.endpoint.connections == [to_b] and b.endpoint.connections == [to_a]
     for node, conn in ((a, to_b), (b, to_a)):
         assert [e for c, e in node.events if c is conn] == [Connected()]
@@ -258,7 +260,7 @@ def test_simultaneous_open_survives_a_lost_accept() -> None:
     a, b, to_b, to_a, _ = _simultaneous_open(net, (True, True))
     assert lost, "no ACCEPT was sent"
     assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
-    assert to_b.token == to_a.token
+    assert to_b.peer_cid == to_a.cid and to_a.peer_cid == to_b.cid
     # The winner's retried CONNECT got the same ACCEPT again.
     accepts = [d for d, _, _ in net.sent if wire.decode_type(d) is PacketType.ACCEPT]
     assert len(accepts) == 2 and accepts[0] == accepts[1]

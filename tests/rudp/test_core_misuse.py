@@ -52,10 +52,9 @@ def test_receive_buffer_is_bounded_and_drops_whole_packets() -> None:
     net, server, client, conn = pair(Link(delay=0.01), config=cfg)
     sconn = server_conn(server)
     # Forge early messages far ahead on channel 0 straight into the server core.
-    seq = conn._tx_next
     for i in range(1, 20):
         frame = wire.message_frame(1, 0, i * 10, bytes(1000))
-        packet = wire.seal_rest(wire.data_header(sconn.token, (seq + i) & 0xFFFF, 0, 0) + frame)
+        packet = conn.seal_datagram(wire.ack_fields(0, 0) + frame)  # the client's real keys
         server.endpoint.receive_datagram(packet, CLIENT, net.now)
     assert sconn._rx_buffered_bytes <= 4000
     assert server.endpoint.stats.dropped[DropReason.RECV_BUFFER_FULL] > 0

@@ -25,6 +25,7 @@ from tests.rudp.harness import (
     Link,
     Network,
     Node,
+    frames_of,
     inject_frames,
     pair,
     server_conn,
@@ -183,7 +184,7 @@ def _hol_run(independent: bool) -> tuple[dict[str, float], int]:
         net.link.blackout = False
         if src != CLIENT or wire.decode_type(data) is not PacketType.DATA:
             return
-        frames = wire.decode_frames(data).messages
+        frames = frames_of(data).messages
         if frames and rng.random() < 0.10:
             net.link.blackout = True
             lost_tags.update(TAG.unpack_from(f[3])[0] for f in frames)
@@ -444,7 +445,7 @@ def test_redundancy_repairs_a_lost_packet_with_the_next_one(redundancy: int) -> 
 
     def drop_one(data: bytes, src: object, dst: object) -> None:
         net.link.blackout = False
-        frames = wire.decode_frames(data).messages if src == CLIENT else []
+        frames = frames_of(data).messages if src == CLIENT else []
         if frames and TAG.unpack_from(frames[0][3])[0] == 20 and not victim:
             victim.append(data)
             net.link.blackout = True

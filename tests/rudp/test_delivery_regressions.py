@@ -21,6 +21,7 @@ from tests.rudp.harness import (
     CLIENT,
     Link,
     Network,
+    frames_of,
     inject_frames,
     pair,
     server_conn,
@@ -57,7 +58,7 @@ def drop_once(net: Network, pred: Callable[[list[wire.MessageFrame]], bool]) -> 
 
     def tap(data: bytes, src: tuple[object, ...], dst: tuple[object, ...]) -> None:
         if src == CLIENT and wire.decode_type(data) is wire.PacketType.DATA and not dropped[0]:
-            frames = wire.decode_frames(data)
+            frames = frames_of(data)
             if pred(frames.messages):
                 dropped[0] += 1
                 net.sent.append((data, src, dst))
@@ -100,7 +101,7 @@ def drop_n(net: Network, pred: Callable[[list[wire.MessageFrame]], bool], n: int
 
     def tap(data: bytes, src: tuple[object, ...], dst: tuple[object, ...]) -> None:
         is_data = wire.decode_type(data) is wire.PacketType.DATA
-        if src == CLIENT and is_data and dropped[0] < n and pred(wire.decode_frames(data).messages):
+        if src == CLIENT and is_data and dropped[0] < n and pred(frames_of(data).messages):
             dropped[0] += 1
             net.sent.append((data, src, dst))
             return

@@ -18,21 +18,31 @@ from rudp.connection import Connection, State
 from rudp.errors import SendQueueFull
 from rudp.events import Disconnected, DisconnectReason
 from rudp.wire import DropReason
-from tests.rudp.harness import CLIENT, SERVER, Address, Link, Network, Node, pair, server_conn
+from tests.rudp.harness import (
+    CLIENT,
+    SERVER,
+    Address,
+    Link,
+    Network,
+    Node,
+    frames_of,
+    pair,
+    server_conn,
+)
 
 
 def _flow_frames(data: bytes) -> int:
     if wire.decode_type(data) is not wire.PacketType.DATA:
         return wire.NO_FLOW
-    return wire.decode_frames(data).flow
+    return frames_of(data).flow
 
 
 def test_flow_frames_round_trip() -> None:
-    rest = wire.data_header(1, 2, 3, 0) + wire.PAUSE_FRAME + wire.PING_FRAME
-    assert wire.decode_frames(wire.seal_rest(rest)).flow == 1
-    rest = wire.data_header(1, 2, 3, 0) + wire.PAUSE_FRAME + wire.RESUME_FRAME
-    assert wire.decode_frames(wire.seal_rest(rest)).flow == 0  # the last one counts
-    assert wire.decode_frames(wire.seal_rest(wire.data_header(1, 2, 3, 0))).flow == wire.NO_FLOW
+    body = wire.ack_fields(3, 0) + wire.PAUSE_FRAME + wire.PING_FRAME
+    assert wire.decode_frames(body).flow == 1
+    body = wire.ack_fields(3, 0) + wire.PAUSE_FRAME + wire.RESUME_FRAME
+    assert wire.decode_frames(body).flow == 0  # the last one counts
+    assert wire.decode_frames(wire.ack_fields(3, 0)).flow == wire.NO_FLOW
 
 
 def test_a_paused_receiver_stops_new_messages_and_resuming_delivers_the_rest() -> None:
@@ -251,7 +261,7 @@ def test_a_dependency_refused_while_paused_does_not_time_out() -> None:
 
     def tap(data: bytes, src: Address, dst: Address) -> None:
         if wire.decode_type(data) is wire.PacketType.DATA:
-            frames = wire.decode_frames(data)
+            frames = frames_of(data)
             if drop_pause and src == SERVER and frames.flow == 1:
                 return
             if (
