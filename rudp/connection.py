@@ -169,6 +169,7 @@ class Connection:
         self._opener: Opener | None = None
         self._peer_reset_token = b""
         self._bad_answers = 0  # ACCEPTs for our salt that failed authentication
+        self._limits_error = ""  # why something queued before the handshake cannot go
         self.state = CONNECTING
         self.stats = ConnectionStats()
         self.close_reason: Disconnected | None = None
@@ -523,14 +524,27 @@ class Connection:
         self._set_state(CONNECTED)
         self._sink.events.append((self, Connected()))
         self._sink.dirty[self] = None
+        if self._limits_error:
+            self._protocol_error(self._limits_error)
 
     def _apply_peer_limits(self, peer: TransportParams) -> None:
-        """Use the smaller idle timeout of the two sides (either side's silence limit
-        ends the connection, so both must keep it alive within the smaller)."""
+        """What the peer stated it accepts, from the handshake: its largest message and
+        channel count (``send()`` raises at once past them, naming the peer's limit),
+        its receive buffer (what we let sit in it), the smaller datagram size and the
+        smaller idle timeout of the two sides (either side's silence limit ends the
+        connection, so both keep it alive within the smaller).
+
+        A message queued before the handshake was checked against our limits only; if
+        it breaks the peer's, it can never be sent, and the connection ends at once
+        (protocol error, naming the limit) rather than stall.
+        """
         idle = peer.idle_timeout_ms / 1000.0
         if 0 < idle < self._idle_timeout:
             self._idle_timeout = idle
             self._keepalive_interval = min(self._keepalive_interval, idle / 2)
+        datagram = min(self.config.max_datagram_size, peer.max_datagram_size)
+        self._builder.apply_peer_limits(datagram, peer.recv_buffer_bytes)
+        self._limits_error = self._sender.apply_peer_limits(peer, datagram)
 
     def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it carries
@@ -587,6 +601,11 @@ class Connection:
             # messages we cannot take yet must not be refused with them every time.
             self._peer_flow_seq = seq
             self._on_peer_flow(flow == 1, now)
+        if frames.messages:
+            violation = receiver.channel_violation(frames.messages)
+            if violation:
+                self._protocol_error(violation)
+                return None
         if frames.special and state is not DRAINING:
             reason = receiver.check_fragments(frames.messages)
             if reason is not None:

@@ -121,6 +121,13 @@ class PacketBuilder:
         self.recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
         self.last_eliciting = now  # when our last ack-eliciting packet went out
 
+    def apply_peer_limits(self, datagram_size: int, recv_buffer_bytes: int) -> None:
+        """Build datagrams of at most ``datagram_size`` bytes (the smaller of the two
+        sides'), and keep what may sit in the peer's reorder buffer below the size it
+        stated in the handshake."""
+        self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
+        self._byte_window = recv_buffer_bytes
+
     def build(self, now: float, closing: bool, draining: bool) -> bytes | None:
         """The next datagram due now, or None; ``closing`` and ``draining`` say
         whether the connection is in that state."""
@@ -304,8 +311,11 @@ class PacketBuilder:
                 if msg.seq - oldest[0].seq >= window:
                     break  # the receiver could not buffer it yet
                 cost = size + BUFFER_ENTRY_COST
-                if cost > room:
-                    break  # it might not fit the receiver's reorder buffer
+                if cost > room and (cost <= self._byte_window or sender.unacked_bytes):
+                    # It might not fit the receiver's reorder buffer. One larger than the
+                    # whole buffer goes when nothing else is unacknowledged: it is then
+                    # the next of its channel, delivered at once, never buffered.
+                    break
                 room -= cost
             elif msg.state > SENT:
                 queue.popleft()  # superseded
@@ -317,7 +327,7 @@ class PacketBuilder:
                     frame = msg.frame
                     size = len(frame)
                 cost = buffer_cost(msg)
-                if cost > room:
+                if cost > room and (cost <= self._byte_window or sender.unacked_bytes):
                     break
                 room -= cost
             queue.popleft()

@@ -181,9 +181,7 @@ class Receiver:
         graph = self.graph
         buffered = self.buffered + graph.buffered
         if buffered + size + BUFFER_ENTRY_COST * len(messages) <= limit:
-            return self._channels_ok(messages)
-        if not self._channels_ok(messages):
-            return False
+            return True
         # Replay the packet's in-order deliveries: a message right behind one that
         # is delivered is not buffered, and buffered ones it releases free space.
         # Counting them as early would refuse, forever, the very packet that
@@ -243,12 +241,16 @@ class Receiver:
                 running[channel] = expected
         return buffered + extra <= limit
 
-    def _channels_ok(self, messages: list[wire.MessageFrame]) -> bool:
+    def channel_violation(self, messages: list[wire.MessageFrame]) -> str:
+        """Why the packet's messages break the channel count we stated in the handshake,
+        or "". The packet authenticated, so its sender broke the protocol: the
+        connection ends (the sender knew the limit, and could never get such a message
+        through: dropping it would stall the channel for good)."""
         channels = self._channels
-        for m in messages:  # noqa: SIM110 (all() over a generator costs more per packet)
+        for m in messages:
             if m[1] >= channels:
-                return False
-        return True
+                return f"message on channel {m[1]}; this side accepts {channels} channels"
+        return ""
 
     def check_fragments(self, messages: list[wire.MessageFrame]) -> DropReason | None:
         """Check a packet's fragments before accepting it (all or nothing).

@@ -63,6 +63,7 @@ from rudp.wire import (
 
 if TYPE_CHECKING:
     from rudp.connection import Connection
+    from rudp.handshake import TransportParams
     from rudp.recovery import SentPacket
     from rudp.sink import EndpointSink
     from rudp.stats import ConnectionStats
@@ -171,8 +172,11 @@ class Sender:
         "_channels",
         "_config",
         "_conn",
+        "_fragment_payload",
         "_max_message",
         "_max_payload",
+        "_peer_channels",
+        "_peer_max_message",
         "_queue_limit",
         "_sink",
         "_stats",
@@ -202,7 +206,12 @@ class Sender:
         self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
         self.max_single = self._max_payload - wire.MESSAGE_OVERHEAD
         self._max_message = config.max_message_size
+        self._fragment_payload = config.fragment_payload
         self._channels = config.channels
+        # The peer's limits from the handshake (``apply_peer_limits``); until then ours,
+        # and what was queued meanwhile is checked against the peer's when they arrive.
+        self._peer_channels = config.channels
+        self._peer_max_message = 1 << 62
         self._queue_limit = config.send_queue_limit
         self._byte_window = config.recv_buffer_bytes
         self.rel_queue: deque[OutMessage] = deque()
@@ -237,8 +246,10 @@ class Sender:
         """Queue a message (see ``Connection.send``)."""
         if type(data) is not bytes:
             data = _as_bytes(data)
-        if channel and not 0 < channel < self._channels:
-            raise LocalProtocolError(f"channel must be in [0, {self._channels}), got {channel}")
+        if channel and not 0 < channel < self._peer_channels:
+            self._bad_channel(channel)
+        if len(data) > self._peer_max_message:
+            self._too_large_for_peer(len(data))
         if self.queued >= self._queue_limit:
             raise SendQueueFull(
                 f"send queue is full ({self.queued} messages); await drain() before sending"
@@ -264,6 +275,58 @@ class Sender:
         self.queued += 1
         self._sink.dirty[self._conn] = None
         return msg
+
+    def _too_large_for_peer(self, size: int) -> None:
+        if size > self._max_message and size > self.max_single:
+            self._check_total(size)  # our own limit, named as such
+        raise MessageTooLarge(
+            f"message of {size} bytes exceeds the peer's largest message "
+            f"({self._peer_max_message} bytes)"
+        )
+
+    def _bad_channel(self, channel: int) -> None:
+        if not 0 < channel < self._channels:
+            raise LocalProtocolError(f"channel must be in [0, {self._channels}), got {channel}")
+        raise LocalProtocolError(
+            f"channel {channel} is beyond the {self._peer_channels} channels the peer accepts"
+        )
+
+    def apply_peer_limits(self, peer: TransportParams, datagram_size: int) -> str:
+        """Take the peer's limits from the handshake; ``datagram_size`` is the smaller of
+        the two sides' datagram sizes. Returns why a message queued before the handshake
+        can never be sent (it was checked against our limits only), or "".
+        """
+        self._peer_channels = min(self._channels, peer.channels)
+        self._peer_max_message = peer.max_message_size
+        self._byte_window = peer.recv_buffer_bytes
+        self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
+        self.max_single = self._max_payload - wire.MESSAGE_OVERHEAD
+        self._fragment_payload = datagram_size - wire.FRAGMENT_FRAME_OVERHEAD
+        for queue in (self.rel_queue, self.unrel_queue):
+            for msg in queue:
+                if msg.channel >= peer.channels:
+                    return (
+                        f"a message queued before the handshake is on channel {msg.channel}; "
+                        f"the peer accepts {peer.channels} channels"
+                    )
+                whole = msg.data if msg.parent is None else msg.parent.data
+                if len(whole) > peer.max_message_size:
+                    return (
+                        f"a message queued before the handshake has {len(whole)} bytes; the "
+                        f"peer's largest message is {peer.max_message_size} bytes"
+                    )
+                if len(msg.frame) > self._max_payload:
+                    return (
+                        "a message queued before the handshake does not fit the peer's "
+                        f"{peer.max_datagram_size}-byte datagrams"
+                    )
+        return ""
+
+    def _check_total(self, total: int) -> None:
+        if total > self._max_message:
+            raise MessageTooLarge(
+                f"message of {total} bytes exceeds Config.max_message_size ({self._max_message})"
+            )
 
     def _check_unfragmented(self, data: bytes) -> None:
         if len(data) > self.max_single:
@@ -393,11 +456,8 @@ class Sender:
         is an ordinary reliable message of the same mode, resent on its own.
         """
         total = len(data)
-        if total > self._max_message:
-            raise MessageTooLarge(
-                f"message of {total} bytes exceeds Config.max_message_size ({self._max_message})"
-            )
-        step = self._config.fragment_payload
+        self._check_total(total)
+        step = self._fragment_payload
         first = step - (1 + 2 * len(deps) if deps else 0)
         chunks = [data[:first]]
         chunks += [data[i : i + step] for i in range(first, total, step)]

@@ -1,0 +1,155 @@
+"""Limits negotiated in the handshake: each side states what it accepts (largest message,
+channels, receive buffer, datagram size, idle timeout) and the other keeps to it.
+
+The rule under test: no silent stall. With every limit different on the two sides, each
+one either raises at once (naming the peer's limit) or lets the message through within a
+round trip; a peer that breaks a limit anyway ends the connection with a protocol error
+that names it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rudp import wire
+from rudp.config import Config
+from rudp.connection import Connection, State
+from rudp.errors import LocalProtocolError, MessageTooLarge
+from rudp.events import DisconnectReason
+from rudp.wire import DropReason
+from tests.rudp.harness import CLIENT, SERVER, Link, Network, Node, server_conn
+
+DELAY = 0.02
+RTT = 2 * DELAY
+# The server (A) and the client (B) differ in every limit, each side smaller in some.
+A = Config(
+    max_message_size=5000,
+    channels=16,
+    recv_buffer_bytes=8000,
+    max_datagram_size=1400,
+    idle_timeout=8.0,
+)
+B = Config(
+    max_message_size=20_000,
+    channels=4,
+    recv_buffer_bytes=50_000,
+    max_datagram_size=700,
+    idle_timeout=4.0,
+)
+
+
+def _pair(
+    a: Config = A, b: Config = B, before: list[bytes] | None = None
+) -> tuple[Network, Node, Node, Connection, Connection]:
+    net = Network(seed=21, link=Link(delay=DELAY))
+    server = net.add(SERVER, a, accept=True)
+    client = net.add(CLIENT, b)
+    conn = client.endpoint.connect(SERVER, net.now)
+    for data in before or []:
+        conn.send(data)  # queued while connecting: checked against our limits only
+    net.run_until(lambda: conn.state is not State.CONNECTING, timeout=10)
+    net.run(0.01)
+    sconn = server_conn(server) if server.endpoint.connections else conn
+    return net, server, client, conn, sconn
+
+
+def _arrives_within_a_round_trip(net: Network, node: Node, data: bytes) -> None:
+    start = net.now
+    net.run_until(lambda: data in node.received(), timeout=1)
+    assert net.now - start <= RTT
+
+
+def test_largest_message_raises_at_once_naming_the_peers_limit_or_arrives() -> None:
+    net, a, b, to_a, to_b = _pair()
+    with pytest.raises(MessageTooLarge, match=r"peer's largest message \(5000 bytes\)"):
+        to_a.send(bytes(5001))  # B allows 20,000; A takes 5,000
+    assert to_a.queued == 0
+    big = b"m" * 5000
+    to_a.send(big)
+    _arrives_within_a_round_trip(net, a, big)
+    with pytest.raises(MessageTooLarge, match=r"Config\.max_message_size"):
+        to_b.send(bytes(5001))  # A's own limit, named as such
+    fine = b"n" * 5000
+    to_b.send(fine)
+    _arrives_within_a_round_trip(net, b, fine)
+
+
+def test_channels_raise_at_once_naming_the_peers_count_or_arrive() -> None:
+    net, a, b, to_a, to_b = _pair()
+    with pytest.raises(LocalProtocolError, match="beyond the 4 channels the peer accepts"):
+        to_b.send(b"x", channel=5)  # A has 16 channels, B accepts 4
+    with pytest.raises(LocalProtocolError, match=r"channel must be in \[0, 4\)"):
+        to_a.send(b"x", channel=5)  # B's own count
+    to_b.send(b"on 3", channel=3)
+    _arrives_within_a_round_trip(net, b, b"on 3")
+    to_a.send(b"on 3 up", channel=3)
+    _arrives_within_a_round_trip(net, a, b"on 3 up")
+
+
+def test_datagrams_keep_to_the_smaller_size_both_ways() -> None:
+    net, a, b, to_a, to_b = _pair()
+    assert to_a.max_datagram_payload == to_b.max_datagram_payload
+    assert to_b.max_datagram_payload == 700 - wire.DATA_HEADER_SIZE - wire.MESSAGE_OVERHEAD
+    start = len(net.sent)
+    to_b.send(bytes(4900))
+    to_a.send(bytes(4900))
+    to_b.send(bytes(to_b.max_datagram_payload), reliable=False)
+    with pytest.raises(MessageTooLarge):
+        to_b.send(bytes(to_b.max_datagram_payload + 1), reliable=False)
+    net.run(RTT)
+    assert len(a.received()) == 1 and len(b.received()) == 2
+    data = [d for d, _, _ in net.sent[start:] if d[0] == wire.DATA_BYTE]
+    assert data and max(map(len, data)) <= 700
+
+
+def test_the_receive_buffer_of_the_peer_is_respected_and_nothing_is_refused() -> None:
+    net, a, b, to_a, to_b = _pair()
+    assert to_a._builder._byte_window == 8000 and to_b._builder._byte_window == 50_000
+    for i in range(40):
+        to_a.send(bytes([i]) * 600)
+    net.run_until(lambda: len(a.received()) == 40, timeout=4 * RTT)
+    assert a.endpoint.stats.dropped[DropReason.RECV_BUFFER_FULL] == 0
+
+
+def test_a_message_larger_than_the_peers_whole_buffer_still_goes() -> None:
+    # The server's reorder buffer is as small as allowed: one full datagram's message
+    # and its entry cost do not fit it, yet it goes out (alone), and arrives.
+    small = Config(max_datagram_size=600, recv_buffer_bytes=600)
+    net, a, b, to_a, to_b = _pair(small, Config())
+    payload = to_a.max_datagram_payload
+    for i in range(5):
+        to_a.send(bytes([i]) * payload)
+    net.run_until(lambda: len(a.received()) == 5, timeout=6 * RTT)
+
+
+def test_the_smaller_idle_timeout_ends_both_sides() -> None:
+    net, a, b, to_a, to_b = _pair()
+    assert to_a._idle_timeout == to_b._idle_timeout == 4.0
+    net.link.blackout = True
+    net.run(4.0 + 0.1)
+    assert to_a.state is State.CLOSED and to_b.state is State.CLOSED
+    for conn in (to_a, to_b):
+        assert conn.close_reason is not None
+        assert conn.close_reason.reason is DisconnectReason.TIMEOUT
+
+
+def test_a_peer_that_breaks_the_channel_limit_ends_the_connection_naming_it() -> None:
+    net, a, b, to_a, to_b = _pair()
+    rogue = to_b.seal_datagram(wire.ack_fields(0, 0) + wire.reliable_frame(9, 0, b"x"))
+    b.endpoint.receive_datagram(rogue, SERVER, net.now)
+    assert to_a.state is State.CLOSED
+    assert to_a.close_reason is not None
+    assert to_a.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
+    assert "channel 9" in to_a.close_reason.text and "4 channels" in to_a.close_reason.text
+    # The other side learns within a round trip of its next packet.
+    to_b.send(b"still there?")
+    start = net.now
+    net.run_until(lambda: to_b.state is State.CLOSED, timeout=1)
+    assert net.now - start <= RTT + 1e-9
+
+
+def test_a_message_queued_before_the_handshake_past_the_peers_limit_ends_it_at_once() -> None:
+    net, a, b, to_a, _ = _pair(before=[b"ok", bytes(6000)])
+    assert to_a.state is State.CLOSED
+    assert to_a.close_reason is not None
+    assert to_a.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
+    assert "largest message is 5000 bytes" in to_a.close_reason.text
