@@ -2,9 +2,10 @@
 
 Theory of operation
 -------------------
-Every DATA datagram is a *packet* with its own 16-bit sequence number and, in
-its header, an acknowledgment of the newest packet received plus a 32-bit
-bitfield of the 32 before it. Each packet therefore re-acknowledges 33 packets,
+Every DATA datagram is a *packet* with its own packet number (64 bits, counting
+from 0 in each direction; the wire carries its low 32 bits) and, first in its
+sealed body, an acknowledgment of the newest packet received (16 bits) plus a
+32-bit bitfield of the 32 before it. Each packet therefore re-acknowledges 33 packets,
 so a lost ack costs nothing; and a gap in the bitfield, with later packets
 acknowledged, reveals a loss within one round trip (see ``recovery``).
 
@@ -12,9 +13,30 @@ Packets carry *frames*: messages, PING and DISCONNECT. Reliability is per
 message, not per packet: when a packet is lost, the reliable messages in it
 that were not acknowledged some other way go back to the front of the queue
 and are sent again in a new packet, coalesced with whatever else is due. A
-message is acknowledged when any packet carrying it is. Duplicate packets are
-dropped by the packet-level window kept here; duplicate messages by their
-sequence numbers (``receiving``).
+message is acknowledged when any packet carrying it is. Duplicate and replayed
+packets are refused by the replay window (``protection.Opener``) before they are
+opened; duplicate messages by their sequence numbers (``receiving``).
+
+Sealing: the handshake (``rudp.handshake``, run by the endpoint) gives the
+connection its keys, the peer's connection id, reset token and limits
+(``_establish``). The packet builder produces the plaintext body and the
+connection seals it, the 9-byte cleartext header as associated data
+(``_seal``). A received packet is opened in ``_receive_sealed``: one that fails
+authentication changes nothing at all, not even the idle timer, so a forger can
+neither keep a dead connection alive nor disturb a live one.
+
+Judgement calls, as aioquic would make them: an ACCEPT that does not
+authenticate is dropped and the attempt goes on (an unauthenticated packet never
+ends anything), though the Noise state it touched cannot take the genuine answer
+any more; only an on-path attacker, who could drop that answer anyway, can cause
+it. A message queued before the handshake is checked against our limits only;
+if it breaks the peer's (``_apply_peer_limits``), it could never be sent, so the
+connection ends at once with ``protocol error`` naming the limit rather than
+stall. A message on a channel we do not have, in an authenticated packet, ends
+the connection the same way: the peer knew the limit, and dropping it would
+stall the channel for good. (An announced message larger than our
+``max_message_size`` stays a counted ``malformed`` drop, as before the peer
+could know our limit.)
 
 The data path, one module per idea::
 
