@@ -78,7 +78,8 @@ class NoiseError(Exception):
 
 def public_bytes(key: X25519PrivateKey) -> bytes:
     """The 32-byte raw public key of a private key."""
-    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    raw: bytes = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return raw
 
 
 def private_key(raw: bytes) -> X25519PrivateKey:
@@ -91,7 +92,8 @@ def private_key(raw: bytes) -> X25519PrivateKey:
 def generate_key() -> bytes:
     """A new X25519 private key (32 bytes) from the operating system's CSPRNG: a
     server's ``Config.static_key``."""
-    return X25519PrivateKey.generate().private_bytes_raw()
+    raw: bytes = X25519PrivateKey.generate().private_bytes_raw()
+    return raw
 
 
 def public_key(private: bytes) -> bytes:
@@ -111,7 +113,8 @@ def ephemeral_key(rng: random.Random) -> X25519PrivateKey:
 
 def _dh(key: X25519PrivateKey, public: bytes) -> bytes:
     try:
-        return key.exchange(X25519PublicKey.from_public_bytes(public))
+        shared: bytes = key.exchange(X25519PublicKey.from_public_bytes(public))
+        return shared
     except ValueError as exc:  # a low-order point gives the all-zero secret
         raise NoiseError("invalid public key") from exc
 
@@ -145,7 +148,7 @@ class CipherState:
             return plaintext
         if self.n >= MAX_NONCE:
             raise NoiseError("nonce exhausted: rekey or start a new session")
-        out = self._aead.encrypt(_nonce(self.n), plaintext, ad)
+        out: bytes = self._aead.encrypt(_nonce(self.n), plaintext, ad)
         self.n += 1
         return out
 
@@ -155,7 +158,7 @@ class CipherState:
         if self.n >= MAX_NONCE:
             raise NoiseError("nonce exhausted: rekey or start a new session")
         try:
-            out = self._aead.decrypt(_nonce(self.n), ciphertext, ad)
+            out: bytes = self._aead.decrypt(_nonce(self.n), ciphertext, ad)
         except InvalidTag as exc:
             raise NoiseError("message failed authentication") from exc
         self.n += 1

@@ -113,7 +113,8 @@ class Sealer:
 
     def seal(self, number: int, header: bytes, payload: bytes) -> bytes:
         """``payload`` sealed under packet ``number``, with ``header`` authenticated."""
-        return self._aead.encrypt(_nonce(number), payload, header)
+        sealed: bytes = self._aead.encrypt(_nonce(number), payload, header)
+        return sealed
 
     def take_number(self) -> int:
         """The next packet number; raises when the nonce space would end."""
@@ -147,7 +148,7 @@ class Opener:
         if self.window.seen(number) or len(sealed) < TAG_SIZE:
             return None
         try:
-            payload = self._aead.decrypt(_nonce(number), sealed, header)
+            payload: bytes = self._aead.decrypt(_nonce(number), sealed, header)
         except InvalidTag:
             return None
         self.window.accept(number)
@@ -157,9 +158,10 @@ class Opener:
         """The payload if the packet authenticates, changing nothing (not even the
         replay window): for tools and tests that watch a link."""
         try:
-            return self._aead.decrypt(_nonce(number), sealed, header)
+            payload: bytes = self._aead.decrypt(_nonce(number), sealed, header)
         except InvalidTag:
             return None
+        return payload
 
     def is_replay(self, number: int) -> bool:
         return self.window.seen(number)
