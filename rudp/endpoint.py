@@ -385,7 +385,8 @@ class Endpoint:
             return DropReason.UNEXPECTED  # a new handshake: not ours to accept
         if request.pattern not in (handshake.PATTERN_NN, handshake.PATTERN_NK):
             return DropReason.MALFORMED
-        if request.pattern == handshake.PATTERN_NK and self._static is None:
+        if request.pattern == handshake.PATTERN_NK and self._static is None and not opening:
+            # (In a simultaneous open our own handshake may win: decided after the cookie.)
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, NO_STATIC_KEY), address)
             return None

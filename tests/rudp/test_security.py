@@ -437,3 +437,26 @@ def test_every_first_byte_is_a_version_2_marker_and_never_ff() -> None:
     firsts = {d[0] for d, _, _ in net.sent}
     assert firsts <= set(range(0xA1, 0xA9)) and 0xFF not in firsts
     assert {PacketType(b & 0x0F) for b in firsts} >= {PacketType.CONNECT, PacketType.DATA}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_simultaneous_open_under_nk_authenticates_the_answering_peer(seed: int) -> None:
+    net = Network(seed=seed, link=Link(loss=0.1))
+    key_a, key_b = SERVER_KEY, OTHER_KEY
+    a = net.add(SERVER, Config(static_key=key_a))
+    b = net.add(CLIENT, Config(static_key=key_b))
+    to_b = a.endpoint.connect(CLIENT, net.now, server_key=rudp.public_key(key_b))
+    to_a = b.endpoint.connect(SERVER, net.now, server_key=rudp.public_key(key_a))
+    net.run_until(lambda: State.CONNECTING not in (to_a.state, to_b.state), timeout=30)
+    assert to_a.state is State.CONNECTED and to_b.state is State.CONNECTED
+    # The endpoint that answered the other's handshake counts a simultaneous open.
+    a_answered = a.endpoint.stats.simultaneous_opens == 1
+    assert a_answered != (b.endpoint.stats.simultaneous_opens == 1)
+    winner, loser = (to_a, to_b) if a_answered else (to_b, to_a)
+    # The winning handshake's initiator knows it reached the holder of the key it named.
+    assert winner.server_authenticated and not loser.server_authenticated
+    assert winner.handshake_hash == loser.handshake_hash
+    to_b.send(b"to b")
+    to_a.send(b"to a")
+    net.run(2)
+    assert b"to b" in b.received() and b"to a" in a.received()
