@@ -22,6 +22,7 @@ from setuptools import setup
 COMPILED_MODULES = [
     "rudp/events.py",
     "rudp/wire.py",
+    "rudp/protection.py",
     "rudp/seqnum.py",
     "rudp/sending.py",
     "rudp/packet_builder.py",

@@ -19,6 +19,7 @@ import rudp
 CORE = [
     "rudp.events",
     "rudp.wire",
+    "rudp.protection",
     "rudp.seqnum",
     "rudp.sending",
     "rudp.packet_builder",
