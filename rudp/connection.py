@@ -27,16 +27,15 @@ neither keep a dead connection alive nor disturb a live one.
 
 Judgement calls, as aioquic would make them: an ACCEPT that does not
 authenticate is dropped and the attempt goes on (an unauthenticated packet never
-ends anything), though the Noise state it touched cannot take the genuine answer
-any more; only an on-path attacker, who could drop that answer anyway, can cause
-it. A message queued before the handshake is checked against our limits only;
-if it breaks the peer's (``_apply_peer_limits``), it could never be sent, so the
-connection ends at once with ``protocol error`` naming the limit rather than
-stall. A message on a channel we do not have, in an authenticated packet, ends
-the connection the same way: the peer knew the limit, and dropping it would
-stall the channel for good. (An announced message larger than our
-``max_message_size`` stays a counted ``malformed`` drop, as before the peer
-could know our limit.)
+ends anything), and the genuine answer can still complete it (the forgery was
+read into a copy of the Noise state). A message queued before the handshake is
+checked against our limits only; if it breaks the peer's
+(``_apply_peer_limits``), it could never be sent, so the connection ends at
+once with ``protocol error`` naming the limit rather than stall. A message on a
+channel we do not have, in an authenticated packet, ends the connection the same
+way: the peer knew the limit, and dropping it would stall the channel for good.
+(An announced message larger than our ``max_message_size`` stays a counted
+``malformed`` drop, as before the peer could know our limit.)
 
 The data path, one module per idea::
 
@@ -496,9 +495,9 @@ class Connection:
         except (NoiseError, ValueError):
             self._bad_answers += 1
             # Not an answer to our message (forged, tampered, from another key). Judgement
-            # call: the attempt goes on and times out rather than ending on an
-            # unauthenticated packet; the Noise state it touched cannot take the genuine
-            # answer any more, which only an on-path attacker (who could drop it) can cause.
+            # call: the attempt goes on (it times out if no genuine answer comes) rather
+            # than ending on an unauthenticated packet; ``finish`` read it into a copy of
+            # the Noise state, so the genuine answer can still complete the handshake.
             return DropReason.BAD_HANDSHAKE
         if self._cookie_connects == 1:
             # One CONNECT, one ACCEPT: an unambiguous first RTT sample (Karn's rule),

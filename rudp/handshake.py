@@ -151,9 +151,13 @@ class ClientHandshake:
         """The keys, from the server's message; NoiseError or ValueError if it is not genuine."""
         if len(answer) != SECOND_MESSAGE_SIZE:
             raise NoiseError("handshake answer has the wrong size")
-        peer = TransportParams.decode(self._state.read_message(answer))
-        send_key, recv_key = self._state.split()
-        return Keys(peer, send_key, recv_key, self._state.handshake_hash)
+        # Read into a copy: a forged answer (from an on-path attacker who read the salt)
+        # fails there and leaves the state able to take the genuine one.
+        state = self._state.fork()
+        peer = TransportParams.decode(state.read_message(answer))
+        send_key, recv_key = state.split()
+        self._state = state
+        return Keys(peer, send_key, recv_key, state.handshake_hash)
 
 
 def answer(

@@ -28,6 +28,7 @@ cover them, which checks the token machinery from more sides.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import hmac
 import random
@@ -289,6 +290,15 @@ class HandshakeState:
         needs_s = any("s" in m and (i % 2 == 0) == initiator for i, m in enumerate(messages))
         if (needs_s or (pre_i if initiator else pre_r)) and static is None:
             raise ValueError(f"{protocol_name} needs this side's static key")
+
+    def fork(self) -> HandshakeState:
+        """An independent copy: read a message into it, and keep it only if the
+        message authenticated (a forged message must not spoil the real state)."""
+        twin = copy.copy(self)
+        twin._symmetric = copy.copy(self._symmetric)
+        twin._symmetric.cipher = copy.copy(self._symmetric.cipher)
+        twin._psks = list(self._psks)
+        return twin
 
     def _local_static_public(self) -> bytes:
         if self._s is None:
