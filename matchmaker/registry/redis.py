@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import time
@@ -353,6 +354,9 @@ class RedisRegistry(Registry):
     def is_visible(self, record: HostRecord, now: float) -> bool:
         # During a post-outage grace period silence is not the hosts' fault.
         return now < self._grace_until or super().is_visible(record, now)
+
+    def hidden_after(self, now: float) -> float:
+        return math.inf if now < self._grace_until else self.hide_after
 
     def owned(self) -> list[HostRecord]:
         """Registrations this replica holds (and re-asserts after an outage)."""
