@@ -63,6 +63,14 @@ class RegistryUnavailable(RegistryError):
     """The backing store cannot be reached and the operation cannot be deferred."""
 
 
+class RegistryBusy(RegistryUnavailable):
+    """Every connection to the backing store stayed in use for the whole bounded wait.
+
+    Not an outage: the registry stays fresh and nothing is written locally in
+    its place; the caller answers "unavailable" and the host or client retries.
+    """
+
+
 class FeedOverflow(RegistryError):
     """A change subscriber fell too far behind and was dropped."""
 
