@@ -24,6 +24,7 @@ from matchmaker.registry import (
     RemovalReason,
     TooManyHosts,
 )
+from matchmaker.registry.memory import SWEEP_ROUNDS
 from matchmaker.registry.redis import RedisRegistry
 from tests.matchmaker.conftest import RedisProcess
 from tests.matchmaker.fakes import FakeClock
@@ -296,3 +297,18 @@ async def test_a_list_sample_reads_about_limit_hosts_whatever_the_registry_size(
         got = await reg.sample(f, 100, rng)
         assert len(got) == 100 and all(reference(r, f) for r in got)
         assert read < 300, (f, read)  # of 6,667 and 20,000 candidates
+
+
+async def test_one_expiry_sweep_reads_a_slice_of_a_large_registry_and_all_within_ten() -> None:
+    clock = FakeClock()
+    reg = MemoryRegistry(hide_after=15, expire_after=30, clock=clock)
+    n = 60_000
+    for i in range(n):
+        await reg.upsert(Address(f"198.18.{i // 250}.{i % 250 + 1}", 27960), host(), max_per_ip=5)
+    clock.advance(31)
+    first = await reg.expire()
+    assert len(first) == n // SWEEP_ROUNDS  # not everyone at once: a bounded stall
+    removed = len(first)
+    for _ in range(SWEEP_ROUNDS - 1):
+        removed += len(await reg.expire())
+    assert removed == n and len(reg.index()) == 0
