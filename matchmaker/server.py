@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 import rudp
+from matchmaker.gctuning import tune_gc
 from matchmaker.http import HttpApi, HttpServer, entry_json
 from matchmaker.messages import ListRequest, entry_fields
 from matchmaker.metrics import Metrics
@@ -177,6 +178,7 @@ class Matchmaker:
             loop.add_signal_handler(sig, stop.set)
         try:
             await self.start()
+            tune_gc()  # once started: see matchmaker/gctuning.py
             await stop.wait()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):

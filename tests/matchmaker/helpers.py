@@ -11,12 +11,14 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 import rudp
+from matchmaker.addresses import Address
 from matchmaker.messages import HostInfo, ListFilter, ListPage, ListRequest, Register, Registered
 from matchmaker.metrics import Metrics
 from matchmaker.registry import MemoryRegistry, Registry
@@ -196,3 +198,91 @@ async def accepting_endpoint() -> tuple[rudp.Server, asyncio.Queue[rudp.Connecti
 
     server = await rudp.serve(handler, "127.0.0.1", 0)
     return server, accepted
+
+
+# -- a synthetic population of hosts for the list and index tests ------------------
+
+GAMES = ("q3", "ut", "cs")
+VERSIONS = ("1.0", "1.1", "2.0")
+MAPS = ("dm1", "dm2", "ctf1", "")
+REGIONS = ("eu", "us", "asia", "")
+TAGS = ("ctf", "ffa", "insta", "mod", "ranked")
+NAMES = ("Alpha", "bravo", "CHARLIE", "Delta Force", "echo")
+
+
+@dataclass(frozen=True)
+class Entry:
+    address: Address
+    info: HostInfo
+
+
+def make_hosts(n: int = 1000, seed: int = 1) -> list[Entry]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if rng.random() < 0.3:
+            ip = f"2001:db8:{rng.randrange(1, 60):x}::1"  # one /64 each
+        else:
+            ip = f"198.51.100.{rng.randrange(1, 120)}"
+        max_players = rng.choice((2, 8, 16))
+        info = HostInfo(
+            name=f"{rng.choice(NAMES)} #{i}",
+            game=rng.choice(GAMES),
+            version=rng.choice(VERSIONS),
+            map=rng.choice(MAPS),
+            max_players=max_players,
+            players=rng.choice((0, max_players, rng.randrange(0, max_players + 1))),
+            password=rng.random() < 0.25,
+            tags=tuple(t for t in TAGS if rng.random() < 0.3),
+            region=rng.choice(REGIONS),
+        )
+        out.append(Entry(Address(ip, 20000 + i), info))
+    return out
+
+
+HOSTS = make_hosts()
+
+
+def reference(e: Entry, f: ListFilter) -> bool:
+    """The filter semantics, written out longhand and independently of listing.py."""
+    h = e.info
+    ok = h.game == f.game
+    if f.version is not None:
+        ok = ok and h.version == f.version
+    if f.map is not None:
+        ok = ok and h.map == f.map
+    if f.region is not None:
+        ok = ok and h.region == f.region
+    if f.not_full:
+        ok = ok and h.players < h.max_players
+    if f.not_empty:
+        ok = ok and h.players != 0
+    if f.password is True:
+        ok = ok and h.password
+    if f.password is False:
+        ok = ok and not h.password
+    for t in f.tags_all:
+        ok = ok and t in h.tags
+    if f.tags_any:
+        ok = ok and any(t in h.tags for t in f.tags_any)
+    if f.name is not None:
+        ok = ok and f.name.lower() in h.name.lower()
+    if f.family == 4:
+        ok = ok and ":" not in e.address.ip
+    if f.family == 6:
+        ok = ok and ":" in e.address.ip
+    return ok
+
+
+SINGLE_FILTERS = (
+    [ListFilter(game=g) for g in (*GAMES, "none")]
+    + [ListFilter(game="q3", version=v) for v in VERSIONS]
+    + [ListFilter(game="q3", map=m) for m in MAPS]
+    + [ListFilter(game="q3", region=r) for r in REGIONS]
+    + [ListFilter(game="q3", not_full=True), ListFilter(game="q3", not_empty=True)]
+    + [ListFilter(game="q3", password=p) for p in (True, False)]
+    + [ListFilter(game="q3", tags_all=(t,)) for t in TAGS]
+    + [ListFilter(game="q3", tags_all=("ctf", "insta")), ListFilter(game="q3", tags_any=TAGS[:2])]
+    + [ListFilter(game="q3", name=n) for n in ("alpha", "FORCE", "#99", "zzz")]
+    + [ListFilter(game="q3", family=4), ListFilter(game="q3", family=6)]
+)
