@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import Any
 
 from rudp.aio.connection import Connection
-from rudp.aio.endpoint import AioEndpoint, Handler, QueryHandler
+from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler
 from rudp.config import Config
 from rudp.connection import Address
 from rudp.stats import EndpointStats
@@ -113,6 +113,21 @@ class Server:
     @on_query.setter
     def on_query(self, handler: QueryHandler | None) -> None:
         self._endpoint.on_query = handler
+
+    @property
+    def on_foreign(self) -> ForeignHandler | None:
+        """``fn(datagram, addr) -> replies`` for another protocol sharing the socket.
+
+        While set, a datagram starting with ``FF FF FF FF`` (A2S, Quake's
+        out-of-band packets; never a rudp packet) goes to it instead of rudp; each
+        datagram it returns is sent back to ``addr``. It must bound its replies
+        itself (see ``rudp.a2s``); an exception it raises is logged and counted.
+        """
+        return self._endpoint.on_foreign
+
+    @on_foreign.setter
+    def on_foreign(self, handler: ForeignHandler | None) -> None:
+        self._endpoint.set_foreign_handler(handler)
 
     async def connect(self, host: str, port: int) -> Connection:
         """Open an outgoing connection from this server's socket (NAT traversal)."""
