@@ -14,7 +14,7 @@ that handler before any rudp decoding. The hook is chosen once, when the handler
 is set, so the read loop's per-datagram cost is the same with and without it.
 
 On an event loop without ``add_reader`` (Windows' Proactor), ``rudp.aio.protocol``
-subclasses this class to read and write through a ``DatagramProtocol`` instead.
+reads and writes for this class through a ``DatagramProtocol`` instead.
 """
 
 from __future__ import annotations
@@ -83,7 +83,10 @@ class AioEndpoint:
         *,
         accept: bool,
         handler: Handler | None = None,
+        add_reader: bool = True,
     ) -> None:
+        # add_reader=False: the caller moves datagrams in and out instead (see
+        # rudp.aio.protocol, for loops without add_reader).
         self.loop = loop
         self._sock = sock
         self.config = config
@@ -114,12 +117,10 @@ class AioEndpoint:
         self._outbound: Any = None
         self._setup_netsim()
         self.local_address: Address = sock.getsockname()
-        self._start_reading()
+        if add_reader:
+            loop.add_reader(sock.fileno(), self._read_ready)
 
     # -- I/O ------------------------------------------------------------------
-
-    def _start_reading(self) -> None:
-        self.loop.add_reader(self._sock.fileno(), self._read_ready)
 
     def _setup_netsim(self) -> None:
         sim = self.config.netsim

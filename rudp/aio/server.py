@@ -11,6 +11,7 @@ from typing import Any
 
 from rudp.aio.connection import Connection
 from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler
+from rudp.aio.protocol import DatagramLink, open_protocol_endpoint, reads_with_add_reader
 from rudp.config import Config
 from rudp.connection import Address
 from rudp.stats import EndpointStats
@@ -81,8 +82,15 @@ class Server:
     An async context manager: leaving the block closes every connection gracefully.
     """
 
-    def __init__(self, endpoint: AioEndpoint) -> None:
+    def __init__(self, endpoint: AioEndpoint, link: DatagramLink | None = None) -> None:
         self._endpoint = endpoint
+        self._link = link
+
+    @property
+    def datagram_protocol(self) -> bool:
+        """True where the loop has no ``add_reader`` (Windows' Proactor): datagrams then
+        go through a ``DatagramProtocol`` (``rudp.aio.protocol``)."""
+        return self._link is not None
 
     @property
     def address(self) -> Address:
@@ -149,9 +157,13 @@ class Server:
         A handler may call it; it is not waited for.
         """
         await self._endpoint.close()
+        if self._link is not None:
+            await self._link.released()
 
     async def wait_closed(self) -> None:
         await self._endpoint.wait_closed()
+        if self._link is not None:
+            await self._link.released()
 
     async def __aenter__(self) -> Server:
         return self
@@ -177,8 +189,18 @@ async def open_endpoint(
     loop = asyncio.get_running_loop()
     cfg = config or Config()
     sock = await _open_socket(host, port, family, cfg)
-    endpoint = AioEndpoint(loop, sock, cfg, accept=handler is not None, handler=handler)
-    return Server(endpoint)
+    accept = handler is not None
+    try:
+        if reads_with_add_reader(loop, sock):
+            return Server(AioEndpoint(loop, sock, cfg, accept=accept, handler=handler))
+        # Windows' Proactor loop
+        endpoint, link = await open_protocol_endpoint(
+            loop, sock, cfg, accept=accept, handler=handler
+        )
+    except BaseException:
+        sock.close()
+        raise
+    return Server(endpoint, link)
 
 
 async def serve(
