@@ -20,6 +20,7 @@ import structlog
 import rudp
 from matchmaker.gctuning import tune_gc
 from matchmaker.http import HttpApi, HttpServer, entry_json
+from matchmaker.master import MasterProtocol, MasterResponder
 from matchmaker.messages import ListRequest, entry_fields
 from matchmaker.metrics import Metrics
 from matchmaker.ratelimit import RateLimiter
@@ -81,6 +82,10 @@ class Matchmaker:
         )
         self._udp: rudp.Server | None = None
         self._http: HttpServer | None = None
+        self._master: asyncio.DatagramTransport | None = None
+        self.master_responder: MasterResponder | None = None
+        """What answers the master port (its counters), None when ``--master`` is off."""
+        self._rng = rng or random.Random()
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics.bind_state(
             hosts_by_game=self.registry.count_by_game,
@@ -102,6 +107,14 @@ class Matchmaker:
         """The daemon's rudp socket (its ``stats``, its connections)."""
         assert self._udp is not None, "not started"
         return self._udp
+
+    @property
+    def master_address(self) -> tuple[str, int] | None:
+        """The master-server port's address, None when ``--master`` is off."""
+        if self._master is None:
+            return None
+        host, port = self._master.get_extra_info("sockname")[:2]
+        return str(host), int(port)
 
     @property
     def http_address(self) -> tuple[str, int]:
@@ -126,6 +139,8 @@ class Matchmaker:
             api, self.metrics, timeout=s.http_timeout, max_connections=s.http_max_connections
         )
         await self._http.start(s.http_bind, s.http_port)
+        if s.master:
+            await self._start_master()
         self._spawn(self.service.run_sweeper(), "sweeper")
         self._spawn(self.service.run_notices(), "notices")
         log.info(
@@ -134,6 +149,24 @@ class Matchmaker:
             http=f"{self.http_address[0]}:{self.http_address[1]}",
             store="redis" if s.uses_redis else "memory",
         )
+
+    async def _start_master(self) -> None:
+        s = self.settings
+        responder = MasterResponder(
+            self.registry,
+            RateLimiter(s.list_bucket, max_keys=s.rate_limit_keys),
+            page_hosts=s.page_hosts,
+            rng=self._rng,
+            on_rate_limited=self.metrics.rate_limited.labels("list").inc,
+        )
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: MasterProtocol(responder), local_addr=(s.bind, s.master_port)
+        )
+        self._master = transport
+        self.master_responder = responder
+        host, port = self.master_address or ("", 0)
+        log.info("master_started", udp=f"{host}:{port}")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))
@@ -165,6 +198,8 @@ class Matchmaker:
         self._tasks.clear()
         if self._http is not None:
             await self._http.close()
+        if self._master is not None:
+            self._master.close()
         if self._udp is not None:
             self._udp.endpoint.close_now()  # no-op after a graceful close
         await self.registry.close()

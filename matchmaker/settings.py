@@ -82,6 +82,9 @@ class Settings:
     # bandwidth, sets its time (docs/performance.md, "Matchmaker").  256 is
     # rudp's own window, so a list never waits on the matchmaker's.
     pages_in_flight: int = _s(256, "unacknowledged list pages per request")
+    # -- master server protocols (for server browsers that predate us)
+    master: bool = _s(False, "answer Steam master and Quake III getservers queries (UDP)")
+    master_port: int = _s(27011, "UDP port of --master (0: any free port)")
     # -- HTTP
     http_timeout: float = _s(5.0, "seconds to read one HTTP request")
     http_max_connections: int = _s(256, "concurrent HTTP connections")
@@ -203,6 +206,11 @@ _RULES: list[Check] = [
     ("http_bind", lambda s: _is_ip(s.http_bind), "must be an IP address"),
     ("port", lambda s: 0 <= s.port <= 65535, "must be in 0..65535 (0: any free port)"),
     ("http_port", lambda s: 0 <= s.http_port <= 65535, "must be in 0..65535 (0: any free port)"),
+    (
+        "master_port",
+        lambda s: 0 <= s.master_port <= 65535,
+        "must be in 0..65535 (0: any free port)",
+    ),
     ("max_connections", lambda s: 1 <= s.max_connections <= 1_000_000, "must be 1..1000000"),
     (
         "store",
