@@ -18,10 +18,11 @@ from typing import Any
 import structlog
 
 import rudp
+from matchmaker.catalog import EVERY_GAME, every_game_list
 from matchmaker.gctuning import tune_gc
 from matchmaker.http import HttpApi, HttpServer, entry_json
 from matchmaker.master import MasterProtocol, MasterResponder
-from matchmaker.messages import ListRequest, entry_fields
+from matchmaker.messages import HostEntry, ListRequest, entry_fields
 from matchmaker.metrics import Metrics
 from matchmaker.ratelimit import RateLimiter
 from matchmaker.registry import MemoryRegistry, Registry
@@ -172,6 +173,18 @@ class Matchmaker:
         self._tasks.append(asyncio.create_task(coro, name=name))
 
     async def _servers_json(self, req: ListRequest) -> list[dict[str, Any]]:
+        if req.filter.game == EVERY_GAME:
+            s = self.settings
+            records = every_game_list(
+                self.registry,
+                req.filter,
+                self._rng,
+                list_limit=s.list_limit,
+                page_hosts=s.page_hosts,
+                page_per_ip=s.page_per_ip,
+            )
+            entries = [HostEntry(address=r.address, info=r.info) for page in records for r in page]
+            return [entry_json(entry_fields(e)) for e in entries]
         pages = await self.service.build_pages(req)
         return [entry_json(entry_fields(e)) for page in pages for e in page.hosts]
 

@@ -199,6 +199,17 @@ async def test_visible_every_game_applies_the_same_filters() -> None:
 # -- the daemon ------------------------------------------------------------------------------
 
 
+async def get_json(address: tuple[str, int], target: str) -> tuple[int, object]:
+    import json
+
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
 @pytest.fixture
 async def master_daemon() -> AsyncIterator[tuple[Matchmaker, list[rudp.Server]]]:
     """A daemon with --master, listing five real A2S hosts on loopback."""
@@ -216,6 +227,20 @@ async def master_daemon() -> AsyncIterator[tuple[Matchmaker, list[rudp.Server]]]
     for host in hosts:
         await host.close()
     await mm.shutdown()
+
+
+async def test_servers_without_game_lists_every_game(
+    master_daemon: tuple[Matchmaker, list[rudp.Server]],
+) -> None:
+    mm, _ = master_daemon
+    status, body = await get_json(mm.http_address, "/servers")
+    assert status == 200
+    assert isinstance(body, dict) and body["total"] == 5
+    assert {s["game"] for s in body["servers"]} == {"arena", "other"}
+    status, body = await get_json(mm.http_address, "/servers?limit=2&not_full=1")
+    assert status == 200 and isinstance(body, dict) and body["total"] == 2
+    status, body = await get_json(mm.http_address, "/servers?bogus=1")
+    assert status == 400
 
 
 async def test_master_is_off_by_default(daemon: Matchmaker) -> None:
