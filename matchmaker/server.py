@@ -1,9 +1,12 @@
 """Daemon lifecycle: `start()`, run until told to stop, bounded `shutdown()`.
 
 Start order: registry (it may need to load), then the rudp port, then HTTP,
-then the background loops (expiry sweeps, relayed notices).  Shutdown runs the
-other way round and is bounded by ``shutdown_timeout``: connections get a
-graceful close first; whatever is still running when the time is up is
+then the background loops (expiry sweeps, relayed notices).  Shutdown first
+stops accepting (new connections are closed, registrations refused with
+``shutting_down`` so hosts go to another replica, /readyz turns 503), then
+runs the other way round, bounded by ``shutdown_timeout``: connections get a
+graceful close first (their hosts re-register elsewhere; their entries stay
+listed meanwhile); whatever is still running when the time is up is
 cancelled.  Signal handlers only set the stop event (see `run`).
 """
 
@@ -191,6 +194,9 @@ class Matchmaker:
     async def shutdown(self) -> None:
         """Stop serving, bounded by ``shutdown_timeout``; safe to call twice."""
         log.info("matchmaker_stopping")
+        # Refuse newcomers before anything closes, so that no host registers
+        # here (or reconnects here) while the others are being sent away.
+        self.service.stop_accepting()
         try:
             await asyncio.wait_for(self._close_gracefully(), self.settings.shutdown_timeout)
         except TimeoutError:

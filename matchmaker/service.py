@@ -20,8 +20,11 @@ registry call per second, not one per host); a host the registry no longer
 knows gets ``not_registered`` back and re-registers.  When a host's
 connection ends its entry is removed at once, naming the registration token
 so an old connection cannot remove a newer registration.  On shutdown the
-entries are left to expire instead: their hosts reconnect to another replica
-and re-register, and lists do not flicker meanwhile.
+replica first stops accepting (new connections are closed at once, `Register`
+is refused with ``shutting_down``), then closes its connections; the entries
+are left in place instead of removed: their hosts reconnect to another replica
+and re-register there (which takes the entry over), and lists do not flicker
+meanwhile.
 
 List answers are cut into pages (`listing.paginate`, then by encoded size) and
 sent by a task of their own with at most ``pages_in_flight`` unacknowledged
@@ -107,6 +110,7 @@ log = structlog.get_logger("matchmaker.service")
 SOFTWARE = f"matchmaker/{__version__}"
 _LIST_ABANDONED: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, asyncio.CancelledError)
 # msgpack overhead of a page around its entries (envelope, seq, total, end).
+_STOPPING = "matchmaker shutting down: use another replica"
 _PAGE_OVERHEAD = 48
 _TOO_BIG = "host: too large to list (shorter name, map, tags or info)"
 
@@ -166,6 +170,10 @@ class MatchmakerService:
         """Serve one connection until it ends (the rudp ``serve`` handler)."""
         address = from_sockaddr(peer.remote_address)
         session = _Session(peer=peer, address=address)
+        if self.shutting_down:
+            # A stopping replica takes no one new: the host goes to another replica.
+            await peer.close(reason=_STOPPING)
+            return
         previous = self._sessions.get(address)
         self._sessions[address] = session
         with structlog.contextvars.bound_contextvars(peer=address.key, conn=next(self._ids)):
@@ -278,6 +286,9 @@ class MatchmakerService:
 
     async def _register(self, session: _Session, req: Register) -> None:
         rid = req.request_id
+        if self.shutting_down:
+            self.metrics.registrations.labels("rejected").inc()
+            raise MessageError(ErrorReason.SHUTTING_DOWN, _STOPPING, request_id=rid)
         if self._rate_limited(self._register_limit, "register", session):
             self.metrics.registrations.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "registrations", request_id=rid)
@@ -320,6 +331,9 @@ class MatchmakerService:
 
     async def _update(self, session: _Session, req: Update) -> None:
         rid = req.request_id
+        if self.shutting_down:
+            self.metrics.registrations.labels("rejected").inc()
+            raise MessageError(ErrorReason.SHUTTING_DOWN, _STOPPING, request_id=rid)
         if self._rate_limited(self._register_limit, "register", session):
             self.metrics.updates.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "updates", request_id=rid)
@@ -563,12 +577,18 @@ class MatchmakerService:
 
     # ------------------------------------------------------------------ shutdown
 
-    async def close_all(self) -> None:
-        """Close every connection gracefully, keeping registrations (see module doc)."""
+    def stop_accepting(self) -> None:
+        """From now on refuse new connections, and registrations with
+        ``shutting_down`` (which sends hosts to another replica)."""
         self.shutting_down = True
+
+    async def close_all(self) -> None:
+        """Stop accepting, then close every connection gracefully, keeping
+        registrations (see module doc)."""
+        self.stop_accepting()
         sessions = list(self._sessions.values())
         await asyncio.gather(
-            *(s.peer.close(reason="matchmaker shutting down") for s in sessions),
+            *(s.peer.close(reason=_STOPPING) for s in sessions),
             return_exceptions=True,
         )
 

@@ -81,6 +81,7 @@ class ErrorReason(enum.StrEnum):
     FORBIDDEN_ADDRESS = "forbidden_address"  # loopback/private/bogon source
     NOT_FOUND = "not_found"  # introduce: no such host
     UNAVAILABLE = "unavailable"  # registry unreachable and no fallback
+    SHUTTING_DOWN = "shutting_down"  # this replica is stopping: register with another
     INTERNAL = "internal"
 
 
