@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +87,85 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait(5)
         self.proc = None
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# -- a matchmaker daemon in a process of its own (``python -m matchmaker``) ---------------
+
+
+class DaemonProcess:
+    """One replica as operators run it: its own process, killed or stopped by signal.
+
+    Its log goes to ``<directory>/<replica_id>.log`` (JSON lines).
+    """
+
+    def __init__(self, directory: Path, replica_id: str, store: str, *flags: str) -> None:
+        self.replica_id = replica_id
+        self.port = free_udp_port()
+        self.http_port = free_port()
+        self.log_path = directory / f"{replica_id}.log"
+        self.args = [sys.executable, "-m", "matchmaker", "--replica-id", replica_id]
+        self.args += ["--store", store, "--bind", "127.0.0.1", "--port", str(self.port)]
+        self.args += ["--http-bind", "127.0.0.1", "--http-port", str(self.http_port)]
+        self.args += ["--allow-private", "--log-format", "json", *flags]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    async def start(self, timeout: float = 20.0) -> None:
+        with self.log_path.open("ab") as log_file:
+            self.proc = subprocess.Popen(self.args, stdout=log_file, stderr=subprocess.STDOUT)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not await self.ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.replica_id} exited with {self.proc.returncode}")
+            if loop.time() > deadline:
+                raise RuntimeError(f"{self.replica_id} not ready within {timeout} s")
+            await asyncio.sleep(0.1)
+
+    async def ready(self) -> bool:
+        """Whether /readyz answers 200."""
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.http_port)
+        except OSError:
+            return False
+        try:
+            writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            status = await asyncio.wait_for(reader.readline(), 5)
+            return status.split(b" ")[1:2] == [b"200"]
+        except (OSError, TimeoutError):
+            return False
+        finally:
+            writer.close()
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    async def wait(self, timeout: float = 20.0) -> int:
+        """Wait (without blocking the loop) for the process to end; its exit status."""
+        assert self.proc is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (code := self.proc.poll()) is None:
+            if loop.time() > deadline:
+                raise AssertionError(f"{self.replica_id} still running after {timeout} s")
+            await asyncio.sleep(0.05)
+        return code
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
 
 
 # -- a bounded wait ------------------------------------------------------------------------
