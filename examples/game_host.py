@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Mapping
@@ -169,15 +170,21 @@ async def punch(server: rudp.Server, mm: MatchmakerClient) -> None:
 
 
 async def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--name", default="Arena", help="listed name")
     parser.add_argument("--bind", default="0.0.0.0", help="address of the game socket")
     parser.add_argument("--port", type=int, default=27960, help="game port (0: any free port)")
     parser.add_argument("--matchmaker", default="127.0.0.1:27950", help="host:port")
-    parser.add_argument("--max-players", type=int, default=8)
+    parser.add_argument("--max-players", type=int, default=8, help="listed player limit")
     parser.add_argument("--lan-ip", help="this machine's LAN address, for clients behind our NAT")
     parser.add_argument("--exit-after", type=int, help="stop after this many players left")
     args = parser.parse_args(argv)
+    # The client library's own lines (reconnections, re-registrations) go where ours
+    # do, in order, each prefixed by its logger's name.
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s: %(message)s")
     mm_host, _, mm_port = args.matchmaker.rpartition(":")
 
     arena = Arena(args.max_players)

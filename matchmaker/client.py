@@ -31,9 +31,11 @@ A host should open the client *via its game server's rudp socket*
 (``MatchmakerClient.to(host, port, via=server)``) so that the address the
 matchmaker observes, lists and introduces is the game port.  Introductions
 for the host (a client wants to join) arrive on `introductions`; the host then
-connects out to ``peer`` (and ``peer_lan``) from that same server to open its
-NAT, while the client, having got its own `Introduction` from `introduce`,
-connects to the host.
+sends one datagram to ``peer`` (and ``peer_lan``) from that same server
+(``server.query(...)``) to open its NAT, and does not connect back: the
+client, having got its own `Introduction` from `introduce`, connects to the
+host, and its connection reaches the host's ``serve`` handler (see
+docs/matchmaker.md).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from matchmaker.messages import (
     WrongVersion,
     decode,
     encode,
+    str_tuple,
 )
 from matchmaker.transport import TRANSPORT_ERRORS, Connector, Peer, rudp_connector
 
@@ -265,7 +268,7 @@ class MatchmakerClient:
             map=map,
             players=players,
             password=password,
-            tags=tuple(tags),
+            tags=str_tuple(tags, "tags"),
             region=region,
             info=info,
             lan=make_address(*lan) if lan else None,
@@ -290,7 +293,7 @@ class MatchmakerClient:
         if self._host is None:
             raise MatchmakerError(ErrorReason.NOT_REGISTERED, "register first")
         if "tags" in changes:
-            changes["tags"] = tuple(changes["tags"])
+            changes["tags"] = str_tuple(changes["tags"], "tags")
         upd = HostUpdate(**changes)
         try:
             merged = upd.apply(self._host)
@@ -354,7 +357,12 @@ class MatchmakerClient:
                 self._needs_register.set()
                 if self._moves_on(exc):
                     continue  # another replica at once
-                log.info("matchmaker_retry error=%s delay=%s", type(exc).__name__, delay)
+                log.info(
+                    "matchmaker_retry error=%s detail=%r delay=%.1f",
+                    type(exc).__name__,
+                    str(exc),
+                    delay,
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._max_reconnect_delay)
 
@@ -415,7 +423,7 @@ class MatchmakerClient:
         fair random order."""
         for key in ("tags_all", "tags_any"):
             if key in filters:
-                filters[key] = tuple(filters[key])
+                filters[key] = str_tuple(filters[key], key)
         rid = next(self._ids)
         request = ListRequest(request_id=rid, filter=ListFilter(game=game, **filters))
         loop = asyncio.get_running_loop()

@@ -11,6 +11,8 @@ Endpoints
                paging; ``tags_all``/``tags_any`` comma-separated or repeated;
                booleans as 1/0/true/false), validated by the same code as the
                wire protocol; rate limited per source like list requests.
+               ``{"total", "limit", "limit_reached", "servers"}``:
+               ``limit_reached`` says the answer was cut at ``limit`` hosts.
 
 Why not a framework: this is four read-only endpoints, and a dependency for
 them would be most of the daemon's attack surface.  The server here reads one
@@ -146,7 +148,11 @@ class HttpApi:
         except MessageError as exc:
             return Response.json(400, {"error": exc.reason.value, "detail": exc.detail})
         servers = await self._list_servers(ListRequest(filter=f))
-        return Response.json(200, {"total": len(servers), "servers": servers})
+        # The answer is a random sample of at most `limit` matches: at the limit, there
+        # may be more (a narrower filter, or a higher --list-limit, would show them).
+        limit = min(f.limit, self._limits.list_limit)
+        body = {"total": len(servers), "limit": limit, "limit_reached": len(servers) >= limit}
+        return Response.json(200, body | {"servers": servers})
 
 
 def parse_filter(query: str, limits: Limits) -> ListFilter:

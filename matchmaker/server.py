@@ -151,7 +151,7 @@ class Matchmaker:
             "matchmaker_started",
             udp=f"{self.udp_address[0]}:{self.udp_address[1]}",
             http=f"{self.http_address[0]}:{self.http_address[1]}",
-            store="redis" if s.uses_redis else "memory",
+            **s.startup_fields(),
         )
 
     async def _start_master(self) -> None:

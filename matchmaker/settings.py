@@ -105,6 +105,23 @@ class Settings:
             list_limit=self.list_limit,
         )
 
+    def startup_fields(self) -> dict[str, object]:
+        """The effective settings an operator checks in the startup log line.
+
+        The store's password, if its URL has one, is masked.
+        """
+        return {
+            "store": _masked_url(self.store),
+            "allow_private": self.allow_private,
+            "max_connections": self.max_connections,
+            "max_hosts_per_ip": self.max_hosts_per_ip,
+            "list_limit": self.list_limit,
+            "register_rate": f"{self.register_rate:g}/s burst {self.register_burst:g}",
+            "list_rate": f"{self.list_rate:g}/s burst {self.list_burst:g}",
+            "introduce_rate": f"{self.introduce_rate:g}/s burst {self.introduce_burst:g}",
+            "master": self.master_port if self.master else "off",
+        }
+
     @property
     def register_bucket(self) -> Rate:
         return Rate(rate=self.register_rate, burst=self.register_burst)
@@ -189,6 +206,16 @@ def _convert(raw: object, kind: type) -> object:
             raise ValueError(f"expected a finite number, got {raw!r}")
         return value
     return text
+
+
+def _masked_url(url: str) -> str:
+    """``url`` with the password of its userinfo, if any, replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{host}"
 
 
 def _is_ip(text: str) -> bool:
