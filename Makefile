@@ -7,9 +7,19 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
+# Debian and Ubuntu ship python3 without its venv and ensurepip modules (they are in
+# the python3-venv package), and `python3 -m venv` then fails inside ensurepip.
+# Say so before trying.
+NEEDS_VENV = @$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
+	echo "$(PYTHON) cannot create a virtual environment (no venv/ensurepip module)." >&2; \
+	echo "On Debian or Ubuntu: sudo apt-get install python3-venv (or python3.X-venv" >&2; \
+	echo "for the python3.X you use), then run make again; or set PYTHON=another python." >&2; \
+	exit 1; }
+
 .PHONY: run dev test lint typecheck pytest compiled-test bench clean
 
 $(VENV)/.created:
+	$(NEEDS_VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	touch $@
@@ -22,6 +32,9 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.created
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# make runs the daemon as its child: SIGTERM or Ctrl-C stops the daemon cleanly, but
+# make itself then exits with the signal's status (143, 130), whatever the daemon's.
+# Under a supervisor, run .venv/bin/matchmaker directly: it exits 0 on SIGTERM.
 run: $(VENV)/.installed-run
 	$(PY) -m matchmaker
 
@@ -48,6 +61,7 @@ test: lint typecheck pytest compiled-test
 COMPILED_DIR ?= .compiled-test
 
 compiled-test: $(VENV)/.installed-dev
+	$(NEEDS_VENV)
 	rm -rf build $(COMPILED_DIR)
 	RUDP_COMPILE=1 $(PY) -m pip wheel --quiet --no-deps --wheel-dir $(COMPILED_DIR)/dist .
 	$(PYTHON) -m venv $(COMPILED_DIR)/venv

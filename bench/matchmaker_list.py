@@ -17,7 +17,15 @@ direction (100 ms round trip, 4% of round trips lose a datagram), seed 1.
     .venv/bin/python bench/matchmaker_list.py --set pages_in_flight=4 --set page_hosts=32
 
 ``--set NAME=VALUE`` overrides a daemon setting (e.g. the paging ones) to
-compare against the defaults. Prints a table, writes JSON to bench/results/.
+compare against the defaults. ``--registry N`` registers N hosts however
+small the lists, and ``--filter NAME=VALUE`` adds a list filter (the hosts of
+bench/matchmaker_common.host_info: ``region=eu`` matches a third of them), so
+a 1,000-host filtered answer out of 100,000 hosts is
+
+    .venv/bin/python bench/matchmaker_list.py --registry 100000 --sizes 1000 \
+        --links clean --filter region=eu --repeat 50
+
+Prints a table, writes JSON to bench/results/.
 """
 
 from __future__ import annotations
@@ -54,7 +62,12 @@ TARGET_SECONDS = 1.5  # issue 5: 10,000 hosts over 2% loss and 100 ms RTT
 
 
 async def measure(
-    address: tuple[str, int], link: str, size: int, repeat: int, timeout: float
+    address: tuple[str, int],
+    link: str,
+    size: int,
+    repeat: int,
+    timeout: float,
+    filters: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     config = rudp.Config(netsim=LINKS[link])
     endpoint = await rudp.open_endpoint("127.0.0.1", 0, config=config)
@@ -66,7 +79,7 @@ async def measure(
         for _ in range(repeat):
             started = time.perf_counter()
             try:
-                hosts = await client.list_servers(game=GAME, limit=size)
+                hosts = await client.list_servers(game=GAME, limit=size, **(filters or {}))
             except TimeoutError:
                 failures += 1
                 continue
@@ -88,6 +101,7 @@ async def measure(
         "samples": len(times),
         "failures": failures,
         "p50_s": percentile(ordered, 50),
+        "p99_s": percentile(ordered, 99),
         "mean_s": statistics.fmean(times) if times else float("nan"),
         "min_s": ordered[0] if ordered else float("nan"),
         "max_s": ordered[-1] if ordered else float("nan"),
@@ -95,6 +109,19 @@ async def measure(
         "client_messages_resent": resent,
         "times_s": times,
     }
+
+
+def parse_filters(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name in ("not_full", "not_empty", "password"):
+            out[name] = value in ("1", "true")
+        elif name in ("tags_all", "tags_any"):
+            out[name] = value.split(",")
+        else:
+            out[name] = value
+    return out
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -112,6 +139,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--registry", type=int, default=0, help="hosts registered (default: size)")
+    parser.add_argument("--filter", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--no-uvloop", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -121,15 +150,19 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     with DaemonProcess(settings, use_uvloop=not args.no_uvloop) as daemon:
         populated = 0
+        filters = parse_filters(args.filter)
         for size in sorted(sizes):
-            info = daemon.populate(size - populated)
-            populated = size
-            print(f"registry: {info['hosts']} hosts", file=sys.stderr)
+            target = max(size, args.registry)
+            if target > populated:
+                info = daemon.populate(target - populated)
+                populated = target
+                print(f"registry: {info['hosts']} hosts", file=sys.stderr)
             for link in links:
                 result = rudp.run(
-                    measure(daemon.udp_address, link, size, args.repeat, args.timeout),
+                    measure(daemon.udp_address, link, size, args.repeat, args.timeout, filters),
                     use_uvloop=not args.no_uvloop,
                 )
+                result["registry"] = populated
                 results.append(result)
                 print(f"{link:6} {size:6} hosts: p50 {result['p50_s']:.3f} s", file=sys.stderr)
         daemon_stats = daemon.stats()
@@ -139,7 +172,9 @@ def main() -> None:
             r["hosts"],
             r["samples"],
             r["failures"],
+            r["registry"],
             r["p50_s"] * 1000,
+            r["p99_s"] * 1000,
             r["mean_s"] * 1000,
             r["min_s"] * 1000,
             r["max_s"] * 1000,
@@ -147,7 +182,8 @@ def main() -> None:
         ]
         for r in results
     ]
-    headers = ["link", "hosts", "n", "timeouts", "p50 ms", "mean ms", "min ms", "max ms", "resent"]
+    headers = ["link", "hosts", "n", "timeouts", "registry", "p50 ms", "p99 ms", "mean ms"]
+    headers += ["min ms", "max ms", "resent"]
     print(format_table(headers, rows))
     paging = {k: getattr(settings, k) for k in ("page_hosts", "page_bytes", "pages_in_flight")}
     print(f"\npaging: {paging}; target: 10,000 hosts, lossy, < {TARGET_SECONDS} s")

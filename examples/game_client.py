@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import random
 import sys
 
@@ -99,13 +100,19 @@ async def pick_host(mm: MatchmakerClient, endpoint: rudp.Server) -> tuple[str, i
 
 
 async def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--name", default="player", help="player name (also the chat sender)")
     parser.add_argument("--matchmaker", default="127.0.0.1:27950", help="host:port")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to play")
     parser.add_argument("--lan-ip", help="this machine's LAN address, for a host behind our NAT")
     parser.add_argument("--seed", type=int, help="seed of the random walk")
     args = parser.parse_args(argv)
+    # The client library's own lines (reconnections, re-registrations) go where ours
+    # do, in order, each prefixed by its logger's name.
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s: %(message)s")
     mm_host, _, mm_port = args.matchmaker.rpartition(":")
     walk = random.Random(args.seed)
 

@@ -16,7 +16,11 @@ The game is a tiny arena: each player walks around a 100 x 100 field. What it sh
   re-registers by itself (matchmaker restart, failover). The player count is kept up to
   date with ``update(players=...)``, at most once a second (updates are rate limited).
 * **Server browsers** ask the host directly for its info and ping (``serve_info``),
-  without going through the matchmaker.
+  without going through the matchmaker; tools that speak Valve's A2S queries (qstat,
+  python-a2s, Steam-style browsers and trackers) get the same info, the player list and
+  rules on the same port (``serve_browsers``)::
+
+      quakestat -a2s 127.0.0.1:27960 -P -R
 * **Introductions** (NAT traversal): when a client asks the matchmaker to join, the host
   is told the client's address and sends one datagram towards it from the game socket,
   which opens the host's NAT for the client's CONNECT.
@@ -34,13 +38,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgpack
 
 import rudp
+import rudp.a2s
+from matchmaker.browsers import serve_browsers
 from matchmaker.client import MatchmakerClient, MatchmakerError
 from matchmaker.serverinfo import serve_info
 
@@ -58,6 +66,7 @@ class Player:
     conn: rudp.Connection
     x: int = FIELD // 2
     y: int = FIELD // 2
+    joined: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -117,6 +126,12 @@ async def play(arena: Arena, conn: rudp.Connection) -> None:
         log(f"left: {player.name} (#{player.id}): {end.reason.value if end else 'closing'}")
 
 
+def a2s_players(arena: Arena) -> list[rudp.a2s.Player]:
+    """The player list A2S browsers show: name and time on the server."""
+    now = time.monotonic()
+    return [rudp.a2s.Player(p.name, 0, now - p.joined) for p in arena.players.values()]
+
+
 async def snapshots(arena: Arena) -> None:
     """The world, 20 times a second, to everyone: newest wins, nothing resent."""
     tick = 0
@@ -155,15 +170,21 @@ async def punch(server: rudp.Server, mm: MatchmakerClient) -> None:
 
 
 async def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--name", default="Arena", help="listed name")
     parser.add_argument("--bind", default="0.0.0.0", help="address of the game socket")
     parser.add_argument("--port", type=int, default=27960, help="game port (0: any free port)")
     parser.add_argument("--matchmaker", default="127.0.0.1:27950", help="host:port")
-    parser.add_argument("--max-players", type=int, default=8)
+    parser.add_argument("--max-players", type=int, default=8, help="listed player limit")
     parser.add_argument("--lan-ip", help="this machine's LAN address, for clients behind our NAT")
     parser.add_argument("--exit-after", type=int, help="stop after this many players left")
     args = parser.parse_args(argv)
+    # The client library's own lines (reconnections, re-registrations) go where ours
+    # do, in order, each prefixed by its logger's name.
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s: %(message)s")
     mm_host, _, mm_port = args.matchmaker.rpartition(":")
 
     arena = Arena(args.max_players)
@@ -181,6 +202,7 @@ async def main(argv: list[str] | None = None) -> int:
             lan=(args.lan_ip, port) if args.lan_ip else None,
         )
         serve_info(server, lambda: mm.host_info)  # server browsers ask us directly
+        serve_browsers(server, lambda: mm.host_info, players=lambda: a2s_players(arena))
         log(f"listed as {public.ip}:{public.port} (game socket {server.address[0]}:{port})")
         tasks = [
             asyncio.create_task(snapshots(arena)),

@@ -713,7 +713,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         help="turns between an order and its turn (default floor((2*delay + turn) / turn) + 1)",
     )
     parser.add_argument(
-        "--print-every", type=int, default=100, help="print a checksum line every N turns"
+        "--print-every",
+        type=int,
+        default=100,
+        help="print a checksum line every N turns (default 100)",
     )
     parser.add_argument(
         "--inject-desync",

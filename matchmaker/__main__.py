@@ -1,8 +1,17 @@
-"""``python -m matchmaker``: parse flags and environment, configure logging, run."""
+"""``python -m matchmaker``: parse flags and environment, configure logging, run.
+
+Exit status: 0 after a clean shutdown (SIGTERM or SIGINT), 1 if the daemon failed
+(logged as ``matchmaker_failed`` with its traceback), 2 for invalid settings (on
+stderr), 3 when one of its ports cannot be bound (in use, not permitted, or an
+address this machine does not have), logged as one ``port_unavailable`` line
+naming the port.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -16,22 +25,81 @@ from matchmaker.settings import Settings, SettingsError
 
 log = structlog.get_logger("matchmaker")
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_SETTINGS = 2
+EXIT_PORT_UNAVAILABLE = 3
+
+# What bind() fails with when the port, not the daemon, is the problem.
+BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL})
+
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    """Exit status: 0 after a clean shutdown, 1 if it failed (logged), 2 for invalid settings."""
+    """Run the daemon; the exit status is one of the ``EXIT_*`` codes above."""
     try:
         settings = Settings.from_sources(parse_args(argv), os.environ if env is None else env)
     except SettingsError as exc:
         print(f"matchmaker: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_SETTINGS
     mm_logging.configure(settings.log_level, settings.log_format)
     try:
         rudp.run(Matchmaker(settings).run())
+    except OSError as exc:
+        if exc.errno not in BIND_ERRNOS:
+            log.exception("matchmaker_failed")
+            return EXIT_FAILED
+        # The daemon has closed its sockets: binding each again finds the one at fault.
+        port = unbindable(settings, exc.errno) or "one of " + ", ".join(sockets(settings))
+        log.error("port_unavailable", port=port, error=exc.strerror)
+        return EXIT_PORT_UNAVAILABLE
     except Exception:
         # In the configured format (a JSON line), not as a bare traceback on stderr.
         log.exception("matchmaker_failed")
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def sockets(settings: Settings) -> dict[str, tuple[str, int, socket.SocketKind]]:
+    """The daemon's listening sockets: label -> (bind address, port, kind)."""
+    found = {
+        f"udp {_join(settings.bind, settings.port)} (--port)": (
+            settings.bind,
+            settings.port,
+            socket.SOCK_DGRAM,
+        ),
+        f"tcp {_join(settings.http_bind, settings.http_port)} (--http-port)": (
+            settings.http_bind,
+            settings.http_port,
+            socket.SOCK_STREAM,
+        ),
+    }
+    if settings.master:
+        label = f"udp {_join(settings.bind, settings.master_port)} (--master-port)"
+        found[label] = (settings.bind, settings.master_port, socket.SOCK_DGRAM)
+    return found
+
+
+def unbindable(settings: Settings, error: int | None) -> str | None:
+    """The label of the first of the daemon's sockets that bind() refuses with ``error``."""
+    for label, (host, port, kind) in sockets(settings).items():
+        try:
+            family, _, _, _, address = socket.getaddrinfo(
+                host, port, type=kind, flags=socket.AI_PASSIVE
+            )[0]
+            with socket.socket(family, kind) as probe:
+                if kind == socket.SOCK_STREAM:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
+                if family == socket.AF_INET6 and address[0] == "::":
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # as rudp does
+                probe.bind(address)
+        except OSError as exc:
+            if exc.errno == error:
+                return label
+    return None
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 if __name__ == "__main__":

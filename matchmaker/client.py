@@ -16,13 +16,26 @@ another replica) or the matchmaker says ``not_registered`` (the entry expired),
 retrying with exponential backoff.  `update(...)` changes what is listed and
 what a re-registration sends.
 
+Failover: the client knows one or more matchmaker addresses (`to` takes a
+name, which may resolve to several replicas, or a list of addresses).  Each
+connection attempt starts after the replica last used when that one's
+connection ended, so a dead or stopping replica is tried last.  A replica is
+taken for dead when a heartbeat stays unacknowledged for ``timeout`` seconds;
+a stopping one closes its connections and refuses registrations with
+``shutting_down``.  Either way the host re-registers with another replica at
+once.  The first `register` retries too (with the same backoff) until
+``register_timeout`` runs out, then raises `MatchmakerUnreachable` naming every
+address it tried.
+
 A host should open the client *via its game server's rudp socket*
 (``MatchmakerClient.to(host, port, via=server)``) so that the address the
 matchmaker observes, lists and introduces is the game port.  Introductions
 for the host (a client wants to join) arrive on `introductions`; the host then
-connects out to ``peer`` (and ``peer_lan``) from that same server to open its
-NAT, while the client, having got its own `Introduction` from `introduce`,
-connects to the host.
+sends one datagram to ``peer`` (and ``peer_lan``) from that same server
+(``server.query(...)``) to open its NAT, and does not connect back: the
+client, having got its own `Introduction` from `introduce`, connects to the
+host, and its connection reaches the host's ``serve`` handler (see
+docs/matchmaker.md).
 """
 
 from __future__ import annotations
@@ -31,7 +44,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterable
+import random
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -65,13 +80,27 @@ from matchmaker.messages import (
     WrongVersion,
     decode,
     encode,
+    str_tuple,
 )
 from matchmaker.transport import TRANSPORT_ERRORS, Connector, Peer, rudp_connector
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
-_RETRYABLE = frozenset({ErrorReason.RATE_LIMITED, ErrorReason.UNAVAILABLE, ErrorReason.INTERNAL})
+_RETRYABLE = frozenset(
+    {
+        ErrorReason.RATE_LIMITED,
+        ErrorReason.UNAVAILABLE,
+        ErrorReason.INTERNAL,
+        ErrorReason.SHUTTING_DOWN,
+    }
+)
+
+Route = tuple[str, Connector]
+"""One matchmaker address, as named in logs and errors, and how to connect to it."""
+
+Routes = Callable[[], Awaitable[list[Route]]]
+"""The matchmaker addresses to try, looked up afresh for every connection attempt."""
 
 
 class MatchmakerError(Exception):
@@ -87,12 +116,24 @@ class ConnectionLost(ConnectionError):
     """The connection ended before the reply arrived."""
 
 
+class MatchmakerUnreachable(ConnectionError, TimeoutError):
+    """No matchmaker address answered: `tried` names each one and what went wrong."""
+
+    def __init__(self, tried: Sequence[str], seconds: float) -> None:
+        where = "; ".join(tried) or "no address"
+        super().__init__(f"no matchmaker answered within {seconds:g} s (tried {where})")
+        self.tried = tuple(tried)
+
+
 _KEEPER_ERRORS: tuple[type[BaseException], ...] = (
     MatchmakerError,
     ConnectionLost,
     TimeoutError,
     *TRANSPORT_ERRORS,
 )
+
+
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *TRANSPORT_ERRORS)
 
 
 @dataclass(slots=True)
@@ -106,16 +147,38 @@ class _PendingList:
 class MatchmakerClient:
     def __init__(
         self,
-        connect: Connector,
+        connect: Connector | Sequence[Connector] | None = None,
         *,
         timeout: float = 5.0,
         reconnect_delay: float = 0.5,
         max_reconnect_delay: float = 30.0,
+        register_timeout: float = 60.0,
         limits: Limits = DEFAULT_LIMITS,
         max_introductions: int = 64,
+        routes: Routes | None = None,
     ) -> None:
-        self._connect = connect
+        """`connect` opens a connection to the matchmaker (several: one per replica);
+        `routes`, when given, replaces it with named addresses looked up per attempt."""
+        if routes is None:
+            if connect is None:
+                raise TypeError("MatchmakerClient needs connect or routes")
+            connectors = [connect] if callable(connect) else list(connect)
+            routes = _fixed_routes([(f"replica {i + 1}", c) for i, c in enumerate(connectors)])
+        self._routes = routes
+        self._start = random.randrange(1 << 16)
+        """Where the first attempt starts among the routes: spreads hosts over replicas."""
+        self._route: str | None = None
+        """The address of the current (or last) connection."""
+        self._avoid: str | None = None
+        """An address whose connection ended or refused: tried last next time."""
+        self._tried: dict[str, str] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._route_count = 1
+        self._moved = 0
+        """Immediate retries on other replicas since the last success (at most one
+        round of the addresses; then backoff)."""
         self._timeout = timeout
+        self._register_timeout = register_timeout
         self._reconnect_delay = reconnect_delay
         self._max_reconnect_delay = max_reconnect_delay
         self._limits = limits
@@ -139,15 +202,32 @@ class MatchmakerClient:
     @classmethod
     def to(
         cls,
-        host: str,
-        port: int,
+        host: str | Iterable[tuple[str, int]],
+        port: int | None = None,
         *,
         via: rudp.Server | None = None,
         config: rudp.Config | None = None,
         **kwargs: Any,
     ) -> MatchmakerClient:
-        """A client for the matchmaker at host:port over rudp."""
-        return cls(rudp_connector(host, port, via=via, config=config), **kwargs)
+        """A client for the matchmaker at host:port over rudp.
+
+        `host` may be a name that resolves to several replicas (resolved again
+        for every connection attempt), or a list of ``(host, port)`` replicas.
+        """
+        if isinstance(host, str):
+            if port is None:
+                raise TypeError("to(host, port): the port is missing")
+            replicas = [(host, port)]
+        else:
+            replicas = [(h, int(p)) for h, p in host]
+            if not replicas:
+                raise ValueError("to([]): no matchmaker address")
+        return cls(routes=_resolving_routes(replicas, via, config), **kwargs)
+
+    @property
+    def route(self) -> str | None:
+        """The matchmaker address of the current (or last) connection."""
+        return self._route
 
     async def __aenter__(self) -> MatchmakerClient:
         return self
@@ -175,8 +255,10 @@ class MatchmakerClient:
         """Register this host and keep it registered until `unregister`/`close`.
 
         Returns the public address the matchmaker observed.  Raises
-        MatchmakerError if the matchmaker refuses (bad field, per-IP cap,
-        forbidden address, rate limit).
+        MatchmakerError at once if the matchmaker refuses for good (bad field,
+        per-IP cap, forbidden address).  Unreachable or stopping replicas, rate
+        limits and outages are retried with backoff for ``register_timeout``
+        seconds; then the last refusal is raised, or `MatchmakerUnreachable`.
         """
         host = HostInfo(
             name=name,
@@ -186,12 +268,12 @@ class MatchmakerClient:
             map=map,
             players=players,
             password=password,
-            tags=tuple(tags),
+            tags=str_tuple(tags, "tags"),
             region=region,
             info=info,
             lan=make_address(*lan) if lan else None,
         )
-        address = await self._register_now(host)
+        address = await self._register_first(host)
         self._host = host
         if self._keeper is None or self._keeper.done():
             self._keeper = asyncio.create_task(self._keep_registered(), name="mm-keepalive")
@@ -211,7 +293,7 @@ class MatchmakerClient:
         if self._host is None:
             raise MatchmakerError(ErrorReason.NOT_REGISTERED, "register first")
         if "tags" in changes:
-            changes["tags"] = tuple(changes["tags"])
+            changes["tags"] = str_tuple(changes["tags"], "tags")
         upd = HostUpdate(**changes)
         try:
             merged = upd.apply(self._host)
@@ -235,20 +317,77 @@ class MatchmakerClient:
         self._needs_register.clear()
         return reply.address
 
+    async def _register_first(self, host: HostInfo) -> Address:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._register_timeout
+        delay = self._reconnect_delay
+        self._tried.clear()
+        while True:
+            try:
+                address = await self._register_now(host)
+                self._moved = 0
+                return address
+            except _KEEPER_ERRORS as exc:
+                if isinstance(exc, MatchmakerError) and exc.reason not in _RETRYABLE:
+                    raise
+                self._note_failure(exc)
+                wait = 0.0 if self._moves_on(exc) else delay
+                if loop.time() + wait >= deadline:
+                    if isinstance(exc, MatchmakerError):
+                        raise
+                    tried = [f"{where} ({why})" for where, why in self._tried.items()]
+                    raise MatchmakerUnreachable(tried, self._register_timeout) from exc
+                log.info("register_retry error=%s delay=%s", type(exc).__name__, wait)
+                await asyncio.sleep(wait)
+                if wait:
+                    delay = min(delay * 2, self._max_reconnect_delay)
+
     async def _keep_registered(self) -> None:
         delay = self._reconnect_delay
         while self._host is not None:
             try:
                 await self._keep_once()
                 delay = self._reconnect_delay
+                self._moved = 0
             except _KEEPER_ERRORS as exc:
                 if isinstance(exc, MatchmakerError) and exc.reason not in _RETRYABLE:
                     log.warning("registration_refused reason=%s detail=%r", exc.reason, exc.detail)
                     return
-                log.info("matchmaker_retry error=%s delay=%s", type(exc).__name__, delay)
+                self._note_failure(exc)
                 self._needs_register.set()
+                if self._moves_on(exc):
+                    continue  # another replica at once
+                log.info(
+                    "matchmaker_retry error=%s detail=%r delay=%.1f",
+                    type(exc).__name__,
+                    str(exc),
+                    delay,
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._max_reconnect_delay)
+
+    def _moves_on(self, exc: BaseException) -> bool:
+        """Whether to retry at once: the failure is one another replica may not
+        share, and not every address has failed that way in a row."""
+        if isinstance(exc, MatchmakerError):
+            quick = exc.reason is ErrorReason.SHUTTING_DOWN
+        elif isinstance(exc, MatchmakerUnreachable):
+            quick = False  # every address failed already
+        else:
+            quick = isinstance(exc, TRANSPORT_ERRORS)  # the connection ended under us
+        if not quick or self._moved >= self._route_count:
+            return False
+        self._moved += 1
+        return True
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """Remember what went wrong where; a replica that refused is tried last."""
+        if isinstance(exc, MatchmakerUnreachable):
+            return  # already noted per address by _open
+        if self._route is not None:
+            self._tried[self._route] = _describe(exc)
+        if isinstance(exc, MatchmakerError) and exc.reason is ErrorReason.SHUTTING_DOWN:
+            self._abandon()
 
     async def _keep_once(self) -> None:
         host = self._host
@@ -261,7 +400,14 @@ class MatchmakerClient:
             await asyncio.wait_for(self._needs_register.wait(), self._keepalive)
         if not self._needs_register.is_set():
             conn = await self._connection()
-            conn.send(encode(Heartbeat()))
+            acked = conn.send(encode(Heartbeat()))
+            try:
+                await asyncio.wait_for(acked, self._timeout)
+            except _CONNECT_ERRORS:
+                # A replica that does not ack is dead (or cut off): move on.
+                if self._conn is conn:
+                    self._abandon()
+                raise ConnectionLost("heartbeat not acknowledged") from None
 
     async def _stop_keeper(self) -> None:
         if self._keeper is not None:
@@ -277,7 +423,7 @@ class MatchmakerClient:
         fair random order."""
         for key in ("tags_all", "tags_any"):
             if key in filters:
-                filters[key] = tuple(filters[key])
+                filters[key] = str_tuple(filters[key], key)
         rid = next(self._ids)
         request = ListRequest(request_id=rid, filter=ListFilter(game=game, **filters))
         loop = asyncio.get_running_loop()
@@ -317,13 +463,61 @@ class MatchmakerClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
+        for closing in list(self._closing):
+            closing.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def _connection(self) -> Peer:
         async with self._connecting:
             if self._conn is None:
-                self._conn = await asyncio.wait_for(self._connect(), self._timeout)
+                self._conn = await self._open()
                 self._reader = asyncio.create_task(self._read(self._conn), name="mm-reader")
             return self._conn
+
+    async def _open(self) -> Peer:
+        """Connect to the first address that answers, starting after the one last
+        used (when its connection ended) so that a dead replica is tried last."""
+        routes = await self._routes()
+        self._route_count = len(routes)
+        labels = [label for label, _ in routes]
+        if self._route in labels:
+            first = labels.index(self._route) + (1 if self._avoid == self._route else 0)
+        else:
+            first = self._start
+        n = len(routes)
+        order = [routes[(first + i) % n] for i in range(n)] if n else []
+        failures: list[str] = []
+        for label, connect in order:
+            self._route = label
+            try:
+                conn = await asyncio.wait_for(connect(), self._timeout)
+            except _CONNECT_ERRORS as exc:
+                self._tried[label] = _describe(exc)
+                failures.append(f"{label} ({_describe(exc)})")
+                log.info("matchmaker_unreachable address=%s error=%s", label, type(exc).__name__)
+                continue
+            self._avoid = None
+            if len(routes) > 1:
+                log.info("matchmaker_connected address=%s", label)
+            return conn
+        self._avoid = self._route
+        raise MatchmakerUnreachable(failures, self._timeout)
+
+    def _abandon(self) -> None:
+        """Give up the current connection (dead or stopping replica) without waiting."""
+        conn, self._conn = self._conn, None
+        self._avoid = self._route
+        if conn is None:
+            return
+        self._fail_all(ConnectionLost("matchmaker replica abandoned"))
+        if self._host is not None:
+            self._needs_register.set()
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+        closing = asyncio.create_task(_close_quietly(conn, self._timeout), name="mm-close")
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     async def _expect(self, request: Message, reply_type: type[M]) -> M:
         reply = await self._request(request)
@@ -348,11 +542,13 @@ class MatchmakerClient:
             async for received in conn:
                 self._on_message(received.data)
         finally:
+            # A connection already given up (`_abandon`) no longer speaks for the client.
             if self._conn is conn:
                 self._conn = None
-            self._fail_all(ConnectionLost("connection to the matchmaker ended"))
-            if self._host is not None:
-                self._needs_register.set()
+                self._avoid = self._route
+                self._fail_all(ConnectionLost("connection to the matchmaker ended"))
+                if self._host is not None:
+                    self._needs_register.set()
 
     def _on_message(self, data: bytes) -> None:
         try:
@@ -413,3 +609,50 @@ class MatchmakerClient:
 
 def _with_id(msg: Message, rid: int) -> Message:
     return replace(msg, request_id=rid)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def _close_quietly(conn: Peer, timeout: float) -> None:
+    with contextlib.suppress(*_CONNECT_ERRORS):
+        await asyncio.wait_for(conn.close(reason="failover"), timeout)
+
+
+def _fixed_routes(routes: list[Route]) -> Routes:
+    async def lookup() -> list[Route]:
+        return routes
+
+    return lookup
+
+
+def _resolving_routes(
+    replicas: list[tuple[str, int]], via: rudp.Server | None, config: rudp.Config | None
+) -> Routes:
+    """Every address each replica name resolves to, looked up per attempt (DNS
+    round robin, a name whose records change as replicas come and go)."""
+
+    # An IPv4 game socket cannot reach the replicas' IPv6 addresses.
+    family = socket.AF_INET if via is not None and len(via.address) == 2 else socket.AF_UNSPEC
+
+    async def lookup() -> list[Route]:
+        loop = asyncio.get_running_loop()
+        routes: list[Route] = []
+        seen: set[tuple[str, int]] = set()
+        for host, port in replicas:
+            try:
+                infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM)
+                ips = [str(info[4][0]) for info in infos]
+            except OSError:
+                ips = [host]  # let the connect attempt report it
+            for ip in ips:
+                if (ip, port) in seen:
+                    continue
+                seen.add((ip, port))
+                label = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                routes.append((label, rudp_connector(ip, port, via=via, config=config)))
+        return routes
+
+    return lookup

@@ -7,9 +7,12 @@ Endpoints
 ``/readyz``    200 once the registry is loaded and the daemon is not shutting
                down, else 503; the JSON body says whether the list is stale.
 ``/servers``   The server list as JSON; query parameters are the list filters
-               (``game`` required; ``tags_all``/``tags_any`` comma-separated or
-               repeated; booleans as 1/0/true/false), validated by the same code
-               as the wire protocol; rate limited per source like list requests.
+               (without ``game``: every game's hosts, with the same limit and
+               paging; ``tags_all``/``tags_any`` comma-separated or repeated;
+               booleans as 1/0/true/false), validated by the same code as the
+               wire protocol; rate limited per source like list requests.
+               ``{"total", "limit", "limit_reached", "servers"}``:
+               ``limit_reached`` says the answer was cut at ``limit`` hosts.
 
 Why not a framework: this is four read-only endpoints, and a dependency for
 them would be most of the daemon's attack surface.  The server here reads one
@@ -30,7 +33,7 @@ import json
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -38,6 +41,7 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from matchmaker.addresses import from_sockaddr, rate_key
+from matchmaker.catalog import EVERY_GAME
 from matchmaker.messages import (
     ErrorReason,
     Limits,
@@ -144,11 +148,17 @@ class HttpApi:
         except MessageError as exc:
             return Response.json(400, {"error": exc.reason.value, "detail": exc.detail})
         servers = await self._list_servers(ListRequest(filter=f))
-        return Response.json(200, {"total": len(servers), "servers": servers})
+        # The answer is a random sample of at most `limit` matches: at the limit, there
+        # may be more (a narrower filter, or a higher --list-limit, would show them).
+        limit = min(f.limit, self._limits.list_limit)
+        body = {"total": len(servers), "limit": limit, "limit_reached": len(servers) >= limit}
+        return Response.json(200, body | {"servers": servers})
 
 
 def parse_filter(query: str, limits: Limits) -> ListFilter:
-    """A ListFilter from a URL query string; raises MessageError like the wire decoder."""
+    """A ListFilter from a URL query string; raises MessageError like the wire decoder.
+
+    Without ``game`` the filter's game is ``catalog.EVERY_GAME``."""
     try:
         pairs = parse_qsl(query, strict_parsing=bool(query), max_num_fields=MAX_QUERY_FIELDS)
     except ValueError as exc:
@@ -162,7 +172,11 @@ def parse_filter(query: str, limits: Limits) -> ListFilter:
             raise MessageError(ErrorReason.BAD_FIELD, f"{key}: given twice")
         else:
             fields[key] = _typed(key, value)
-    return filter_from_mapping(fields | lists, limits)
+    if "game" in fields:
+        return filter_from_mapping(fields | lists, limits)
+    # Every game: validated with a stand-in name, as a filter for one game would be.
+    f = filter_from_mapping(fields | lists | {"game": "every"}, limits)
+    return replace(f, game=EVERY_GAME)
 
 
 def _typed(key: str, value: str) -> object:

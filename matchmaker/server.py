@@ -1,9 +1,12 @@
 """Daemon lifecycle: `start()`, run until told to stop, bounded `shutdown()`.
 
 Start order: registry (it may need to load), then the rudp port, then HTTP,
-then the background loops (expiry sweeps, relayed notices).  Shutdown runs the
-other way round and is bounded by ``shutdown_timeout``: connections get a
-graceful close first; whatever is still running when the time is up is
+then the background loops (expiry sweeps, relayed notices).  Shutdown first
+stops accepting (new connections are closed, registrations refused with
+``shutting_down`` so hosts go to another replica, /readyz turns 503), then
+runs the other way round, bounded by ``shutdown_timeout``: connections get a
+graceful close first (their hosts re-register elsewhere; their entries stay
+listed meanwhile); whatever is still running when the time is up is
 cancelled.  Signal handlers only set the stop event (see `run`).
 """
 
@@ -18,8 +21,11 @@ from typing import Any
 import structlog
 
 import rudp
+from matchmaker.catalog import EVERY_GAME, every_game_list
+from matchmaker.gctuning import tune_gc
 from matchmaker.http import HttpApi, HttpServer, entry_json
-from matchmaker.messages import ListRequest, entry_fields
+from matchmaker.master import MasterProtocol, MasterResponder
+from matchmaker.messages import HostEntry, ListRequest, entry_fields
 from matchmaker.metrics import Metrics
 from matchmaker.ratelimit import RateLimiter
 from matchmaker.registry import MemoryRegistry, Registry
@@ -80,6 +86,10 @@ class Matchmaker:
         )
         self._udp: rudp.Server | None = None
         self._http: HttpServer | None = None
+        self._master: asyncio.DatagramTransport | None = None
+        self.master_responder: MasterResponder | None = None
+        """What answers the master port (its counters), None when ``--master`` is off."""
+        self._rng = rng or random.Random()
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics.bind_state(
             hosts_by_game=self.registry.count_by_game,
@@ -101,6 +111,14 @@ class Matchmaker:
         """The daemon's rudp socket (its ``stats``, its connections)."""
         assert self._udp is not None, "not started"
         return self._udp
+
+    @property
+    def master_address(self) -> tuple[str, int] | None:
+        """The master-server port's address, None when ``--master`` is off."""
+        if self._master is None:
+            return None
+        host, port = self._master.get_extra_info("sockname")[:2]
+        return str(host), int(port)
 
     @property
     def http_address(self) -> tuple[str, int]:
@@ -125,25 +143,60 @@ class Matchmaker:
             api, self.metrics, timeout=s.http_timeout, max_connections=s.http_max_connections
         )
         await self._http.start(s.http_bind, s.http_port)
+        if s.master:
+            await self._start_master()
         self._spawn(self.service.run_sweeper(), "sweeper")
         self._spawn(self.service.run_notices(), "notices")
         log.info(
             "matchmaker_started",
             udp=f"{self.udp_address[0]}:{self.udp_address[1]}",
             http=f"{self.http_address[0]}:{self.http_address[1]}",
-            store="redis" if s.uses_redis else "memory",
+            **s.startup_fields(),
         )
+
+    async def _start_master(self) -> None:
+        s = self.settings
+        responder = MasterResponder(
+            self.registry,
+            RateLimiter(s.list_bucket, max_keys=s.rate_limit_keys),
+            page_hosts=s.page_hosts,
+            rng=self._rng,
+            on_rate_limited=self.metrics.rate_limited.labels("list").inc,
+        )
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: MasterProtocol(responder), local_addr=(s.bind, s.master_port)
+        )
+        self._master = transport
+        self.master_responder = responder
+        host, port = self.master_address or ("", 0)
+        log.info("master_started", udp=f"{host}:{port}")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))
 
     async def _servers_json(self, req: ListRequest) -> list[dict[str, Any]]:
+        if req.filter.game == EVERY_GAME:
+            s = self.settings
+            records = every_game_list(
+                self.registry,
+                req.filter,
+                self._rng,
+                list_limit=s.list_limit,
+                page_hosts=s.page_hosts,
+                page_per_ip=s.page_per_ip,
+            )
+            entries = [HostEntry(address=r.address, info=r.info) for page in records for r in page]
+            return [entry_json(entry_fields(e)) for e in entries]
         pages = await self.service.build_pages(req)
         return [entry_json(entry_fields(e)) for page in pages for e in page.hosts]
 
     async def shutdown(self) -> None:
         """Stop serving, bounded by ``shutdown_timeout``; safe to call twice."""
         log.info("matchmaker_stopping")
+        # Refuse newcomers before anything closes, so that no host registers
+        # here (or reconnects here) while the others are being sent away.
+        self.service.stop_accepting()
         try:
             await asyncio.wait_for(self._close_gracefully(), self.settings.shutdown_timeout)
         except TimeoutError:
@@ -164,6 +217,8 @@ class Matchmaker:
         self._tasks.clear()
         if self._http is not None:
             await self._http.close()
+        if self._master is not None:
+            self._master.close()
         if self._udp is not None:
             self._udp.endpoint.close_now()  # no-op after a graceful close
         await self.registry.close()
@@ -177,6 +232,7 @@ class Matchmaker:
             loop.add_signal_handler(sig, stop.set)
         try:
             await self.start()
+            tune_gc()  # once started: see matchmaker/gctuning.py
             await stop.wait()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -20,8 +20,11 @@ registry call per second, not one per host); a host the registry no longer
 knows gets ``not_registered`` back and re-registers.  When a host's
 connection ends its entry is removed at once, naming the registration token
 so an old connection cannot remove a newer registration.  On shutdown the
-entries are left to expire instead: their hosts reconnect to another replica
-and re-register, and lists do not flicker meanwhile.
+replica first stops accepting (new connections are closed at once, `Register`
+is refused with ``shutting_down``), then closes its connections; the entries
+are left in place instead of removed: their hosts reconnect to another replica
+and re-register there (which takes the entry over), and lists do not flicker
+meanwhile.
 
 List answers are cut into pages (`listing.paginate`, then by encoded size) and
 sent by a task of their own with at most ``pages_in_flight`` unacknowledged
@@ -55,8 +58,9 @@ from matchmaker.addresses import (
     non_public_reason,
     rate_key,
     same_public_ip,
+    source_key,
 )
-from matchmaker.listing import paginate, shuffled, split_by_size
+from matchmaker.listing import paginate, size_cuts
 from matchmaker.messages import (
     DEFAULT_LIMITS,
     NONCE_BYTES,
@@ -106,8 +110,16 @@ log = structlog.get_logger("matchmaker.service")
 SOFTWARE = f"matchmaker/{__version__}"
 _LIST_ABANDONED: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, asyncio.CancelledError)
 # msgpack overhead of a page around its entries (envelope, seq, total, end).
+_STOPPING = "matchmaker shutting down: use another replica"
 _PAGE_OVERHEAD = 48
 _TOO_BIG = "host: too large to list (shorter name, map, tags or info)"
+
+_Page = tuple[list[HostRecord], list[bytes]]
+"""One list page: its hosts, and their encoded entries."""
+
+
+def _source(record: HostRecord) -> str:
+    return record.listed[1]  # set by MatchmakerService._list_entry before paging
 
 
 @dataclass(eq=False)
@@ -145,7 +157,6 @@ class MatchmakerService:
         self._introduce_limit = RateLimiter(settings.introduce_bucket, max_keys=keys, clock=clock)
         self._sessions: dict[Address, _Session] = {}
         self._heartbeats: set[_Session] = set()
-        self._entries: dict[Address, tuple[HostInfo, bytes]] = {}
         self._ids = itertools.count(1)
         self.shutting_down = False
 
@@ -159,6 +170,10 @@ class MatchmakerService:
         """Serve one connection until it ends (the rudp ``serve`` handler)."""
         address = from_sockaddr(peer.remote_address)
         session = _Session(peer=peer, address=address)
+        if self.shutting_down:
+            # A stopping replica takes no one new: the host goes to another replica.
+            await peer.close(reason=_STOPPING)
+            return
         previous = self._sessions.get(address)
         self._sessions[address] = session
         with structlog.contextvars.bound_contextvars(peer=address.key, conn=next(self._ids)):
@@ -271,6 +286,9 @@ class MatchmakerService:
 
     async def _register(self, session: _Session, req: Register) -> None:
         rid = req.request_id
+        if self.shutting_down:
+            self.metrics.registrations.labels("rejected").inc()
+            raise MessageError(ErrorReason.SHUTTING_DOWN, _STOPPING, request_id=rid)
         if self._rate_limited(self._register_limit, "register", session):
             self.metrics.registrations.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "registrations", request_id=rid)
@@ -313,6 +331,9 @@ class MatchmakerService:
 
     async def _update(self, session: _Session, req: Update) -> None:
         rid = req.request_id
+        if self.shutting_down:
+            self.metrics.registrations.labels("rejected").inc()
+            raise MessageError(ErrorReason.SHUTTING_DOWN, _STOPPING, request_id=rid)
         if self._rate_limited(self._register_limit, "register", session):
             self.metrics.updates.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "updates", request_id=rid)
@@ -408,41 +429,42 @@ class MatchmakerService:
                 end=i == len(pages) - 1,
                 hosts=tuple(HostEntry(address=r.address, info=r.info) for r in page),
             )
-            for i, page in enumerate(pages)
+            for i, (page, _) in enumerate(pages)
         ]
 
-    async def _plan_list(self, req: ListRequest) -> tuple[int, list[list[HostRecord]]]:
-        """(total, the records of each page): filter, shuffle, per-IP pages, by size."""
-        matched = await self.registry.query(req.filter)
+    async def _plan_list(self, req: ListRequest) -> tuple[int, list[_Page]]:
+        """(total, each page's records and their encoded entries): a random sample of
+        the matching hosts (from the registry's index, without a pass over every
+        host), cut into per-IP pages, then by encoded size."""
         limit = min(req.filter.limit, self._limits.list_limit)
-        chosen = shuffled(matched, self._rng, limit)
-        budget = self.settings.page_bytes - _PAGE_OVERHEAD
-        pages: list[list[HostRecord]] = []
-        for page in paginate(chosen, self.settings.page_hosts, self.settings.page_per_ip):
-            pages.extend(split_by_size(page, budget, lambda r: len(self._entry_bytes(r))))
-        return len(chosen), pages or [[]]
+        chosen = await self.registry.sample(req.filter, limit, self._rng)
+        for r in chosen:
+            if not r.listed[0]:
+                self._list_entry(r)
+        s = self.settings
+        budget = s.page_bytes - _PAGE_OVERHEAD
+        pages: list[_Page] = []
+        for page in paginate(chosen, s.page_hosts, s.page_per_ip, _source):
+            entries = [r.listed[0] for r in page]
+            for a, b in size_cuts([len(e) for e in entries], budget):
+                pages.append((page[a:b], entries[a:b]))
+        return len(chosen), pages or [([], [])]
 
-    def _entry_bytes(self, record: HostRecord) -> bytes:
-        """A host's encoded list entry, cached until its info changes.
+    def _list_entry(self, record: HostRecord) -> None:
+        """Encode a host's list entry once, into its record (`HostRecord.listed`).
 
-        Encoding dominated the daemon's cost of a long list; the cache costs one
-        entry per listed host and is rebuilt when it holds many stale ones.
+        Encoding dominated the daemon's cost of a long list.  The bytes stay
+        valid as long as the record: a heartbeat keeps it, an update or a new
+        registration makes a new one, which is encoded when first listed.
         """
-        cached = self._entries.get(record.address)
-        if cached is not None and (cached[0] is record.info or cached[0] == record.info):
-            return cached[1]
         data = encode_entry(HostEntry(address=record.address, info=record.info))
-        index = self.registry.index()
-        if len(self._entries) >= 2 * len(index) + 1024:
-            self._entries = {a: e for a, e in self._entries.items() if index.get(a) is not None}
-        self._entries[record.address] = (record.info, data)
-        return data
+        record.listed = (data, source_key(record.address.ip))
 
     async def _send_list(self, session: _Session, req: ListRequest, started: float) -> None:
         total, pages = await self._plan_list(req)
         window: set[asyncio.Future[None]] = set()
         try:
-            for seq, page in enumerate(pages):
+            for seq, (_, entries) in enumerate(pages):
                 if len(window) >= self.settings.pages_in_flight:
                     # Wait for *any* page's ack, not the oldest: a lost page is
                     # resent by rudp while the window keeps moving.
@@ -454,7 +476,7 @@ class MatchmakerService:
                     seq=seq,
                     total=total,
                     end=seq == len(pages) - 1,
-                    entries=[self._entry_bytes(r) for r in page],
+                    entries=entries,
                 )
                 pending = self._send_bytes(session, data)
                 if pending is None:
@@ -555,12 +577,18 @@ class MatchmakerService:
 
     # ------------------------------------------------------------------ shutdown
 
-    async def close_all(self) -> None:
-        """Close every connection gracefully, keeping registrations (see module doc)."""
+    def stop_accepting(self) -> None:
+        """From now on refuse new connections, and registrations with
+        ``shutting_down`` (which sends hosts to another replica)."""
         self.shutting_down = True
+
+    async def close_all(self) -> None:
+        """Stop accepting, then close every connection gracefully, keeping
+        registrations (see module doc)."""
+        self.stop_accepting()
         sessions = list(self._sessions.values())
         await asyncio.gather(
-            *(s.peer.close(reason="matchmaker shutting down") for s in sessions),
+            *(s.peer.close(reason=_STOPPING) for s in sessions),
             return_exceptions=True,
         )
 

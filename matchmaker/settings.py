@@ -82,6 +82,9 @@ class Settings:
     # bandwidth, sets its time (docs/performance.md, "Matchmaker").  256 is
     # rudp's own window, so a list never waits on the matchmaker's.
     pages_in_flight: int = _s(256, "unacknowledged list pages per request")
+    # -- master server protocols (for server browsers that predate us)
+    master: bool = _s(False, "answer Steam master and Quake III getservers queries (UDP)")
+    master_port: int = _s(27011, "UDP port of --master (0: any free port)")
     # -- HTTP
     http_timeout: float = _s(5.0, "seconds to read one HTTP request")
     http_max_connections: int = _s(256, "concurrent HTTP connections")
@@ -101,6 +104,23 @@ class Settings:
             max_tags=self.max_tags,
             list_limit=self.list_limit,
         )
+
+    def startup_fields(self) -> dict[str, object]:
+        """The effective settings an operator checks in the startup log line.
+
+        The store's password, if its URL has one, is masked.
+        """
+        return {
+            "store": _masked_url(self.store),
+            "allow_private": self.allow_private,
+            "max_connections": self.max_connections,
+            "max_hosts_per_ip": self.max_hosts_per_ip,
+            "list_limit": self.list_limit,
+            "register_rate": f"{self.register_rate:g}/s burst {self.register_burst:g}",
+            "list_rate": f"{self.list_rate:g}/s burst {self.list_burst:g}",
+            "introduce_rate": f"{self.introduce_rate:g}/s burst {self.introduce_burst:g}",
+            "master": self.master_port if self.master else "off",
+        }
 
     @property
     def register_bucket(self) -> Rate:
@@ -188,6 +208,16 @@ def _convert(raw: object, kind: type) -> object:
     return text
 
 
+def _masked_url(url: str) -> str:
+    """``url`` with the password of its userinfo, if any, replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{host}"
+
+
 def _is_ip(text: str) -> bool:
     try:
         normalise_ip(text)
@@ -203,6 +233,11 @@ _RULES: list[Check] = [
     ("http_bind", lambda s: _is_ip(s.http_bind), "must be an IP address"),
     ("port", lambda s: 0 <= s.port <= 65535, "must be in 0..65535 (0: any free port)"),
     ("http_port", lambda s: 0 <= s.http_port <= 65535, "must be in 0..65535 (0: any free port)"),
+    (
+        "master_port",
+        lambda s: 0 <= s.master_port <= 65535,
+        "must be in 0..65535 (0: any free port)",
+    ),
     ("max_connections", lambda s: 1 <= s.max_connections <= 1_000_000, "must be 1..1000000"),
     (
         "store",

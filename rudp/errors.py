@@ -43,12 +43,43 @@ class ConnectError(RudpError):
 
 
 class ConnectRefused(ConnectError):
-    """The server answered and refused the connection; ``reason`` says why."""
+    """The server answered and refused the connection; ``reason`` says why.
 
-    def __init__(self, reason: str) -> None:
+    ``address`` is the server's ``(host, port)`` when the raiser knows it.
+    """
+
+    def __init__(self, reason: str, address: tuple[str, int] | None = None) -> None:
         self.reason = reason
-        super().__init__(f"connection refused: {reason}")
+        self.address = address
+        where = f" by {format_address(address)}" if address is not None else ""
+        super().__init__(f"connection refused{where}: {reason}")
 
 
 class ConnectTimeout(ConnectError, TimeoutError):
-    """No answer from the server within ``Config.connect_timeout``."""
+    """No answer from the server within ``Config.connect_timeout``.
+
+    ``address`` is the server's ``(host, port)`` and ``timeout`` the seconds waited,
+    when the raiser knows them; the message names both. A message given as the first
+    argument is kept as it is.
+    """
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        address: tuple[str, int] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        if message is None:
+            where = f" from {format_address(address)}" if address is not None else ""
+            within = f" within {timeout:g} s" if timeout is not None else ""
+            message = f"no answer{where}{within} (Config.connect_timeout)"
+        super().__init__(message)
+
+
+def format_address(address: tuple[str, int]) -> str:
+    """``host:port``, with an IPv6 host in brackets (``[::1]:27950``)."""
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -72,6 +72,7 @@ from matchmaker.messages._types import (
     Update,
     WrongVersion,
     WrongVersionError,
+    str_tuple,
 )
 from matchmaker.messages._writers import (
     encode,
@@ -123,5 +124,6 @@ __all__ = [
     "entry_fields",
     "filter_from_mapping",
     "read_filter",
+    "str_tuple",
     "wire_entry_fields",
 ]

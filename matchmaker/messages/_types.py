@@ -34,6 +34,7 @@ The fields of each are in docs/matchmaker.md ("Protocol").
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import ClassVar, TypeAlias
 
@@ -81,6 +82,7 @@ class ErrorReason(enum.StrEnum):
     FORBIDDEN_ADDRESS = "forbidden_address"  # loopback/private/bogon source
     NOT_FOUND = "not_found"  # introduce: no such host
     UNAVAILABLE = "unavailable"  # registry unreachable and no fallback
+    SHUTTING_DOWN = "shutting_down"  # this replica is stopping: register with another
     INTERNAL = "internal"
 
 
@@ -137,6 +139,30 @@ DEFAULT_LIMITS = Limits()
 # --------------------------------------------------------------------------- values
 
 
+def str_tuple(value: Iterable[str], field: str) -> tuple[str, ...]:
+    """``value`` as a tuple of strings.
+
+    A lone ``str`` is refused with a TypeError: ``tuple("ctf")`` would silently
+    make the tags ``('c', 't', 'f')``.
+    """
+    if isinstance(value, str | bytes):
+        raise TypeError(
+            f"{field} must be a sequence of strings, not {type(value).__name__} (write [{value!r}])"
+        )
+    return tuple(value)
+
+
+def _normalize_tags(obj: object, *fields: str) -> None:
+    """Turn the sequence fields of a frozen value into tuples (a str is a TypeError).
+
+    The decoder builds tuples already, so its hot path costs one type check per field.
+    """
+    for field in fields:
+        value = getattr(obj, field)
+        if value is not None and type(value) is not tuple:
+            object.__setattr__(obj, field, str_tuple(value, field))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostInfo:
     """What a game host tells the matchmaker about itself."""
@@ -154,6 +180,9 @@ class HostInfo:
     lan: Address | None = None
     """The host's own LAN address; only ever shared with a client behind the same NAT."""
 
+    def __post_init__(self) -> None:
+        _normalize_tags(self, "tags")
+
 
 UPDATABLE = ("name", "map", "players", "max_players", "password", "tags", "region", "info")
 
@@ -170,6 +199,9 @@ class HostUpdate:
     tags: tuple[str, ...] | None = None
     region: str | None = None
     info: bytes | None = None
+
+    def __post_init__(self) -> None:
+        _normalize_tags(self, "tags")
 
     def apply(self, current: HostInfo) -> HostInfo:
         """The merged HostInfo; raises MessageError if players would exceed max_players."""
@@ -199,6 +231,9 @@ class ListFilter:
     family: int | None = None
     """4 or 6."""
     limit: int = DEFAULT_LIMITS.list_limit
+
+    def __post_init__(self) -> None:
+        _normalize_tags(self, "tags_all", "tags_any")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,6 +3,12 @@
 Everything lives in one `LocalIndex` on the event loop's thread, so every
 operation is a few dict operations and needs no locking.  Time comes from an
 injected monotonic clock, which is what the tests step.
+
+Expiry runs about once a second on the event loop, so it must not read every
+host each time (~6 ms at 100,000 hosts, a stall for every list meanwhile):
+each `expire()` checks the next slice of a snapshot of the records, a tenth
+of them (`SWEEP_MIN` when that is more), so every host is checked within ten
+sweeps.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ from matchmaker.registry.base import (
     new_token,
 )
 
+SWEEP_MIN = 5_000
+"""Records one `expire()` checks at least (all of them, in a smaller registry)."""
+SWEEP_ROUNDS = 10
+"""Sweeps in which every record is checked once, in a larger one."""
+
 
 class MemoryRegistry(Registry):
     def __init__(
@@ -38,6 +49,8 @@ class MemoryRegistry(Registry):
         super().__init__(replica_id=replica_id, hide_after=hide_after, expire_after=expire_after)
         self._clock = clock
         self._index = LocalIndex()
+        self._sweep: list[HostRecord] = []  # the snapshot expire() works through
+        self._sweep_at = 0
 
     async def start(self) -> None:
         """Nothing to connect to or load."""
@@ -97,7 +110,13 @@ class MemoryRegistry(Registry):
 
     async def expire(self) -> list[HostRecord]:
         cutoff = self.now() - self.expire_after
-        dead = [r for r in self._index if r.last_seen < cutoff]
+        if self._sweep_at >= len(self._sweep):
+            self._sweep, self._sweep_at = list(self._index), 0
+        n = max(SWEEP_MIN, len(self._sweep) // SWEEP_ROUNDS)
+        chunk = self._sweep[self._sweep_at : self._sweep_at + n]
+        self._sweep_at += n
+        # A record replaced since the snapshot is checked as its replacement, next round.
+        dead = [r for r in chunk if r.last_seen < cutoff and self._index.get(r.address) is r]
         for r in dead:
             await self.remove(r.address, RemovalReason.EXPIRED, token=r.token)
         return dead

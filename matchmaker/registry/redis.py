@@ -15,6 +15,8 @@ key                 type    content
                             an IPv6 /64 (the per-IP cap)
 ``events``          stream  every change, in commit order (``MAXLEN ~``)
 ``sweep``/``grace`` string  last expiry sweep, and end of a post-outage grace period
+``epoch``           string  random, written by whoever finds it missing: a new value
+                            means Redis lost its data
 ``notice:<id>``     pubsub  payloads for hosts connected to replica ``<id>``
 ==================  ======  =====================================================
 
@@ -34,14 +36,26 @@ its monotonic clock, so `now()` estimates Redis time between calls.  Hiding
 (``hide_after``) is evaluated locally against that estimate; expiry runs in
 Redis (``expire`` script, run by every replica about once a second, idempotent).
 
+**Connections.**  Operations share a pool of ``pool_size`` connections (plus
+one for the follower and one for the notice subscription).  When all are in
+use an operation waits for one, up to ``pool_timeout``; running out of that
+time raises `RegistryBusy` and is *not* an outage: nothing turns stale and
+nothing is written locally, the host is told "unavailable" and retries.
+
 **Outage.**  When a Redis call fails (no connection, or an error reply such as
 OOM or READONLY) the registry turns *stale*: `now()` freezes
 at the last known Redis time (so nobody gets hidden for silence that is our
 fault), queries keep answering from the index, writes by this replica's own
 hosts are applied to the index and remembered (`_owned`, `_pending_removals`),
 and `expire()` does nothing.  A background task retries; on success it reloads
-the index, re-asserts every host this replica still owns (same token, unless
-the address was re-registered elsewhere meanwhile) and replays removals.
+the index, re-asserts every host this replica still owns and replays removals.
+A re-assertion replaces whatever Redis holds for the address unless that was
+registered *after* the host registered here (it moved on), so a host that
+re-homed here from a dead replica ends up owned by this one.  The loaded copy
+replaces the index only once this replica's own hosts are merged into it; if
+Redis came back empty (a new ``epoch``) every host listed before is carried
+over too, until its replica writes it back or the grace period ends: lists
+never shrink because Redis lost its data.
 
 **No mass expiry.**  If Redis itself was down (or every replica was), the
 hosts' ``seen`` scores are old when it returns.  The expiry script notices
@@ -56,6 +70,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import time
@@ -89,6 +104,7 @@ from matchmaker.registry.base import (
     Notice,
     NotRegistered,
     Registry,
+    RegistryBusy,
     RegistryUnavailable,
     RemovalReason,
     TooManyHosts,
@@ -113,15 +129,20 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 # KEYS: h, seen, ip (the address's cap set), events, ip-of-the-address (the cap set of
 # entries written before the sets were kept per source; the same key for IPv4).
-# ARGV: addr, info, owner, token, max_per_ip, maxlen, mode.
+# ARGV: addr, info, owner, token, max_per_ip, maxlen, mode, registered (ms).
 # mode "new": a fresh registration.  mode "reassert": put back a registration
 # this replica still holds after an outage, unless the address now belongs to
-# a newer registration.
+# a registration made after it (`registered`, the replica's estimate of Redis
+# time when the host registered with it).  An older entry is replaced: the
+# host left that replica (which may be dead, and cannot re-assert) for this one.
 _UPSERT = (
     _NOW
     + """
 local cur = redis.call('HGET', KEYS[1], 'token')
-if ARGV[7] == 'reassert' and cur and cur ~= ARGV[4] then return {2, now, ''} end
+if ARGV[7] == 'reassert' and cur and cur ~= ARGV[4]
+  and tonumber(redis.call('HGET', KEYS[1], 'reg') or '0') >= tonumber(ARGV[8]) then
+  return {2, now, ''}
+end
 if cur then
   -- Replacing an entry: it leaves the cap set it was counted in, if another.
   local was = redis.call('HGET', KEYS[1], 'cap') or KEYS[5]
@@ -280,6 +301,8 @@ class RedisRegistry(Registry):
         stream_maxlen: int = 100_000,
         observer: OpObserver | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        pool_size: int = 32,
+        pool_timeout: float = 10.0,
     ) -> None:
         super().__init__(
             replica_id=replica_id or default_replica_id(),
@@ -296,16 +319,29 @@ class RedisRegistry(Registry):
         self._observer = observer
         # Stored info is re-validated when read back, with the limits it was accepted under.
         self._limits = limits
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(
+        # Operations wait (bounded) for one of `pool_size` connections instead of
+        # failing: a thousand hosts registering at once is load, not an outage.
+        # The gate does the waiting, so that running out of time is told apart
+        # from a connection error (redis-py reports both as ConnectionError).
+        # The pool has two more connections, for the stream follower's blocking
+        # read and the notice subscription, which do not pass the gate; it
+        # blocks too (bounded), never raising at once when full.
+        if pool_size < 1 or pool_timeout <= 0:
+            raise ValueError("need pool_size >= 1 and pool_timeout > 0")
+        self._gate = asyncio.Semaphore(pool_size)
+        self._pool_timeout = pool_timeout
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=pool_size + 2,
+            timeout=pool_timeout,
             socket_timeout=op_timeout,
             socket_connect_timeout=op_timeout,
-            decode_responses=False,
             # One immediate retry on a fresh connection: after Redis restarts,
             # every pooled socket is dead once.  More retries would only delay
             # noticing a real outage (each costs up to op_timeout).
             retry=Retry(NoBackoff(), 1),
         )
+        self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
         self._scripts = {
             name: self._redis.register_script(src)
             for name, src in (
@@ -329,6 +365,8 @@ class RedisRegistry(Registry):
         self._loaded_once = False
         self._closing = False
         self._grace_until = 0.0
+        self._epoch: bytes | None = None
+        self._carried: dict[Address, HostRecord] = {}
         self._block_ms = max(1, min(1000, int(op_timeout * 500)))
 
     # ------------------------------------------------------------------ state
@@ -353,6 +391,9 @@ class RedisRegistry(Registry):
     def is_visible(self, record: HostRecord, now: float) -> bool:
         # During a post-outage grace period silence is not the hosts' fault.
         return now < self._grace_until or super().is_visible(record, now)
+
+    def hidden_after(self, now: float) -> float:
+        return math.inf if now < self._grace_until else self.hide_after
 
     def owned(self) -> list[HostRecord]:
         """Registrations this replica holds (and re-asserts after an outage)."""
@@ -405,13 +446,26 @@ class RedisRegistry(Registry):
 
     # ------------------------------------------------------------------ redis calls
 
-    async def _op(self, name: str, call: Awaitable[Any]) -> Any:
+    async def _op(self, name: str, call: Awaitable[Any], *, gated: bool = True) -> Any:
         """Run one Redis call, timing it; any Redis failure turns us stale.
 
         Not only connection failures: an error reply (OOM, READONLY after a
         failover, BUSY script) also means the write did not happen, and stale
-        mode plus the resync afterwards is what repairs that.
+        mode plus the resync afterwards is what repairs that.  Waiting too long
+        for a free connection is not a failure of Redis: that raises
+        `RegistryBusy` and leaves the registry fresh.
         """
+        if gated:
+            try:
+                async with asyncio.timeout(self._pool_timeout):
+                    await self._gate.acquire()
+            except BaseException as exc:  # timed out, or cancelled while waiting
+                if asyncio.iscoroutine(call):
+                    call.close()  # never started: nothing was sent
+                if not isinstance(exc, TimeoutError):
+                    raise
+                log.info("registry_busy", op=name, waited=self._pool_timeout)
+                raise RegistryBusy(name) from None
         start = self._clock()
         try:
             result = await call
@@ -419,6 +473,9 @@ class RedisRegistry(Registry):
             self._observe(name, start, failed=True)
             self._mark_stale(exc)
             raise RegistryUnavailable(name) from exc
+        finally:
+            if gated:
+                self._gate.release()
         self._observe(name, start, failed=False)
         return result
 
@@ -440,6 +497,8 @@ class RedisRegistry(Registry):
             return self._upsert_local(address, info, token, max_per_ip)
         try:
             rec, _ = await self._upsert_remote(address, info, token, max_per_ip, "new")
+        except RegistryBusy:
+            raise
         except RegistryUnavailable:
             return self._upsert_local(address, info, token, max_per_ip)
         if rec is None:
@@ -447,7 +506,13 @@ class RedisRegistry(Registry):
         return rec
 
     async def _upsert_remote(
-        self, address: Address, info: HostInfo, token: str, max_per_ip: int, mode: str
+        self,
+        address: Address,
+        info: HostInfo,
+        token: str,
+        max_per_ip: int,
+        mode: str,
+        registered_at: float = 0.0,
     ) -> tuple[HostRecord | None, int]:
         keys = [
             self._k("h", address.key),
@@ -457,7 +522,8 @@ class RedisRegistry(Registry):
             self._k("ip", address.ip),
         ]
         args = [address.key, _pack_info(info), self.replica_id, token, max_per_ip, self._maxlen]
-        status, now_ms, sid = await self._script("upsert", keys, [*args, mode])
+        args += [mode, int(registered_at * 1000)]
+        status, now_ms, sid = await self._script("upsert", keys, args)
         self._set_redis_now(now_ms)
         if status != 1:
             return None, status
@@ -478,14 +544,15 @@ class RedisRegistry(Registry):
     ) -> HostRecord:
         if self._index.get(address) is None and self._index.source_count(address.ip) >= max_per_ip:
             raise TooManyHosts(address.ip)
-        now = self.now()
         rec = HostRecord(
             address=address,
             info=info,
             owner=self.replica_id,
             token=token,
-            registered_at=now,
-            last_seen=now,
+            # Not the frozen clock: when this registration is re-asserted, it
+            # replaces an entry registered in Redis before it (see _UPSERT).
+            registered_at=self._clock() + self._offset,
+            last_seen=self.now(),
         )
         self._apply_own(rec, None)
         return rec
@@ -521,6 +588,8 @@ class RedisRegistry(Registry):
             args = [address.key, token, _pack_info(info), self._maxlen]
             try:
                 ok, now_ms, sid, _owner, _reg = await self._script("update", keys, args)
+            except RegistryBusy:
+                raise
             except RegistryUnavailable:
                 pass
             else:
@@ -538,8 +607,12 @@ class RedisRegistry(Registry):
         if not addresses:
             return set()
         if not self.stale:
-            with contextlib.suppress(RegistryUnavailable):
+            try:
                 return await self._touch_remote(addresses)
+            except RegistryBusy:
+                raise
+            except RegistryUnavailable:
+                pass
         now = self.now()
         return {a for a in addresses if not self._index.touch(a, now)}
 
@@ -562,6 +635,8 @@ class RedisRegistry(Registry):
             args = [self._p, self._maxlen, address.key, reason.value, token or ""]
             try:
                 ok, now_ms, sid = await self._script("remove", keys, args)
+            except RegistryBusy:
+                raise
             except RegistryUnavailable:
                 pass
             else:
@@ -598,6 +673,7 @@ class RedisRegistry(Registry):
         if grace and self._grace_until < now_ms / 1000.0:
             self._grace_until = now_ms / 1000.0 + self.expire_after
             log.info("expiry_grace", seconds=self.expire_after)
+        self._drop_carried(now_ms / 1000.0)
         # Records come from the script, not the index: the follower may
         # already have applied these removals.
         out: list[HostRecord] = []
@@ -671,10 +747,16 @@ class RedisRegistry(Registry):
         remove or touch over a state that already has it changes nothing.
         Hosts may register or leave on this replica while this runs (the
         registry is still stale), hence the loop until nothing is left to do.
+
+        The loaded copy is merged before it replaces the index, so that a list
+        never shows fewer hosts than before (`_merge`).
         """
         last = await self._op("xrevrange", self._redis.xrevrange(self._k("events"), count=1))
         self._last_id = last[0][0].decode() if last else "0-0"
-        fresh = await self._load()
+        fresh, lost = await self._load()
+        # What Redis holds of ours, before our own records are merged in.
+        stored = {a: fresh.get(a) for a in self._owned}
+        self._merge(fresh, lost)
         self._index = fresh
         self._ahead.clear()
         done: set[Address] = set()
@@ -685,8 +767,45 @@ class RedisRegistry(Registry):
                 return
             for address, token in removals.items():
                 await self._replay_removal(address, token)
-            await self._reassert(todo, fresh)
+            await self._reassert(todo, stored)
             done.update(todo)
+
+    def _merge(self, fresh: LocalIndex, lost: bool) -> None:
+        """Put into `fresh` (the copy just loaded) what it lacks and must not lose.
+
+        * Our own hosts: written back by `_reassert` right after, listed meanwhile.
+        * When Redis lost its data (it came back empty: `_load` saw a new
+          epoch), every other host we listed too.  Their replicas write them
+          back within the grace period that an empty Redis opens; whatever is
+          still only here when it ends is dropped (`_drop_carried`).
+
+        Otherwise a host absent from Redis was removed or expired while we were
+        away, and is not carried over.
+        """
+        for address, rec in self._owned.items():
+            if fresh.get(address) is None and address not in self._pending_removals:
+                fresh.put(rec)
+        self._carried.clear()
+        if not lost:
+            return
+        for rec in self._index:
+            if fresh.get(rec.address) is None and rec.address not in self._pending_removals:
+                fresh.put(rec)
+                self._carried[rec.address] = rec
+        if self._carried:
+            log.info("registry_refilled", carried=len(self._carried))
+
+    def _drop_carried(self, now: float) -> None:
+        """After the grace period, forget carried hosts nobody wrote back."""
+        if not self._carried or now < self._grace_until:
+            return
+        carried, self._carried = self._carried, {}
+        for address, rec in carried.items():
+            if self._index.get(address) is rec:
+                self._index.pop(address)
+                self._publish(
+                    Change(kind=ChangeKind.REMOVE, address=address, reason=RemovalReason.EXPIRED)
+                )
 
     async def _replay_removal(self, address: Address, token: str) -> None:
         keys = [self._k("seen"), self._k("events")]
@@ -698,7 +817,8 @@ class RedisRegistry(Registry):
         if there is not None and there.token == token:
             self._index.pop(address)
 
-    async def _load(self) -> LocalIndex:
+    async def _load(self) -> tuple[LocalIndex, bool]:
+        """The stored hosts, and whether Redis lost its data since the last load."""
         seen = await self._op("zrange", self._redis.zrange(self._k("seen"), 0, -1, withscores=True))
         fresh = LocalIndex()
         batch = 500
@@ -712,16 +832,27 @@ class RedisRegistry(Registry):
                 rec = _record(member.decode(), row, score / 1000.0, self._limits)
                 if rec is not None:
                     fresh.put(rec)
-        await self._load_clock()
-        return fresh
+        lost = await self._load_clock()
+        return fresh, lost
 
-    async def _load_clock(self) -> None:
-        """Redis time, and whether expiry is (or is about to be) in a grace period."""
+    async def _load_clock(self) -> bool:
+        """Redis time, whether expiry is (or is about to be) in a grace period, and
+        whether Redis lost its data since the last load.
+
+        The ``epoch`` key holds a random value, written by whichever replica
+        finds it missing: a different value than last time means the data
+        this replica loaded before is gone (a restart without persistence, a
+        flush, a failover to an empty replica).
+        """
         pipe = self._redis.pipeline(transaction=False)
         pipe.time()
         pipe.get(self._k("sweep"))
         pipe.get(self._k("grace"))
-        t, sweep, grace = await self._op("time", pipe.execute())
+        pipe.set(self._k("epoch"), new_token(), nx=True)
+        pipe.get(self._k("epoch"))
+        t, sweep, grace, _, epoch = await self._op("time", pipe.execute())
+        lost = self._epoch is not None and epoch != self._epoch
+        self._epoch = epoch
         now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
         self._set_redis_now(now_ms)
         grace_ms = int(grace or 0)
@@ -729,18 +860,24 @@ class RedisRegistry(Registry):
             # Nobody swept for a while: the next sweep opens a grace period.
             grace_ms = max(grace_ms, now_ms + int(self.expire_after * 1000))
         self._grace_until = grace_ms / 1000.0
+        return lost
 
-    async def _reassert(self, todo: dict[Address, HostRecord], fresh: LocalIndex) -> None:
+    async def _reassert(
+        self, todo: dict[Address, HostRecord], stored: dict[Address, HostRecord | None]
+    ) -> None:
+        """Write back the registrations in `todo`; `stored` is what Redis held of them."""
         still_ours: list[Address] = []
         for address, rec in todo.items():
-            there = fresh.get(address)
+            there = stored.get(address)
             # Same token but other info: updated locally during the outage.
             if there is not None and there.token == rec.token and there.info == rec.info:
                 still_ours.append(address)
                 continue
             # 10**6: the host was accepted under the cap once; do not evict it
             # because others registered from its IP while we were away.
-            got, status = await self._upsert_remote(address, rec.info, rec.token, 10**6, "reassert")
+            got, status = await self._upsert_remote(
+                address, rec.info, rec.token, 10**6, "reassert", rec.registered_at
+            )
             if got is None:
                 log.info("reassert_lost", host=address.key, status=status)
                 self._owned.pop(address, None)
@@ -757,6 +894,7 @@ class RedisRegistry(Registry):
             resp = await self._op(
                 "xread",
                 self._redis.xread({stream: self._last_id}, count=1000, block=self._block_ms),
+                gated=False,  # a connection of its own (see __init__)
             )
             for _name, entries in resp or ():
                 for sid, fields in entries:

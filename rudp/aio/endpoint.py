@@ -7,6 +7,14 @@ overflows the kernel buffer), one ``TimerHandle`` re-armed only when the core's
 deadline moves earlier, and one flush per event-loop turn, scheduled with
 ``call_soon`` whenever something is queued, so everything sent during a turn
 (messages, acks, keepalives) is coalesced into as few datagrams as possible.
+
+Another protocol may share the socket (``on_foreign``): a datagram starting with
+``FF FF FF FF`` (Valve's A2S queries, Quake's out-of-band packets) then goes to
+that handler before any rudp decoding. The hook is chosen once, when the handler
+is set, so the read loop's per-datagram cost is the same with and without it.
+
+On an event loop without ``add_reader`` (Windows' Proactor), ``rudp.aio.protocol``
+reads and writes for this class through a ``DatagramProtocol`` instead.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import logging
 import random
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from time import monotonic
 from typing import Any
 
@@ -43,6 +51,11 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Connection], Awaitable[None]]
 QueryHandler = Callable[[bytes, Address], "bytes | None"]
+ForeignHandler = Callable[[bytes, Address], "Sequence[bytes]"]
+"""``fn(datagram, addr) -> replies``: each reply is sent to ``addr`` as one datagram."""
+Receive = Callable[[bytes, Address, float], object]
+FOREIGN_PREFIX = b"\xff\xff\xff\xff"
+"""What starts a datagram of another protocol sharing the socket (A2S, Quake)."""
 SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
 
 
@@ -70,13 +83,21 @@ class AioEndpoint:
         *,
         accept: bool,
         handler: Handler | None = None,
+        add_reader: bool = True,
     ) -> None:
+        # add_reader=False: the caller moves datagrams in and out instead (see
+        # rudp.aio.protocol, for loops without add_reader).
         self.loop = loop
         self._sock = sock
         self.config = config
         self.core = CoreEndpoint(config, now=monotonic(), rng=random.SystemRandom(), accept=accept)
         self._handler = handler
         self.on_query: QueryHandler | None = None
+        self._foreign: ForeignHandler | None = None  # see set_foreign_handler()
+        self.foreign_errors = 0  # foreign handlers that raised
+        # What each datagram read goes to: the core, or _receive_checked while a
+        # foreign handler is set.
+        self._receive: Receive = self.core.receive_datagram
         self._conns: dict[CoreConnection, Connection] = {}
         self.draining: set[Connection] = set()  # connections with a drain() waiter
         self._tasks: set[asyncio.Task[None]] = set()
@@ -96,7 +117,8 @@ class AioEndpoint:
         self._outbound: Any = None
         self._setup_netsim()
         self.local_address: Address = sock.getsockname()
-        loop.add_reader(sock.fileno(), self._read_ready)
+        if add_reader:
+            loop.add_reader(sock.fileno(), self._read_ready)
 
     # -- I/O ------------------------------------------------------------------
 
@@ -117,7 +139,7 @@ class AioEndpoint:
 
     def _read_ready(self) -> None:
         sock = self._sock
-        receive = self.core.receive_datagram
+        receive = self._receive
         inbound = self._inbound
         now = monotonic()
         for _ in range(self._max_read):
@@ -137,8 +159,40 @@ class AioEndpoint:
     def _receive_one(self, data: bytes, address: Address) -> None:
         """Deliver one datagram released by the inbound link conditioner."""
         if not self._closed:
-            self.core.receive_datagram(data, address, monotonic())
+            self._receive(data, address, monotonic())
             self.after_core_call()
+
+    @property
+    def on_foreign(self) -> ForeignHandler | None:
+        return self._foreign
+
+    def set_foreign_handler(self, handler: ForeignHandler | None) -> None:
+        """Send datagrams starting with ``FF FF FF FF`` to `handler` (None: to rudp)."""
+        # A method, not a property setter: mypyc compiles no setters in this class.
+        self._foreign = handler
+        self._receive = self.core.receive_datagram if handler is None else self._receive_checked
+
+    def _receive_checked(self, data: bytes, address: Address, now: float) -> None:
+        # Checked before any rudp decoding: a version-1 rudp packet starts with its
+        # CRC-32, which is FF FF FF FF once in 2**32; a version-2 one never does.
+        if data[:4] == FOREIGN_PREFIX:
+            self._foreign_datagram(data, address)
+        else:
+            self.core.receive_datagram(data, address, now)
+
+    def _foreign_datagram(self, data: bytes, address: Address) -> None:
+        handler = self._foreign
+        if handler is None:
+            return
+        try:
+            replies = handler(data, address)
+        except Exception:
+            self.foreign_errors += 1
+            log.exception("foreign_handler_failed peer=%s", format_address(address))
+            return
+        send = self._outbound.send if self._outbound is not None else self._sendto
+        for reply in replies:
+            send(reply, address)
 
     def after_core_call(self) -> None:
         """Dispatch the core's events and schedule a flush: after every call into the
@@ -403,15 +457,18 @@ class AioEndpoint:
         for pipe in (self._inbound, self._outbound):
             if pipe is not None:
                 pipe.close()
+        self._release_socket()
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(LocalProtocolError("endpoint closed before the answer"))
+        self._closed_event.set()
+
+    def _release_socket(self) -> None:
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self._sock.fileno())
         with contextlib.suppress(Exception):
             self.loop.remove_writer(self._sock.fileno())
         self._sock.close()
-        for future in self._queries.values():
-            if not future.done():
-                future.set_exception(LocalProtocolError("endpoint closed before the answer"))
-        self._closed_event.set()
 
     def destination_family(self) -> tuple[int, int]:
         """The address family (and getaddrinfo flags) of destinations for this socket: a

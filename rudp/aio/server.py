@@ -10,7 +10,8 @@ from types import TracebackType
 from typing import Any
 
 from rudp.aio.connection import Connection
-from rudp.aio.endpoint import AioEndpoint, Handler, QueryHandler
+from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler
+from rudp.aio.protocol import DatagramLink, open_protocol_endpoint, reads_with_add_reader
 from rudp.config import Config
 from rudp.connection import Address
 from rudp.stats import EndpointStats
@@ -81,8 +82,15 @@ class Server:
     An async context manager: leaving the block closes every connection gracefully.
     """
 
-    def __init__(self, endpoint: AioEndpoint) -> None:
+    def __init__(self, endpoint: AioEndpoint, link: DatagramLink | None = None) -> None:
         self._endpoint = endpoint
+        self._link = link
+
+    @property
+    def datagram_protocol(self) -> bool:
+        """True where the loop has no ``add_reader`` (Windows' Proactor): datagrams then
+        go through a ``DatagramProtocol`` (``rudp.aio.protocol``)."""
+        return self._link is not None
 
     @property
     def address(self) -> Address:
@@ -120,6 +128,21 @@ class Server:
     def on_query(self, handler: QueryHandler | None) -> None:
         self._endpoint.on_query = handler
 
+    @property
+    def on_foreign(self) -> ForeignHandler | None:
+        """``fn(datagram, addr) -> replies`` for another protocol sharing the socket.
+
+        While set, a datagram starting with ``FF FF FF FF`` (A2S, Quake's
+        out-of-band packets; never a rudp packet) goes to it instead of rudp; each
+        datagram it returns is sent back to ``addr``. It must bound its replies
+        itself (see ``rudp.a2s``); an exception it raises is logged and counted.
+        """
+        return self._endpoint.on_foreign
+
+    @on_foreign.setter
+    def on_foreign(self, handler: ForeignHandler | None) -> None:
+        self._endpoint.set_foreign_handler(handler)
+
     async def connect(self, host: str, port: int, *, server_key: bytes | None = None) -> Connection:
         """Open an outgoing connection from this server's socket (NAT traversal).
 
@@ -143,9 +166,13 @@ class Server:
         A handler may call it; it is not waited for.
         """
         await self._endpoint.close()
+        if self._link is not None:
+            await self._link.released()
 
     async def wait_closed(self) -> None:
         await self._endpoint.wait_closed()
+        if self._link is not None:
+            await self._link.released()
 
     async def __aenter__(self) -> Server:
         return self
@@ -171,8 +198,18 @@ async def open_endpoint(
     loop = asyncio.get_running_loop()
     cfg = config or Config()
     sock = await _open_socket(host, port, family, cfg)
-    endpoint = AioEndpoint(loop, sock, cfg, accept=handler is not None, handler=handler)
-    return Server(endpoint)
+    accept = handler is not None
+    try:
+        if reads_with_add_reader(loop, sock):
+            return Server(AioEndpoint(loop, sock, cfg, accept=accept, handler=handler))
+        # Windows' Proactor loop
+        endpoint, link = await open_protocol_endpoint(
+            loop, sock, cfg, accept=accept, handler=handler
+        )
+    except BaseException:
+        sock.close()
+        raise
+    return Server(endpoint, link)
 
 
 async def serve(

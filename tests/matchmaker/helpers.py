@@ -7,16 +7,20 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 import rudp
+from matchmaker.addresses import Address
 from matchmaker.messages import HostInfo, ListFilter, ListPage, ListRequest, Register, Registered
 from matchmaker.metrics import Metrics
 from matchmaker.registry import MemoryRegistry, Registry
@@ -83,6 +87,85 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait(5)
         self.proc = None
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# -- a matchmaker daemon in a process of its own (``python -m matchmaker``) ---------------
+
+
+class DaemonProcess:
+    """One replica as operators run it: its own process, killed or stopped by signal.
+
+    Its log goes to ``<directory>/<replica_id>.log`` (JSON lines).
+    """
+
+    def __init__(self, directory: Path, replica_id: str, store: str, *flags: str) -> None:
+        self.replica_id = replica_id
+        self.port = free_udp_port()
+        self.http_port = free_port()
+        self.log_path = directory / f"{replica_id}.log"
+        self.args = [sys.executable, "-m", "matchmaker", "--replica-id", replica_id]
+        self.args += ["--store", store, "--bind", "127.0.0.1", "--port", str(self.port)]
+        self.args += ["--http-bind", "127.0.0.1", "--http-port", str(self.http_port)]
+        self.args += ["--allow-private", "--log-format", "json", *flags]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    async def start(self, timeout: float = 20.0) -> None:
+        with self.log_path.open("ab") as log_file:
+            self.proc = subprocess.Popen(self.args, stdout=log_file, stderr=subprocess.STDOUT)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not await self.ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.replica_id} exited with {self.proc.returncode}")
+            if loop.time() > deadline:
+                raise RuntimeError(f"{self.replica_id} not ready within {timeout} s")
+            await asyncio.sleep(0.1)
+
+    async def ready(self) -> bool:
+        """Whether /readyz answers 200."""
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.http_port)
+        except OSError:
+            return False
+        try:
+            writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            status = await asyncio.wait_for(reader.readline(), 5)
+            return status.split(b" ")[1:2] == [b"200"]
+        except (OSError, TimeoutError):
+            return False
+        finally:
+            writer.close()
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    async def wait(self, timeout: float = 20.0) -> int:
+        """Wait (without blocking the loop) for the process to end; its exit status."""
+        assert self.proc is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (code := self.proc.poll()) is None:
+            if loop.time() > deadline:
+                raise AssertionError(f"{self.replica_id} still running after {timeout} s")
+            await asyncio.sleep(0.05)
+        return code
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
 
 
 # -- a bounded wait ------------------------------------------------------------------------
@@ -196,3 +279,91 @@ async def accepting_endpoint() -> tuple[rudp.Server, asyncio.Queue[rudp.Connecti
 
     server = await rudp.serve(handler, "127.0.0.1", 0)
     return server, accepted
+
+
+# -- a synthetic population of hosts for the list and index tests ------------------
+
+GAMES = ("q3", "ut", "cs")
+VERSIONS = ("1.0", "1.1", "2.0")
+MAPS = ("dm1", "dm2", "ctf1", "")
+REGIONS = ("eu", "us", "asia", "")
+TAGS = ("ctf", "ffa", "insta", "mod", "ranked")
+NAMES = ("Alpha", "bravo", "CHARLIE", "Delta Force", "echo")
+
+
+@dataclass(frozen=True)
+class Entry:
+    address: Address
+    info: HostInfo
+
+
+def make_hosts(n: int = 1000, seed: int = 1) -> list[Entry]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if rng.random() < 0.3:
+            ip = f"2001:db8:{rng.randrange(1, 60):x}::1"  # one /64 each
+        else:
+            ip = f"198.51.100.{rng.randrange(1, 120)}"
+        max_players = rng.choice((2, 8, 16))
+        info = HostInfo(
+            name=f"{rng.choice(NAMES)} #{i}",
+            game=rng.choice(GAMES),
+            version=rng.choice(VERSIONS),
+            map=rng.choice(MAPS),
+            max_players=max_players,
+            players=rng.choice((0, max_players, rng.randrange(0, max_players + 1))),
+            password=rng.random() < 0.25,
+            tags=tuple(t for t in TAGS if rng.random() < 0.3),
+            region=rng.choice(REGIONS),
+        )
+        out.append(Entry(Address(ip, 20000 + i), info))
+    return out
+
+
+HOSTS = make_hosts()
+
+
+def reference(e: Entry, f: ListFilter) -> bool:
+    """The filter semantics, written out longhand and independently of listing.py."""
+    h = e.info
+    ok = h.game == f.game
+    if f.version is not None:
+        ok = ok and h.version == f.version
+    if f.map is not None:
+        ok = ok and h.map == f.map
+    if f.region is not None:
+        ok = ok and h.region == f.region
+    if f.not_full:
+        ok = ok and h.players < h.max_players
+    if f.not_empty:
+        ok = ok and h.players != 0
+    if f.password is True:
+        ok = ok and h.password
+    if f.password is False:
+        ok = ok and not h.password
+    for t in f.tags_all:
+        ok = ok and t in h.tags
+    if f.tags_any:
+        ok = ok and any(t in h.tags for t in f.tags_any)
+    if f.name is not None:
+        ok = ok and f.name.lower() in h.name.lower()
+    if f.family == 4:
+        ok = ok and ":" not in e.address.ip
+    if f.family == 6:
+        ok = ok and ":" in e.address.ip
+    return ok
+
+
+SINGLE_FILTERS = (
+    [ListFilter(game=g) for g in (*GAMES, "none")]
+    + [ListFilter(game="q3", version=v) for v in VERSIONS]
+    + [ListFilter(game="q3", map=m) for m in MAPS]
+    + [ListFilter(game="q3", region=r) for r in REGIONS]
+    + [ListFilter(game="q3", not_full=True), ListFilter(game="q3", not_empty=True)]
+    + [ListFilter(game="q3", password=p) for p in (True, False)]
+    + [ListFilter(game="q3", tags_all=(t,)) for t in TAGS]
+    + [ListFilter(game="q3", tags_all=("ctf", "insta")), ListFilter(game="q3", tags_any=TAGS[:2])]
+    + [ListFilter(game="q3", name=n) for n in ("alpha", "FORCE", "#99", "zzz")]
+    + [ListFilter(game="q3", family=4), ListFilter(game="q3", family=6)]
+)

@@ -166,3 +166,18 @@ async def test_request_timeout_and_connection_loss() -> None:
         links[0].abort()
         with pytest.raises(ConnectionLost):
             await pending
+
+
+async def test_a_lone_string_for_tags_is_refused_not_split_into_letters() -> None:
+    board = Switchboard(Harness())
+    async with client(board, pub(1)) as host:
+        with pytest.raises(TypeError, match="tags"):
+            await host.register(**HOST, tags="ctf")
+        await host.register(**HOST, tags=["ctf"])
+        with pytest.raises(TypeError, match="tags"):
+            await host.update(tags="ffa")
+        with pytest.raises(TypeError, match="tags_any"):
+            await host.list_servers(game="q3", tags_any="ctf")
+        assert [e.info.tags for e in await host.list_servers(game="q3", tags_any=["ctf"])] == [
+            ("ctf",)
+        ]

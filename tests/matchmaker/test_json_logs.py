@@ -130,8 +130,8 @@ async def test_every_stderr_line_is_json_from_start_to_sigterm() -> None:
     assert records[-1]["event"] == "matchmaker_stopped"
 
 
-async def test_a_failed_start_is_logged_as_json_and_exits_1() -> None:
-    # A real error, nothing injected: the UDP port is taken.
+async def test_a_failed_start_is_logged_as_json_and_exits_3() -> None:
+    # A real error, nothing injected: the UDP port is taken (exit status 3, one line).
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
         taken.bind(("127.0.0.1", 0))
         port = str(taken.getsockname()[1])
@@ -139,11 +139,11 @@ async def test_a_failed_start_is_logged_as_json_and_exits_1() -> None:
         proc = await run_daemon(sys.executable, "-m", "matchmaker", *args)
         assert proc.stderr is not None
         out = await asyncio.wait_for(proc.stderr.read(), 20)
-        assert await asyncio.wait_for(proc.wait(), 20) == 1
+        assert await asyncio.wait_for(proc.wait(), 20) == 3
     records = parse(out.splitlines())
-    assert records[-1]["event"] == "matchmaker_failed"
+    assert records[-1]["event"] == "port_unavailable"
     assert records[-1]["level"] == "error"
-    assert "Address already in use" in records[-1]["exception"]
+    assert "Address already in use" in records[-1]["error"]
 
 
 def fields(template: str, *args: object) -> dict[str, Any]:

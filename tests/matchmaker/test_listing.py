@@ -1,100 +1,36 @@
 from __future__ import annotations
 
 import random
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from matchmaker.addresses import Address, source_key
-from matchmaker.listing import matches, paginate, select, shuffled, split_by_size
-from matchmaker.messages import HostInfo, ListFilter
-
-GAMES = ("q3", "ut", "cs")
-VERSIONS = ("1.0", "1.1", "2.0")
-MAPS = ("dm1", "dm2", "ctf1", "")
-REGIONS = ("eu", "us", "asia", "")
-TAGS = ("ctf", "ffa", "insta", "mod", "ranked")
-NAMES = ("Alpha", "bravo", "CHARLIE", "Delta Force", "echo")
-
-
-@dataclass(frozen=True)
-class Entry:
-    address: Address
-    info: HostInfo
-
-
-def make_hosts(n: int = 1000, seed: int = 1) -> list[Entry]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        if rng.random() < 0.3:
-            ip = f"2001:db8:{rng.randrange(1, 60):x}::1"  # one /64 each
-        else:
-            ip = f"198.51.100.{rng.randrange(1, 120)}"
-        max_players = rng.choice((2, 8, 16))
-        info = HostInfo(
-            name=f"{rng.choice(NAMES)} #{i}",
-            game=rng.choice(GAMES),
-            version=rng.choice(VERSIONS),
-            map=rng.choice(MAPS),
-            max_players=max_players,
-            players=rng.choice((0, max_players, rng.randrange(0, max_players + 1))),
-            password=rng.random() < 0.25,
-            tags=tuple(t for t in TAGS if rng.random() < 0.3),
-            region=rng.choice(REGIONS),
-        )
-        out.append(Entry(Address(ip, 20000 + i), info))
-    return out
-
-
-HOSTS = make_hosts()
-
-
-def reference(e: Entry, f: ListFilter) -> bool:
-    """The filter semantics, written out longhand and independently of listing.py."""
-    h = e.info
-    ok = h.game == f.game
-    if f.version is not None:
-        ok = ok and h.version == f.version
-    if f.map is not None:
-        ok = ok and h.map == f.map
-    if f.region is not None:
-        ok = ok and h.region == f.region
-    if f.not_full:
-        ok = ok and h.players < h.max_players
-    if f.not_empty:
-        ok = ok and h.players != 0
-    if f.password is True:
-        ok = ok and h.password
-    if f.password is False:
-        ok = ok and not h.password
-    for t in f.tags_all:
-        ok = ok and t in h.tags
-    if f.tags_any:
-        ok = ok and any(t in h.tags for t in f.tags_any)
-    if f.name is not None:
-        ok = ok and f.name.lower() in h.name.lower()
-    if f.family == 4:
-        ok = ok and ":" not in e.address.ip
-    if f.family == 6:
-        ok = ok and ":" in e.address.ip
-    return ok
-
-
-SINGLE_FILTERS = (
-    [ListFilter(game=g) for g in (*GAMES, "none")]
-    + [ListFilter(game="q3", version=v) for v in VERSIONS]
-    + [ListFilter(game="q3", map=m) for m in MAPS]
-    + [ListFilter(game="q3", region=r) for r in REGIONS]
-    + [ListFilter(game="q3", not_full=True), ListFilter(game="q3", not_empty=True)]
-    + [ListFilter(game="q3", password=p) for p in (True, False)]
-    + [ListFilter(game="q3", tags_all=(t,)) for t in TAGS]
-    + [ListFilter(game="q3", tags_all=("ctf", "insta")), ListFilter(game="q3", tags_any=TAGS[:2])]
-    + [ListFilter(game="q3", name=n) for n in ("alpha", "FORCE", "#99", "zzz")]
-    + [ListFilter(game="q3", family=4), ListFilter(game="q3", family=6)]
+from matchmaker.listing import (
+    filter_keys,
+    index_keys,
+    matches,
+    paginate,
+    rest_of,
+    sample_matching,
+    select,
+    shuffled,
+    split_by_size,
+)
+from matchmaker.messages import ListFilter
+from tests.matchmaker.helpers import (
+    GAMES,
+    HOSTS,
+    MAPS,
+    REGIONS,
+    SINGLE_FILTERS,
+    TAGS,
+    VERSIONS,
+    Entry,
+    reference,
 )
 
 
@@ -224,3 +160,133 @@ def test_split_by_size() -> None:
     assert [e for p in pages for e in p] == entries
     assert split_by_size(entries[:2], 10, lambda e: 50) == [[entries[0]], [entries[1]]]
     assert split_by_size([], 10, lambda e: 1) == []
+
+
+# ------------------------------------------------------------------ indexed lists
+
+
+@settings(max_examples=150, deadline=None)
+@given(filters)
+def test_filter_keys_narrow_without_losing_a_match(f: ListFilter) -> None:
+    # A host matches f exactly when it is listed under the key and passes the rest.
+    for key, rest in filter_keys(f):
+        for e in HOSTS:
+            if e.info.game != f.game:
+                continue
+            listed = key in index_keys(e.info)
+            assert matches(e, f) == (listed and (rest is None or matches(e, rest))), (key, e)
+
+
+def test_a_filter_on_the_game_alone_has_no_rest() -> None:
+    assert rest_of(ListFilter(game="q3", limit=5)) is None
+    assert rest_of(ListFilter(game="q3", password=True)) is not None
+    assert filter_keys(ListFilter(game="q3", family=4, name="x")) == []
+
+
+class CountingKeep:
+    def __init__(self, keep: Callable[[int], bool]) -> None:
+        self.keep = keep
+        self.calls = 0
+
+    def __call__(self, x: int) -> bool:
+        self.calls += 1
+        return self.keep(x)
+
+
+@pytest.mark.parametrize(
+    ("n", "every", "limit"),
+    [(100_000, 1, 1000), (100_000, 3, 1000), (50_000, 50, 100), (30, 2, 10), (1000, 1, 5000)],
+)
+def test_sample_matching_is_exact(n: int, every: int, limit: int) -> None:
+    rng = random.Random(n + every + limit)
+    items = list(range(n))
+    kept = n // every if n % every == 0 else n // every + 1
+    for _ in range(3):
+        got = sample_matching(items, lambda x: x % every == 0, limit, rng)
+        assert len(got) == min(limit, kept) == len(set(got))
+        assert all(x % every == 0 for x in got)
+
+
+def test_sample_matching_reads_about_limit_items_not_all_of_them() -> None:
+    rng = random.Random(2)
+    items = list(range(100_000))
+    everything = CountingKeep(lambda x: True)
+    sample_matching(items, everything, 1000, rng)
+    assert everything.calls <= 1300
+    # A third kept: a second, bigger batch, still far from a full pass.
+    third = CountingKeep(lambda x: x % 3 == 0)
+    assert len(sample_matching(items, third, 1000, rng)) == 1000
+    assert third.calls <= 10_000
+
+
+def test_sample_matching_is_uniform() -> None:
+    # 40 kept of 120; samples of 5. Every kept item should be drawn 5/40 of the
+    # time and come first 1/40 of the time (4000 samples: 500 and 100 expected).
+    rng = random.Random(11)
+    items = list(range(120))
+    drawn: Counter[int] = Counter()
+    first: Counter[int] = Counter()
+    for _ in range(4000):
+        got = sample_matching(items, lambda x: x % 3 == 0, 5, rng)
+        drawn.update(got)
+        first[got[0]] += 1
+    assert set(drawn) == set(range(0, 120, 3))
+    assert all(400 < c < 600 for c in drawn.values()), drawn
+    assert all(55 < c < 150 for c in first.values()), first
+    # And through the batch path: 10 of 100,000, everything kept.
+    big = list(range(100_000))
+    halves = Counter(x < 50_000 for _ in range(500) for x in sample_matching(big, bool, 10, rng))
+    assert 2300 < halves[True] < 2700, halves
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3000), st.integers(1, 20), st.integers(0, 400), st.integers(0, 2**32))
+def test_sample_matching_properties(n: int, every: int, limit: int, seed: int) -> None:
+    items = list(range(n))
+    got = sample_matching(items, lambda x: x % every == 0, limit, random.Random(seed))
+    kept = len(range(0, n, every))
+    assert len(got) == min(limit, kept) == len(set(got))
+    assert all(x % every == 0 for x in got)
+
+
+def test_paginate_takes_the_source_from_the_caller() -> None:
+    entries = HOSTS[:6]
+    # Every entry declared to come from one source: at most 2 per page.
+    pages = paginate(entries, 4, 2, lambda e: "one")
+    assert [len(p) for p in pages] == [2, 2, 2]
+    assert [e for p in pages for e in p] == entries
+
+
+def paginate_one_step_at_a_time(entries: list[Entry], size: int, cap: int) -> list[list[Entry]]:
+    """`paginate` as first written: one entry at a time, deferred ones first next page."""
+    pending = deque(entries)
+    pages = []
+    while pending:
+        page: list[Entry] = []
+        per_ip: Counter[str] = Counter()
+        deferred: deque[Entry] = deque()
+        while pending and len(page) < size:
+            e = pending.popleft()
+            if per_ip[source_key(e.address.ip)] < cap:
+                per_ip[source_key(e.address.ip)] += 1
+                page.append(e)
+            else:
+                deferred.append(e)
+        pending.extendleft(reversed(deferred))
+        pages.append(page)
+    return pages
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 6), max_size=80),
+    st.integers(1, 9),
+    st.integers(1, 3),
+)
+def test_paginate_gives_the_pages_of_the_one_step_version(
+    ips: list[int], size: int, cap: int
+) -> None:
+    entries = [
+        Entry(Address(f"198.51.100.{ip + 1}", i + 1), HOSTS[0].info) for i, ip in enumerate(ips)
+    ]
+    assert paginate(entries, size, cap) == paginate_one_step_at_a_time(entries, size, cap)

@@ -5,7 +5,9 @@ outages) is in test_registry_redis.py."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -14,6 +16,7 @@ from matchmaker.messages import ListFilter
 from matchmaker.registry import (
     ChangeKind,
     FeedOverflow,
+    HostRecord,
     MemoryRegistry,
     Notice,
     NotRegistered,
@@ -21,9 +24,10 @@ from matchmaker.registry import (
     RemovalReason,
     TooManyHosts,
 )
+from matchmaker.registry.memory import SWEEP_ROUNDS
 from matchmaker.registry.redis import RedisRegistry
 from tests.matchmaker.fakes import FakeClock
-from tests.matchmaker.helpers import RedisProcess, host
+from tests.matchmaker.helpers import HOSTS, SINGLE_FILTERS, TAGS, RedisProcess, host, reference
 
 A = Address("198.51.100.1", 27960)
 A2 = Address("198.51.100.1", 27961)
@@ -195,3 +199,101 @@ async def test_update_counts_as_alive() -> None:
 def test_hide_must_not_exceed_expire() -> None:
     with pytest.raises(ValueError):
         MemoryRegistry(hide_after=30, expire_after=15)
+
+
+# ------------------------------------------------------------------ the list index
+
+
+async def test_a_heartbeat_moves_last_seen_in_place() -> None:
+    # No new record per heartbeat: nothing for the collector to trace later.
+    clock = FakeClock()
+    reg = MemoryRegistry(clock=clock)
+    rec = await reg.upsert(A, host(), max_per_ip=5)
+    clock.advance(3)
+    assert await reg.touch([A]) == set()
+    assert reg.get(A) is rec and rec.last_seen == clock.now
+
+
+async def test_the_index_agrees_with_a_scan_through_registrations_updates_and_removals() -> None:
+    clock = FakeClock()
+    reg = MemoryRegistry(hide_after=15, expire_after=30, clock=clock)
+    rng = random.Random(4)
+    tokens: dict[Address, str] = {}
+    for e in HOSTS[:600]:
+        tokens[e.address] = (await reg.upsert(e.address, e.info, max_per_ip=10**6)).token
+    for step in range(900):
+        e = rng.choice(HOSTS)
+        op = rng.random()
+        if e.address not in tokens or op < 0.2:
+            tokens[e.address] = (await reg.upsert(e.address, e.info, max_per_ip=10**6)).token
+        elif op < 0.6:
+            cur = reg.get(e.address)
+            assert cur is not None
+            info = replace(cur.info, players=rng.randrange(cur.info.max_players + 1))
+            info = replace(info, tags=tuple(rng.sample(TAGS, rng.randrange(3))))
+            await reg.update(e.address, tokens[e.address], info)
+        elif op < 0.8:
+            await reg.remove(e.address, RemovalReason.UNREGISTERED, token=tokens.pop(e.address))
+        else:
+            await reg.touch([e.address])
+        if step % 100 == 0:
+            clock.advance(4)  # some hosts go hidden
+    now = reg.now()
+    records = list(reg.index())
+    for f in SINGLE_FILTERS:
+        want = {r.address for r in records if reg.is_visible(r, now) and reference(r, f)}
+        assert {r.address for r in await reg.query(f)} == want, f
+        sample = await reg.sample(f, 20, rng)
+        assert len(sample) == min(20, len(want)) == len({r.address for r in sample})
+        assert {r.address for r in sample} <= want
+
+
+async def test_a_list_sample_reads_about_limit_hosts_whatever_the_registry_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reg = MemoryRegistry()
+    regions = ("eu", "us", "asia")
+    for i in range(20_000):
+        info = host(f"h{i}", region=regions[i % 3], players=i % 9)
+        await reg.upsert(Address(f"198.18.{i // 250}.{i % 250 + 1}", 27960), info, max_per_ip=5)
+    read = 0
+    real = reg.index().candidates
+
+    class Counted(Sequence[HostRecord]):
+        def __init__(self, items: Sequence[HostRecord]) -> None:
+            self.items = items
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+        def __getitem__(self, i: int) -> HostRecord:  # type: ignore[override]
+            nonlocal read
+            read += 1
+            return self.items[i]
+
+    def counting(f: ListFilter) -> tuple[Sequence[HostRecord], ListFilter | None]:
+        candidates, rest = real(f)
+        return Counted(candidates), rest
+
+    monkeypatch.setattr(reg.index(), "candidates", counting)
+    rng = random.Random(1)
+    for f in (ListFilter(game="q3", region="eu"), ListFilter(game="q3", not_full=True)):
+        read = 0
+        got = await reg.sample(f, 100, rng)
+        assert len(got) == 100 and all(reference(r, f) for r in got)
+        assert read < 300, (f, read)  # of 6,667 and 20,000 candidates
+
+
+async def test_one_expiry_sweep_reads_a_slice_of_a_large_registry_and_all_within_ten() -> None:
+    clock = FakeClock()
+    reg = MemoryRegistry(hide_after=15, expire_after=30, clock=clock)
+    n = 60_000
+    for i in range(n):
+        await reg.upsert(Address(f"198.18.{i // 250}.{i % 250 + 1}", 27960), host(), max_per_ip=5)
+    clock.advance(31)
+    first = await reg.expire()
+    assert len(first) == n // SWEEP_ROUNDS  # not everyone at once: a bounded stall
+    removed = len(first)
+    for _ in range(SWEEP_ROUNDS - 1):
+        removed += len(await reg.expire())
+    assert removed == n and len(reg.index()) == 0

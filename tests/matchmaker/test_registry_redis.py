@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from matchmaker.addresses import Address
 from matchmaker.messages import ListFilter
 from matchmaker.metrics import Metrics
-from matchmaker.registry import Notice, RemovalReason, TooManyHosts
+from matchmaker.registry import Notice, RegistryBusy, RemovalReason, TooManyHosts
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.server import build_registry
 from matchmaker.settings import Settings
@@ -404,3 +404,177 @@ async def test_a_member_whose_entry_is_gone_does_not_hold_a_slot(
             await a.upsert(Address("2001:db8:7:c::3", 27960), host(), max_per_ip=1)
     finally:
         await r.aclose()
+
+
+# ------------------------------------------------------------------ load, ownership, refill
+
+
+def many(n: int) -> list[Address]:
+    return [Address(f"198.18.{i // 250}.{i % 250 + 1}", 27960) for i in range(n)]
+
+
+async def owners_in_redis(server: RedisProcess, addresses: list[Address]) -> list[str]:
+    r = aioredis.Redis.from_url(server.url)
+    try:
+        pipe = r.pipeline(transaction=False)
+        for a in addresses:
+            pipe.hget(f"{{mm}}:h:{a.key}", "owner")
+        return [(o or b"").decode() for o in await pipe.execute()]
+    finally:
+        await r.aclose()
+
+
+def test_the_pool_is_bounded_and_blocks() -> None:
+    reg = RedisRegistry("redis://127.0.0.1:1/0", pool_size=8, pool_timeout=3.0)
+    pool = reg._redis.connection_pool
+    assert isinstance(pool, aioredis.BlockingConnectionPool)
+    assert pool.max_connections == 8 + 2  # + the follower's and the subscription's
+    with pytest.raises(ValueError):
+        RedisRegistry("redis://127.0.0.1:1/0", pool_size=0)
+
+
+async def test_a_thousand_hosts_re_homing_at_once_are_owned_by_their_new_replica(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    # Replica x dies; its 1,000 hosts reconnect to y within the same instant.
+    hosts = many(1000)
+    x = await replica(replica_id="x")
+    for a in hosts:
+        await x.upsert(a, host(), max_per_ip=10)
+    await x.close()
+    y = await replica(replica_id="y", op_timeout=2.0)
+    await eventually(lambda: len(y.index()) == 1000)
+    got = await asyncio.gather(*(y.upsert(a, host("moved"), max_per_ip=10) for a in hosts))
+    assert all(r.owner == "y" for r in got)
+    went_stale = y.stale
+    await asyncio.wait_for(y.wait_synced(), 10)
+    assert set(await owners_in_redis(redis_server, hosts)) == {"y"}
+    assert {r.owner for r in y.index()} == {"y"} and len(y.owned()) == 1000
+    assert not went_stale  # load is not an outage
+
+
+async def test_hosts_re_homed_during_an_outage_are_owned_by_the_replica_serving_them(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    hosts = many(200)
+    x = await replica(replica_id="x")
+    for a in hosts:
+        await x.upsert(a, host(), max_per_ip=10)
+    y = await replica(replica_id="y")
+    await eventually(lambda: len(y.index()) == 200)
+    await x.close()  # x dies...
+    y._mark_stale(ConnectionError("test partition"))  # ...while y cannot write
+    for a in hosts:  # its hosts register with y, which keeps them locally
+        await y.upsert(a, host("moved"), max_per_ip=10)
+    await asyncio.wait_for(y.wait_synced(), 10)
+    assert set(await owners_in_redis(redis_server, hosts)) == {"y"}
+    assert {r.owner for r in y.index()} == {"y"} and len(y.owned()) == 200
+
+
+async def test_a_busy_pool_waits_then_answers_busy_and_is_not_an_outage(
+    replica: Factory,
+) -> None:
+    a = await replica(replica_id="a", pool_size=1, pool_timeout=0.3)
+    real = a._scripts["upsert"]
+    release = asyncio.Event()
+
+    async def slow(keys: list[str], args: list[object]) -> object:
+        await release.wait()  # holds the only connection
+        return await real(keys=keys, args=args)
+
+    a._scripts["upsert"] = slow  # type: ignore[assignment]
+    first = asyncio.create_task(a.upsert(addr(1), host(), max_per_ip=10))
+    await asyncio.sleep(0.05)
+    with pytest.raises(RegistryBusy):
+        await a.upsert(addr(2), host(), max_per_ip=10)
+    assert not a.stale and a.get(addr(2)) is None  # nothing written locally in its place
+    release.set()
+    assert (await first).owner == "a"
+    a._scripts["upsert"] = real
+    # A wait shorter than the bound succeeds.
+    release.clear()
+    a._scripts["upsert"] = slow  # type: ignore[assignment]
+    first = asyncio.create_task(a.upsert(addr(3), host(), max_per_ip=10))
+    second = asyncio.create_task(a.upsert(addr(4), host(), max_per_ip=10))
+    await asyncio.sleep(0.1)
+    release.set()
+    await asyncio.gather(first, second)
+    assert not a.stale and a.get(addr(4)) is not None
+
+
+async def test_lists_never_shrink_while_an_empty_redis_is_refilled(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    mine, theirs = many(600)[:400], many(600)[400:]
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    for h in mine:
+        await a.upsert(h, host(), max_per_ip=10)
+    for h in theirs:
+        await b.upsert(h, host(), max_per_ip=10)
+    await eventually(lambda: len(a.index()) == len(b.index()) == 600)
+    counts: list[int] = []
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            counts.append(len(await a.query(Q3)))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        redis_server.kill()
+        await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
+        shutil.rmtree(redis_server.directory)
+        redis_server.directory.mkdir()
+        redis_server.start()  # empty: no persistence survived
+        await asyncio.wait_for(asyncio.gather(a.wait_synced(), b.wait_synced()), 15)
+        everyone = set(mine + theirs)
+        # Until every host is back in Redis, and every replica has followed it.
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+
+            async def stored() -> int:
+                return int(await r.zcard("{mm}:seen"))
+
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 15
+            while await stored() < 600:
+                assert loop.time() < deadline
+                await asyncio.sleep(0.01)
+        finally:
+            await r.aclose()
+        await eventually(lambda: {x.address for x in a.index()} == everyone)
+        await eventually(lambda: all(a.get(h).owner == "b" for h in theirs))  # type: ignore[union-attr]
+    finally:
+        done.set()
+        await watcher
+    assert len(counts) > 10
+    assert min(counts) == 600, [c for c in counts if c < 600][:5]
+
+
+async def test_carried_hosts_nobody_writes_back_are_dropped_after_the_grace_period(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    opts = {"hide_after": 0.5, "expire_after": 1.0, "sweep_gap": 0.4}
+    a = await replica(replica_id="a", **opts)
+    b = await replica(replica_id="b", **opts)
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    await b.upsert(addr(2), host(), max_per_ip=10)
+    await eventually(lambda: len(a.index()) == 2)
+    await b.close()  # b is gone for good: nobody will write its host back
+    redis_server.kill()
+    await asyncio.wait_for(a.wait_stale(), 5)
+    shutil.rmtree(redis_server.directory)
+    redis_server.directory.mkdir()
+    redis_server.start()
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert {r.address for r in await a.query(Q3)} == {addr(1), addr(2)}  # carried
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while a.get(addr(2)) is not None:
+        assert loop.time() < deadline, "carried host never dropped"
+        await a.touch([addr(1)])
+        await a.expire()
+        await asyncio.sleep(0.1)
+    assert a.get(addr(1)) is not None

@@ -1,0 +1,356 @@
+"""Valve's master server query and Quake III's ``getservers``, from the matchmaker's index.
+
+Theory of operation
+-------------------
+Server browsers that predate us ask a *master server* for a list of addresses,
+then query each game host themselves (A2S, see ``matchmaker.browsers``).  Two
+protocols are answered on one UDP port (``--master``, off by default), both from
+the registry's local index through `catalog.visible`, so they list what our own
+lists do, with the same filters and the same per-source rate (``list_rate``):
+
+=====================  =====================================================
+request                layout
+=====================  =====================================================
+Steam master query     ``31`` region u8, seed ``"ip:port\\0"``, filter ``"\\k\\v...\\0"``
+Steam reply            ``FF FF FF FF 66 0A``, then IPv4 u32 + port u16 (big-endian)
+                       per host; ``0.0.0.0:0`` ends the list
+Q3 ``getservers``      ``FF FF FF FF "getservers <protocol> [empty] [full]"``
+Q3 ``getserversExt``   ``FF FF FF FF "getserversExt <game> <protocol> [ipv4]
+                       [ipv6] [empty] [full]"``
+Q3 reply               ``FF FF FF FF "getservers[Ext]Response"``, then ``\\`` + IPv4
+                       u32 + port u16 per host (``/`` + IPv6 + port, Ext
+                       only), ``\\EOT\\0\\0\\0`` at the end of the list
+=====================  =====================================================
+
+No reply to an unvalidated address may be larger than what caused it, and
+neither protocol validates the requester.  So a reply holds only as many
+entries as fit in the size of its request:
+
+* Steam: clients page by seed (the last address they got), so they still get
+  the whole list, in more round trips (``(request - 6) // 6`` hosts a page; a
+  13-byte unfiltered request gets one host a page).  Hosts are in address
+  order, so a seed names a place in the list.
+* Quake III has no paging: a client gets a random sample of at most as many
+  hosts as its request leaves room for, and ``EOT`` only when the rest of the
+  list fit.  A stock ``getservers 68 empty full`` request (29 bytes) leaves room
+  for one entry and no ``EOT``; longer requests (more keywords) get more.
+
+Steam filter keys understood: ``gamedir`` (the game), ``map``, ``empty``
+(not empty), ``full`` (not full), ``noplayers``, ``password``, ``gametype``
+(tags, all of them), ``name_match`` and ``version_match`` (``*`` wildcards).
+Other keys are ignored; a request using ``nor``/``nand`` (negations we do not
+evaluate) gets an empty list.  Only IPv4 hosts are listed (the format has no
+room for IPv6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import ipaddress
+import logging
+import random
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from matchmaker.addresses import Address, from_sockaddr, rate_key
+from matchmaker.catalog import EVERY_GAME, visible
+from matchmaker.messages import ListFilter
+from matchmaker.ratelimit import RateLimiter
+from matchmaker.registry import Registry
+from matchmaker.registry.base import HostRecord
+
+log = logging.getLogger(__name__)
+
+HEADER = b"\xff\xff\xff\xff"
+STEAM_QUERY = 0x31
+STEAM_REPLY = HEADER + b"\x66\x0a"
+STEAM_END = b"\x00" * 6
+Q3_REPLY = HEADER + b"getserversResponse"
+Q3_EXT_REPLY = HEADER + b"getserversExtResponse"
+Q3_EOT = b"\\EOT\x00\x00\x00"
+IPV4_ENTRY = struct.Struct("!4sH")
+IPV6_ENTRY = struct.Struct("!16sH")
+MAX_REQUEST = 1024
+UNSUPPORTED_STEAM_KEYS = frozenset({"nor", "nand"})
+_SEED = re.compile(rb"(\d{1,3}(?:\.\d{1,3}){3}):(\d{1,5})")
+
+
+@dataclass(frozen=True, slots=True)
+class SteamQuery:
+    region: int
+    seed: tuple[int, int]
+    """(IPv4 as an integer, port) of the last host the client got; (0, 0) to start."""
+    filters: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Q3Query:
+    ext: bool
+    game: str | None
+    families: tuple[int, ...]
+    empty: bool
+    full: bool
+
+
+# -- decoding ---------------------------------------------------------------------
+
+
+def decode_steam(data: bytes) -> SteamQuery | None:
+    """The Steam master query in `data`, or None.
+
+    The seed is read as the leading ``ip:port``, and the filter as what follows its
+    terminating NUL: qstat 2.17 sends its follow-up pages with a stray byte between
+    the seed and its NUL and no filter, and those are answered too.
+    """
+    if len(data) < 4 or data[0] != STEAM_QUERY or len(data) > MAX_REQUEST:
+        return None
+    seed_match = _SEED.match(data, 2)
+    if seed_match is None:
+        return None
+    end = data.find(b"\x00", seed_match.end())
+    if end < 0:
+        return None
+    filter_end = data.find(b"\x00", end + 1)
+    try:
+        seed = (int(ipaddress.IPv4Address(seed_match[1].decode())), int(seed_match[2]))
+        text = data[end + 1 : filter_end if filter_end >= 0 else len(data)].decode("utf-8")
+    except ValueError:
+        return None
+    if not 0 <= seed[1] <= 65535:
+        return None
+    parts = text.split("\\")
+    if parts and parts[0] == "":
+        parts = parts[1:]
+    pairs = tuple(zip(parts[0::2], parts[1::2], strict=False))
+    return SteamQuery(region=data[1], seed=seed, filters=pairs)
+
+
+def decode_q3(data: bytes) -> Q3Query | None:
+    """The Quake III ``getservers``/``getserversExt`` request in `data`, or None."""
+    if not data.startswith(HEADER) or len(data) > MAX_REQUEST:
+        return None
+    try:
+        words = data[4:].decode("ascii").split()
+    except UnicodeDecodeError:
+        return None
+    if not words:
+        return None
+    keywords = set(words[2:] if words[0] == "getservers" else words[3:])
+    if words[0] == "getservers" and len(words) >= 2:
+        game = None
+        ext = False
+    elif words[0] == "getserversExt" and len(words) >= 3:
+        game = words[1]
+        ext = True
+    else:
+        return None
+    families = tuple(f for f, k in ((4, "ipv4"), (6, "ipv6")) if k in keywords) if ext else (4,)
+    return Q3Query(
+        ext=ext,
+        game=game,
+        families=families or (4,),
+        empty="empty" in keywords,
+        full="full" in keywords,
+    )
+
+
+# -- filters ---------------------------------------------------------------------
+
+
+Predicate = Callable[[HostRecord], bool]
+
+
+def steam_filter(pairs: tuple[tuple[str, str], ...]) -> tuple[ListFilter, Predicate] | None:
+    """The ListFilter and the extra test a Steam filter string asks for; None for one
+    we cannot evaluate (negations)."""
+    f = ListFilter(game=EVERY_GAME, family=4)
+    tests: list[Predicate] = []
+    for key, value in pairs:
+        key = key.lower()
+        if key in UNSUPPORTED_STEAM_KEYS:
+            return None
+        if key == "gamedir":
+            f = replace(f, game=value)
+        elif key == "map":
+            f = replace(f, map=value)
+        elif key == "empty" and value == "1":
+            f = replace(f, not_empty=True)
+        elif key == "full" and value == "1":
+            f = replace(f, not_full=True)
+        elif key == "password":
+            f = replace(f, password=value == "1")
+        elif key == "gametype":
+            f = replace(f, tags_all=tuple(t for t in value.split(",") if t))
+        elif key == "noplayers" and value == "1":
+            tests.append(lambda r: r.info.players == 0)
+        elif key == "name_match":
+            tests.append(_wildcard(value, lambda r: r.info.name))
+        elif key == "version_match":
+            tests.append(_wildcard(value, lambda r: r.info.version))
+    return f, lambda r: all(test(r) for test in tests)
+
+
+def _wildcard(pattern: str, field: Callable[[HostRecord], str]) -> Predicate:
+    # fnmatch would also read [] and ? as patterns; Steam's syntax only knows *.
+    escaped = "".join("*" if c == "*" else f"[{c}]" if c in "[]?" else c for c in pattern)
+    return lambda r: fnmatch.fnmatchcase(field(r).casefold(), escaped.casefold())
+
+
+def q3_filter(query: Q3Query) -> ListFilter:
+    # Quake III masters leave out empty and full servers unless asked for them.
+    return ListFilter(
+        game=query.game or EVERY_GAME, not_empty=not query.empty, not_full=not query.full
+    )
+
+
+# -- encoding ---------------------------------------------------------------------
+
+
+def _ipv4_key(record: HostRecord) -> tuple[int, int]:
+    return int(ipaddress.IPv4Address(record.address.ip)), record.address.port
+
+
+def steam_page(records: list[HostRecord], seed: tuple[int, int], room: int) -> bytes | None:
+    """The reply page after `seed` holding at most `room` bytes, or None if none fits."""
+    slots = (room - len(STEAM_REPLY)) // IPV4_ENTRY.size
+    if slots < 1:
+        return None
+    keys = sorted(_ipv4_key(r) for r in records)
+    after = [k for k in keys if k > seed]
+    out = [IPV4_ENTRY.pack(ip.to_bytes(4, "big"), port) for ip, port in after[:slots]]
+    if len(after) < slots:
+        out.append(STEAM_END)
+    return STEAM_REPLY + b"".join(out)
+
+
+def q3_entry(address: Address) -> bytes:
+    ip = ipaddress.ip_address(address.ip)
+    if isinstance(ip, ipaddress.IPv4Address):
+        return b"\\" + IPV4_ENTRY.pack(ip.packed, address.port)
+    return b"/" + IPV6_ENTRY.pack(ip.packed, address.port)
+
+
+def q3_reply(records: list[HostRecord], ext: bool, room: int, rng: random.Random) -> bytes | None:
+    """A random sample of `records` in a reply of at most `room` bytes (None if no
+    entry fits); ``EOT`` when every record is in it."""
+    head = Q3_EXT_REPLY if ext else Q3_REPLY
+    entries = [q3_entry(r.address) for r in records]
+    rng.shuffle(entries)
+    body = bytearray()
+    taken = 0
+    for entry in entries:
+        if len(head) + len(body) + len(entry) > room:
+            break
+        body += entry
+        taken += 1
+    if taken == len(entries) and len(head) + len(body) + len(Q3_EOT) <= room:
+        body += Q3_EOT
+    if not body:
+        return None
+    return head + bytes(body)
+
+
+# -- the responder ---------------------------------------------------------------------
+
+
+class MasterResponder:
+    """Answers Steam master and Quake III ``getservers`` requests (sans-IO but for
+    the registry's clock)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        limiter: RateLimiter,
+        *,
+        page_hosts: int,
+        rng: random.Random | None = None,
+        on_rate_limited: Callable[[], None] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._limiter = limiter
+        self._page_hosts = page_hosts
+        self._rng = rng or random.Random()
+        self._on_rate_limited = on_rate_limited
+        self.answered = 0
+        """Requests answered."""
+        self.rate_limited = 0
+        """Requests refused by the rate limit (no reply)."""
+        self.dropped = 0
+        """Datagrams that were no request we know, or too short for any answer."""
+
+    def datagram_received(self, data: bytes, address: Address) -> bytes | None:
+        """The reply to send back to `address`, or None."""
+        steam = decode_steam(data)
+        if steam is not None:
+            return self._steam(steam, len(data), address)
+        q3 = decode_q3(data)
+        if q3 is not None:
+            return self._q3(q3, len(data), address)
+        self.dropped += 1
+        return None
+
+    def _steam(self, query: SteamQuery, room: int, address: Address) -> bytes | None:
+        parsed = steam_filter(query.filters)
+        # A first page costs what a list request does; the next ones, paging by
+        # seed, share one list request's cost between `page_hosts` hosts.
+        first = query.seed == (0, 0)
+        entries = max(1, (room - len(STEAM_REPLY)) // IPV4_ENTRY.size)
+        if not self._allow(address, 1.0 if first else min(1.0, entries / self._page_hosts)):
+            return None
+        if parsed is None:
+            records: list[HostRecord] = []
+        else:
+            f, test = parsed
+            records = [r for r in visible(self._registry, f) if test(r)]
+        reply = steam_page(records, query.seed, room)
+        return self._answered(reply)
+
+    def _q3(self, query: Q3Query, room: int, address: Address) -> bytes | None:
+        if not self._allow(address, 1.0):
+            return None
+        f = q3_filter(query)
+        records = [r for r in visible(self._registry, f) if r.address.family in query.families]
+        return self._answered(q3_reply(records, query.ext, room, self._rng))
+
+    def _allow(self, address: Address, cost: float) -> bool:
+        if self._limiter.allow(rate_key(address.ip), cost):
+            return True
+        self.rate_limited += 1
+        if self._on_rate_limited is not None:
+            self._on_rate_limited()
+        return False
+
+    def _answered(self, reply: bytes | None) -> bytes | None:
+        if reply is None:
+            self.dropped += 1
+        else:
+            self.answered += 1
+        return reply
+
+
+class MasterProtocol(asyncio.DatagramProtocol):
+    """The UDP socket of the master port, in front of a `MasterResponder`."""
+
+    def __init__(self, responder: MasterResponder) -> None:
+        self._responder = responder
+        self._transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        try:
+            address = from_sockaddr(tuple(addr))
+            reply = self._responder.datagram_received(data, address)
+        except Exception:  # peers never crash the daemon
+            log.exception("master_request_failed")
+            return
+        if reply is not None and self._transport is not None:
+            self._transport.sendto(reply, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("master_socket_error error=%r", str(exc))

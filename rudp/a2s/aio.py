@@ -1,0 +1,43 @@
+"""`serve_a2s`: a `Responder` on a rudp server's socket, with the clock and a key."""
+
+from __future__ import annotations
+
+import os
+from time import monotonic
+from typing import Any
+
+from rudp.a2s.packets import ServerInfo
+from rudp.a2s.responder import InfoSource, PlayerSource, Responder, RuleSource
+from rudp.aio.server import Server
+
+
+def serve_a2s(
+    server: Server,
+    info: InfoSource | ServerInfo,
+    *,
+    players: PlayerSource | None = None,
+    rules: RuleSource | None = None,
+    challenge_period: float = 30.0,
+) -> Responder:
+    """Answer A2S_INFO, A2S_PLAYER and A2S_RULES on `server`'s socket; returns the responder.
+
+    `info` is a `ServerInfo` or a function returning the current one (None: stay
+    silent); `players` and `rules` are functions the game supplies.  rudp traffic
+    on the socket is not affected: only datagrams starting with ``FF FF FF FF``
+    reach the responder.  ``server.on_foreign = None`` turns it off.
+    """
+    source: InfoSource = (lambda: info) if isinstance(info, ServerInfo) else info
+    responder = Responder(
+        source,
+        key=os.urandom(32),
+        players=players,
+        rules=rules,
+        challenge_period=challenge_period,
+        max_datagram=server.endpoint.config.max_datagram_size,
+    )
+
+    def handle(data: bytes, address: Any) -> list[bytes]:
+        return responder.datagram_received(data, address, monotonic())
+
+    server.on_foreign = handle
+    return responder

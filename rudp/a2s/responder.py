@@ -1,0 +1,136 @@
+"""The A2S responder: requests in, reply datagrams out; no socket, no clock.
+
+Theory of operation
+-------------------
+Anyone can send a UDP request with a forged source address, so a reply larger
+than its request, sent to an address nobody validated, would let a third
+party aim our bandwidth at a victim.  The responder therefore answers a request
+without a valid challenge only with ``S2C_CHALLENGE`` (9 bytes, never more
+than the request; shorter requests get nothing), and sends the real answer
+only to a requester that echoed the challenge, which proves it receives at its
+address.  A request may also be answered at once when the reply is no larger
+than the request itself.
+
+The challenge is stored nowhere: it is an HMAC of the requester's address
+and the current period number (``now // challenge_period``) under a secret
+key, and a challenge of the current or the previous period is accepted, so it
+lives between one and two periods.  0 and ``FFFFFFFF`` are never issued: clients
+send those to ask for one.
+
+A reply larger than one datagram is split in the Source engine's format; one
+larger than 255 pieces loses its last rules (or players).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rudp.a2s.packets import (
+    Kind,
+    Player,
+    ServerInfo,
+    decode_request,
+    encode_challenge,
+    encode_info,
+    encode_players,
+    encode_rules,
+    max_message,
+    split,
+)
+
+InfoSource = Callable[[], ServerInfo | None]
+PlayerSource = Callable[[], Sequence[Player]]
+RuleSource = Callable[[], Mapping[str, str]]
+_NO_CHALLENGE = (b"\x00\x00\x00\x00", b"\xff\xff\xff\xff")
+
+
+class Responder:
+    """Answers A2S_INFO, A2S_PLAYER and A2S_RULES for one game host.
+
+    `info` returns what to publish, or None to stay silent (not hosting now);
+    `players` and `rules` are optional (empty lists without them).  `key` is the
+    challenge secret (at least 16 random bytes); `max_datagram` bounds every
+    datagram sent.
+    """
+
+    def __init__(
+        self,
+        info: InfoSource,
+        *,
+        key: bytes,
+        players: PlayerSource | None = None,
+        rules: RuleSource | None = None,
+        challenge_period: float = 30.0,
+        max_datagram: int = 1200,
+    ) -> None:
+        if len(key) < 16:
+            raise ValueError("key must be at least 16 bytes")
+        if challenge_period <= 0:
+            raise ValueError("challenge_period must be > 0")
+        if max_datagram < 64:
+            raise ValueError("max_datagram must be >= 64")
+        self._info = info
+        self._players = players
+        self._rules = rules
+        self._key = key
+        self._period = challenge_period
+        self._max_datagram = max_datagram
+        self._split_id = 0
+        self.answered = 0
+        """Requests answered with what they asked for."""
+        self.challenged = 0
+        """Requests answered with a challenge."""
+        self.dropped = 0
+        """Datagrams that were no A2S request, or too short to answer at all."""
+
+    def datagram_received(self, data: bytes, address: Any, now: float) -> list[bytes]:
+        """The datagrams to send back to `address` (often none)."""
+        request = decode_request(data)
+        if request is None:
+            self.dropped += 1
+            return []
+        info = self._info()
+        if info is None:
+            return []
+        validated = request.challenge is not None and self._valid(request.challenge, address, now)
+        reply = self._reply(request.kind, info, validated)
+        if validated or len(reply) <= len(data):
+            self.answered += 1
+            self._split_id = (self._split_id + 1) & 0x7FFF
+            return split(reply, self._split_id, self._max_datagram)
+        challenge = encode_challenge(self.challenge_for(address, now))
+        if len(challenge) > len(data):
+            self.dropped += 1
+            return []
+        self.challenged += 1
+        return [challenge]
+
+    def _reply(self, kind: Kind, info: ServerInfo, validated: bool) -> bytes:
+        limit = max_message(self._max_datagram) if validated else self._max_datagram
+        if kind == Kind.INFO_REQUEST:
+            return encode_info(info)
+        if kind == Kind.PLAYER_REQUEST:
+            return encode_players(list(self._players()) if self._players else [], limit)
+        rules = self._rules() if self._rules else {}
+        return encode_rules(list(rules.items()), limit)
+
+    def challenge_for(self, address: Any, now: float) -> bytes:
+        """The challenge `address` must echo, issued at `now`."""
+        return self._challenge(address, int(now // self._period))
+
+    def _valid(self, challenge: bytes, address: Any, now: float) -> bool:
+        if challenge in _NO_CHALLENGE:
+            return False
+        period = int(now // self._period)
+        return any(
+            hmac.compare_digest(challenge, self._challenge(address, p))
+            for p in (period, period - 1)
+        )
+
+    def _challenge(self, address: Any, period: int) -> bytes:
+        text = f"{period}|{address[0]}|{address[1]}".encode()
+        digest = hmac.new(self._key, text, hashlib.sha256).digest()[:4]
+        return b"\x01\x00\x00\x00" if digest in _NO_CHALLENGE else digest

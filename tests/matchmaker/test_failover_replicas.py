@@ -1,0 +1,121 @@
+"""Failover between real replicas: ``python -m matchmaker`` processes sharing one
+redis-server, game hosts on the stock client, one replica killed or stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+
+import rudp
+from matchmaker.addresses import Address
+from matchmaker.client import MatchmakerClient
+from tests.matchmaker.helpers import HOST, DaemonProcess, RedisProcess
+
+N_HOSTS = 200
+REHOME_WITHIN = 15.0
+FLAGS = (
+    "--max-hosts-per-ip", "10000", "--register-rate", "10000", "--register-burst", "10000",
+    "--list-rate", "100", "--list-burst", "100", "--page-per-ip", "32", "--log-level", "warning",
+)  # fmt: skip
+
+
+@dataclass
+class Fleet:
+    redis: redis.asyncio.Redis
+    replicas: list[DaemonProcess]
+    sockets: list[rudp.Server] = field(default_factory=list)
+    clients: list[MatchmakerClient] = field(default_factory=list)
+
+    def host(self) -> MatchmakerClient:
+        """A game host's client, from its own game socket, knowing every replica."""
+        return self.clients[-1]
+
+    async def add_host(self) -> MatchmakerClient:
+        server = await rudp.open_endpoint("127.0.0.1", 0, config=rudp.Config(channels=1))
+        self.sockets.append(server)
+        client = MatchmakerClient.to([r.address for r in self.replicas], via=server)
+        self.clients.append(client)
+        return client
+
+    async def owners(self, addresses: list[Address]) -> list[str | None]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for address in addresses:
+                pipe.hget(f"{{mm}}:h:{address.key}", "owner")
+            raw = await pipe.execute()
+        return [None if r is None else r.decode() for r in raw]
+
+
+@pytest.fixture
+async def fleet(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[Fleet]:
+    replicas = [DaemonProcess(tmp_path, name, redis_server.url, *FLAGS) for name in ("a", "b")]
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    fleet = Fleet(client, replicas)
+    try:
+        await asyncio.gather(*(r.start() for r in replicas))
+        yield fleet
+    finally:
+        await asyncio.gather(*(c.close() for c in fleet.clients), return_exceptions=True)
+        for server in fleet.sockets:
+            server.endpoint.close_now()
+        for replica in replicas:
+            replica.kill()
+        await client.aclose()
+
+
+async def listed_by(replica: DaemonProcess) -> set[Address]:
+    async with MatchmakerClient.to(*replica.address, timeout=10.0) as lister:
+        return {e.address for e in await lister.list_servers(game=HOST["game"], limit=1000)}
+
+
+async def test_sigkill_of_a_replica_rehomes_every_host_within_15_s(fleet: Fleet) -> None:
+    hosts = [await fleet.add_host() for _ in range(N_HOSTS)]
+    addresses = list(await asyncio.gather(*(h.register(**HOST) for h in hosts)))
+    owners = await fleet.owners(addresses)
+    assert set(owners) == {"a", "b"}, "hosts start spread over both replicas"
+    victim, survivor = fleet.replicas
+    moving = sum(o == "a" for o in owners)
+
+    victim.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    while await fleet.owners(addresses) != ["b"] * N_HOSTS:
+        assert time.monotonic() - killed < REHOME_WITHIN, "hosts left on the dead replica"
+        await asyncio.sleep(0.2)
+    rehomed = time.monotonic() - killed
+    assert await listed_by(survivor) == set(addresses)
+    print(f"{moving} of {N_HOSTS} hosts re-homed {rehomed:.1f} s after SIGKILL")
+    assert all(h.route == f"127.0.0.1:{survivor.port}" for h in hosts)
+
+
+async def test_sigterm_during_a_registration_storm_loses_no_host(fleet: Fleet) -> None:
+    hosts = [await fleet.add_host() for _ in range(N_HOSTS)]
+    stopping, survivor = fleet.replicas
+
+    async def register(i: int, host: MatchmakerClient) -> Address:
+        await asyncio.sleep(i * 0.01)  # a 2 s storm
+        return await host.register(**HOST)
+
+    storm = [asyncio.create_task(register(i, h)) for i, h in enumerate(hosts)]
+    await asyncio.sleep(0.8)
+    stopping.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    addresses = await asyncio.gather(*storm)  # every first register() succeeds
+    assert await stopping.wait() == 0
+    # Whatever each host believes: registered, and the stopping replica refused
+    # or sent away everyone, so every one of them is held by the survivor.
+    missing = list(addresses)
+    while missing:
+        owners = await fleet.owners(missing)
+        missing = [a for a, o in zip(missing, owners, strict=True) if o != "b"]
+        assert time.monotonic() - stopped < 30, f"{len(missing)} hosts missing"
+        await asyncio.sleep(0.2)
+    assert await listed_by(survivor) == set(addresses)
+    moved = sum(h.registrations > 1 for h in hosts)
+    assert moved > 0, "the stop came after the storm: nothing was tested"
+    print(f"{moved} of {N_HOSTS} hosts registered on the stopping replica moved to the other")

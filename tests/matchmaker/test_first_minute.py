@@ -1,0 +1,194 @@
+"""What a newcomer meets in the first minute: misused arguments, a busy port, the
+startup settings, a capped list, the examples' --help, a python without venv."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rudp
+from matchmaker.client import MatchmakerClient
+from matchmaker.messages import HostInfo, HostUpdate, ListFilter, str_tuple
+from matchmaker.server import Matchmaker
+from matchmaker.settings import Settings
+from tests.matchmaker.helpers import accepting_endpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST: dict[str, Any] = {"name": "h", "game": "q3", "version": "1", "max_players": 8}
+
+# -- a str where a sequence belongs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: HostInfo(**HOST, tags="ctf"),  # type: ignore[arg-type]
+        lambda: HostUpdate(tags="ctf"),  # type: ignore[arg-type]
+        lambda: ListFilter(game="q3", tags_all="ctf"),  # type: ignore[arg-type]
+        lambda: ListFilter(game="q3", tags_any="ctf"),  # type: ignore[arg-type]
+        lambda: ListFilter(game="q3", tags_any=b"ctf"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_lone_string_for_tags_is_a_type_error(build: Any) -> None:
+    with pytest.raises(TypeError, match=r"must be a sequence of strings, not .*\['ctf'\]|b'ctf'"):
+        build()
+
+
+def test_any_sequence_of_tags_becomes_a_tuple() -> None:
+    assert HostInfo(**HOST, tags=["ctf", "ffa"]).tags == ("ctf", "ffa")  # type: ignore[arg-type]
+    assert ListFilter(game="q3", tags_any=iter(["a"])).tags_any == ("a",)  # type: ignore[arg-type]
+    assert HostUpdate().tags is None
+    assert str_tuple(("x",), "tags") == ("x",)
+    with pytest.raises(TypeError, match="tags_any"):
+        str_tuple("x", "tags_any")
+
+
+# -- connect errors name the address and the timeout ----------------------------------------
+
+
+def test_connect_timeout_names_the_address_and_the_timeout() -> None:
+    exc = rudp.ConnectTimeout(address=("192.0.2.1", 27950), timeout=5.0)
+    assert isinstance(exc, TimeoutError) and isinstance(exc, rudp.ConnectError)
+    assert exc.address == ("192.0.2.1", 27950) and exc.timeout == 5.0
+    assert str(exc) == "no answer from 192.0.2.1:27950 within 5 s (Config.connect_timeout)"
+    ipv6 = rudp.ConnectTimeout(address=("2001:db8::1", 27950, 0, 0), timeout=0.5)  # type: ignore[arg-type]
+    assert "[2001:db8::1]:27950 within 0.5 s" in str(ipv6)
+    # The old form still works.
+    old = rudp.ConnectTimeout("no answer")
+    assert str(old) == "no answer" and old.address is None and old.timeout is None
+
+
+def test_connect_refused_names_the_address() -> None:
+    exc = rudp.ConnectRefused("server full", ("192.0.2.1", 27960))
+    assert exc.reason == "server full" and exc.address == ("192.0.2.1", 27960)
+    assert str(exc) == "connection refused by 192.0.2.1:27960: server full"
+    assert str(rudp.ConnectRefused("server full")) == "connection refused: server full"
+
+
+# -- the daemon's first lines ---------------------------------------------------------------
+
+
+def run_daemon(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "matchmaker", "--log-format", "json", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def records(stderr: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stderr.splitlines()]
+
+
+@pytest.mark.parametrize("kind", ["udp", "tcp"])
+def test_a_busy_port_is_one_line_naming_it_and_exit_status_3(kind: str) -> None:
+    with socket.socket(
+        socket.AF_INET, socket.SOCK_DGRAM if kind == "udp" else socket.SOCK_STREAM
+    ) as taken:
+        taken.bind(("127.0.0.1", 0))
+        if kind == "tcp":
+            taken.listen()
+        port = str(taken.getsockname()[1])
+        ports = ["--port", port, "--http-port", "0"] if kind == "udp" else ["--http-port", port]
+        done = run_daemon(
+            "--bind", "127.0.0.1", "--http-bind", "127.0.0.1", "--port", "0", *ports
+        )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    lines = records(done.stderr)
+    failed = [r for r in lines if r["level"] == "error"]
+    assert len(failed) == 1, done.stderr
+    assert failed[0]["event"] == "port_unavailable"
+    flag = "--port" if kind == "udp" else "--http-port"
+    assert failed[0]["port"] == f"{kind} 127.0.0.1:{port} ({flag})"
+    assert "in use" in failed[0]["error"].lower()
+    assert "Traceback" not in done.stderr
+
+
+def test_startup_fields_are_what_an_operator_checks() -> None:
+    fields = Settings(allow_private=True, list_limit=5000).startup_fields()
+    assert fields["allow_private"] is True and fields["list_limit"] == 5000
+    assert fields["max_connections"] == 20000 and fields["max_hosts_per_ip"] == 16
+    assert fields["register_rate"] == "1/s burst 10" and fields["master"] == "off"
+    assert Settings(master=True).startup_fields()["master"] == 27011
+
+
+def test_startup_fields_mask_only_a_password() -> None:
+    assert Settings().startup_fields()["store"] == "memory://"
+    masked = Settings(store="redis://user:pw@redis:6379/0").startup_fields()["store"]
+    assert masked == "redis://user:***@redis:6379/0"
+    assert (
+        Settings(store="redis://redis:6379/0").startup_fields()["store"] == "redis://redis:6379/0"
+    )
+
+
+# -- a capped list says so ------------------------------------------------------------------
+
+
+async def http_get(address: tuple[str, int], target: str) -> Any:
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    return json.loads(data.partition(b"\r\n\r\n")[2])
+
+
+async def test_servers_says_when_the_answer_reached_its_limit(daemon: Matchmaker) -> None:
+    udp_host, udp_port = daemon.udp_address
+    hosts = []
+    try:
+        for i in range(3):
+            game, _ = await accepting_endpoint()
+            mm = MatchmakerClient.to(udp_host, udp_port, via=game)
+            hosts.append((game, mm))
+            await mm.register(**(HOST | {"name": f"h{i}"}))
+        capped = await http_get(daemon.http_address, "/servers?game=q3&limit=2")
+        assert capped["total"] == 2 and capped["limit"] == 2 and capped["limit_reached"] is True
+        whole = await http_get(daemon.http_address, "/servers?game=q3")
+        assert whole["total"] == 3 and whole["limit"] == 1000 and whole["limit_reached"] is False
+        every = await http_get(daemon.http_address, "/servers")
+        assert every["total"] == 3 and every["limit_reached"] is False
+    finally:
+        for game, mm in hosts:
+            await mm.close()
+            await game.close()
+
+
+# -- the examples and the Makefile ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["game_host.py", "game_client.py"])
+def test_the_examples_help_shows_their_defaults(script: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "(default: 127.0.0.1:27950)" in " ".join(done.stdout.split())
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_names_the_package_when_python_has_no_venv(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    done = subprocess.run(
+        ["make", "-s", "PYTHON=false", f"VENV={venv}", f"{venv}/.created"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode != 0
+    assert "apt-get install python3-venv" in done.stderr
+    assert not venv.exists()

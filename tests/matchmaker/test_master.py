@@ -1,0 +1,286 @@
+"""The master-server protocols (Steam master query, Quake III getservers), ``GET
+/servers`` without a game, and qstat against the daemon's master port."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import random
+import shutil
+import struct
+from collections.abc import AsyncIterator
+
+import pytest
+
+import rudp
+from matchmaker.addresses import Address
+from matchmaker.catalog import EVERY_GAME, visible
+from matchmaker.master import (
+    Q3_EOT,
+    Q3_REPLY,
+    STEAM_END,
+    STEAM_REPLY,
+    MasterResponder,
+    decode_q3,
+    decode_steam,
+)
+from matchmaker.messages import ListFilter
+from matchmaker.ratelimit import Rate, RateLimiter
+from matchmaker.registry import MemoryRegistry
+from matchmaker.server import Matchmaker
+from rudp.a2s import ServerInfo, serve_a2s
+from tests.matchmaker.helpers import FakeClock, info, pub, settings
+
+QSTAT = shutil.which("quakestat")
+needs_qstat = pytest.mark.skipif(QSTAT is None, reason="qstat (quakestat) is not installed")
+CLIENT = Address("198.51.100.1", 5000)
+
+
+def steam_request(seed: str = "0.0.0.0:0", filters: str = "", region: int = 0xFF) -> bytes:
+    return bytes((0x31, region)) + seed.encode() + b"\x00" + filters.encode() + b"\x00"
+
+
+def steam_entries(reply: bytes) -> list[tuple[str, int]]:
+    assert reply.startswith(STEAM_REPLY)
+    body = reply[len(STEAM_REPLY) :]
+    return [
+        (str(ipaddress.IPv4Address(body[i : i + 4])), struct.unpack_from("!H", body, i + 4)[0])
+        for i in range(0, len(body), 6)
+    ]
+
+
+async def registry_with(n: int, clock: FakeClock, **kw: object) -> MemoryRegistry:
+    registry = MemoryRegistry(clock=clock)
+    for i in range(n):
+        host = info(f"h{i}", game="arena", players=1, **kw)  # type: ignore[arg-type]
+        await registry.upsert(Address(pub(i + 1), 27000 + i), host, max_per_ip=99)
+    return registry
+
+
+def responder(registry: MemoryRegistry, clock: FakeClock, burst: float = 100.0) -> MasterResponder:
+    limiter = RateLimiter(Rate(rate=2.0, burst=burst), clock=clock)
+    return MasterResponder(registry, limiter, page_hosts=32, rng=random.Random(1))
+
+
+# -- Steam master query -------------------------------------------------------------------
+
+
+def test_decode_steam() -> None:
+    query = decode_steam(steam_request("1.2.3.4:5", "\\gamedir\\arena\\map\\field"))
+    assert query is not None
+    assert query.seed == (0x01020304, 5) and query.region == 0xFF
+    assert query.filters == (("gamedir", "arena"), ("map", "field"))
+    # qstat 2.17's follow-up pages: a stray byte between the seed and its NUL.
+    assert decode_steam(b"1\xff127.0.0.1:33341r\x00") is not None
+    for bad in (b"1\xffnot an address\x00\x00", b"2\xff0.0.0.0:0\x00\x00", b"1\xff0.0.0.0:0"):
+        assert decode_steam(bad) is None
+
+
+async def test_steam_pages_by_seed_each_no_larger_than_its_request() -> None:
+    clock = FakeClock()
+    registry = await registry_with(20, clock)
+    master = responder(registry, clock)
+    seen: list[tuple[str, int]] = []
+    seed = "0.0.0.0:0"
+    for _ in range(100):
+        request = steam_request(seed, "\\gamedir\\arena")
+        reply = master.datagram_received(request, CLIENT)
+        assert reply is not None and len(reply) <= len(request)
+        entries = steam_entries(reply)
+        if entries[-1] == ("0.0.0.0", 0):
+            seen.extend(entries[:-1])
+            break
+        seen.extend(entries)
+        seed = f"{entries[-1][0]}:{entries[-1][1]}"
+    assert sorted(seen) == sorted((pub(i + 1), 27000 + i) for i in range(20))
+    assert len(seen) == len(set(seen))
+
+
+async def test_steam_filters() -> None:
+    clock = FakeClock()
+    registry = await registry_with(3, clock)
+    await registry.upsert(
+        Address(pub(9), 1), info("Other", game="ut", players=0, tags=("ctf",)), max_per_ip=9
+    )
+    await registry.upsert(Address("2606:4700::1", 2), info("six", game="ut"), max_per_ip=9)
+    master = responder(registry, clock)
+    pad = "\\pad\\" + "x" * 200  # room for every entry
+
+    def listed(filters: str) -> set[tuple[str, int]]:
+        reply = master.datagram_received(steam_request(filters=filters + pad), CLIENT)
+        assert reply is not None and reply.endswith(STEAM_END)
+        return set(steam_entries(reply)[:-1])
+
+    assert len(listed("")) == 4  # every game, IPv4 only
+    assert listed("\\gamedir\\ut") == {(pub(9), 1)}
+    assert listed("\\gamedir\\ut\\noplayers\\1\\gametype\\ctf") == {(pub(9), 1)}
+    assert listed("\\empty\\1\\gamedir\\ut") == set()
+    assert len(listed("\\name_match\\H*")) == 3
+    assert listed("\\version_match\\2*") == set()
+    assert listed("\\nor\\1\\map\\x") == set()  # negations are not evaluated
+
+
+async def test_the_shortest_steam_request_gets_one_entry() -> None:
+    clock = FakeClock()
+    master = responder(await registry_with(2, clock), clock)
+    request = b"1\xff0.0.0.0:0\x00"  # no filter, not even its NUL: 12 bytes
+    reply = master.datagram_received(request, CLIENT)
+    assert reply is not None and len(reply) == len(request) and len(steam_entries(reply)) == 1
+
+
+async def test_first_pages_cost_a_list_request_and_next_pages_a_share() -> None:
+    clock = FakeClock()
+    master = responder(await registry_with(5, clock), clock, burst=3.0)
+    first = steam_request()
+    assert all(master.datagram_received(first, CLIENT) for _ in range(3))
+    assert master.datagram_received(first, CLIENT) is None
+    assert master.rate_limited == 1
+    clock.advance(0.5)  # one token back: 32 hosts' worth of paging (page_hosts)
+    page = steam_request(f"{pub(1)}:1")  # 19 bytes: room for two hosts a page
+    assert all(master.datagram_received(page, CLIENT) for _ in range(16))
+    assert master.datagram_received(page, CLIENT) is None
+
+
+# -- Quake III getservers ------------------------------------------------------------------
+
+
+def test_decode_q3() -> None:
+    query = decode_q3(b"\xff\xff\xff\xffgetservers 68 empty full\n")
+    assert query is not None and (query.game, query.empty, query.full) == (None, True, True)
+    ext = decode_q3(b"\xff\xff\xff\xffgetserversExt arena 68 ipv6")
+    assert ext is not None and (ext.game, ext.families, ext.ext) == ("arena", (6,), True)
+    assert decode_q3(b"\xff\xff\xff\xffgetstatus") is None
+    assert decode_q3(b"\xff\xff\xff\xffgetservers") is None
+
+
+async def test_q3_replies_hold_what_fits_in_the_request_and_eot_only_when_complete() -> None:
+    clock = FakeClock()
+    master = responder(await registry_with(4, clock), clock)
+    stock = b"\xff\xff\xff\xffgetservers 68 empty full\n"
+    reply = master.datagram_received(stock, CLIENT)
+    assert reply is not None and len(reply) <= len(stock)
+    assert reply.startswith(Q3_REPLY) and reply.count(b"\\") == 1 and Q3_EOT not in reply
+    padded = b"\xff\xff\xff\xffgetservers 68 empty full" + b" pad" * 20
+    reply = master.datagram_received(padded, CLIENT)
+    assert reply is not None and len(reply) <= len(padded)
+    assert reply.endswith(Q3_EOT) and len(reply) == len(Q3_REPLY) + 4 * 7 + len(Q3_EOT)
+    # Empty servers are left out unless asked for.
+    no_empty = b"\xff\xff\xff\xffgetservers 68 full" + b" pad" * 20
+    assert master.datagram_received(no_empty, CLIENT) is not None
+    short = b"\xff\xff\xff\xffgetservers 68"
+    assert master.datagram_received(short, CLIENT) is None
+
+
+async def test_q3_ext_lists_ipv6_entries() -> None:
+    clock = FakeClock()
+    registry = MemoryRegistry(clock=clock)
+    await registry.upsert(
+        Address("2606:4700::1", 2), info("six", game="arena", players=1), max_per_ip=9
+    )
+    master = responder(registry, clock)
+    request = b"\xff\xff\xff\xffgetserversExt arena 68 ipv6 empty full" + b" pad" * 10
+    reply = master.datagram_received(request, CLIENT)
+    assert reply is not None and b"/" + ipaddress.IPv6Address("2606:4700::1").packed in reply
+
+
+# -- every game ------------------------------------------------------------------------------
+
+
+async def test_visible_every_game_applies_the_same_filters() -> None:
+    clock = FakeClock()
+    registry = await registry_with(2, clock)
+    await registry.upsert(Address(pub(9), 1), info("ut", game="ut", players=8), max_per_ip=9)
+    assert len(visible(registry, ListFilter(game=EVERY_GAME))) == 3
+    assert len(visible(registry, ListFilter(game=EVERY_GAME, not_full=True))) == 2
+    clock.advance(60)  # hidden once silent
+    assert visible(registry, ListFilter(game=EVERY_GAME)) == []
+
+
+# -- the daemon ------------------------------------------------------------------------------
+
+
+async def get_json(address: tuple[str, int], target: str) -> tuple[int, object]:
+    import json
+
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+@pytest.fixture
+async def master_daemon() -> AsyncIterator[tuple[Matchmaker, list[rudp.Server]]]:
+    """A daemon with --master, listing five real A2S hosts on loopback."""
+    mm = Matchmaker(settings(master=True, master_port=0))
+    await mm.start()
+    hosts = []
+    for i in range(5):
+        host = await rudp.serve(lambda conn: conn.close(), "127.0.0.1", 0)
+        serve_a2s(host, ServerInfo(name=f"Arena {i}", map="field", folder="arena", max_players=8))
+        hosts.append(host)
+        address = Address("127.0.0.1", host.address[1])
+        game = "arena" if i < 4 else "other"
+        await mm.registry.upsert(address, info(f"Arena {i}", game=game, players=1), max_per_ip=99)
+    yield mm, hosts
+    for host in hosts:
+        await host.close()
+    await mm.shutdown()
+
+
+async def test_servers_without_game_lists_every_game(
+    master_daemon: tuple[Matchmaker, list[rudp.Server]],
+) -> None:
+    mm, _ = master_daemon
+    status, body = await get_json(mm.http_address, "/servers")
+    assert status == 200
+    assert isinstance(body, dict) and body["total"] == 5
+    assert {s["game"] for s in body["servers"]} == {"arena", "other"}
+    status, body = await get_json(mm.http_address, "/servers?limit=2&not_full=1")
+    assert status == 200 and isinstance(body, dict) and body["total"] == 2
+    status, body = await get_json(mm.http_address, "/servers?bogus=1")
+    assert status == 400
+
+
+async def test_master_is_off_by_default(daemon: Matchmaker) -> None:
+    assert daemon.master_address is None and daemon.master_responder is None
+
+
+async def quakestat(*args: str) -> list[str]:
+    assert QSTAT is not None
+    proc = await asyncio.create_subprocess_exec(
+        QSTAT, *args, "-raw", "\t", "-timeout", "20", "-retry", "1",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    return [line for line in out.decode().splitlines() if line]
+
+
+@needs_qstat
+async def test_qstat_lists_the_hosts_of_the_steam_master_and_queries_them(
+    master_daemon: tuple[Matchmaker, list[rudp.Server]],
+) -> None:
+    mm, hosts = master_daemon
+    assert mm.master_address is not None
+    master = f"127.0.0.1:{mm.master_address[1]}"
+    # Unfiltered: one host a page (qstat's 13-byte request), all five in the end.
+    lines = await quakestat("-stm", master)
+    assert lines[0].split("\t")[:3] == ["STM", master, "5"]
+    names = sorted(line.split("\t")[2] for line in lines[1:])
+    assert names == [f"Arena {i}" for i in range(5)]  # each queried over A2S
+    lines = await quakestat("-stm,game=arena", master)
+    assert lines[0].split("\t")[:3] == ["STM", master, "4"]
+
+
+@needs_qstat
+async def test_qstat_lists_what_fits_of_the_quake3_master(
+    master_daemon: tuple[Matchmaker, list[rudp.Server]],
+) -> None:
+    mm, _ = master_daemon
+    assert mm.master_address is not None
+    master = f"127.0.0.1:{mm.master_address[1]}"
+    # qstat needs a byte after the last entry: a stock request (room for one entry
+    # and no EOT) lists nothing; a padded one gets the whole list and its EOT.
+    lines = await quakestat("-q3m,68" + " ipv4" * 10, master)
+    assert lines[0].split("\t")[:3] == ["Q3M", master, "5"]
