@@ -383,7 +383,9 @@ class Connection:
     def connection_ended(self, event: Disconnected) -> None:
         """Called by the endpoint: the connection ended (``event`` says why)."""
         if not self._established_future.done():
-            self._established_future.set_exception(connect_error(event))
+            self._established_future.set_exception(
+                connect_error(event, self.remote_address, self._endpoint.config.connect_timeout)
+            )
         error = self._closed_error(event)
         for msg in self._waiting:
             future = msg.user
@@ -414,15 +416,17 @@ class Connection:
         return f"<rudp.Connection {self.remote_address!r} {self._core.state.value}>"
 
 
-def connect_error(event: Disconnected) -> Exception:
-    """The exception ``connect()`` raises when the handshake ends without success."""
+def connect_error(event: Disconnected, address: Address, timeout: float) -> Exception:
+    """The exception ``connect()`` raises when the handshake ends without success;
+    it names the server's ``address`` and, for a timeout, the ``timeout`` waited."""
     if event.reason is DisconnectReason.REFUSED:
-        return ConnectRefused(event.text or "refused")
+        return ConnectRefused(event.text or "refused", (address[0], address[1]))
     if event.reason is DisconnectReason.CONNECT_TIMEOUT:
-        return ConnectTimeout(
-            "no answer from the server within the connect timeout"
-            + (f" ({event.text})" if event.text else "")
-        )
+        where = (address[0], address[1])
+        plain = ConnectTimeout(address=where, timeout=timeout)
+        if not event.text:
+            return plain
+        return ConnectTimeout(f"{plain} ({event.text})", address=where, timeout=timeout)
     if not event.by_peer and event.reason in (DisconnectReason.ABORTED, DisconnectReason.CLOSED):
         return ConnectError(f"closed locally before the handshake completed ({event.reason})")
     return ConnectRefused(event.reason.value)

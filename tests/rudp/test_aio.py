@@ -135,6 +135,28 @@ async def test_refused_when_full_and_timeout_when_nobody_answers() -> None:
         silent.close()
 
 
+async def test_connect_errors_name_the_server_and_the_timeout() -> None:
+    async with await rudp.serve(echo, "127.0.0.1", 0, config=rudp.Config(max_connections=1)) as srv:
+        first = await rudp.connect(*srv.address)
+        with pytest.raises(rudp.ConnectRefused) as refused:
+            await rudp.connect(*srv.address)
+        assert refused.value.address == srv.address[:2]
+        assert f"127.0.0.1:{srv.address[1]}" in str(refused.value)
+        await first.close()
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    try:
+        config = rudp.Config(connect_timeout=0.3, connect_retry_interval=0.1)
+        with pytest.raises(rudp.ConnectTimeout) as timed_out:
+            await rudp.connect(*silent.getsockname(), config=config)
+        port = silent.getsockname()[1]
+        assert timed_out.value.address == ("127.0.0.1", port)
+        assert timed_out.value.timeout == 0.3
+        assert f"127.0.0.1:{port} within 0.3 s" in str(timed_out.value)
+    finally:
+        silent.close()
+
+
 async def test_server_restart_is_noticed_within_a_round_trip() -> None:
     # The restarted server has the same static key: its NOCONN reset tokens derive from it.
     keyed = rudp.Config(static_key=rudp.generate_key())
