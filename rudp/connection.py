@@ -514,12 +514,19 @@ class Connection:
         self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
         return None
 
-    def _answer_connect(self, salt: int, answer: bytes, keys: Keys, now: float) -> bytes:
+    def _answer_connect(
+        self, salt: int, answer: bytes, keys: Keys, now: float, *, token_sealed: bool
+    ) -> bytes:
         """The endpoint accepted the peer's CONNECT into this connection: a new one, or
         ours in a simultaneous open that the peer's handshake won (our own CONNECTs and
         our Noise state are dropped; the connection takes the peer's salt, so a duplicate
         of its CONNECT gets the ACCEPT again). ``answer`` is our Noise message 2.
-        Returns the ACCEPT to send; ``_accept_datagram`` keeps it."""
+        Returns the ACCEPT to send; ``_accept_datagram`` keeps it.
+
+        ``token_sealed`` is False under NN, where the peer's parameters, its reset token
+        among them, crossed the network in clear: anyone who saw the CONNECT could then
+        forge its NOCONN, so this side believes none (the peer that forgot us is noticed
+        at the idle timeout instead)."""
         self._accept_datagram = wire.encode_accept(salt, answer)
         self.salt = salt
         self._send_connect = False
@@ -527,7 +534,15 @@ class Connection:
         self._handshake = None
         self.server_authenticated = False
         self._establish(keys, now)
+        if not token_sealed:
+            self._peer_reset_token = b""
         return self._accept_datagram
+
+    @property
+    def expects_server_key(self) -> bool:
+        """True while this connection's own handshake is NK: it names the server's key."""
+        hs = self._handshake
+        return hs is not None and hs.pattern == PATTERN_NK
 
     def _establish(self, keys: Keys, now: float) -> None:
         """Handshake done: packet keys, and the peer's connection id, token and limits."""

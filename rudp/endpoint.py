@@ -365,7 +365,17 @@ class Endpoint:
         # peers introduced to each other both connect): answered even by an endpoint
         # that accepts no one else, and so are its duplicates once it was answered.
         answered = conn is not None and bool(conn._accept_datagram)
-        opening = conn is not None and conn.state is CONNECTING and not answered
+        # A connection that names the server's key (NK) never answers in place: the
+        # side that answers cannot authenticate the other, so an attacker on the path
+        # could otherwise win the tie-break with a spoofed CONNECT of his own and be
+        # taken for the server. Its CONNECT from that address is not a simultaneous
+        # open; the handshake completes only with the key holder's ACCEPT.
+        opening = (
+            conn is not None
+            and conn.state is CONNECTING
+            and not answered
+            and not conn.expects_server_key
+        )
         if not self.accept and not opening and not answered:
             return DropReason.UNEXPECTED
         if len(data) < wire.MIN_CONNECT_SIZE:
@@ -469,7 +479,9 @@ class Endpoint:
             # CONNECT. Under NK the usual cause is a client configured with another key.
             self._send_unvalidated(wire.encode_reject(request.salt, HANDSHAKE_FAILED), address)
             return False
-        accept = conn._answer_connect(request.salt, answer, keys, now)
+        accept = conn._answer_connect(
+            request.salt, answer, keys, now, token_sealed=request.pattern == handshake.PATTERN_NK
+        )
         self._out.append((accept, conn.address))
         self._schedule(conn)
         return True

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import rudp
-from rudp import wire
+from rudp import handshake, wire
 from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.endpoint import HANDSHAKE_FAILED, NO_STATIC_KEY, V1_REFUSAL
@@ -443,24 +443,35 @@ def test_every_first_byte_is_a_version_2_marker_and_never_ff() -> None:
     assert {PacketType(b & 0x0F) for b in firsts} >= {PacketType.CONNECT, PacketType.DATA}
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_simultaneous_open_under_nk_authenticates_the_answering_peer(seed: int) -> None:
-    net = Network(seed=seed, link=Link(loss=0.1))
-    key_a, key_b = SERVER_KEY, OTHER_KEY
-    a = net.add(SERVER, Config(static_key=key_a))
-    b = net.add(CLIENT, Config(static_key=key_b))
-    to_b = a.endpoint.connect(CLIENT, net.now, server_key=rudp.public_key(key_b))
-    to_a = b.endpoint.connect(SERVER, net.now, server_key=rudp.public_key(key_a))
-    net.run_until(lambda: State.CONNECTING not in (to_a.state, to_b.state), timeout=30)
-    assert to_a.state is State.CONNECTED and to_b.state is State.CONNECTED
-    # The endpoint that answered the other's handshake counts a simultaneous open.
-    a_answered = a.endpoint.stats.simultaneous_opens == 1
-    assert a_answered != (b.endpoint.stats.simultaneous_opens == 1)
-    winner, loser = (to_a, to_b) if a_answered else (to_b, to_a)
-    # The winning handshake's initiator knows it reached the holder of the key it named.
-    assert winner.server_authenticated and not loser.server_authenticated
-    assert winner.handshake_hash == loser.handshake_hash
-    to_b.send(b"to b")
-    to_a.send(b"to a")
-    net.run(2)
-    assert b"to b" in b.received() and b"to a" in a.received()
+def test_a_spoofed_connect_never_makes_an_nk_client_answer_in_place() -> None:
+    # An on-path attacker drops the client's CONNECT and sends his own, as if from the
+    # server, with the largest salt: in a simultaneous open it would win the tie-break
+    # and the client would answer it, unauthenticated. A client that names the
+    # server's key answers no CONNECT: the attacker's is dropped, and the genuine
+    # server's ACCEPT still completes the handshake.
+    net = Network(seed=4)
+    server = net.add(SERVER, Config(static_key=SERVER_KEY), accept=True)
+    client = net.add(CLIENT, Config())
+    conn = client.endpoint.connect(SERVER, net.now, server_key=rudp.public_key(SERVER_KEY))
+    salt = (1 << 64) - 1
+    params = handshake.TransportParams(0x1234, 1 << 20, 4, 1 << 20, 1200, 30_000, b"A" * 16)
+    attacker = handshake.ClientHandshake(params, salt, None)
+    spoofed = wire.encode_connect(salt, handshake.PATTERN_NN, b"", attacker.message, 1200)
+    assert _dropped(client, spoofed, SERVER, net) is DropReason.UNEXPECTED
+    assert not [d for d, _ in client.endpoint.datagrams_to_send(net.now) if d[0] == 0xA2]
+    assert conn.state is State.CONNECTING
+    net.run_until(lambda: conn.state is not State.CONNECTING, timeout=5)
+    assert conn.state is State.CONNECTED and conn.server_authenticated
+    assert server.endpoint.stats.connections_accepted == 1
+
+
+def test_under_nn_a_noconn_with_the_clients_clear_token_is_not_believed() -> None:
+    # Under NN the client's parameters, its reset token among them, cross in clear:
+    # whoever saw its CONNECT could forge its NOCONN, so the server believes none.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    token = conn.transport_params().reset_token
+    forged = wire.encode_noconn(sconn.peer_cid, token)
+    assert _dropped(server, forged, CLIENT, net) is DropReason.UNEXPECTED
+    assert sconn.state is State.CONNECTED
+    _still_flows(net, server, client, conn)
