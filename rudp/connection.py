@@ -306,7 +306,8 @@ class Connection:
             if recovery.loss_time is not None:
                 t = min(t, recovery.loss_time)
         elif not self._builder.ping:  # a pending PING goes out with the next flush
-            t = min(t, self._builder.last_eliciting + self._keepalive_interval)
+            t = min(t, self._keepalive_due())
+        t = min(t, self._builder.ack_deadline)
         if self._deadline is not None:
             t = min(t, self._deadline)
         graph = self._receiver.graph
@@ -323,6 +324,7 @@ class Connection:
             if self._deadline is not None and now >= self._deadline:
                 self._set_state(CLOSED)
         elif state is not CLOSED:
+            self.stats.timer_wakeups += 1
             self._connected_timer(now)
 
     def datagrams_to_send(self, now: float) -> list[bytes]:
@@ -430,6 +432,7 @@ class Connection:
         self._reader.rx_largest = -1
         self._last_recv = now
         self._builder.last_eliciting = now
+        self._builder.last_sent = now
         self._set_state(CONNECTED)
         self._sink.events.append((self, Connected()))
         self._sink.dirty[self] = None
@@ -439,9 +442,11 @@ class Connection:
     def _apply_peer_limits(self, peer: TransportParams) -> None:
         """What the peer stated it accepts, from the handshake: its largest message and
         channel count (``send()`` raises at once past them, naming the peer's limit),
-        its receive buffer (what we let sit in it), the smaller datagram size and the
-        smaller idle timeout of the two sides (either side's silence limit ends the
-        connection, so both keep it alive within the smaller).
+        its receive buffer (what we let sit in it), its acknowledgment delay (our resend
+        timer allows for it; we delay ours only if it stated one, and so reads ours),
+        the smaller datagram size and the smaller idle timeout of the two sides (either
+        side's silence limit ends the connection, so both keep it alive within the
+        smaller).
 
         A message queued before the handshake was checked against our limits only; if
         it breaks the peer's, it can never be sent, and the connection ends at once
@@ -451,6 +456,10 @@ class Connection:
         if 0 < idle < self._idle_timeout:
             self._idle_timeout = idle
             self._keepalive_interval = min(self._keepalive_interval, idle / 2)
+        if peer.max_ack_delay_ms is not None:
+            # The peer reads our delay and allows for it; one that states none does not.
+            self._builder.ack_delay = self.config.max_ack_delay
+        self._rtt.peer_ack_delay = (peer.max_ack_delay_ms or 0) / 1000.0
         datagram = min(self.config.max_datagram_size, peer.max_datagram_size)
         self._builder.apply_peer_limits(datagram, peer.recv_buffer_bytes)
         self._limits_error = self._sender.apply_peer_limits(peer, datagram)
@@ -554,11 +563,21 @@ class Connection:
             return
         builder = self._builder
         recovery = self._recovery
+        if now >= builder.ack_deadline:
+            builder.ack_pending = True  # nothing went out to carry it: it goes alone
+            self._sink.dirty[self] = None
         if recovery.on_timer(now, builder.tx_next):
             builder.ping = True  # a probe goes out even if nothing needed resending
-        elif not recovery.sent and now >= builder.last_eliciting + self._keepalive_interval:
+        elif not recovery.sent and now >= self._keepalive_due():
             builder.ping = True
             self._sink.dirty[self] = None
+
+    def _keepalive_due(self) -> float:
+        """When a PING is due: after ``keepalive_interval`` without sending anything (the
+        peer's idle timer needs our packets) or without hearing anything (ours needs the
+        peer's answer). Traffic both ways, even unreliable or acknowledgments only,
+        needs none."""
+        return min(self._last_recv, self._builder.last_sent) + self._keepalive_interval
 
     # -- closing ----------------------------------------------------------------------------
 

@@ -341,6 +341,14 @@ class Endpoint:
         if len(data) < wire.MIN_CONNECT_SIZE:
             return DropReason.MALFORMED
         request = wire.decode_connect(data)
+        # From here on ``rest`` is the Noise message 1 alone (see handshake.first_message).
+        pattern, extended = handshake.split_pattern(request.pattern)
+        request = wire.Connect(
+            request.salt,
+            pattern,
+            request.cookie,
+            handshake.first_message(pattern, extended, request.rest),
+        )
         if answered and conn is not None and conn.salt == request.salt:
             if conn.state is CONNECTED:
                 self._out.append((conn._accept_datagram, address))  # our ACCEPT was lost
@@ -394,6 +402,7 @@ class Endpoint:
                     self._message(request),
                     conn.transport_params(),
                     ephemeral_key(self._rng),
+                    self._extensions(request),
                 )[1]
             except (NoiseError, ValueError):
                 return DropReason.BAD_HANDSHAKE
@@ -416,8 +425,12 @@ class Endpoint:
         return None
 
     def _message(self, request: wire.Connect) -> bytes:
-        """The Noise message 1 of a CONNECT: its size follows from the pattern."""
-        return request.rest[: handshake.first_message_size(request.pattern)]
+        """The Noise message 1 of a CONNECT (already cut from its padding)."""
+        return request.rest
+
+    def _extensions(self, request: wire.Connect) -> int:
+        """Bytes of parameter extensions in the CONNECT's Noise message 1."""
+        return max(0, len(request.rest) - handshake.first_message_size(request.pattern))
 
     def _answer(
         self, conn: Connection, request: wire.Connect, address: Address, now: float
@@ -433,6 +446,7 @@ class Endpoint:
                 self._message(request),
                 conn.transport_params(),
                 ephemeral_key(self._rng),
+                self._extensions(request),
             )
         except (NoiseError, ValueError):
             # The address is proven (valid cookie) and the REJECT is smaller than the

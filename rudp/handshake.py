@@ -35,7 +35,7 @@ server's answer fail to authenticate at the client.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -59,12 +59,40 @@ _U32: Final = 0xFFFFFFFF
 # max datagram u16, idle timeout ms u32, reset token (16 bytes).
 _PARAMS: Final = struct.Struct("!IIBIHI16s")
 PARAMS_SIZE: Final = _PARAMS.size
+# Extensions after the fixed part: id u8, length u8, value. A reader skips ids it does
+# not know, so a later release can add one without a new wire version.
+_EXTENSION: Final = struct.Struct("!BB")
+EXT_MAX_ACK_DELAY: Final = 1  # u16: milliseconds an acknowledgment may wait
+MAX_ACK_DELAY_LIMIT_MS: Final = 16383  # as QUIC's max_ack_delay (2^14 and above are invalid)
+PARAMS_EXTENDED: Final = 0x80
+"""Set in a CONNECT's pattern byte when the client's parameters carry extensions: the
+byte after the cookie then gives their length, and the server answers in kind."""
 
 
-def first_message_size(pattern: int) -> int:
-    """Bytes of the client's Noise message (ephemeral key, parameters, tags)."""
+def first_message_size(pattern: int, extensions: int = 0) -> int:
+    """Bytes of the client's Noise message (ephemeral key, parameters, tags), with
+    ``extensions`` bytes of parameter extensions."""
     tags = TAGLEN if pattern == PATTERN_NK else 0
-    return DHLEN + PARAMS_SIZE + tags
+    return DHLEN + PARAMS_SIZE + extensions + tags
+
+
+def split_pattern(byte: int) -> tuple[int, bool]:
+    """A CONNECT's pattern byte: (the Noise pattern, whether extensions are stated)."""
+    return byte & ~PARAMS_EXTENDED & 0xFF, bool(byte & PARAMS_EXTENDED)
+
+
+def first_message(pattern: int, extended: bool, rest: bytes) -> bytes:
+    """The Noise message 1 at the start of ``rest`` (what follows a CONNECT's cookie):
+    its size follows from the pattern and, when ``extended``, from the length byte
+    before it. Empty when ``rest`` is too short for it."""
+    extensions = 0
+    if extended:
+        if not rest:
+            return b""
+        extensions = rest[0]
+        rest = rest[1:]
+    size = first_message_size(pattern, extensions)
+    return rest[:size] if len(rest) >= size else b""
 
 
 SECOND_MESSAGE_SIZE: Final = DHLEN + PARAMS_SIZE + TAGLEN
@@ -88,11 +116,20 @@ class TransportParams:
     """Silence after which this side ends the connection."""
     reset_token: bytes
     """A NOCONN about this connection must carry it to be believed."""
+    max_ack_delay_ms: int | None = None
+    """How long this side may hold an acknowledgment back, waiting for a packet to
+    carry it (the peer adds it to its resend timeout); None when the side states no
+    extensions (an earlier version-2 peer, which acknowledges at once)."""
+
+    @property
+    def extended(self) -> bool:
+        """Whether the encoding carries extensions (see ``PARAMS_EXTENDED``)."""
+        return self.max_ack_delay_ms is not None
 
     def encode(self) -> bytes:
         if len(self.reset_token) != RESET_TOKEN_SIZE:
             raise ValueError(f"a reset token is {RESET_TOKEN_SIZE} bytes")
-        return _PARAMS.pack(
+        fixed = _PARAMS.pack(
             self.connection_id,
             self.max_message_size,
             self.channels,
@@ -101,16 +138,37 @@ class TransportParams:
             self.idle_timeout_ms,
             self.reset_token,
         )
+        if self.max_ack_delay_ms is None:
+            return fixed
+        delay = min(max(self.max_ack_delay_ms, 0), MAX_ACK_DELAY_LIMIT_MS)
+        return fixed + _EXTENSION.pack(EXT_MAX_ACK_DELAY, 2) + delay.to_bytes(2, "big")
 
     @classmethod
     def decode(cls, data: bytes) -> TransportParams:
         """The parameters in ``data``; ValueError when they are malformed."""
-        if len(data) != PARAMS_SIZE:
+        if len(data) < PARAMS_SIZE:
             raise ValueError("transport parameters have the wrong size")
-        cid, message, channels, buffer, datagram, idle, token = _PARAMS.unpack(data)
+        cid, message, channels, buffer, datagram, idle, token = _PARAMS.unpack_from(data)
         if channels == 0 or datagram < 576 or message == 0:
             raise ValueError("transport parameters out of range")
-        return cls(cid, message, channels, buffer, datagram, idle, token)
+        ack_delay: int | None = None
+        offset = PARAMS_SIZE
+        if len(data) > offset:
+            ack_delay = 0  # extensions without this one: the side acknowledges at once
+        while offset < len(data):
+            if offset + _EXTENSION.size > len(data):
+                raise ValueError("truncated transport parameter extension")
+            ext, size = _EXTENSION.unpack_from(data, offset)
+            offset += _EXTENSION.size
+            value = data[offset : offset + size]
+            if len(value) != size:
+                raise ValueError("truncated transport parameter extension")
+            offset += size
+            if ext == EXT_MAX_ACK_DELAY:
+                if size != 2 or int.from_bytes(value, "big") > MAX_ACK_DELAY_LIMIT_MS:
+                    raise ValueError("max_ack_delay out of range")
+                ack_delay = int.from_bytes(value, "big")
+        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay)
 
     @classmethod
     def of(cls, config: Config, connection_id: int, reset_token: bytes) -> TransportParams:
@@ -123,7 +181,12 @@ class TransportParams:
             max_datagram_size=config.max_datagram_size,
             idle_timeout_ms=min(round(config.idle_timeout * 1000), _U32),
             reset_token=reset_token,
+            max_ack_delay_ms=round(config.max_ack_delay * 1000),
         )
+
+    def plain(self) -> TransportParams:
+        """The same without extensions: what a server answers a client that stated none."""
+        return replace(self, max_ack_delay_ms=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +217,7 @@ class ClientHandshake:
         if server_key is not None and len(server_key) != DHLEN:
             raise ValueError(f"a server key is {DHLEN} bytes (X25519 public key)")
         self.pattern = PATTERN_NN if server_key is None else PATTERN_NK
+        self.extended = params.extended
         self._state = HandshakeState(
             _PROTOCOL_NAMES[self.pattern],
             initiator=True,
@@ -162,11 +226,23 @@ class ClientHandshake:
             ephemeral=ephemeral,
         )
         # Computed once: every CONNECT of this attempt carries the same message.
-        self.message = self._state.write_message(params.encode())
+        payload = params.encode()
+        self.message = self._state.write_message(payload)
+        # What follows the CONNECT's cookie: with extensions, their length first, from
+        # which the server learns where the message ends.
+        self.connect_message = (
+            bytes((len(payload) - PARAMS_SIZE,)) + self.message if self.extended else self.message
+        )
+
+    @property
+    def wire_pattern(self) -> int:
+        """The CONNECT's pattern byte: the pattern, and whether extensions follow."""
+        return self.pattern | PARAMS_EXTENDED if self.extended else self.pattern
 
     def finish(self, answer: bytes) -> Keys:
         """The keys, from the server's message; NoiseError or ValueError if it is not genuine."""
-        if len(answer) != SECOND_MESSAGE_SIZE:
+        size = len(answer)
+        if size != SECOND_MESSAGE_SIZE and not (self.extended and size > SECOND_MESSAGE_SIZE):
             raise NoiseError("handshake answer has the wrong size")
         # Read into a copy: a forged answer (from an on-path attacker who read the salt)
         # fails there and leaves the state able to take the genuine one.
@@ -184,18 +260,22 @@ def answer(
     message: bytes,
     params: TransportParams,
     ephemeral: X25519PrivateKey | None = None,
+    extensions: int = 0,
 ) -> tuple[bytes, Keys]:
     """The server's side in one call: (its answer, its keys) for a client's first message.
 
     Raises NoiseError or ValueError when the message is not a genuine first message
     for this server (wrong size, wrong key, tampered), and ValueError when the
-    client asks for NK and this server has no static key. ``ephemeral`` (default: a
+    client asks for NK and this server has no static key. ``extensions`` is the
+    length of the client's parameter extensions (the byte before the message in
+    its CONNECT; see ``first_message``): the server then answers with its own
+    extensions, and without them to a client that states none. ``ephemeral`` (default: a
     fresh key from the operating system) lets a caller draw it from its own
     cryptographically secure source; both sides' ``ephemeral`` exist for that.
     """
     if pattern not in _PROTOCOL_NAMES:
         raise ValueError(f"unknown handshake pattern {pattern}")
-    if len(message) != first_message_size(pattern):
+    if len(message) != first_message_size(pattern, extensions):
         raise NoiseError("handshake message has the wrong size")
     if pattern == PATTERN_NK and static is None:
         raise ValueError("the client expects a server key and this server has none")
@@ -207,6 +287,8 @@ def answer(
         ephemeral=ephemeral,
     )
     peer = TransportParams.decode(state.read_message(message))
+    if not peer.extended:
+        params = params.plain()  # an earlier version-2 client reads no extensions
     reply = state.write_message(params.encode())
     send_key, recv_key = state.split()
     return reply, Keys(peer, send_key, recv_key, state.handshake_hash)

@@ -44,6 +44,9 @@ DATA frames (inside the seal)::
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
     0x03 PAUSE                                 ack-eliciting, no body: no new reliable messages
     0x04 RESUME                                ack-eliciting, no body: send them again
+    0x05 ACK_DELAY   delay u16 (units of 100 us)  how long the acknowledgment in this
+                                               header waited (only to a peer that
+                                               states max_ack_delay in the handshake)
     0x80|flags MESSAGE                         flags: bits 0-2 wire mode,
          [channel u8]   if flag 0x08           bit 3 (0x08) channel byte present,
          [seq u16]      unless mode 0          bit 4 (0x10) dependencies present,
@@ -142,6 +145,7 @@ class FrameType(enum.IntEnum):
     DISCONNECT = 0x02
     PAUSE = 0x03
     RESUME = 0x04
+    ACK_DELAY = 0x05
 
 
 # Plain-int twins of enum members used per message or per packet: compiled, a literal
@@ -188,6 +192,8 @@ _PING: Final = 0x01
 _DISCONNECT: Final = 0x02
 _PAUSE: Final = 0x03
 _RESUME: Final = 0x04
+_ACK_DELAY: Final = 0x05
+ACK_DELAY_UNIT: Final = 0.0001  # seconds per unit of an ACK_DELAY frame
 _DATA: Final = 5
 
 
@@ -226,6 +232,7 @@ class DataFrames(NamedTuple):
     disconnect: DisconnectFrame | None
     special: bool  # some message is a fragment, has dependencies or a mode other than 0/1
     flow: int = NO_FLOW  # the packet's last PAUSE (1) or RESUME (0) frame, NO_FLOW if none
+    ack_delay: float = 0.0  # how long the header's acknowledgment waited (ACK_DELAY)
 
 
 class Connect(NamedTuple):
@@ -493,6 +500,14 @@ def message_frame_size(
 
 
 PING_FRAME: Final = bytes((FrameType.PING,))
+
+
+def ack_delay_frame(delay: float) -> bytes:
+    """An ACK_DELAY frame saying the header's acknowledgment waited ``delay`` seconds."""
+    units = min(int(delay / ACK_DELAY_UNIT), 0xFFFF)
+    return bytes((_ACK_DELAY, units >> 8, units & 0xFF))
+
+
 PAUSE_FRAME: Final = bytes((FrameType.PAUSE,))
 RESUME_FRAME: Final = bytes((FrameType.RESUME,))
 
@@ -516,6 +531,7 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
     special = False
     flow = NO_FLOW
     disconnect: DisconnectFrame | None = None
+    ack_delay = 0.0
     end = len(data)
     while off < end:
         kind = data[off]
@@ -561,9 +577,12 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             flow = 1
         elif kind == _RESUME:
             flow = 0
+        elif kind == _ACK_DELAY:
+            ack_delay = ((data[off] << 8) | data[off + 1]) * ACK_DELAY_UNIT
+            off += 2
         else:
             raise DecodeError(DropReason.MALFORMED)
-    return DataFrames(messages, ping, disconnect, special, flow)
+    return DataFrames(messages, ping, disconnect, special, flow, ack_delay)
 
 
 _EXTRA_FLAGS: Final = FLAG_FRAGMENT | FLAG_DEPS

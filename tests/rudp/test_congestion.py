@@ -236,7 +236,10 @@ def test_exactly_once_in_order_under_loss_duplication_and_reordering(seed: int) 
     pump(net, conn, payloads)
     assert server.received() == payloads
     assert conn.stats.congestion_events > 0
-    assert conn.stats.bytes_in_flight == 0
+    # Nothing but a keepalive or probe PING may still be in flight, and it is counted.
+    in_flight = conn._recovery.sent.values()
+    assert all(not p.messages for p in in_flight)
+    assert conn.stats.bytes_in_flight == sum(p.size for p in in_flight)
 
 
 def _lossy_transfer(cc: bool, seed: int) -> tuple[float, Connection]:
@@ -313,7 +316,8 @@ def test_stats_and_metrics_report_the_window() -> None:
 
     from rudp.metrics import RudpCollector
 
-    net, server, client, conn = pair(Link(delay=0.01, loss=0.05), config=ON, seed=2)
+    # Jitter hides whether a queue builds, so these losses count as congestion.
+    net, server, client, conn = pair(Link(delay=0.01, loss=0.05, jitter=0.004), config=ON, seed=2)
     pump(net, conn, [bytes(1000)] * 500)
     stats = conn.stats
     assert stats.congestion_events > 0
