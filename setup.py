@@ -34,6 +34,7 @@ COMPILED_MODULES = [
     "rudp/sink.py",
     "rudp/endpoint.py",
     "rudp/stats.py",
+    "rudp/tokens.py",
     "rudp/aio/connection.py",
     "rudp/aio/endpoint.py",
 ]

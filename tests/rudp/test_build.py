@@ -31,6 +31,7 @@ CORE = [
     "rudp.sink",
     "rudp.endpoint",
     "rudp.stats",
+    "rudp.tokens",
     "rudp.aio.connection",
     "rudp.aio.endpoint",
 ]
