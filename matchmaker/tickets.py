@@ -51,6 +51,19 @@ class Ticket:
         """Where to connect: the host's LAN address when we share its NAT, else its public one."""
         return self.introduction.peer_lan or self.introduction.peer
 
+    async def connect(self, endpoint: rudp.Server) -> rudp.Connection:
+        """Connect to the host from ``endpoint`` (the socket the matchmaker saw us on)
+        with Noise NK to the vouched key, presenting the token. Raises what
+        ``endpoint.connect`` raises (``rudp.ConnectRefused`` naming a refused token)."""
+        target = self.address
+        return await endpoint.connect(
+            target.ip,
+            target.port,
+            server_key=self.host_key,
+            token=self.token,
+            token_key=self.handshake_key,
+        )
+
 
 def check_introduction(
     intro: Introduction, issuer_keys: Sequence[bytes], handshake_key: bytes
