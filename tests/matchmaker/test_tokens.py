@@ -3,6 +3,7 @@ the list, and what a client checks before it joins."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from dataclasses import replace
@@ -13,9 +14,10 @@ import pytest
 import rudp
 from matchmaker.__main__ import main
 from matchmaker.addresses import Address
+from matchmaker.client import MatchmakerClient
 from matchmaker.keys import key_file_text, parse_key, read_key_file, read_public_key
 from matchmaker.messages import Introduce, Introduction, ListPage, Register, Registered, Role
-from matchmaker.server import build_issuer
+from matchmaker.server import Matchmaker, build_issuer
 from matchmaker.settings import Settings, SettingsError
 from matchmaker.tickets import UntrustedIntroduction, check_introduction
 from rudp.tokens import (
@@ -26,7 +28,7 @@ from rudp.tokens import (
     issuer_public_key,
 )
 from tests.matchmaker.fakes import Wire
-from tests.matchmaker.helpers import WALL_CLOCK, Harness, collect_list, info, pub
+from tests.matchmaker.helpers import WALL_CLOCK, Harness, collect_list, info, pub, settings
 
 HOST_PRIVATE = rudp.generate_key()
 HOST_KEY = rudp.public_key(HOST_PRIVATE)
@@ -137,14 +139,69 @@ async def test_the_client_believes_only_what_the_pinned_key_signed() -> None:
 
 
 async def test_ticket_needs_a_pinned_key() -> None:
-    from matchmaker.client import MatchmakerClient
-
     async def never() -> Wire:
         raise AssertionError("not reached")
 
     client = MatchmakerClient(never)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="issuer_keys"):
         await client.ticket(HOST_ADDRESS)
+
+
+# ------------------------------------------------------------------ over loopback
+
+
+async def _listed_host(
+    mm: Matchmaker, listed_key: bytes, serving_key: bytes
+) -> tuple[rudp.Server, MatchmakerClient, asyncio.Queue[rudp.Connection]]:
+    """A game host serving with ``serving_key`` and registered with ``listed_key``."""
+    assert mm.issuer is not None
+    accepted: asyncio.Queue[rudp.Connection] = asyncio.Queue()
+
+    async def handler(conn: rudp.Connection) -> None:
+        await accepted.put(conn)
+        await conn.wait_closed()
+
+    config = rudp.Config(static_key=serving_key, token_issuers=(mm.issuer.public_key,))
+    game = await rudp.serve(handler, "127.0.0.1", 0, config=config)
+    host = MatchmakerClient.to("127.0.0.1", mm.udp_address[1], via=game)
+    await host.register(name="h", game="q3", version="1", max_players=4, key=listed_key)
+    return game, host, accepted
+
+
+async def test_a_pinned_client_joins_the_listed_host_and_refuses_an_impostor() -> None:
+    mm = Matchmaker(settings(ephemeral_issuer_key=True))
+    await mm.start()
+    assert mm.issuer is not None
+    endpoint = await rudp.open_endpoint("127.0.0.1", 0)
+    client = MatchmakerClient.to(
+        "127.0.0.1", mm.udp_address[1], via=endpoint, issuer_keys=[mm.issuer.public_key]
+    )
+    genuine_key, impostor_key = rudp.generate_key(), rudp.generate_key()
+    genuine = await _listed_host(mm, rudp.public_key(genuine_key), genuine_key)
+    # Listed with the genuine key, but whoever answers at its address holds another one.
+    impostor = await _listed_host(mm, rudp.public_key(genuine_key), impostor_key)
+    try:
+        listed = await client.list_servers(game="q3")
+        (entry,) = [e for e in listed if e.address.port == genuine[0].address[1]]
+        assert entry.info.key == rudp.public_key(genuine_key)  # the list carries it
+        ticket = await client.ticket(entry.address, user_data=b"ada")
+        conn = await ticket.connect(endpoint)
+        assert conn.server_authenticated and ticket.host_key == genuine[0].public_key
+        joined = await asyncio.wait_for(genuine[2].get(), 5)
+        assert joined.peer_identity is not None and joined.peer_identity.user_data == b"ada"
+
+        ticket = await client.ticket(impostor[0].address[:2])
+        with pytest.raises(rudp.ConnectRefused, match="another server key"):
+            await ticket.connect(endpoint)
+        assert impostor[2].empty()
+        await conn.close()
+    finally:
+        for game, host, _ in (genuine, impostor):
+            await host.close()
+            await game.close()
+        await client.close()
+        await endpoint.close()
+        await mm.shutdown()
 
 
 # ------------------------------------------------------------------ keys and settings
