@@ -107,6 +107,7 @@ async def test_host_and_client_snippets_join_through_the_serve_handler(
         (status,) = browser["statuses"]
         assert status.info is not None and status.info.name == "Friday night"
         assert status.info.players == 3 and status.ping is not None
+        assert status.info.key == host["game"].public_key  # server info carries the key
         await conn.close()
         await client["mm"].close()
         await client["endpoint"].close()
