@@ -177,7 +177,8 @@ def generate_issuer_key() -> bytes:
 
 def issuer_public_key(private: bytes) -> bytes:
     """The 32-byte public half of an issuing key: what hosts and clients are given."""
-    return _private(private).public_key().public_bytes_raw()
+    raw: bytes = _private(private).public_key().public_bytes_raw()
+    return raw
 
 
 def _private(raw: bytes) -> Ed25519PrivateKey:
