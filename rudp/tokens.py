@@ -303,7 +303,10 @@ def _issuer_keys(issuers: Sequence[bytes]) -> dict[bytes, Ed25519PublicKey]:
     for public in issuers:
         if len(public) != KEY_SIZE:
             raise ValueError(f"an issuer key is {KEY_SIZE} bytes (Ed25519 public key)")
-        keys[key_id(public)] = Ed25519PublicKey.from_public_bytes(public)
+        kid = key_id(public)
+        if kid in keys:
+            raise ValueError("two issuer keys with the same key id: give two different keys")
+        keys[kid] = Ed25519PublicKey.from_public_bytes(public)
     return keys
 
 

@@ -123,6 +123,8 @@ def test_rotated_key_is_accepted_and_retired_key_refused() -> None:
     assert _refusal(retired, _token(old)) is TokenRefusal.UNKNOWN_ISSUER
     with pytest.raises(ValueError, match="at most 2"):
         TokenVerifier([old.public_key, new.public_key, _issuer().public_key], HOST)
+    with pytest.raises(ValueError, match="same key id"):
+        TokenVerifier([old.public_key, old.public_key], HOST)
 
 
 def test_truncated_token_is_refused_at_every_length() -> None:
