@@ -82,6 +82,7 @@ from matchmaker.messages import (
     encode,
     str_tuple,
 )
+from matchmaker.tickets import Ticket, check_introduction
 from matchmaker.transport import TRANSPORT_ERRORS, Connector, Peer, rudp_connector
 
 log = logging.getLogger(__name__)
@@ -156,9 +157,12 @@ class MatchmakerClient:
         limits: Limits = DEFAULT_LIMITS,
         max_introductions: int = 64,
         routes: Routes | None = None,
+        issuer_keys: Sequence[bytes] = (),
     ) -> None:
         """`connect` opens a connection to the matchmaker (several: one per replica);
-        `routes`, when given, replaces it with named addresses looked up per attempt."""
+        `routes`, when given, replaces it with named addresses looked up per attempt.
+        `issuer_keys` pins the matchmaker's token-issuing public key (two while it
+        rotates): `ticket` believes only introductions it signed."""
         if routes is None:
             if connect is None:
                 raise TypeError("MatchmakerClient needs connect or routes")
@@ -182,6 +186,7 @@ class MatchmakerClient:
         self._reconnect_delay = reconnect_delay
         self._max_reconnect_delay = max_reconnect_delay
         self._limits = limits
+        self._issuer_keys = tuple(issuer_keys)
         self._conn: Peer | None = None
         self._reader: asyncio.Task[None] | None = None
         self._connecting = asyncio.Lock()
@@ -251,8 +256,12 @@ class MatchmakerClient:
         region: str = "",
         info: bytes = b"",
         lan: tuple[str, int] | None = None,
+        key: bytes | None = None,
     ) -> Address:
         """Register this host and keep it registered until `unregister`/`close`.
+
+        `key` is the game server's static public key (``server.public_key``): the
+        matchmaker lists it and issues connect tokens for it.
 
         Returns the public address the matchmaker observed.  Raises
         MatchmakerError at once if the matchmaker refuses for good (bad field,
@@ -272,6 +281,7 @@ class MatchmakerClient:
             region=region,
             info=info,
             lan=make_address(*lan) if lan else None,
+            key=key or b"",
         )
         address = await self._register_first(host)
         self._host = host
@@ -444,6 +454,33 @@ class MatchmakerClient:
         target = make_address(*host)
         lan_address = make_address(*lan) if lan else None
         return await self._expect(Introduce(host=target, lan=lan_address), Introduction)
+
+    async def ticket(
+        self,
+        host: Address | tuple[str, int],
+        *,
+        lan: tuple[str, int] | None = None,
+        user_data: bytes = b"",
+    ) -> Ticket:
+        """Ask to join `host` with a connect token; `Ticket.connect` then joins it.
+
+        `user_data` (at most 256 bytes) goes into the token, which the host reads as
+        ``conn.peer_identity.user_data``. Raises UntrustedIntroduction when the
+        pinned issuer key does not vouch for the answer (see `matchmaker.tickets`).
+        """
+        if not self._issuer_keys:
+            raise ValueError(
+                "ticket() needs the pinned issuer key: MatchmakerClient(issuer_keys=...)"
+            )
+        handshake_key = rudp.generate_key()
+        request = Introduce(
+            host=make_address(*host),
+            lan=make_address(*lan) if lan else None,
+            client_key=rudp.public_key(handshake_key),
+            user_data=user_data,
+        )
+        intro = await self._expect(request, Introduction)
+        return check_introduction(intro, self._issuer_keys, handshake_key)
 
     async def info(self) -> InfoReply:
         return await self._expect(InfoRequest(), InfoReply)

@@ -32,6 +32,7 @@ from matchmaker.registry import MemoryRegistry, Registry
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.service import MatchmakerService
 from matchmaker.settings import Settings
+from rudp.tokens import Issuer, generate_issuer_key
 
 log = structlog.get_logger("matchmaker.server")
 
@@ -54,6 +55,14 @@ def build_registry(settings: Settings, metrics: Metrics) -> Registry:
     )
 
 
+def build_issuer(settings: Settings) -> Issuer | None:
+    """The connect-token issuer of ``settings`` (``matchmaker.keys``), if any."""
+    private = settings.issuer_private_key()
+    if private is None and settings.ephemeral_issuer_key:
+        private = generate_issuer_key()
+    return None if private is None else Issuer(private)
+
+
 class Matchmaker:
     """The whole daemon: rudp port, HTTP port, registry and background loops."""
 
@@ -69,7 +78,10 @@ class Matchmaker:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.registry = registry or build_registry(settings, self.metrics)
-        self.service = MatchmakerService(settings, self.registry, self.metrics, rng=rng)
+        self.issuer = build_issuer(settings)
+        self.service = MatchmakerService(
+            settings, self.registry, self.metrics, rng=rng, issuer=self.issuer
+        )
         # rudp's idle timeout ends a silent host's connection (and so removes
         # it) no later than it would be hidden anyway.  Hosts keep talking
         # (heartbeats, their own rudp pings), so the daemon's own pings can be
@@ -152,7 +164,14 @@ class Matchmaker:
             udp=f"{self.udp_address[0]}:{self.udp_address[1]}",
             http=f"{self.http_address[0]}:{self.http_address[1]}",
             **s.startup_fields(),
+            issuer_public=self.issuer.public_key.hex() if self.issuer else "",
         )
+        if s.ephemeral_issuer_key:
+            log.warning(
+                "ephemeral_issuer_key",
+                note="development only: a new key every start, which every host and client "
+                "must be given again; production uses --issuer-key-file",
+            )
 
     async def _start_master(self) -> None:
         s = self.settings

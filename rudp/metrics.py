@@ -29,6 +29,7 @@ from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from rudp.connection import State
 from rudp.stats import COUNTER_TABLE, ENDPOINT_COUNTER_TABLE
+from rudp.tokens import TokenRefusal
 from rudp.wire import DropReason
 
 if TYPE_CHECKING:
@@ -107,6 +108,12 @@ def _endpoint_counters(endpoints: Sequence[Endpoint]) -> Iterable[Metric]:
     for reason in DropReason:
         dropped.add_metric([reason.value], sum(e.stats.dropped[reason] for e in endpoints))
     yield dropped
+    refused = CounterMetricFamily(
+        "rudp_tokens_refused_total", "Connect tokens refused, by reason.", labels=["reason"]
+    )
+    for refusal in TokenRefusal:
+        refused.add_metric([refusal.value], sum(e.stats.tokens_refused[refusal] for e in endpoints))
+    yield refused
     open_states = (State.CONNECTED, State.CLOSING)
     yield GaugeMetricFamily(
         "rudp_connections",

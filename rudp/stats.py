@@ -183,6 +183,7 @@ ENDPOINT_COUNTER_TABLE: Final = (
         "Handshakes that crossed our own CONNECT to the same peer and won the tie-break.",
         "rudp_simultaneous_opens_total",
     ),
+    ("tokens_accepted", "Connect tokens verified and spent.", "rudp_tokens_accepted_total"),
     (
         "noconn_suppressed",
         "NOCONN replies held back by the rate limit.",
@@ -215,6 +216,8 @@ class EndpointStats:
         "dropped",
         "noconn_suppressed",
         "simultaneous_opens",
+        "tokens_accepted",
+        "tokens_refused",
         "unvalidated_bytes_received",
         "unvalidated_bytes_sent",
     )
@@ -234,6 +237,10 @@ class EndpointStats:
         # NOCONN replies the token bucket held back (the datagram itself is counted
         # once, under its drop reason).
         self.noconn_suppressed = 0
+        # Connect tokens (``rudp.tokens``): accepted, and refused by reason (each refusal
+        # is answered with a REJECT naming it).
+        self.tokens_accepted = 0
+        self.tokens_refused: Counter[str] = Counter()
         # Counters of connections that have ended, so exported totals never go back.
         self.closed_totals: Counter[str] = Counter()
 

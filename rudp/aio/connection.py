@@ -28,6 +28,7 @@ from rudp.errors import (
 from rudp.events import Disconnected, DisconnectReason, MessageReceived
 from rudp.sending import ACKED, FAILED, SUPERSEDED, OutMessage
 from rudp.stats import ConnectionStats
+from rudp.tokens import PeerIdentity
 from rudp.wire import UNRELIABLE_MODES, Delivery
 
 if TYPE_CHECKING:
@@ -125,6 +126,13 @@ class Connection:
         """True when the handshake proved the server holds the key we expected
         (``server_key``, Noise NK); False under NN and on the accepting side."""
         return self._core.server_authenticated
+
+    @property
+    def peer_identity(self) -> PeerIdentity | None:
+        """On a server that requires connect tokens (``Config.token_issuers``): the
+        client id and user data of the token this client was admitted with, verified
+        against the issuer's key. None on a server that requires none, and on clients."""
+        return self._core.peer_identity
 
     @property
     def handshake_hash(self) -> bytes:

@@ -27,7 +27,7 @@ import random
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from time import monotonic
+from time import monotonic, time
 from typing import Any
 
 from mypy_extensions import mypyc_attr
@@ -91,6 +91,8 @@ class AioEndpoint:
         self._sock = sock
         self.config = config
         self.core = CoreEndpoint(config, now=monotonic(), rng=random.SystemRandom(), accept=accept)
+        # Connect tokens expire in UNIX time; the core's clock is the monotonic one.
+        self.core.wall_offset = time() - monotonic()
         self._handler = handler
         self.on_query: QueryHandler | None = None
         self._foreign: ForeignHandler | None = None  # see set_foreign_handler()
@@ -376,14 +378,23 @@ class AioEndpoint:
         self._schedule_flush()
 
     async def connect(
-        self, address: Address, *, owns_endpoint: bool = False, server_key: bytes | None = None
+        self,
+        address: Address,
+        *,
+        owns_endpoint: bool = False,
+        server_key: bytes | None = None,
+        token: bytes | None = None,
+        token_key: bytes | None = None,
     ) -> Connection:
         """Connect out; with ``owns_endpoint`` the connection closes this endpoint when it
         ends (set before the handshake: the server may close it in the same datagram).
-        ``server_key`` overrides ``Config.server_key`` for this connection."""
+        ``server_key`` overrides ``Config.server_key`` for this connection; ``token``
+        and ``token_key`` present a connect token (see ``rudp.connect``)."""
         if self._closed:
             raise LocalProtocolError("endpoint is closed")
-        core_conn = self.core.connect(address, monotonic(), server_key=server_key)
+        core_conn = self.core.connect(
+            address, monotonic(), server_key=server_key, token=token, token_key=token_key
+        )
         conn = Connection(self, core_conn)
         conn.owns_endpoint = owns_endpoint
         self._conns[core_conn] = conn

@@ -143,13 +143,24 @@ class Server:
     def on_foreign(self, handler: ForeignHandler | None) -> None:
         self._endpoint.set_foreign_handler(handler)
 
-    async def connect(self, host: str, port: int, *, server_key: bytes | None = None) -> Connection:
+    async def connect(
+        self,
+        host: str,
+        port: int,
+        *,
+        server_key: bytes | None = None,
+        token: bytes | None = None,
+        token_key: bytes | None = None,
+    ) -> Connection:
         """Open an outgoing connection from this server's socket (NAT traversal).
 
-        ``server_key`` (default ``Config.server_key``): the peer's public key to expect.
+        ``server_key`` (default ``Config.server_key``): the peer's public key to expect;
+        ``token`` and ``token_key``: a connect token, as for ``rudp.connect``.
         """
         _, address = await _resolve(host, port, *self._endpoint.destination_family())
-        return await self._endpoint.connect(address, server_key=server_key)
+        return await self._endpoint.connect(
+            address, server_key=server_key, token=token, token_key=token_key
+        )
 
     async def query(
         self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
@@ -229,6 +240,8 @@ async def connect(
     config: Config | None = None,
     local_addr: tuple[str, int] | None = None,
     server_key: bytes | None = None,
+    token: bytes | None = None,
+    token_key: bytes | None = None,
 ) -> Connection:
     """Connect to a rudp server. Raises ``ConnectRefused`` or ``ConnectTimeout``.
 
@@ -236,6 +249,13 @@ async def connect(
     handshake then proves the server holds its private half (Noise NK), and
     ``conn.server_authenticated`` is True. Without it the connection is sealed all
     the same, but the server is not authenticated (Noise NN).
+
+    ``token`` is a connect token (``rudp.tokens``) for a server that requires one,
+    and ``token_key`` the private X25519 key it was issued for (its public half is
+    the token's client key): the handshake uses it as this side's ephemeral key,
+    which binds the token to this handshake. A server that requires a token refuses
+    a client without one, or with one it does not accept, with ``ConnectRefused``
+    naming why.
     """
     cfg = config or Config()
     family, address = await _resolve(host, port)
@@ -244,7 +264,9 @@ async def connect(
         local_host, local_addr[1] if local_addr else 0, config=cfg, family=family
     )
     try:
-        return await server.endpoint.connect(address, owns_endpoint=True, server_key=server_key)
+        return await server.endpoint.connect(
+            address, owns_endpoint=True, server_key=server_key, token=token, token_key=token_key
+        )
     except BaseException:
         server.endpoint.close_now()
         raise
