@@ -136,6 +136,31 @@ _KEEPER_ERRORS: tuple[type[BaseException], ...] = (
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *TRANSPORT_ERRORS)
 
 
+class ServerList(list[HostEntry]):
+    """What `MatchmakerClient.list_servers` returns: a list of `HostEntry`, and
+    whether the answer reached its limit.
+
+    An answer is a random sample of at most `limit` matching hosts (the request's
+    ``limit``, 1,000 by default; the matchmaker refuses one above its ``--list-limit``).
+    At the limit there may be more: a narrower filter or a higher limit shows them.
+    """
+
+    limit: int
+    """The most hosts this answer could hold."""
+
+    def __init__(self, hosts: Iterable[HostEntry], *, limit: int) -> None:
+        super().__init__(hosts)
+        self.limit = limit
+
+    @property
+    def limit_reached(self) -> bool:
+        """True when the answer holds `limit` hosts: it may have left some out."""
+        return len(self) >= self.limit
+
+    def __repr__(self) -> str:
+        return f"ServerList({list.__repr__(self)}, limit={self.limit})"
+
+
 @dataclass(slots=True)
 class _PendingList:
     future: asyncio.Future[list[ListPage]]
@@ -418,9 +443,10 @@ class MatchmakerClient:
 
     # ------------------------------------------------------------------ clients
 
-    async def list_servers(self, *, game: str, **filters: Any) -> list[HostEntry]:
+    async def list_servers(self, *, game: str, **filters: Any) -> ServerList:
         """Hosts of `game` matching the filters (see ListFilter), in the matchmaker's
-        fair random order."""
+        fair random order: a `ServerList`, whose ``limit_reached`` says the answer
+        was cut at ``limit`` hosts (1,000 unless the filters say otherwise)."""
         for key in ("tags_all", "tags_any"):
             if key in filters:
                 filters[key] = str_tuple(filters[key], key)
@@ -435,7 +461,8 @@ class MatchmakerClient:
             pages = await asyncio.wait_for(pending.future, self._timeout)
         finally:
             self._lists.pop(rid, None)
-        return [entry for page in pages for entry in page.hosts]
+        hosts = (entry for page in pages for entry in page.hosts)
+        return ServerList(hosts, limit=request.filter.limit)
 
     async def introduce(
         self, host: Address | tuple[str, int], *, lan: tuple[str, int] | None = None

@@ -230,11 +230,18 @@ class Matchmaker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             # Handlers only set the flag; the shutdown itself runs here.
             loop.add_signal_handler(sig, stop.set)
+        started = False
         try:
             await self.start()
+            started = True
             tune_gc()  # once started: see matchmaker/gctuning.py
             await stop.wait()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-            await self.shutdown()
+            if started:
+                await self.shutdown()
+            else:
+                # It never served: release what did open, without stopping/stopped
+                # lines for a daemon that never logged matchmaker_started.
+                await self._close_now()

@@ -113,6 +113,10 @@ def test_a_busy_port_is_one_line_naming_it_and_exit_status_3(kind: str) -> None:
     assert failed[0]["port"] == f"{kind} 127.0.0.1:{port} ({flag})"
     assert "in use" in failed[0]["error"].lower()
     assert "Traceback" not in done.stderr
+    # It never started, so it does not say it is stopping either.
+    events = [r["event"] for r in lines]
+    assert "matchmaker_started" not in events and "matchmaker_stopping" not in events
+    assert "matchmaker_stopped" not in events
 
 
 def test_startup_fields_are_what_an_operator_checks() -> None:
@@ -158,6 +162,12 @@ async def test_servers_says_when_the_answer_reached_its_limit(daemon: Matchmaker
         assert whole["total"] == 3 and whole["limit"] == 1000 and whole["limit_reached"] is False
         every = await http_get(daemon.http_address, "/servers")
         assert every["total"] == 3 and every["limit_reached"] is False
+        lister = hosts[0][1]
+        cut = await lister.list_servers(game="q3", limit=2)
+        assert len(cut) == 2 and cut.limit == 2 and cut.limit_reached is True
+        full = await lister.list_servers(game="q3")
+        assert len(full) == 3 and full.limit == 1000 and full.limit_reached is False
+        assert "limit=1000" in repr(full)
     finally:
         for game, mm in hosts:
             await mm.close()
