@@ -223,6 +223,8 @@ class MatchmakerClient:
         """Introductions for a registered host: clients that want to join."""
         self.registrations = 0
         """How many times `Register` succeeded (re-registrations included)."""
+        self._socket_of_its_own = False
+        """Made by `to()` without ``via``: its ephemeral socket is no game's address."""
 
     @classmethod
     def to(
@@ -238,6 +240,13 @@ class MatchmakerClient:
 
         `host` may be a name that resolves to several replicas (resolved again
         for every connection attempt), or a list of ``(host, port)`` replicas.
+
+        `via` is the rudp socket to talk through: a game host's own server
+        (``rudp.serve``), so that the address the matchmaker registers, lists and
+        introduces is the game port; a game client's ``rudp.open_endpoint()``, so
+        that the host is introduced to the address the client connects from.
+        Without it the client opens a socket of its own, which can list servers
+        and introduce, but `register` refuses (that socket is no game's address).
         """
         if isinstance(host, str):
             if port is None:
@@ -247,7 +256,9 @@ class MatchmakerClient:
             replicas = [(h, int(p)) for h, p in host]
             if not replicas:
                 raise ValueError("to([]): no matchmaker address")
-        return cls(routes=_resolving_routes(replicas, via, config), **kwargs)
+        client = cls(routes=_resolving_routes(replicas, via, config), **kwargs)
+        client._socket_of_its_own = via is None
+        return client
 
     @property
     def route(self) -> str | None:
@@ -284,7 +295,17 @@ class MatchmakerClient:
         per-IP cap, forbidden address).  Unreachable or stopping replicas, rate
         limits and outages are retried with backoff for ``register_timeout``
         seconds; then the last refusal is raised, or `MatchmakerUnreachable`.
+
+        The matchmaker lists the address this client's connection comes from, so a
+        client made by ``to()`` without ``via=`` (its own ephemeral socket, not the
+        game's) raises TypeError at once instead of listing the wrong port.
         """
+        if self._socket_of_its_own:
+            raise TypeError(
+                "register() lists the address the client talks from, and this client has "
+                "a socket of its own (MatchmakerClient.to() without via=): pass the game "
+                "server, MatchmakerClient.to(host, port, via=game_server)"
+            )
         host = HostInfo(
             name=name,
             game=game,

@@ -51,6 +51,31 @@ def test_any_sequence_of_tags_becomes_a_tuple() -> None:
         str_tuple("x", "tags_any")
 
 
+# -- registering from the wrong socket ------------------------------------------------------
+
+
+async def test_register_without_the_game_socket_is_refused_before_anything_is_sent(
+    daemon: Matchmaker,
+) -> None:
+    async with MatchmakerClient.to(*daemon.udp_address) as mm:
+        with pytest.raises(TypeError, match=r"via=game_server"):
+            await mm.register(**HOST)
+        assert mm.registrations == 0 and mm.route is None  # not even connected
+        # Listing from a socket of its own is fine.
+        assert await mm.list_servers(game="q3") == []
+    assert daemon.registry.count_by_game() == {}
+
+
+async def test_register_through_the_game_socket_lists_the_game_port(daemon: Matchmaker) -> None:
+    game, _ = await accepting_endpoint()
+    try:
+        async with MatchmakerClient.to(*daemon.udp_address, via=game) as mm:
+            address = await mm.register(**HOST)
+            assert (address.ip, address.port) == game.address
+    finally:
+        await game.close()
+
+
 # -- connect errors name the address and the timeout ----------------------------------------
 
 
