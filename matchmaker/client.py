@@ -83,6 +83,7 @@ from matchmaker.messages import (
     str_tuple,
 )
 from matchmaker.transport import TRANSPORT_ERRORS, Connector, Peer, rudp_connector
+from rudp.errors import check_address, check_sequence
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,8 @@ class MatchmakerClient:
         if routes is None:
             if connect is None:
                 raise TypeError("MatchmakerClient needs connect or routes")
+            if not callable(connect):
+                check_sequence(connect, "connect")
             connectors = [connect] if callable(connect) else list(connect)
             routes = _fixed_routes([(f"replica {i + 1}", c) for i, c in enumerate(connectors)])
         self._routes = routes
@@ -253,7 +256,11 @@ class MatchmakerClient:
                 raise TypeError("to(host, port): the port is missing")
             replicas = [(host, port)]
         else:
-            replicas = [(h, int(p)) for h, p in host]
+            check_sequence(host, "to() host")
+            replicas = []
+            for replica in host:
+                check_address(replica, "each replica of to()")
+                replicas.append((replica[0], int(replica[1])))
             if not replicas:
                 raise ValueError("to([]): no matchmaker address")
         client = cls(routes=_resolving_routes(replicas, via, config), **kwargs)
@@ -306,6 +313,8 @@ class MatchmakerClient:
                 "a socket of its own (MatchmakerClient.to() without via=): pass the game "
                 "server, MatchmakerClient.to(host, port, via=game_server)"
             )
+        if lan is not None:
+            check_address(lan, "lan")
         host = HostInfo(
             name=name,
             game=game,
@@ -489,6 +498,9 @@ class MatchmakerClient:
         self, host: Address | tuple[str, int], *, lan: tuple[str, int] | None = None
     ) -> Introduction:
         """Ask to join `host`; returns where to connect (and the shared nonce)."""
+        check_address(host, "introduce() host")
+        if lan is not None:
+            check_address(lan, "lan")
         target = make_address(*host)
         lan_address = make_address(*lan) if lan else None
         return await self._expect(Introduce(host=target, lan=lan_address), Introduction)

@@ -28,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from rudp.connection import State
+from rudp.errors import check_sequence
 from rudp.stats import COUNTER_TABLE, ENDPOINT_COUNTER_TABLE
 from rudp.wire import DropReason
 
@@ -58,6 +59,7 @@ class RudpCollector(Collector):
         # Server's asyncio endpoint (its core is read at scrape time), or a core
         # Endpoint added directly. The mypyc-compiled core's classes cannot be weakly
         # referenced, so there a core Endpoint added directly is held strongly.
+        check_sequence(endpoints, "endpoints")
         self._weak: WeakSet[Any] = WeakSet()
         self._strong: list[Endpoint] = []
         for endpoint in endpoints:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from rudp import wire
 from rudp.config import BUFFER_ENTRY_COST, Config
-from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull
+from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull, check_sequence
 from rudp.events import MessageAcked
 from rudp.graph import GraphNode, mark_executed
 from rudp.wire import (
@@ -344,6 +344,8 @@ class Sender:
         depends_on: Iterable[OutMessage] | None,
         now: float | None,
     ) -> OutMessage:
+        if depends_on is not None:
+            check_sequence(depends_on, "depends_on")  # a str would be its letters
         try:
             kind = Delivery.DEPENDENCY_ORDERED if delivery is None else Delivery(delivery)
         except ValueError:

@@ -14,6 +14,7 @@ from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler
 from rudp.aio.protocol import DatagramLink, open_protocol_endpoint, reads_with_add_reader
 from rudp.config import Config
 from rudp.connection import Address
+from rudp.errors import check_address
 from rudp.stats import EndpointStats
 
 
@@ -155,6 +156,7 @@ class Server:
         self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
     ) -> tuple[bytes, float]:
         """Send an unconnected query; returns (reply, round-trip seconds)."""
+        check_address(address, "query() address")
         _, resolved = await _resolve(address[0], address[1], *self._endpoint.destination_family())
         return await self._endpoint.query(resolved, payload, timeout)
 
@@ -237,6 +239,8 @@ async def connect(
     ``conn.server_authenticated`` is True. Without it the connection is sealed all
     the same, but the server is not authenticated (Noise NN).
     """
+    if local_addr is not None:
+        check_address(local_addr, "local_addr")
     cfg = config or Config()
     family, address = await _resolve(host, port)
     local_host = local_addr[0] if local_addr else ("::" if family == socket.AF_INET6 else "0.0.0.0")

@@ -34,6 +34,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
+from rudp.errors import check_address, check_sequence
 from rudp.lan.interfaces import format_address, list_interfaces
 from rudp.lan.messages import (
     DEFAULT_DISCOVERY_PORT,
@@ -345,8 +346,11 @@ def _destinations(
     ipv6: bool,
     group: str,
 ) -> list[Destination]:
+    check_sequence(targets, "targets")
     result: list[Destination] = []
-    for host, target_port in targets:
+    for target in targets:
+        check_address(target, "each of targets")
+        host, target_port = target[0], target[1]
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         result.append((family, _resolve(family, host, target_port)))
     interfaces = list_interfaces() if broadcast or ipv6 else []

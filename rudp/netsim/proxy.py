@@ -32,6 +32,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rudp.errors import check_address
 from rudp.netsim.aio import ConditionedPipe
 from rudp.netsim.conditioner import LinkProfile, LinkStats
 
@@ -378,6 +379,8 @@ async def start_proxy(
     dropped and counted in ``stats.clients_rejected``. Raises OSError when binding or resolving
     fails.
     """
+    check_address(listen, "listen")
+    check_address(target, "target")
     if not (idle_timeout > 0.0 and math.isfinite(idle_timeout)):
         raise ValueError(
             f"idle_timeout must be a finite number of seconds > 0, got {idle_timeout!r}"

@@ -18,6 +18,7 @@ import rudp
 from matchmaker.client import MatchmakerClient
 from matchmaker.messages import HostInfo, HostUpdate, ListFilter, str_tuple
 from matchmaker.server import Matchmaker
+from matchmaker.serverinfo import query_server, query_servers
 from matchmaker.settings import Settings
 from tests.matchmaker.helpers import accepting_endpoint
 
@@ -49,6 +50,28 @@ def test_any_sequence_of_tags_becomes_a_tuple() -> None:
     assert str_tuple(("x",), "tags") == ("x",)
     with pytest.raises(TypeError, match="tags_any"):
         str_tuple("x", "tags_any")
+
+
+async def test_the_client_refuses_a_str_where_an_address_or_a_list_belongs() -> None:
+    with pytest.raises(TypeError, match=r"\(host, port\) tuple, not 'mm:27950'"):
+        MatchmakerClient.to(["mm:27950"])
+    with pytest.raises(TypeError, match="to\\(\\) host"):
+        MatchmakerClient.to(b"mm")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="connect takes a sequence"):
+        MatchmakerClient("replica")  # type: ignore[arg-type]
+    endpoint = await rudp.open_endpoint("127.0.0.1")
+    async with endpoint, MatchmakerClient.to("127.0.0.1", 9, via=endpoint) as mm:
+        with pytest.raises(TypeError, match="introduce\\(\\) host"):
+            await mm.introduce("192.0.2.1:27960")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="lan takes a"):
+            await mm.register(**HOST, lan="192.168.1.5:27960")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="addresses takes a sequence"):
+            await query_servers(endpoint, "192.0.2.1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="each of addresses"):
+            await query_servers(endpoint, ["192.0.2.1:27960"])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="address takes a"):
+            await query_server(endpoint, "192.0.2.1:27960")  # type: ignore[arg-type]
+        assert mm.route is None  # nothing was sent anywhere
 
 
 # -- registering from the wrong socket ------------------------------------------------------
