@@ -678,7 +678,7 @@ def _describe(exc: BaseException) -> str:
 
 async def _close_quietly(conn: Peer, timeout: float) -> None:
     with contextlib.suppress(*_CONNECT_ERRORS):
-        await asyncio.wait_for(conn.close(reason="failover"), timeout)
+        await asyncio.wait_for(conn.close(text="failover"), timeout)
 
 
 def _fixed_routes(routes: list[Route]) -> Routes:

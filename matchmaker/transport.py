@@ -40,7 +40,9 @@ class Peer(Protocol):
         """Messages until the connection ends."""
         ...
 
-    async def close(self, code: int = 0, reason: str = "") -> None: ...
+    def close(self, code: int = 0, text: str = "") -> Awaitable[object]:
+        """Start closing at once; the awaitable completes when the connection ended."""
+        ...
 
 
 Connector = Callable[[], Awaitable[Peer]]

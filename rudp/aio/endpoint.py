@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
+import inspect
 import logging
 import random
 import socket
@@ -57,6 +59,36 @@ Receive = Callable[[bytes, Address, float], object]
 FOREIGN_PREFIX = b"\xff\xff\xff\xff"
 """What starts a datagram of another protocol sharing the socket (A2S, Quake)."""
 SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
+# The close text of a connection its serve handler ended (what the peer's
+# ConnectionClosed and Disconnected say): returned, raised, or was no coroutine.
+HANDLER_RETURNED = "server handler returned"
+HANDLER_FAILED = "server handler failed"
+HANDLER_NOT_AWAITABLE = "server handler is not a coroutine function"
+
+
+def check_handler(handler: object) -> None:
+    """Refuse at ``serve()`` time a handler that cannot be awaited.
+
+    A plain ``def`` (or a method, or an object whose ``__call__`` is one) is a
+    TypeError at once instead of a failure on every connection. A lambda is let
+    through: it may return a coroutine (``lambda conn: play(world, conn)``), and
+    what it returns is checked on the first connection (``handler_not_awaitable``).
+    """
+    if not callable(handler):
+        raise TypeError(f"serve() takes an async def handler, got {handler!r}")
+    target = handler if inspect.isroutine(handler) else type(handler).__call__
+    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(target):
+        return
+    if isinstance(handler, functools.partial):
+        check_handler(handler.func)
+        return
+    if getattr(target, "__name__", "") == "<lambda>":
+        return
+    name = getattr(handler, "__qualname__", None) or repr(handler)
+    raise TypeError(
+        f"serve() runs `await handler(conn)` for each connection, and {name} is a plain "
+        "function: define it with `async def`"
+    )
 
 
 # Compiled (RUDP_COMPILE=1), this stays an ordinary Python class whose methods are
@@ -326,8 +358,21 @@ class AioEndpoint:
         return conn
 
     async def _run_handler(self, conn: Connection, handler: Handler) -> None:
+        # The connection lives as long as its handler (asyncio's start_server differs:
+        # there the handler may return and leave the stream open). The close text says
+        # so to the peer, and to whoever reads the Disconnected on this side.
+        text = HANDLER_RETURNED
         try:
-            await handler(conn)
+            running = handler(conn)
+            if not inspect.isawaitable(running):
+                text = HANDLER_NOT_AWAITABLE
+                log.error(
+                    "handler_not_awaitable peer=%s type=%s",
+                    format_address(conn.remote_address),
+                    type(running).__name__,
+                )
+            else:
+                await running
         except asyncio.CancelledError:
             raise
         except RudpError as exc:
@@ -335,10 +380,11 @@ class AioEndpoint:
                 "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
             )
         except Exception:
+            text = HANDLER_FAILED
             log.exception("handler_failed peer=%s", format_address(conn.remote_address))
         if not conn.closed:
             with contextlib.suppress(RudpError):
-                await conn.close()
+                await conn.close(text=text)
 
     def _endpoint_event(self, event: object) -> None:
         if isinstance(event, QueryReceived):

@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import Any
 
 from rudp.aio.connection import Connection
-from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler
+from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler, check_handler
 from rudp.aio.protocol import DatagramLink, open_protocol_endpoint, reads_with_add_reader
 from rudp.config import Config
 from rudp.connection import Address
@@ -196,7 +196,13 @@ async def open_endpoint(
     config: Config | None = None,
     family: int = 0,
 ) -> Server:
-    """Bind a UDP socket; with ``handler`` it accepts connections, else it only connects out."""
+    """Bind a UDP socket; with ``handler`` it accepts connections, else it only connects out.
+
+    ``handler`` must be an ``async def`` (``await handler(conn)`` runs per connection;
+    a plain ``def`` is a TypeError at once). Its connection is closed when it returns.
+    """
+    if handler is not None:
+        check_handler(handler)
     loop = asyncio.get_running_loop()
     cfg = config or Config()
     sock = await _open_socket(host, port, family, cfg)
@@ -219,7 +225,11 @@ async def serve(
 ) -> Server:
     """Accept rudp connections on ``host:port``; run ``await handler(conn)`` for each.
 
-    When the handler returns, its connection is closed gracefully.
+    The connection lives as long as its handler: when the handler returns (or
+    raises), its connection is closed gracefully, and the peer sees the text
+    "server handler returned" (or "server handler failed"). A handler that hands
+    the connection to a task of its own must wait for it (``await conn.wait_closed()``).
+    A plain ``def`` handler is a TypeError at once.
     """
     return await open_endpoint(host, port, handler=handler, config=config)
 

@@ -69,7 +69,7 @@ class FakeConnection:
                 return
             yield Received(data)
 
-    async def close(self, code: int = 0, reason: str = "") -> None:
+    async def close(self, code: int = 0, text: str = "") -> None:
         self.abort()
 
     def abort(self) -> None:

@@ -4,6 +4,8 @@ that names the fix: a str where a sequence or an address belongs."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -106,3 +108,107 @@ def test_the_checks_accept_what_the_api_documents() -> None:
     for wrong in ("127.0.0.1", ("127.0.0.1",), (1, 2), None):
         with pytest.raises(TypeError):
             check_address(wrong, "x")
+
+
+# -- asyncio habits: handlers and close() ---------------------------------------------------
+
+
+def plain_handler(conn: rudp.Connection) -> None:
+    conn.send(b"hi")
+
+
+class PlainCallable:
+    def __call__(self, conn: rudp.Connection) -> None:
+        pass
+
+
+class AsyncCallable:
+    async def __call__(self, conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+
+async def takes_world(world: object, conn: rudp.Connection) -> None:
+    await conn.wait_closed()
+
+
+@pytest.mark.parametrize("handler", [plain_handler, PlainCallable(), functools.partial(print)])
+async def test_serve_refuses_a_plain_function_at_once(handler: Any) -> None:
+    with pytest.raises(TypeError, match="async def"):
+        await rudp.serve(handler, "127.0.0.1", 0)
+    with pytest.raises(TypeError, match="async def"):
+        await rudp.open_endpoint("127.0.0.1", handler=handler)
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        hold,
+        AsyncCallable(),
+        functools.partial(takes_world, None),
+        lambda conn: takes_world(None, conn),
+    ],
+)
+async def test_serve_takes_what_can_be_awaited(handler: Any) -> None:
+    async with await rudp.serve(handler, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        await asyncio.wait_for(conn.close(), 5)
+
+
+async def closed_by_the_server(handler: Any) -> rudp.Disconnected:
+    async with await rudp.serve(handler, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        with pytest.raises(rudp.ConnectionClosed) as info:
+            await asyncio.wait_for(conn.recv(), 5)
+        ended = await asyncio.wait_for(conn.wait_closed(), 5)
+        assert info.value.text == ended.text
+        return ended
+
+
+async def test_a_handler_that_returns_closes_its_connection_and_the_client_is_told() -> None:
+    tasks: list[asyncio.Task[None]] = []
+
+    async def spawn_and_return(conn: rudp.Connection) -> None:
+        tasks.append(asyncio.create_task(hold(conn)))  # the asyncio.start_server habit
+
+    ended = await closed_by_the_server(spawn_and_return)
+    assert ended.reason is rudp.DisconnectReason.CLOSED and ended.by_peer
+    assert ended.text == "server handler returned"
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+
+async def test_a_handler_that_raises_or_returns_no_awaitable_says_so() -> None:
+    async def fail(conn: rudp.Connection) -> None:
+        raise ValueError("bug")
+
+    assert (await closed_by_the_server(fail)).text == "server handler failed"
+    not_awaitable = await closed_by_the_server(lambda conn: None)
+    assert not_awaitable.text == "server handler is not a coroutine function"
+
+
+async def test_close_starts_at_once_even_when_not_awaited(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, conn = pair
+    [accepted] = server.connections
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine was never awaited"
+        conn.close(4000, "bye")  # not awaited
+        assert conn.closed
+    ended = await asyncio.wait_for(accepted.wait_closed(), 5)
+    assert (ended.reason, ended.code, ended.text) == (rudp.DisconnectReason.CLOSED, 4000, "bye")
+    mine = await asyncio.wait_for(conn.close(), 5)  # awaiting gives the Disconnected
+    assert mine == conn.disconnected and mine.code == 4000
+
+
+async def test_the_old_spellings_of_close_still_work_with_a_deprecation_warning(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, conn = pair
+    [accepted] = server.connections
+    with pytest.warns(DeprecationWarning, match="text="):
+        closing = conn.close(7, reason="old")
+    await asyncio.wait_for(closing, 5)
+    with pytest.warns(DeprecationWarning, match="disconnected"):
+        old = conn.close_reason
+    assert old == conn.disconnected and old is not None and old.text == "old"
+    assert (await asyncio.wait_for(accepted.wait_closed(), 5)).text == "old"
