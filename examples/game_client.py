@@ -58,7 +58,7 @@ class Play:
         self.chat_echoed = False
         self.stale = 0
 
-    def on_message(self, msg: rudp.Message) -> None:
+    def on_message(self, msg: rudp.MessageReceived) -> None:
         event = msgpack.unpackb(msg.data)
         kind = event.get("t")
         if kind == "welcome":

@@ -267,6 +267,12 @@ class MatchmakerClient:
         client._socket_of_its_own = via is None
         return client
 
+    def __repr__(self) -> str:
+        route = self._route or "not connected"
+        if self._host is not None and self.address is not None:
+            return f"<MatchmakerClient {route}, registered as {self.address}>"
+        return f"<MatchmakerClient {route}>"
+
     @property
     def route(self) -> str | None:
         """The matchmaker address of the current (or last) connection."""
@@ -694,8 +700,13 @@ def _resolving_routes(
     """Every address each replica name resolves to, looked up per attempt (DNS
     round robin, a name whose records change as replicas come and go)."""
 
-    # An IPv4 game socket cannot reach the replicas' IPv6 addresses.
-    family = socket.AF_INET if via is not None and len(via.address) == 2 else socket.AF_UNSPEC
+    # An IPv4 game socket cannot reach the replicas' IPv6 addresses, nor an IPv6-only
+    # one their IPv4 addresses; a dual-stack one reaches both (IPv4 as v4-mapped).
+    family: int = socket.AF_UNSPEC
+    if via is not None:
+        sock_family, flags = via.endpoint.destination_family()
+        if not flags & socket.AI_V4MAPPED:
+            family = sock_family
 
     async def lookup() -> list[Route]:
         loop = asyncio.get_running_loop()

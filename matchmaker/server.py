@@ -125,6 +125,12 @@ class Matchmaker:
         assert self._http is not None, "not started"
         return self._http.address
 
+    def __repr__(self) -> str:
+        if self._udp is None or self._http is None:
+            return "<Matchmaker not started>"
+        udp, http = self.udp_address, self.http_address
+        return f"<Matchmaker udp {udp[0]}:{udp[1]} http {http[0]}:{http[1]}>"
+
     async def start(self) -> None:
         s = self.settings
         await self.registry.start()

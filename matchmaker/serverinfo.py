@@ -71,6 +71,9 @@ class InfoResponder:
         self.answered = 0
         """Queries answered."""
 
+    def __repr__(self) -> str:
+        return f"<InfoResponder answered={self.answered}>"
+
     def __call__(self, payload: bytes, address: Any) -> bytes | None:
         try:
             query = decode(payload, self._limits)

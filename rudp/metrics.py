@@ -67,6 +67,9 @@ class RudpCollector(Collector):
         if registry is not None:
             registry.register(self)
 
+    def __repr__(self) -> str:
+        return f"<RudpCollector endpoints={len(self._cores())}>"
+
     def add(self, endpoint: object) -> None:
         """Track an endpoint: a ``rudp.Server`` or a core ``rudp.endpoint.Endpoint``."""
         from rudp.endpoint import Endpoint

@@ -246,3 +246,10 @@ class EndpointStats:
     @property
     def datagrams_dropped(self) -> int:
         return sum(self.dropped.values())
+
+    def __repr__(self) -> str:
+        counters = ", ".join(
+            f"{name}={getattr(self, name)}" for name, _, _ in ENDPOINT_COUNTER_TABLE
+        )
+        dropped = {str(reason): n for reason, n in self.dropped.items()}
+        return f"EndpointStats({counters}, dropped={dropped!r})"

@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Message = MessageReceived
-"""A received message: ``.data`` (bytes), ``.channel`` (int), ``.reliable`` (bool)."""
-
 Receiver = Callable[[MessageReceived], object]
 """What ``Connection.set_receiver`` takes: called with each message as it arrives."""
 
@@ -447,7 +444,7 @@ class Connection:
         return ConnectionClosed(event.reason.value, event.code, event.text)
 
     def __repr__(self) -> str:
-        return f"<rudp.Connection {self.remote_address!r} {self._core.state.value}>"
+        return f"<rudp.Connection {format_address(self.remote_address)} {self._core.state.value}>"
 
 
 def connect_error(event: Disconnected, address: Address, timeout: float) -> Exception:

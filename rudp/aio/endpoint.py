@@ -527,6 +527,11 @@ class AioEndpoint:
         return sock.family, 0
 
     @property
+    def accepting(self) -> bool:
+        """True when it accepts connections (it has a handler)."""
+        return self._handler is not None
+
+    @property
     def is_closed(self) -> bool:
         return self._closed
 

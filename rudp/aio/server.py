@@ -1,4 +1,4 @@
-"""``serve()``, ``connect()`` and the ``Server`` they share the socket code with."""
+"""``serve()``, ``connect()`` and the ``Endpoint`` they share the socket code with."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler
 from rudp.aio.protocol import DatagramLink, open_protocol_endpoint, reads_with_add_reader
 from rudp.config import Config
 from rudp.connection import Address
-from rudp.errors import check_address
+from rudp.errors import check_address, format_address
 from rudp.stats import EndpointStats
 
 
@@ -77,10 +77,12 @@ async def _open_socket(host: str | None, port: int, family: int, config: Config)
     return sock
 
 
-class Server:
-    """A UDP socket accepting rudp connections; also connects out from the same socket.
+class Endpoint:
+    """One UDP socket: it connects out, and with a handler it accepts connections.
 
-    An async context manager: leaving the block closes every connection gracefully.
+    What ``open_endpoint()`` and ``serve()`` return (``rudp.Server`` is the same
+    class, the name a ``serve()`` caller may prefer). An async context manager:
+    leaving the block closes every connection gracefully.
     """
 
     def __init__(self, endpoint: AioEndpoint, link: DatagramLink | None = None) -> None:
@@ -176,7 +178,17 @@ class Server:
         if self._link is not None:
             await self._link.released()
 
-    async def __aenter__(self) -> Server:
+    def __repr__(self) -> str:
+        endpoint = self._endpoint
+        if endpoint.is_closed:
+            state = "closed"
+        elif endpoint.accepting:
+            state = f"accepting, {len(endpoint.connections())} connections"
+        else:
+            state = "connecting out"
+        return f"<rudp.Endpoint {format_address(self.address)} {state}>"
+
+    async def __aenter__(self) -> Endpoint:
         return self
 
     async def __aexit__(
@@ -188,6 +200,10 @@ class Server:
         await self.close()
 
 
+Server = Endpoint
+"""The same class as ``Endpoint``: what ``serve()`` returns reads as a server."""
+
+
 async def open_endpoint(
     host: str | None = None,
     port: int = 0,
@@ -195,7 +211,7 @@ async def open_endpoint(
     handler: Handler | None = None,
     config: Config | None = None,
     family: int = 0,
-) -> Server:
+) -> Endpoint:
     """Bind a UDP socket; with ``handler`` it accepts connections, else it only connects out.
 
     ``handler`` must be an ``async def`` (``await handler(conn)`` runs per connection;
@@ -209,7 +225,7 @@ async def open_endpoint(
     accept = handler is not None
     try:
         if reads_with_add_reader(loop, sock):
-            return Server(AioEndpoint(loop, sock, cfg, accept=accept, handler=handler))
+            return Endpoint(AioEndpoint(loop, sock, cfg, accept=accept, handler=handler))
         # Windows' Proactor loop
         endpoint, link = await open_protocol_endpoint(
             loop, sock, cfg, accept=accept, handler=handler
@@ -217,12 +233,12 @@ async def open_endpoint(
     except BaseException:
         sock.close()
         raise
-    return Server(endpoint, link)
+    return Endpoint(endpoint, link)
 
 
 async def serve(
     handler: Handler, host: str | None, port: int, *, config: Config | None = None
-) -> Server:
+) -> Endpoint:
     """Accept rudp connections on ``host:port``; run ``await handler(conn)`` for each.
 
     The connection lives as long as its handler: when the handler returns (or

@@ -108,6 +108,10 @@ class DiscoveryResponder:
         """The bound port (useful with ``port=0``); 0 before binding."""
         return self._port
 
+    def __repr__(self) -> str:
+        where = " ".join(f"{a[0]}:{a[1]}" for a in self.addresses) or "closed"
+        return f"<DiscoveryResponder game={self.game!r} {where}>"
+
     def close(self) -> None:
         """Stop answering. Idempotent."""
         for transport in self._transports:

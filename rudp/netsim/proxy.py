@@ -190,6 +190,13 @@ class Proxy:
         """The (host, port) the proxy listens on; the real port when 0 was asked."""
         return self._address
 
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (
+            f"<rudp.netsim Proxy {format_address(self.address)} -> "
+            f"{format_address(self.target)}{state}>"
+        )
+
     @property
     def target(self) -> tuple[str, int]:
         """The resolved (host, port) datagrams are forwarded to."""

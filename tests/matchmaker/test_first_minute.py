@@ -99,6 +99,20 @@ async def test_register_through_the_game_socket_lists_the_game_port(daemon: Matc
         await game.close()
 
 
+async def test_the_client_and_the_daemon_print_where_they_are(daemon: Matchmaker) -> None:
+    udp_host, udp_port = daemon.udp_address
+    assert repr(daemon).startswith(f"<Matchmaker udp {udp_host}:{udp_port} http ")
+    assert repr(Matchmaker(Settings())) == "<Matchmaker not started>"
+    game, _ = await accepting_endpoint()
+    try:
+        async with MatchmakerClient.to(udp_host, udp_port, via=game) as mm:
+            assert repr(mm) == "<MatchmakerClient not connected>"
+            address = await mm.register(**HOST)
+            assert repr(mm) == f"<MatchmakerClient {udp_host}:{udp_port}, registered as {address}>"
+    finally:
+        await game.close()
+
+
 # -- connect errors name the address and the timeout ----------------------------------------
 
 
@@ -250,3 +264,57 @@ def test_make_names_the_package_when_python_has_no_venv(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "apt-get install python3-venv" in done.stderr
     assert not venv.exists()
+
+
+# -- addresses: IPv6 ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bind", "families"),
+    [
+        ("127.0.0.1", {socket.AF_INET}),
+        ("::1", {socket.AF_INET6}),
+        ("::", {socket.AF_UNSPEC}),
+        (None, {socket.AF_UNSPEC}),  # no via: the client's own socket follows the address
+    ],
+)
+async def test_replica_names_are_resolved_for_what_the_game_socket_reaches(
+    bind: str | None, families: set[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: set[int] = set()
+    loop = asyncio.get_running_loop()
+
+    async def getaddrinfo(host: str, port: int, *, family: int = 0, **kw: Any) -> Any:
+        asked.add(family)
+        v4 = (socket.AF_INET, socket.SOCK_DGRAM, 0, "", ("192.0.2.1", port))
+        v6 = (socket.AF_INET6, socket.SOCK_DGRAM, 0, "", ("2001:db8::1", port, 0, 0))
+        return {socket.AF_INET: [v4], socket.AF_INET6: [v6]}.get(family, [v6, v4])
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    game = await rudp.open_endpoint(bind) if bind is not None else None
+    try:
+        mm = MatchmakerClient.to("mm.example.net", 27950, via=game)
+        routes = [label for label, _ in await mm._routes()]
+        assert asked == families
+        want = {
+            socket.AF_INET: ["192.0.2.1:27950"],
+            socket.AF_INET6: ["[2001:db8::1]:27950"],
+            socket.AF_UNSPEC: ["[2001:db8::1]:27950", "192.0.2.1:27950"],
+        }[next(iter(families))]
+        assert routes == want
+    finally:
+        if game is not None:
+            await game.close()
+
+
+async def test_ipv6_addresses_are_socket_addresses_and_address_is_host_and_port() -> None:
+    async def hold(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    async with await rudp.serve(hold, "::1", 0) as server:
+        assert server.address == ("::1", server.address[1])
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        host, port, flowinfo, scope_id = conn.remote_address  # what the socket module gives
+        assert (host, port) == server.address and conn.remote_address[:2] == server.address
+        assert len(conn.local_address) == 4
+        await asyncio.wait_for(conn.close(), 5)

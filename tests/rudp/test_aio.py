@@ -404,7 +404,7 @@ async def test_a_receiver_gets_every_message_in_order_and_recv_says_so() -> None
         while len(conn._inbox) < 2:  # two more are queued before the receiver is set
             await asyncio.sleep(0.01)
 
-        def receiver(msg: rudp.Message) -> None:
+        def receiver(msg: rudp.MessageReceived) -> None:
             got.append(msg.data)
             if len(got) == 12:
                 arrived.set()
@@ -470,7 +470,7 @@ async def test_a_failing_receiver_closes_its_connection_gracefully(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def handler(conn: rudp.Connection) -> None:
-        def receiver(msg: rudp.Message) -> None:
+        def receiver(msg: rudp.MessageReceived) -> None:
             raise RuntimeError("receiver bug")
 
         conn.set_receiver(receiver)
