@@ -458,13 +458,17 @@ class AioEndpoint:
     def connections(self) -> list[Connection]:
         return [c for core, c in self._conns.items() if core.client is False]
 
-    async def close(self, timeout: float | None = None) -> None:
+    async def close(
+        self, timeout: float | None = None, *, exclude: asyncio.Task[Any] | None = None
+    ) -> None:
         """Close every connection gracefully, then the socket.
 
         Connections get ``timeout`` (default ``Config.close_timeout`` plus a second) to
         finish their close handshake; handlers still running then are cancelled and
         get one more second for their cleanup. It may be called from a handler: that
-        handler is not waited for (it is the one waiting).
+        handler is not waited for (it is the one waiting). ``exclude`` names that
+        handler's task when the close runs in a task of its own (default: the current
+        task).
         """
         if self._closed:
             await self._closed_event.wait()
@@ -480,7 +484,7 @@ class AioEndpoint:
                 await asyncio.wait(closing, timeout=limit)
             self.core.abort()
             self._dispatch_events()
-            current = asyncio.current_task()
+            current = exclude or asyncio.current_task()
             tasks = [t for t in self._tasks if t is not current]
             if tasks:
                 _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))

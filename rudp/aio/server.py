@@ -88,6 +88,7 @@ class Endpoint:
     def __init__(self, endpoint: AioEndpoint, link: DatagramLink | None = None) -> None:
         self._endpoint = endpoint
         self._link = link
+        self._closing: asyncio.Task[None] | None = None
 
     @property
     def datagram_protocol(self) -> bool:
@@ -162,14 +163,23 @@ class Endpoint:
         _, resolved = await _resolve(address[0], address[1], *self._endpoint.destination_family())
         return await self._endpoint.query(resolved, payload, timeout)
 
-    async def close(self) -> None:
+    def close(self) -> asyncio.Task[None]:
         """Close every connection gracefully, then the socket.
 
-        Bounded: connections and handlers get ``Config.close_timeout`` plus a second;
-        handlers still running then are cancelled (and get a second for their cleanup).
-        A handler may call it; it is not waited for.
+        The closing starts at once, awaited or not (a task of its own; calling it again
+        gives the same task); await the result to wait until it is done. Bounded:
+        connections and handlers get ``Config.close_timeout`` plus a second; handlers
+        still running then are cancelled (and get a second for their cleanup). A
+        handler may call it: that handler is not waited for.
         """
-        await self._endpoint.close()
+        if self._closing is None:
+            caller = asyncio.current_task()
+            closing = asyncio.get_running_loop().create_task(self._close(caller))
+            self._closing = closing
+        return self._closing
+
+    async def _close(self, caller: asyncio.Task[Any] | None) -> None:
+        await self._endpoint.close(exclude=caller)
         if self._link is not None:
             await self._link.released()
 

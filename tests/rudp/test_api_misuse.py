@@ -212,3 +212,16 @@ async def test_the_old_spellings_of_close_still_work_with_a_deprecation_warning(
         old = conn.close_reason
     assert old == conn.disconnected and old is not None and old.text == "old"
     assert (await asyncio.wait_for(accepted.wait_closed(), 5)).text == "old"
+
+
+async def test_endpoint_close_starts_at_once_even_when_not_awaited() -> None:
+    server = await rudp.serve(hold, "127.0.0.1", 0)
+    conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine was never awaited"
+        closing = server.close()  # not awaited
+        assert server.close() is closing
+    ended = await asyncio.wait_for(conn.wait_closed(), 5)
+    assert ended.by_peer and ended.reason is rudp.DisconnectReason.CLOSED
+    await asyncio.wait_for(server.wait_closed(), 5)
+    assert server.endpoint.is_closed and closing.done()
