@@ -134,6 +134,9 @@ async def test_every_public_object_has_a_repr_of_its_own() -> None:
         assert "game='g' 127.0.0.1:" in repr(responder)
         assert "-> 127.0.0.1:9" in repr(proxy)
         assert "'ann' joining" in repr(LockstepClient(name="ann"))
+        _, server, client, _ = pair()
+        assert repr(server.endpoint) == "<rudp.endpoint.Endpoint accepting, 1 connections>"
+        assert repr(client.endpoint) == "<rudp.endpoint.Endpoint connecting out, 1 connections>"
     finally:
         responder.close()
         await proxy.close()
