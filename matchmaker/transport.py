@@ -40,8 +40,11 @@ class Peer(Protocol):
         """Messages until the connection ends."""
         ...
 
-    def close(self, code: int = 0, text: str = "") -> Awaitable[object]:
-        """Start closing at once; the awaitable completes when the connection ended."""
+    def close(
+        self, code: int = 0, text: str = "", *, reason: str | None = None
+    ) -> Awaitable[object]:
+        """Start closing at once; the awaitable completes when the connection ended.
+        (``reason=`` is the deprecated name of ``text``, as in ``rudp.Connection``.)"""
         ...
 
 
