@@ -91,7 +91,7 @@ class Play:
         self.chat_echoed = False
         self.stale = 0
 
-    def on_message(self, msg: rudp.Message) -> None:
+    def on_message(self, msg: rudp.MessageReceived) -> None:
         event = msgpack.unpackb(msg.data)
         kind = event.get("t")
         if kind == "welcome":
@@ -189,7 +189,7 @@ async def main(argv: list[str] | None = None) -> int:
                 break
             await asyncio.sleep(0.05)
         await conn.drain()
-        ended = conn.close_reason
+        ended = conn.disconnected
         if ended is not None:
             log(f"the host ended the game: {ended.reason.value} {ended.text}")
         stats = conn.stats
@@ -197,7 +197,7 @@ async def main(argv: list[str] | None = None) -> int:
             f"played as #{play.id}: {play.snapshots} snapshots (last tick {play.last_tick}), "
             f"position {play.position}, rtt {stats.srtt * 1000:.1f} ms"
         )
-        await conn.close(code=1000, reason="bye")
+        await conn.close(code=1000, text="bye")
     except (MatchmakerError, UntrustedIntroduction, rudp.RudpError, TimeoutError) as exc:
         log(f"failed: {exc!r}")
         return 1

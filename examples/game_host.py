@@ -130,10 +130,10 @@ async def play(arena: Arena, conn: rudp.Connection) -> None:
     """One player's connection, from its hello to its end."""
     hello = msgpack.unpackb((await conn.recv()).data)
     if hello.get("t") != "hello" or not isinstance(hello.get("name"), str):
-        await conn.close(code=4000, reason="expected hello")
+        await conn.close(code=4000, text="expected hello")
         return
     if len(arena.players) >= arena.max_players:
-        await conn.close(code=4001, reason="server full")
+        await conn.close(code=4001, text="server full")
         return
     identity = conn.peer_identity  # the verified token: who the matchmaker sent us
     assert identity is not None  # this host requires tokens: no connection without one
@@ -159,12 +159,12 @@ async def play(arena: Arena, conn: rudp.Connection) -> None:
                 line = {"t": "chat", "from": player.name, "text": str(event["text"])[:200]}
                 arena.broadcast(line, channel=CHAT)
     except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-        await conn.close(code=4002, reason="bad message")  # a broken or hostile client
+        await conn.close(code=4002, text="bad message")  # a broken or hostile client
     finally:
         del arena.players[player.id]
         arena.left += 1
         arena.changed.set()
-        end = conn.close_reason
+        end = conn.disconnected
         log(f"left: {player.name} (#{player.id}): {end.reason.value if end else 'closing'}")
 
 

@@ -137,6 +137,12 @@ class Matchmaker:
         assert self._http is not None, "not started"
         return self._http.address
 
+    def __repr__(self) -> str:
+        if self._udp is None or self._http is None:
+            return "<Matchmaker not started>"
+        udp, http = self.udp_address, self.http_address
+        return f"<Matchmaker udp {udp[0]}:{udp[1]} http {http[0]}:{http[1]}>"
+
     async def start(self) -> None:
         s = self.settings
         await self.registry.start()
@@ -249,11 +255,18 @@ class Matchmaker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             # Handlers only set the flag; the shutdown itself runs here.
             loop.add_signal_handler(sig, stop.set)
+        started = False
         try:
             await self.start()
+            started = True
             tune_gc()  # once started: see matchmaker/gctuning.py
             await stop.wait()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-            await self.shutdown()
+            if started:
+                await self.shutdown()
+            else:
+                # It never served: release what did open, without stopping/stopped
+                # lines for a daemon that never logged matchmaker_started.
+                await self._close_now()

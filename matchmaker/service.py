@@ -182,7 +182,7 @@ class MatchmakerService:
         session = _Session(peer=peer, address=address)
         if self.shutting_down:
             # A stopping replica takes no one new: the host goes to another replica.
-            await peer.close(reason=_STOPPING)
+            await peer.close(text=_STOPPING)
             return
         previous = self._sessions.get(address)
         self._sessions[address] = session
@@ -272,10 +272,10 @@ class MatchmakerService:
         except TRANSPORT_ERRORS as exc:
             self.metrics.dropped.labels("send_failed").inc()
             log.info("send_failed", error=type(exc).__name__)
-            self._spawn(session, session.peer.close(reason="send failed"))
+            self._spawn(session, session.peer.close(text="send failed"))
             return None
 
-    def _spawn(self, session: _Session, coro: Awaitable[None]) -> None:
+    def _spawn(self, session: _Session, coro: Awaitable[object]) -> None:
         async def run() -> None:
             try:
                 await coro
@@ -620,7 +620,7 @@ class MatchmakerService:
         self.stop_accepting()
         sessions = list(self._sessions.values())
         await asyncio.gather(
-            *(s.peer.close(reason=_STOPPING) for s in sessions),
+            *(s.peer.close(text=_STOPPING) for s in sessions),
             return_exceptions=True,
         )
 

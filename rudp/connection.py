@@ -360,8 +360,11 @@ class Connection:
                 break
             out.append(datagram)
         if out:
-            self.stats.packets_sent += len(out)
-            self.stats.bytes_sent += sum(map(len, out))
+            stats = self.stats
+            stats.packets_sent += len(out)
+            stats.bytes_sent += sum(map(len, out))
+            if now >= stats.sample_due:
+                stats.sample(now)
         return out
 
     # -- the endpoint's interface: handshake and DATA --------------------------------------

@@ -113,6 +113,10 @@ class Endpoint:
 
     # -- public API ------------------------------------------------------------
 
+    def __repr__(self) -> str:
+        role = "accepting" if self.accept else "connecting out"
+        return f"<rudp.endpoint.Endpoint {role}, {len(self._conns)} connections>"
+
     @property
     def connections(self) -> list[Connection]:
         return list(self._conns.values())

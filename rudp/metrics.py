@@ -28,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from rudp.connection import State
+from rudp.errors import check_sequence
 from rudp.stats import COUNTER_TABLE, ENDPOINT_COUNTER_TABLE
 from rudp.tokens import TokenRefusal
 from rudp.wire import DropReason
@@ -59,12 +60,16 @@ class RudpCollector(Collector):
         # Server's asyncio endpoint (its core is read at scrape time), or a core
         # Endpoint added directly. The mypyc-compiled core's classes cannot be weakly
         # referenced, so there a core Endpoint added directly is held strongly.
+        check_sequence(endpoints, "endpoints")
         self._weak: WeakSet[Any] = WeakSet()
         self._strong: list[Endpoint] = []
         for endpoint in endpoints:
             self.add(endpoint)
         if registry is not None:
             registry.register(self)
+
+    def __repr__(self) -> str:
+        return f"<RudpCollector endpoints={len(self._cores())}>"
 
     def add(self, endpoint: object) -> None:
         """Track an endpoint: a ``rudp.Server`` or a core ``rudp.endpoint.Endpoint``."""
