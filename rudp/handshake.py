@@ -30,6 +30,12 @@ Both messages are encrypted and authenticated except the client's parameters
 under ``NN``: they travel in clear in the first message (there is no key yet),
 but they are hashed into the transcript, so a change by an attacker makes the
 server's answer fail to authenticate at the client.
+
+A client may append a connect token (``rudp.tokens``) to its parameters in the
+first message's payload: encrypted to the server's key under NK. The server reads
+the first message (``read_first``), checks the token against the client's
+ephemeral key, which the token names, and only then answers
+(``FirstMessage.answer``) and spends anything on a connection.
 """
 
 from __future__ import annotations
@@ -64,35 +70,13 @@ PARAMS_SIZE: Final = _PARAMS.size
 _EXTENSION: Final = struct.Struct("!BB")
 EXT_MAX_ACK_DELAY: Final = 1  # u16: milliseconds an acknowledgment may wait
 MAX_ACK_DELAY_LIMIT_MS: Final = 16383  # as QUIC's max_ack_delay (2^14 and above are invalid)
-PARAMS_EXTENDED: Final = 0x80
-"""Set in a CONNECT's pattern byte when the client's parameters carry extensions: the
-byte after the cookie then gives their length, and the server answers in kind."""
 
 
-def first_message_size(pattern: int, extensions: int = 0) -> int:
-    """Bytes of the client's Noise message (ephemeral key, parameters, tags), with
-    ``extensions`` bytes of parameter extensions."""
+def first_message_size(pattern: int, token_size: int = 0, extensions: int = 0) -> int:
+    """Bytes of the client's Noise message (ephemeral key, parameters with
+    ``extensions`` bytes of extensions, token, tags)."""
     tags = TAGLEN if pattern == PATTERN_NK else 0
-    return DHLEN + PARAMS_SIZE + extensions + tags
-
-
-def split_pattern(byte: int) -> tuple[int, bool]:
-    """A CONNECT's pattern byte: (the Noise pattern, whether extensions are stated)."""
-    return byte & ~PARAMS_EXTENDED & 0xFF, bool(byte & PARAMS_EXTENDED)
-
-
-def first_message(pattern: int, extended: bool, rest: bytes) -> bytes:
-    """The Noise message 1 at the start of ``rest`` (what follows a CONNECT's cookie):
-    its size follows from the pattern and, when ``extended``, from the length byte
-    before it. Empty when ``rest`` is too short for it."""
-    extensions = 0
-    if extended:
-        if not rest:
-            return b""
-        extensions = rest[0]
-        rest = rest[1:]
-    size = first_message_size(pattern, extensions)
-    return rest[:size] if len(rest) >= size else b""
+    return DHLEN + PARAMS_SIZE + max(extensions, 0) + token_size + tags
 
 
 SECOND_MESSAGE_SIZE: Final = DHLEN + PARAMS_SIZE + TAGLEN
@@ -123,7 +107,7 @@ class TransportParams:
 
     @property
     def extended(self) -> bool:
-        """Whether the encoding carries extensions (see ``PARAMS_EXTENDED``)."""
+        """Whether the encoding carries extensions (see ``wire.PARAMS_EXTENDED``)."""
         return self.max_ack_delay_ms is not None
 
     def encode(self) -> bytes:
@@ -213,9 +197,11 @@ class ClientHandshake:
         salt: int,
         server_key: bytes | None,
         ephemeral: X25519PrivateKey | None = None,
+        token: bytes = b"",
     ) -> None:
         if server_key is not None and len(server_key) != DHLEN:
             raise ValueError(f"a server key is {DHLEN} bytes (X25519 public key)")
+        self.token_size = len(token)
         self.pattern = PATTERN_NN if server_key is None else PATTERN_NK
         self.extended = params.extended
         self._state = HandshakeState(
@@ -227,17 +213,9 @@ class ClientHandshake:
         )
         # Computed once: every CONNECT of this attempt carries the same message.
         payload = params.encode()
-        self.message = self._state.write_message(payload)
-        # What follows the CONNECT's cookie: with extensions, their length first, from
-        # which the server learns where the message ends.
-        self.connect_message = (
-            bytes((len(payload) - PARAMS_SIZE,)) + self.message if self.extended else self.message
-        )
-
-    @property
-    def wire_pattern(self) -> int:
-        """The CONNECT's pattern byte: the pattern, and whether extensions follow."""
-        return self.pattern | PARAMS_EXTENDED if self.extended else self.pattern
+        self.extensions = len(payload) - PARAMS_SIZE if self.extended else -1
+        """Bytes of extensions in our parameters (the CONNECT says it), -1: none."""
+        self.message = self._state.write_message(payload + token)
 
     def finish(self, answer: bytes) -> Keys:
         """The keys, from the server's message; NoiseError or ValueError if it is not genuine."""
@@ -253,29 +231,54 @@ class ClientHandshake:
         return Keys(peer, send_key, recv_key, state.handshake_hash)
 
 
-def answer(
+class FirstMessage:
+    """The server's side, half way: the client's first message read, not yet answered."""
+
+    def __init__(self, state: HandshakeState, payload: bytes, extensions: int = -1) -> None:
+        self._state = state
+        size = PARAMS_SIZE + max(extensions, 0)
+        self.peer = TransportParams.decode(payload[:size])
+        self.token = payload[size:]
+        """The connect token the client appended to its parameters (empty: none)."""
+        client_key = state.remote_ephemeral
+        assert client_key is not None  # every first message starts with "e"
+        self.client_key = client_key
+        """The client's ephemeral public key: what its token must name."""
+
+    def answer(self, params: TransportParams) -> tuple[bytes, Keys]:
+        """(the server's message 2, its keys)."""
+        state = self._state
+        if not self.peer.extended:
+            params = params.plain()  # an earlier version-2 client reads no extensions
+        reply = state.write_message(params.encode())
+        send_key, recv_key = state.split()
+        return reply, Keys(self.peer, send_key, recv_key, state.handshake_hash)
+
+
+def read_first(
     static: X25519PrivateKey | None,
     pattern: int,
     salt: int,
     message: bytes,
-    params: TransportParams,
     ephemeral: X25519PrivateKey | None = None,
-    extensions: int = 0,
-) -> tuple[bytes, Keys]:
-    """The server's side in one call: (its answer, its keys) for a client's first message.
+    token_size: int = 0,
+    extensions: int = -1,
+) -> FirstMessage:
+    """The client's first message, read and authenticated (under NK), not answered.
 
     Raises NoiseError or ValueError when the message is not a genuine first message
-    for this server (wrong size, wrong key, tampered), and ValueError when the
-    client asks for NK and this server has no static key. ``extensions`` is the
-    length of the client's parameter extensions (the byte before the message in
-    its CONNECT; see ``first_message``): the server then answers with its own
-    extensions, and without them to a client that states none. ``ephemeral`` (default: a
+    for this server (too short, wrong key, tampered), and ValueError when the
+    client asks for NK and this server has no static key. ``ephemeral`` (default: a
     fresh key from the operating system) lets a caller draw it from its own
     cryptographically secure source; both sides' ``ephemeral`` exist for that.
+    ``token_size``: the bytes of connect token the CONNECT says the payload carries;
+    ``extensions``: the bytes of parameter extensions it says they have (-1: the
+    client states none, as an earlier version-2 client; it is then answered without
+    extensions of ours).
     """
     if pattern not in _PROTOCOL_NAMES:
         raise ValueError(f"unknown handshake pattern {pattern}")
-    if len(message) != first_message_size(pattern, extensions):
+    if len(message) != first_message_size(pattern, token_size, extensions):
         raise NoiseError("handshake message has the wrong size")
     if pattern == PATTERN_NK and static is None:
         raise ValueError("the client expects a server key and this server has none")
@@ -286,9 +289,20 @@ def answer(
         static=static if pattern == PATTERN_NK else None,
         ephemeral=ephemeral,
     )
-    peer = TransportParams.decode(state.read_message(message))
-    if not peer.extended:
-        params = params.plain()  # an earlier version-2 client reads no extensions
-    reply = state.write_message(params.encode())
-    send_key, recv_key = state.split()
-    return reply, Keys(peer, send_key, recv_key, state.handshake_hash)
+    return FirstMessage(state, state.read_message(message), extensions)
+
+
+def answer(
+    static: X25519PrivateKey | None,
+    pattern: int,
+    salt: int,
+    message: bytes,
+    params: TransportParams,
+    ephemeral: X25519PrivateKey | None = None,
+    token_size: int = 0,
+    extensions: int = -1,
+) -> tuple[bytes, Keys]:
+    """The server's side in one call: (its answer, its keys) for a client's first
+    message (``read_first``, then ``FirstMessage.answer``)."""
+    first = read_first(static, pattern, salt, message, ephemeral, token_size, extensions)
+    return first.answer(params)

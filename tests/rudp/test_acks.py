@@ -188,12 +188,13 @@ def test_a_client_that_states_no_extensions_gets_immediate_acks() -> None:
     endpoint: Endpoint = server.endpoint
     params = handshake.TransportParams(77, 1 << 20, 4, 1 << 20, 1200, 30_000, b"T" * 16)
     old = handshake.ClientHandshake(params, 5, None, None)
-    assert not old.extended and old.wire_pattern == handshake.PATTERN_NN
-    connect = wire.encode_connect(5, old.wire_pattern, b"", old.connect_message, 1200)
+    assert not old.extended and old.extensions == -1
+    connect = wire.encode_connect(5, old.pattern, b"", old.message, 1200)
+    assert connect[10] == handshake.PATTERN_NN  # no flag in the pattern byte
     endpoint.receive_datagram(connect, CLIENT, net.now)
     (challenge, _), *_ = endpoint.datagrams_to_send(net.now)
     cookie = wire.decode_challenge(challenge).cookie
-    connect = wire.encode_connect(5, old.wire_pattern, cookie, old.connect_message, 1200)
+    connect = wire.encode_connect(5, old.pattern, cookie, old.message, 1200)
     endpoint.receive_datagram(connect, CLIENT, net.now)
     accepts = [d for d, _ in endpoint.datagrams_to_send(net.now)]
     accepts = [d for d in accepts if wire.decode_type(d) is PacketType.ACCEPT]

@@ -37,6 +37,7 @@ CORE = [
     "rudp.admission",
     "rudp.endpoint",
     "rudp.stats",
+    "rudp.tokens",
     "rudp.aio.connection",
     "rudp.aio.endpoint",
 ]
