@@ -441,7 +441,6 @@ class Connection:
         self._apply_peer_limits(peer)
         self._reader.rx_largest = -1
         self._last_recv = now
-        self._builder.last_eliciting = now
         self._builder.last_sent = now
         self._set_state(CONNECTED)
         self._sink.events.append((self, Connected()))

@@ -95,7 +95,6 @@ class PacketBuilder:
         "early_acks",
         "flow_frame",
         "flow_seq",
-        "last_eliciting",
         "last_sent",
         "ping",
         "recent",
@@ -146,7 +145,6 @@ class PacketBuilder:
         self.ack_low: int | None = None
         self.early_acks: list[bytes] = []
         self.recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
-        self.last_eliciting = now  # when our last ack-eliciting packet went out
         self.last_sent = now  # when our last packet of any kind went out
 
     def set_keys(self, sealer: Sealer, peer_cid: int) -> None:
@@ -284,7 +282,6 @@ class PacketBuilder:
                     len(datagram),
                 )
             )
-            self.last_eliciting = now
             self._stats.eliciting_sent += 1
             if flow:
                 self.flow_seq = seq
