@@ -51,6 +51,11 @@ _WINDOW_MASK: Final = (1 << REPLAY_WINDOW) - 1
 MAX_PACKET_NUMBER: Final = (1 << 62) - 1
 
 
+class PacketNumbersExhausted(Exception):
+    """Internal: a packet would need a number past ``MAX_PACKET_NUMBER``. The
+    connection catches it and ends (``DisconnectReason.EXHAUSTED``)."""
+
+
 def decode_packet_number(expected: int, truncated: int, bits: int) -> int:
     """The full packet number closest to ``expected`` whose low ``bits`` are ``truncated``.
 
@@ -116,7 +121,13 @@ class Sealer:
         self.next_number = 0
 
     def seal(self, number: int, header: bytes, payload: bytes) -> bytes:
-        """``payload`` sealed under packet ``number``, with ``header`` authenticated."""
+        """``payload`` sealed under packet ``number``, with ``header`` authenticated.
+
+        Raises ``PacketNumbersExhausted`` past ``MAX_PACKET_NUMBER``: every packet is
+        sealed here, whoever numbered it, so no nonce is ever used twice.
+        """
+        if number > MAX_PACKET_NUMBER:
+            raise PacketNumbersExhausted("packet numbers exhausted: the connection must end")
         sealed: bytes = self._aead.encrypt(_nonce(number), payload, header)
         return sealed
 
