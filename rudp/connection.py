@@ -524,7 +524,7 @@ class Connection:
             return DropReason.REPLAYED
         newest = pn > opener.window.largest
         cut = wire.DATA_PREFIX_SIZE
-        body = opener.open(pn, data[:cut], data[cut:])
+        body = opener.open_unseen(pn, data[:cut], data[cut:])
         if body is None:
             return DropReason.AUTH_FAILED  # changes nothing, from anywhere
         path = self._path
