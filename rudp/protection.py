@@ -88,13 +88,17 @@ class ReplayWindow:
     ``n``, so ``n`` was accepted exactly when its slot holds it. Nothing to shift or
     clear as the window moves, and every number stays a native integer when
     compiled (a 1,024-bit bitfield costs a big-integer shift per packet).
+    ``accepted`` counts the numbers accepted: with ``largest``, what arrived of what
+    the peer sent (its numbers start at 0 and count every packet), which
+    ``ConnectionStats`` reports.
     """
 
-    __slots__ = ("_slots", "largest")
+    __slots__ = ("_slots", "accepted", "largest")
 
     def __init__(self) -> None:
         self.largest = -1
         self._slots = [-1] * REPLAY_WINDOW
+        self.accepted = 0
 
     def seen(self, number: int) -> bool:
         """True when ``number`` must be refused: already accepted or too old to tell."""
@@ -107,6 +111,7 @@ class ReplayWindow:
 
     def accept(self, number: int) -> None:
         """Record ``number`` as received (after it authenticated)."""
+        self.accepted += 1
         if number > self.largest:
             self.largest = number
         self._slots[number & _SLOT_MASK] = number
