@@ -35,6 +35,7 @@ COMPILED_MODULES = [
     "rudp/graph.py",
     "rudp/state.py",
     "rudp/opening.py",
+    "rudp/migration.py",
     "rudp/connection.py",
     "rudp/sink.py",
     "rudp/admission.py",

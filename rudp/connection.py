@@ -39,7 +39,12 @@ The data path, one module per idea::
 
 This module keeps what belongs to the connection as a whole: the handshake's
 outcome and the limits it negotiated, the lifecycle and its state machine, the
-timers, flow control, and the glue that tells each part what happened.
+timers, flow control, the peer's address and its migration (``rudp.migration``
+says when a connection moves), and the glue that tells each part what happened.
+
+Packet numbers: a sender that reached the last one (2**62 - 1,
+``protection.MAX_PACKET_NUMBER``) ends the connection
+(``DisconnectReason.EXHAUSTED``) rather than seal under a nonce again.
 
 Flow control (PAUSE / RESUME): see ``pause_receiving`` and ``packet_reader``.
 
@@ -63,13 +68,14 @@ from rudp import wire
 from rudp.config import Config
 from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
-from rudp.events import Connected, Disconnected, DisconnectReason
+from rudp.events import Connected, Disconnected, DisconnectReason, PathChanged
 from rudp.handshake import ClientHandshake, Keys, TransportParams
+from rudp.migration import CHALLENGE_TRIES, PathValidation
 from rudp.noise import ephemeral_key, private_key
 from rudp.opening import Opening
 from rudp.packet_builder import PacketBuilder
 from rudp.packet_reader import PacketReader
-from rudp.protection import Opener, Sealer
+from rudp.protection import Opener, PacketNumbersExhausted, Sealer
 from rudp.receiving import NO_BUFFER as NO_BUFFER
 from rudp.receiving import Receiver
 from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
@@ -106,7 +112,9 @@ class Connection:
     ) -> None:
         self.config = config
         self.address = address
+        """The peer's address: where our packets go. It changes when the peer migrates."""
         self.client = client
+        self._rng = rng
         self.salt = salt
         self.cid = cid  # the connection id the peer puts on packets to us (ours to route)
         self.peer_cid = 0  # the one we put on packets to the peer, from its parameters
@@ -170,6 +178,10 @@ class Connection:
             if client
             else None
         )
+        # -- migration: the validation of a new peer address (``rudp.migration``)
+        self._path: PathValidation | None = None
+        self._rx_path: PathValidation | None = None  # the one the packet being read came from
+        self.path_out: list[tuple[bytes, Address]] = []  # challenges, to their own address
         self._close_code = 0
         self._close_text = ""
         self._disconnect_queued = False
@@ -316,6 +328,9 @@ class Connection:
             t = min(t, self._builder.last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
+        path = self._path
+        if path is not None and path.deadline is not None:
+            t = min(t, path.deadline)
         graph = self._receiver.graph
         if graph.nodes and not self.receiving_paused:
             t = min(t, graph.deadline(self.config.dependency_timeout))
@@ -354,11 +369,14 @@ class Connection:
             builder.early_acks.clear()
         closing = state is CLOSING
         draining = state is DRAINING
-        while True:
-            datagram = builder.build(now, closing, draining)
-            if datagram is None:
-                break
-            out.append(datagram)
+        try:
+            while True:
+                datagram = builder.build(now, closing, draining)
+                if datagram is None:
+                    break
+                out.append(datagram)
+        except PacketNumbersExhausted:
+            self._numbers_exhausted()
         if out:
             stats = self.stats
             stats.packets_sent += len(out)
@@ -490,7 +508,122 @@ class Connection:
         if self.state is CLOSED:
             return DropReason.UNEXPECTED
         self._clock = now
-        return self._reader.receive(data, pn32, now)
+        try:
+            return self._reader.receive(data, pn32, now)
+        except PacketNumbersExhausted:  # an early ack-only packet had no number left
+            self._numbers_exhausted()
+            return None
+
+    def _receive_moved(
+        self, data: bytes, pn32: int, address: Address, now: float, *, movable: bool
+    ) -> DropReason | None:
+        """A DATA packet for this connection from another address than ``address``.
+
+        Opened like any other; if it authenticates and is the highest-numbered packet
+        so far, it starts (or feeds) the validation of its address (``rudp.migration``),
+        which moves the connection once the address answered our challenge.
+        ``movable`` is False when another connection of the endpoint has that address.
+        """
+        state = self.state
+        opener = self._reader.opener
+        if (state is not CONNECTED and state is not CLOSING) or opener is None:
+            return DropReason.WRONG_ADDRESS  # nothing to move, or nothing left to say there
+        self._clock = now
+        pn = opener.full_number(pn32, 32)
+        if opener.window.seen(pn):
+            return DropReason.REPLAYED
+        newest = pn > opener.window.largest
+        cut = wire.DATA_PREFIX_SIZE
+        body = opener.open_unseen(pn, data[:cut], data[cut:])
+        if body is None:
+            return DropReason.AUTH_FAILED  # changes nothing, from anywhere
+        path = self._path
+        if path is None or path.address != address:
+            path = None
+            if newest and movable:
+                path = self._path = PathValidation(address, self._rng.randbytes(8), pn)
+        if path is not None:
+            path.received += len(data)
+            if newest:
+                path.newest = pn
+        self._rx_path = path
+        try:
+            ack = (body[0] << 8) | body[1]
+            bits = int.from_bytes(body[2:6], "big")
+            reason = self._reader.process(body, pn, ack, bits, now, len(data))
+        except PacketNumbersExhausted:
+            self._numbers_exhausted()
+            return None
+        finally:
+            self._rx_path = None
+        if path is not None and path is self._path and self.state in (CONNECTED, CLOSING):
+            if path.answered and newest and movable:
+                self._migrate(path)
+            elif path.deadline is None:
+                self._send_challenge(path, now)
+        return reason
+
+    def _on_path_frames(self, challenge: bytes, response: bytes) -> None:
+        """An authenticated packet carried PATH_CHALLENGE and/or PATH_RESPONSE."""
+        if challenge:
+            # Answered in our next packet, ack-eliciting like DISCONNECT: the peer
+            # resends its challenge if the answer is lost.
+            self._builder.control.append(wire.path_response_frame(challenge))
+            self.stats.path_responses += 1
+            self._sink.dirty[self] = None
+        path = self._rx_path
+        if response and path is not None and hmac.compare_digest(response, path.data):
+            path.answered = True
+
+    def _send_challenge(self, path: PathValidation, now: float) -> None:
+        """Send ``path`` its next PATH_CHALLENGE if its budget allows; arm the retry."""
+        opener = self._reader.opener
+        if path.tries >= CHALLENGE_TRIES or (
+            path.tries and opener is not None and opener.window.largest > path.newest
+        ):
+            # Unanswered, or the peer's newer packets come from elsewhere: stay.
+            self._path = None
+            self.stats.path_validation_failures += 1
+            return
+        size = wire.DATA_HEADER_SIZE + 1 + wire.PATH_DATA_SIZE
+        if path.budget() < size:
+            path.deadline = None  # the peer's next packets from there make room
+            return
+        try:
+            datagram = self._builder.path_packet(wire.path_challenge_frame(path.data))
+        except PacketNumbersExhausted:
+            self._numbers_exhausted()
+            return
+        path.sent += len(datagram)
+        path.tries += 1
+        path.deadline = now + self._rtt.rto * (1 << (path.tries - 1))
+        self.path_out.append((datagram, path.address))
+        self.stats.path_challenges += 1
+        self._sink.dirty[self] = None
+
+    def _migrate(self, path: PathValidation) -> None:
+        """The new address answered: everything goes there from now on."""
+        old = self.address
+        self.address = path.address
+        self._path = None
+        self.stats.migrations += 1
+        self._sink.events.append((self, PathChanged(old, path.address)))
+        self._sink.dirty[self] = None
+
+    def take_path_datagrams(self) -> list[tuple[bytes, Address]]:
+        """The challenges to send, each with its own address (not ``address``)."""
+        out, self.path_out = self.path_out, []
+        return out
+
+    def _numbers_exhausted(self) -> None:
+        """Our next packet would need number 2**62: end before a nonce could repeat."""
+        if self.state is not CLOSED:
+            self._end(
+                DisconnectReason.EXHAUSTED,
+                0,
+                "packet numbers exhausted: 2**62 packets sent on this connection",
+                by_peer=False,
+            )
 
     def _on_acks(self, now: float) -> None:
         """The peer acknowledged new packets of ours: a close may now go on."""
@@ -562,6 +695,11 @@ class Connection:
         ):
             self._protocol_error("a dependency never arrived")
             return
+        path = self._path
+        if path is not None and path.deadline is not None and now >= path.deadline:
+            self._send_challenge(path, now)  # the last one was lost, or never answered
+            if self.state is CLOSED:
+                return
         builder = self._builder
         recovery = self._recovery
         if recovery.on_timer(now, builder.tx_next):

@@ -28,10 +28,14 @@ identity becomes the connection's ``peer_identity``. Expiry is in UNIX time:
 ``wall_offset`` turns ``now`` into it.
 
 Routing: connections are indexed by address (handshake packets) and by the
-connection id each side chose for the packets it receives (DATA). A DATA for a
-known id from another address is dropped as ``wrong_address`` (connection
-migration is not supported). A DATA that does not authenticate is dropped as
-``auth_failed`` and changes nothing.
+connection id each side chose for the packets it receives (DATA). A DATA that
+does not authenticate is dropped as ``auth_failed`` and changes nothing. A DATA
+for a known id from another address goes to the connection's
+``_receive_moved``: if it authenticates and is the newest packet, the connection
+validates the new address and moves there once it answered (``rudp.migration``);
+the address index follows (``_moved``). The challenges go to the new address,
+never more bytes than authenticated packets brought from it, and are counted as
+unvalidated bytes.
 
 Amplification and reflection: the client pads CONNECT to its datagram size and
 the server ignores a CONNECT shorter than ``wire.MIN_CONNECT_SIZE``; every reply
@@ -198,6 +202,10 @@ class Endpoint:
                 address = conn.address
                 for datagram in conn.datagrams_to_send(now):
                     out.append((datagram, address))
+                if conn.path_out:  # path challenges, each to the address it validates
+                    for item in conn.take_path_datagrams():
+                        self.stats.unvalidated_bytes_sent += len(item[0])
+                        out.append(item)
                 self._schedule(conn)
         if out:
             size = 0
@@ -316,11 +324,10 @@ class Endpoint:
             self._send_noconn(dcid, address, now)
             return None
         if conn.address != address:
-            # Not the connection's path: never answered (a NOCONN or anything else
-            # would make us a reflector), never a reason to move the connection.
+            # Not the connection's path: never answered but by a path challenge no
+            # larger than what authenticated from there (``rudp.migration``).
             stats.unvalidated_bytes_received += len(data)
-            stats.dropped[DropReason.WRONG_ADDRESS] += 1
-            return None
+            return self._receive_moved(conn, data, pn32, address, now)
         try:
             reason = conn._receive_sealed(data, pn32, now)
         except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
@@ -330,6 +337,30 @@ class Endpoint:
             conn.stats.packets_dropped += 1
         self._schedule(conn)
         return conn
+
+    def _receive_moved(
+        self, conn: Connection, data: bytes, pn32: int, address: Address, now: float
+    ) -> Connection:
+        old = conn.address
+        try:
+            reason = conn._receive_moved(
+                data, pn32, address, now, movable=address not in self._conns
+            )
+        except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
+            reason = exc.reason
+        if reason is not None:
+            self.stats.dropped[reason] += 1
+            conn.stats.packets_dropped += 1
+        if conn.address != old:
+            self._moved(conn, old)
+        self._schedule(conn)
+        return conn
+
+    def _moved(self, conn: Connection, old: Address) -> None:
+        """``conn`` migrated from ``old``: the address index follows it."""
+        if self._conns.get(old) is conn:
+            del self._conns[old]
+        self._conns[conn.address] = conn
 
     def _receive_other(
         self, ptype: PacketType, conn: Connection | None, data: bytes, address: Address, now: float
@@ -450,11 +481,14 @@ class Endpoint:
                 return DropReason.BAD_HANDSHAKE
             if keys.peer.connection_id == conn.peer_cid:
                 return DropReason.DUPLICATE
-        self._cookies.remember(address, request.salt, now)
         if len(self._conns) >= self.config.max_connections + (conn is not None):
+            # Before the cookie is spent: a client whose REJECT was lost gets it again
+            # for its resent CONNECT, and once there is room that same CONNECT gets its
+            # one connection (remembered below, so never a second).
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
             return None
+        self._cookies.remember(address, request.salt, now)  # one DH per cookie, at most
         first = self._read_first(request, address)
         if first is None:
             return DropReason.BAD_HANDSHAKE

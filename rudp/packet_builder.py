@@ -148,6 +148,16 @@ class PacketBuilder:
         self.tx_next = pn + 1
         return self.seal(pn, body)
 
+    def path_packet(self, frame: bytes) -> bytes:
+        """A packet carrying our acknowledgment and ``frame`` (a PATH_CHALLENGE), for
+        another address than the peer's: not tracked by loss detection (the migration's
+        own timer resends it; see ``rudp.migration``)."""
+        reader = self._conn._reader
+        seq = self.tx_next
+        self.tx_next = seq + 1
+        ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        return self.seal(seq, ack + frame)
+
     def apply_peer_limits(self, datagram_size: int, recv_buffer_bytes: int) -> None:
         """Build datagrams of at most ``datagram_size`` bytes (the smaller of the two
         sides'), and keep what may sit in the peer's reorder buffer below the size it

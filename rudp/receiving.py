@@ -252,11 +252,25 @@ class Receiver:
                 return f"message on channel {m[1]}; this side accepts {channels} channels"
         return ""
 
+    def size_violation(self, messages: list[wire.MessageFrame]) -> str:
+        """Why a fragment of the packet breaks the largest message we stated in the
+        handshake, or "". As for channels, the packet authenticated and its sender knew
+        the limit: the connection ends (the message could never be taken)."""
+        limit = self._max_message
+        for m in messages:
+            more = m[4]
+            if more is not None and more.parts and more.total > limit:
+                return (
+                    f"fragment of a {more.total}-byte message; this side accepts messages"
+                    f" of at most {limit} bytes (max_message_size)"
+                )
+        return ""
+
     def check_fragments(self, messages: list[wire.MessageFrame]) -> DropReason | None:
         """Check a packet's fragments before accepting it (all or nothing).
 
-        A fragment that disagrees with the rest of its message, or announces a
-        message larger than ``max_message_size``, is malformed. A fragment that
+        A fragment that disagrees with the rest of its message is malformed (one
+        larger than ``max_message_size`` is ``size_violation``'s). A fragment that
         starts a message reserves its whole size in the reassembly budget; if
         that does not fit, the packet is dropped unacknowledged and will be
         resent, once messages already started have completed and freed room
@@ -269,7 +283,7 @@ class Receiver:
         for mode, channel, seq16, payload, more in messages:
             if more is None or not more.parts or channel >= self._channels:
                 continue
-            if more.total > self._max_message or len(payload) > more.total:
+            if len(payload) > more.total:
                 self._stats.fragments_dropped += 1
                 return DropReason.MALFORMED
             key = self._fragment_key(mode, channel, seq16, more.part)

@@ -56,10 +56,26 @@ COUNTER_TABLE: Final = (
     ("messages_received", "Messages delivered.", "rudp_messages_received_total"),
     ("messages_resent", "Reliable messages sent again.", "rudp_retransmissions_total"),
     ("messages_sent", "Messages sent for the first time.", "rudp_messages_sent_total"),
+    (
+        "migrations",
+        "Times the peer moved to a new address that answered our path challenge.",
+        "rudp_migrations_total",
+    ),
     ("packets_dropped", "Datagrams from this peer dropped (duplicate, stale, bad...).", ""),
     ("packets_lost", "Ack-eliciting packets declared lost.", "rudp_packets_lost_total"),
     ("packets_received", "DATA packets accepted.", "rudp_packets_received_total"),
     ("packets_sent", "DATA packets sent.", "rudp_packets_sent_total"),
+    (
+        "path_challenges",
+        "PATH_CHALLENGEs sent to a peer's new address (first tries and resends).",
+        "rudp_path_challenges_total",
+    ),
+    ("path_responses", "PATH_RESPONSEs sent: challenges of the peer answered.", ""),
+    (
+        "path_validation_failures",
+        "New peer addresses given up on: challenges unanswered, or the peer stayed.",
+        "rudp_path_validation_failures_total",
+    ),
     (
         "peer_pauses",
         "Times the peer asked us to pause sending (its receive queue was full).",
@@ -120,10 +136,14 @@ class ConnectionStats:
         self.messages_received = 0
         self.messages_resent = 0
         self.messages_sent = 0
+        self.migrations = 0
         self.packets_dropped = 0
         self.packets_lost = 0
         self.packets_received = 0
         self.packets_sent = 0
+        self.path_challenges = 0
+        self.path_responses = 0
+        self.path_validation_failures = 0
         self.peer_pauses = 0
         self.receive_pauses = 0
         self.spurious_losses = 0

@@ -46,6 +46,8 @@ DATA frames (inside the seal)::
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
     0x03 PAUSE                                 ack-eliciting, no body: no new reliable messages
     0x04 RESUME                                ack-eliciting, no body: send them again
+    0x1A PATH_CHALLENGE  data (8 bytes)        sent to a peer's new address (migration)
+    0x1B PATH_RESPONSE   data (8 bytes)        ack-eliciting: echoes a PATH_CHALLENGE
     0x80|flags MESSAGE                         flags: bits 0-2 wire mode,
          [channel u8]   if flag 0x08           bit 3 (0x08) channel byte present,
          [seq u16]      unless mode 0          bit 4 (0x10) dependencies present,
@@ -56,6 +58,8 @@ DATA frames (inside the seal)::
 
 PAUSE and RESUME are flow control: a receiver whose application falls behind
 asks its peer to stop sending reliable messages, then to go on (see docs/protocol.md).
+PATH_CHALLENGE and PATH_RESPONSE validate a peer's new address before the connection
+moves there (``rudp.migration``; RFC 9000's frames of the same numbers).
 
 Wire modes: 0 unreliable, 1 reliable-ordered, 2 unreliable-sequenced,
 3 reliable-unordered (the dependency graph's messages: with flag 0x10 they
@@ -126,6 +130,7 @@ FRAGMENT_OVERHEAD: Final = FRAGMENT.size
 FRAGMENT_FRAME_OVERHEAD: Final = DATA_HEADER_SIZE + MESSAGE_OVERHEAD + FRAGMENT_OVERHEAD
 MAX_DEPS: Final = 255  # pending dependencies one message can carry (n is a u8)
 MAX_FRAGMENTS: Final = 0xFFFF  # fragments of one message (the count is a u16)
+PATH_DATA_SIZE: Final = 8  # the random bytes of a PATH_CHALLENGE, echoed in PATH_RESPONSE
 ACK_SPAN: Final = 32  # a DATA header acknowledges its largest packet and this many before it
 
 
@@ -145,6 +150,8 @@ class FrameType(enum.IntEnum):
     DISCONNECT = 0x02
     PAUSE = 0x03
     RESUME = 0x04
+    PATH_CHALLENGE = 0x1A
+    PATH_RESPONSE = 0x1B
 
 
 # Plain-int twins of enum members used per message or per packet: compiled, a literal
@@ -191,6 +198,8 @@ _PING: Final = 0x01
 _DISCONNECT: Final = 0x02
 _PAUSE: Final = 0x03
 _RESUME: Final = 0x04
+_PATH_CHALLENGE: Final = 0x1A
+_PATH_RESPONSE: Final = 0x1B
 _DATA: Final = 5
 
 
@@ -227,8 +236,12 @@ class DataFrames(NamedTuple):
     messages: list[MessageFrame]
     ping: bool
     disconnect: DisconnectFrame | None
-    special: bool  # some message is a fragment, has dependencies or a mode other than 0/1
+    # some message is a fragment, has dependencies or a mode other than 0/1, or the
+    # packet carries a path frame: what the common packet needs no look at
+    special: bool
     flow: int = NO_FLOW  # the packet's last PAUSE (1) or RESUME (0) frame, NO_FLOW if none
+    challenge: bytes = b""  # the data of the packet's last PATH_CHALLENGE, if any
+    response: bytes = b""  # the data of the packet's last PATH_RESPONSE, if any
 
 
 class Connect(NamedTuple):
@@ -514,6 +527,16 @@ PAUSE_FRAME: Final = bytes((FrameType.PAUSE,))
 RESUME_FRAME: Final = bytes((FrameType.RESUME,))
 
 
+def path_challenge_frame(data: bytes) -> bytes:
+    """A PATH_CHALLENGE carrying ``data`` (``PATH_DATA_SIZE`` random bytes)."""
+    return bytes((_PATH_CHALLENGE,)) + data
+
+
+def path_response_frame(data: bytes) -> bytes:
+    """The PATH_RESPONSE that answers a PATH_CHALLENGE carrying ``data``."""
+    return bytes((_PATH_RESPONSE,)) + data
+
+
 def disconnect_frame(code: int, text: str) -> bytes:
     raw = _clip_utf8(text, MAX_CLOSE_TEXT)
     return DISCONNECT_FRAME.pack(FrameType.DISCONNECT, code, len(raw)) + raw
@@ -532,6 +555,7 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
     ping = False
     special = False
     flow = NO_FLOW
+    challenge = response = b""
     disconnect: DisconnectFrame | None = None
     end = len(data)
     while off < end:
@@ -578,9 +602,23 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             flow = 1
         elif kind == _RESUME:
             flow = 0
+        elif kind == _PATH_CHALLENGE:
+            challenge = _path_data(data, off)
+            off += PATH_DATA_SIZE
+            special = True
+        elif kind == _PATH_RESPONSE:
+            response = _path_data(data, off)
+            off += PATH_DATA_SIZE
+            special = True
         else:
             raise DecodeError(DropReason.MALFORMED)
-    return DataFrames(messages, ping, disconnect, special, flow)
+    return DataFrames(messages, ping, disconnect, special, flow, challenge, response)
+
+
+def _path_data(data: bytes, off: int) -> bytes:
+    if off + PATH_DATA_SIZE > len(data):
+        raise DecodeError(DropReason.TRUNCATED)
+    return data[off : off + PATH_DATA_SIZE]
 
 
 _EXTRA_FLAGS: Final = FLAG_FRAGMENT | FLAG_DEPS

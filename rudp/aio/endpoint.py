@@ -45,6 +45,7 @@ from rudp.events import (
     Disconnected,
     MessageAcked,
     MessageReceived,
+    PathChanged,
     QueryAnswered,
     QueryReceived,
 )
@@ -346,6 +347,13 @@ class AioEndpoint:
             elif type(event) is Disconnected:
                 del conns[core_conn]
                 conn.connection_ended(event)
+            elif type(event) is PathChanged:
+                # ``conn.remote_address`` is the core's address: it has followed already.
+                log.info(
+                    "path_changed peer=%s old=%s",
+                    format_address(event.address),
+                    format_address(event.old),
+                )
         if self.draining:
             for conn in list(self.draining):
                 conn.check_drain()

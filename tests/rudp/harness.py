@@ -72,6 +72,8 @@ class Network:
         self._ids = itertools.count()
         self.sent: list[tuple[bytes, Address, Address]] = []  # everything put on the wire
         self.tap: Callable[[bytes, Address, Address], None] | None = None
+        # Datagrams for which this returns True are lost on the wire (a targeted loss).
+        self.drop: Callable[[bytes, Address, Address], bool] | None = None
         self._idle_steps = 0
         self._busy_until: dict[tuple[Address, Address], float] = {}  # bottleneck per direction
         self.queue_drops = 0  # datagrams the bottleneck's full queue dropped
@@ -90,6 +92,11 @@ class Network:
     def remove(self, address: Address) -> None:
         del self.nodes[address]
 
+    def move(self, old: Address, new: Address) -> None:
+        """The node at ``old`` is reached at ``new`` from now on (a NAT rebinding):
+        what it sends comes from ``new``; what is sent to ``old`` is lost."""
+        self.nodes[new] = self.nodes.pop(old)
+
     def inject(self, data: bytes, src: Address, dst: Address) -> None:
         """Put a datagram on the wire as if ``src`` sent it (spoofing included)."""
         heapq.heappush(self._wire, (self.now, next(self._ids), data, src, dst))
@@ -99,6 +106,8 @@ class Network:
         if self.tap is not None:
             self.tap(data, src, dst)
         link, rng = self.link, self.rng
+        if self.drop is not None and self.drop(data, src, dst):
+            return
         if link.blackout or rng.random() < link.loss:
             return
         copies = 2 if rng.random() < link.duplicate else 1

@@ -32,6 +32,7 @@ CORE = [
     "rudp.graph",
     "rudp.state",
     "rudp.opening",
+    "rudp.migration",
     "rudp.connection",
     "rudp.sink",
     "rudp.admission",
