@@ -104,7 +104,7 @@ class PacketBuilder:
         self._recovery = recovery
         self._cc = cc
         self._stats = stats
-        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
+        self._max_payload = config.base_datagram_size - wire.DATA_HEADER_SIZE
         # Config values read per packet, copied into native attributes (see RttEstimator).
         self._packet_window = config.window
         self._window = config.channel_window
@@ -154,6 +154,17 @@ class PacketBuilder:
         stated in the handshake."""
         self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
         self._byte_window = recv_buffer_bytes
+
+    def set_datagram_size(self, size: int) -> None:
+        """Fill datagrams up to ``size`` bytes (the size path MTU discovery confirmed)."""
+        self._max_payload = size - wire.DATA_HEADER_SIZE
+
+    def probe(self, size: int) -> bytes:
+        """A path MTU probe of exactly ``size`` bytes: PING and PADDING, no message. It is
+        not loss detection's to track (``rudp.pmtu``): a lost probe loses nothing."""
+        reader = self._conn._reader
+        ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        return self.seal_next(ack + wire.probe_frames(size - wire.DATA_HEADER_SIZE))
 
     def build(self, now: float, closing: bool, draining: bool) -> bytes | None:
         """The next datagram due now, or None; ``closing`` and ``draining`` say

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from rudp.congestion import CongestionController
+    from rudp.pmtu import PathMtu
     from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
 
@@ -55,6 +56,13 @@ COUNTER_TABLE: Final = (
     ("messages_received", "Messages delivered.", "rudp_messages_received_total"),
     ("messages_resent", "Reliable messages sent again.", "rudp_retransmissions_total"),
     ("messages_sent", "Messages sent for the first time.", "rudp_messages_sent_total"),
+    (
+        "mtu_black_holes",
+        "Times the datagram size fell back to the base: larger packets stopped arriving.",
+        "",
+    ),
+    ("mtu_probes_lost", "Path MTU probes lost (or refused by the local interface).", ""),
+    ("mtu_probes_sent", "Path MTU probes sent (padded packets of the size tried).", ""),
     ("packets_dropped", "Datagrams from this peer dropped (duplicate, stale, bad...).", ""),
     ("packets_lost", "Ack-eliciting packets declared lost.", "rudp_packets_lost_total"),
     ("packets_received", "DATA packets accepted.", "rudp_packets_received_total"),
@@ -81,7 +89,7 @@ builds do not expose)."""
 class ConnectionStats:
     """Per-connection transport statistics (``Connection.stats``)."""
 
-    __slots__ = (*COUNTERS, "cc", "rtt")
+    __slots__ = (*COUNTERS, "cc", "pmtu", "rtt")
 
     def __init__(self) -> None:
         # One per name in COUNTER_TABLE, which says what each counts.
@@ -99,6 +107,9 @@ class ConnectionStats:
         self.messages_received = 0
         self.messages_resent = 0
         self.messages_sent = 0
+        self.mtu_black_holes = 0
+        self.mtu_probes_lost = 0
+        self.mtu_probes_sent = 0
         self.packets_dropped = 0
         self.packets_lost = 0
         self.packets_received = 0
@@ -110,6 +121,7 @@ class ConnectionStats:
         self.timeouts = 0
         self.rtt: RttEstimator | None = None
         self.cc: CongestionController | None = None
+        self.pmtu: PathMtu | None = None
 
     @property
     def srtt(self) -> float:
@@ -147,6 +159,12 @@ class ConnectionStats:
         return self.cc.bytes_in_flight if self.cc else 0
 
     @property
+    def path_mtu(self) -> int:
+        """The datagram size the path is known to carry (path MTU discovery), in bytes
+        of UDP payload: what datagrams are filled to."""
+        return self.pmtu.current if self.pmtu else 0
+
+    @property
     def loss_estimate(self) -> float:
         """Fraction of ack-eliciting packets declared lost."""
         return self.packets_lost / self.eliciting_sent if self.eliciting_sent else 0.0
@@ -161,6 +179,7 @@ class ConnectionStats:
             congestion_window=self.congestion_window,
             bytes_in_flight=self.bytes_in_flight,
             random_losses=self.random_losses,
+            path_mtu=self.path_mtu,
         )
         return out
 

@@ -40,6 +40,7 @@ version-1 REJECT (``encode_v1_reject``) that tells the client why.
 
 DATA frames (inside the seal)::
 
+    0x00 PADDING                               the rest of the packet: zeros, not read
     0x01 PING                                  ack-eliciting, no body
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
     0x03 PAUSE                                 ack-eliciting, no body: no new reliable messages
@@ -54,6 +55,8 @@ DATA frames (inside the seal)::
 
 PAUSE and RESUME are flow control: a receiver whose application falls behind
 asks its peer to stop sending reliable messages, then to go on (see docs/protocol.md).
+PADDING fills path MTU probes (``rudp.pmtu``) to the size tried; it only ever
+follows PING there.
 
 Wire modes: 0 unreliable, 1 reliable-ordered, 2 unreliable-sequenced,
 3 reliable-unordered (the dependency graph's messages: with flag 0x10 they
@@ -138,6 +141,7 @@ class PacketType(enum.IntEnum):
 
 
 class FrameType(enum.IntEnum):
+    PADDING = 0x00
     PING = 0x01
     DISCONNECT = 0x02
     PAUSE = 0x03
@@ -184,6 +188,7 @@ class Delivery(enum.IntEnum):
 
 
 WIRE_MODES: Final = 5  # wire modes 0..4 are valid
+_PADDING: Final = 0x00
 _PING: Final = 0x01
 _DISCONNECT: Final = 0x02
 _PAUSE: Final = 0x03
@@ -497,6 +502,15 @@ PAUSE_FRAME: Final = bytes((FrameType.PAUSE,))
 RESUME_FRAME: Final = bytes((FrameType.RESUME,))
 
 
+def probe_frames(size: int) -> bytes:
+    """PING, then PADDING filling ``size`` bytes of frames in all (``size >= 2``): what
+    a path MTU probe carries."""
+    return _PING_PADDING + bytes(size - 2)
+
+
+_PING_PADDING: Final = bytes((FrameType.PING, FrameType.PADDING))
+
+
 def disconnect_frame(code: int, text: str) -> bytes:
     raw = _clip_utf8(text, MAX_CLOSE_TEXT)
     return DISCONNECT_FRAME.pack(FrameType.DISCONNECT, code, len(raw)) + raw
@@ -550,6 +564,8 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             off += n
         elif kind == _PING:
             ping = True
+        elif kind == _PADDING:
+            break  # the rest of the packet is padding
         elif kind == _DISCONNECT:
             code, n = U16.unpack_from(data, off)[0], data[off + 2]
             off += 3
