@@ -15,8 +15,9 @@ process counts them and reports the rate from the first arrival to the last.
   drains up to 256 datagrams per readiness, as rudp's endpoint does.
 * ``enet``      -- ENet (pyenet, C; installed separately): reliable packets on
   channel 0, the host serviced in a tight loop (``service(0)``) between batches of
-  64 sends; the sender stops adding at the cap and services until nothing is in
-  transit. ENet's default MTU is 1,400 bytes.
+  64 sends, keeping about 256 KiB queued ahead of what ENet has sent (its queue
+  is unbounded); the sender stops adding at the cap and services until nothing
+  is in transit. ENet's default MTU is 1,400 bytes.
 * ``tcp``       -- asyncio streams-level TCP: 4-byte length prefix per message,
   TCP_NODELAY, ``transport.write()`` per message, honouring pause/resume_writing;
   the receiver parses every frame out into its own ``bytes``.
@@ -59,6 +60,7 @@ import rudp
 PROTOCOLS = ("udp-proto", "udp-drain", "tcp", "rudp")
 DRAIN_EVERY = 256
 MAX_DATAGRAMS_PER_READ = 256  # as rudp.Config.max_datagrams_per_read
+ENET_QUEUE = 256 * 1024  # bytes the ENet sender keeps queued ahead of its socket
 
 
 # -- rudp --------------------------------------------------------------------------------
@@ -287,6 +289,9 @@ async def enet_sender(ctx: RoleContext) -> Result:
     )
     n = p["count"]
     sent = 0
+    # ENet queues without limit, and its service call walks the queue: keep about
+    # ENET_QUEUE bytes queued beyond what went out (its 12-byte command header each).
+    per_message = p["size"] + 12
     start = time.perf_counter()
     deadline = start + p["cap"]
     while sent < n:
@@ -295,6 +300,8 @@ async def enet_sender(ctx: RoleContext) -> Result:
         sent += min(64, n - sent)
         while service(0).type != none:
             pass
+        while sent * per_message - host.totalSentData > ENET_QUEUE:
+            service(1)
         if not sent % 1024 and time.perf_counter() > deadline:
             break
     quiet = 0

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from rudp.stats import ConnectionStats
 
 RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
+_NO_CONTROL: Final[list[bytes]] = []  # a packet's control frames when it has none (never changed)
 
 
 class PacketBuilder:
@@ -183,9 +184,10 @@ class PacketBuilder:
         conn = self._conn
         recovery = self._recovery
         budget = self._max_payload
-        parts: list[bytes] = []
+        # parts[0] is the acknowledgment, filled in last: one list per datagram, joined once.
+        parts: list[bytes] = [b""]
         messages: list[OutMessage] = []
-        control: list[bytes] = []
+        control = _NO_CONTROL  # shared and never changed: most packets carry none
         if self.control:
             control, self.control = self.control, []
             for frame in control:
@@ -212,7 +214,7 @@ class PacketBuilder:
                 if self.control and budget >= len(self.control[-1]):
                     frame = self.control.pop()
                     parts.append(frame)
-                    control.append(frame)
+                    control = [*control, frame]
                     budget -= len(frame)
         if room and not sender.retx and not conn.peer_paused:
             # A paused peer gets no new reliable messages; unreliable ones still go (they
@@ -224,7 +226,7 @@ class PacketBuilder:
         if self.ping and not eliciting and not draining:
             parts.append(wire.PING_FRAME)
             eliciting = True
-        if not parts and not self.ack_pending:
+        if len(parts) == 1 and not self.ack_pending:
             return None
         self.ping = False
         self.ack_pending = False
@@ -232,13 +234,8 @@ class PacketBuilder:
         seq = self.tx_next
         self.tx_next = seq + 1
         reader = conn._reader
-        body = b"".join(
-            [
-                wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF),
-                *parts,
-            ]
-        )
-        datagram = self.seal(seq, body)
+        parts[0] = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        datagram = self.seal(seq, b"".join(parts))
         if eliciting:
             recovery.on_packet_sent(
                 SentPacket(

@@ -249,3 +249,17 @@ async def test_the_socket_never_fragments_and_emsgsize_is_not_raised() -> None:
         endpoint._sendto(bytes(70_000), conn.remote_address)
         assert endpoint.datagrams_too_large == 1 and endpoint.send_errors == 0
         await conn.close()
+
+
+def test_messages_whose_fragments_share_a_packet_mix_with_reassembled_ones() -> None:
+    # In order and complete in one packet, a message skips reassembly; a loss, a
+    # reordering or a duplicate sends its fragments through reassembly instead.
+    net, server, client, conn = pair(Link(loss=0.1, reorder=0.1, duplicate=0.05, jitter=0.003))
+    rng = random.Random(3)
+    payloads = [rng.randbytes(rng.choice((1200, 1300, 2500, 40))) for _ in range(400)]
+    for data in payloads:
+        conn.send(data, channel=1)
+    net.run_until(lambda: conn.queued == 0, timeout=120)
+    assert server.received() == payloads
+    receiver = server_conn(server)._receiver
+    assert receiver.parts == {} and receiver.reassembly_bytes == 0
