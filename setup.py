@@ -41,6 +41,7 @@ COMPILED_MODULES = [
     "rudp/admission.py",
     "rudp/endpoint.py",
     "rudp/stats.py",
+    "rudp/tokens.py",
     "rudp/aio/connection.py",
     "rudp/aio/endpoint.py",
 ]

@@ -101,7 +101,7 @@ async def pingpong_receiver(count: int) -> None:
         data = bytes(SIZE)
         waiter: asyncio.Future[None] | None = None
 
-        def receiver(msg: rudp.Message) -> None:
+        def receiver(msg: rudp.MessageReceived) -> None:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 

@@ -212,6 +212,16 @@ class Config:
     without it, NN: every packet is still sealed, but the server is not
     authenticated (an on-path attacker could sit in the middle)."""
 
+    token_issuers: tuple[bytes, ...] = ()
+    """Connect-token issuers' public keys (Ed25519, 32 bytes; two while a key rotates).
+    With any, this server admits only clients that present a token one of them signed
+    for this server's ``static_key`` (which it then needs); the verified client id and
+    user data are ``conn.peer_identity``. See docs/security.md, "Connect tokens"."""
+
+    token_addresses: tuple[tuple[str, int], ...] = ()
+    """This server's public addresses, when it knows them: a token must then name one.
+    Empty, the token's host key alone binds it to this server."""
+
     netsim: NetsimConfig | None = field(default=None)
     """In-process link conditioner for this endpoint (testing and demos). Off by default."""
 
@@ -220,6 +230,7 @@ class Config:
             key = getattr(self, name)
             if key is not None and (not isinstance(key, bytes) or len(key) != 32):
                 raise ValueError(f"Config.{name} must be 32 bytes (an X25519 key)")
+        _check_tokens(self)
         _check_range(
             "max_datagram_size", self.max_datagram_size, MIN_DATAGRAM_SIZE, MAX_DATAGRAM_SIZE
         )
@@ -307,3 +318,15 @@ class Config:
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"Config.{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _check_tokens(config: Config) -> None:
+    issuers = config.token_issuers
+    if not isinstance(issuers, tuple) or len(issuers) > 2:
+        raise ValueError("Config.token_issuers must be a tuple of at most 2 keys")
+    if any(not isinstance(key, bytes) or len(key) != 32 for key in issuers):
+        raise ValueError("Config.token_issuers: each key is 32 bytes (an Ed25519 public key)")
+    if issuers and config.static_key is None:
+        raise ValueError(
+            "Config.token_issuers needs Config.static_key: a token names the server's key"
+        )

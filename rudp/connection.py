@@ -65,7 +65,7 @@ from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
 from rudp.events import Connected, Disconnected, DisconnectReason
 from rudp.handshake import ClientHandshake, Keys, TransportParams
-from rudp.noise import ephemeral_key
+from rudp.noise import ephemeral_key, private_key
 from rudp.opening import Opening
 from rudp.packet_builder import PacketBuilder
 from rudp.packet_reader import PacketReader
@@ -78,6 +78,7 @@ from rudp.sending import OutMessage, Sender
 from rudp.sink import EndpointSink
 from rudp.state import CLOSED, CLOSING, CONNECTED, CONNECTING, DRAINING, TRANSITIONS, State
 from rudp.stats import ConnectionStats
+from rudp.tokens import PeerIdentity
 from rudp.wire import Delivery, DropReason
 
 __all__ = ["NO_BUFFER", "Address", "Connection", "State"]
@@ -101,6 +102,8 @@ class Connection:
         cid: int = 1,
         reset_token: bytes = bytes(16),
         server_key: bytes | None = None,
+        token: bytes = b"",
+        token_key: bytes | None = None,
     ) -> None:
         self.config = config
         self.address = address
@@ -114,6 +117,8 @@ class Connection:
         """True when the handshake proved the server holds the key we expected (NK)."""
         self.handshake_hash = b""
         """The Noise handshake hash, identical on both sides (a channel binding)."""
+        self.peer_identity: PeerIdentity | None = None
+        """On a server that requires connect tokens: the client's verified token."""
         self._peer_reset_token = b""
         self._limits_error = ""  # why something queued before the handshake cannot go
         self.state = CONNECTING
@@ -156,10 +161,12 @@ class Connection:
         # -- handshake and close
         self._accept_datagram = b""  # our ACCEPT, if we answered a CONNECT (see _answer_connect)
         # The client's side of the handshake, until it is answered (``rudp.opening``).
+        # A connect token is bound to the key it was issued for: then that key is ours.
+        ephemeral = ephemeral_key(rng) if token_key is None else private_key(token_key)
         self._opening = (
             Opening(
                 config,
-                ClientHandshake(self.transport_params(), salt, server_key, ephemeral_key(rng)),
+                ClientHandshake(self.transport_params(), salt, server_key, ephemeral, token),
                 salt,
                 now,
             )
@@ -370,8 +377,11 @@ class Connection:
                 builder.tx_next - 1, probe, now, self._rtt.rto, self._recovery.largest_acked
             )
         if out:
-            self.stats.packets_sent += len(out)
-            self.stats.bytes_sent += sum(map(len, out))
+            stats = self.stats
+            stats.packets_sent += len(out)
+            stats.bytes_sent += sum(map(len, out))
+            if now >= stats.sample_due:
+                stats.sample(now)
         return out
 
     # -- the endpoint's interface: handshake and DATA --------------------------------------

@@ -89,7 +89,7 @@ class Opening:
             self.cookie_connect_at = now
         hs = self.handshake
         return wire.encode_connect(
-            self.salt, hs.pattern, self.cookie, hs.message, self.max_datagram_size
+            self.salt, hs.pattern, self.cookie, hs.message, self.max_datagram_size, hs.token_size
         )
 
     def on_timer(self, now: float) -> str | None:

@@ -110,6 +110,7 @@ class PacketReader:
         self._sink = sink
         self._stats = stats
         self.opener: Opener | None = None  # set when the handshake completes
+        stats.reader = self  # what arrived of the peer's packets: see ConnectionStats
         self.rx_largest = -1
         self.rx_bits = 0  # bit i: packet (largest - i) was received
         # Packets remembered for acknowledgment; twice the window, so reordering
@@ -186,6 +187,8 @@ class PacketReader:
         stats = self._stats
         stats.packets_received += 1
         stats.bytes_received += size
+        if now >= stats.sample_due:
+            stats.sample(now)
         conn._last_recv = now
         if conn._pmtu.probe_pn >= 0:
             conn._on_probe_ack(ack16, ack_bits, now)

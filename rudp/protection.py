@@ -76,14 +76,17 @@ class ReplayWindow:
     """Which recent packet numbers were already accepted.
 
     ``largest`` is the largest accepted number (-1 before the first); bit ``i``
-    of ``bits`` is set when ``largest - i`` was accepted.
+    of ``bits`` is set when ``largest - i`` was accepted. ``accepted`` counts the
+    numbers accepted: with ``largest``, what arrived of what the peer sent (its
+    numbers start at 0 and count every packet), which ``ConnectionStats`` reports.
     """
 
-    __slots__ = ("bits", "largest")
+    __slots__ = ("accepted", "bits", "largest")
 
     def __init__(self) -> None:
         self.largest = -1
         self.bits = 0
+        self.accepted = 0
 
     def seen(self, number: int) -> bool:
         """True when ``number`` must be refused: already accepted or too old to tell."""
@@ -96,6 +99,7 @@ class ReplayWindow:
 
     def accept(self, number: int) -> None:
         """Record ``number`` as received (after it authenticated)."""
+        self.accepted += 1
         if number > self.largest:
             shift = number - self.largest
             self.bits = ((self.bits << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1

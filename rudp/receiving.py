@@ -316,14 +316,16 @@ class Receiver:
                 continue
             if more is None:
                 if mode == UNRELIABLE:
-                    events.append((conn, MessageReceived(payload, channel, False)))
+                    events.append((conn, MessageReceived(payload, channel, False, UNRELIABLE)))
                     delivered += 1
                     continue
                 if mode == RELIABLE_ORDERED:
                     reliable_seen = True
                     expected = rx_next[channel]
                     if seq16 == expected & SEQ_MASK:  # the common case: next in order
-                        events.append((conn, MessageReceived(payload, channel, True)))
+                        events.append(
+                            (conn, MessageReceived(payload, channel, True, RELIABLE_ORDERED))
+                        )
                         delivered += 1
                         expected += 1
                         buf = self.ch_buf[channel]
@@ -423,11 +425,11 @@ class Receiver:
                 break
             if isinstance(early, bytes):
                 self.buffered -= len(early) + BUFFER_ENTRY_COST
-                events.append((conn, MessageReceived(early, channel, True)))
+                events.append((conn, MessageReceived(early, channel, True, RELIABLE_ORDERED)))
                 expected += 1
             else:
                 self.reassembly_bytes -= early.reserved
-                events.append((conn, MessageReceived(early.data, channel, True)))
+                events.append((conn, MessageReceived(early.data, channel, True, RELIABLE_ORDERED)))
                 expected += early.span
             n += 1
         self.ch_next[channel] = expected
@@ -445,7 +447,9 @@ class Receiver:
             buf[base] = whole  # complete, but earlier messages are still missing
             return 0
         self.reassembly_bytes -= whole.reserved
-        self._events.append((self._conn, MessageReceived(whole.data, channel, True)))
+        self._events.append(
+            (self._conn, MessageReceived(whole.data, channel, True, RELIABLE_ORDERED))
+        )
         return 1 + self._flush_buffered(channel, base + whole.span, buf)
 
     def _sequenced(
@@ -472,7 +476,7 @@ class Receiver:
         if self.parts and mode == RELIABLE_SEQUENCED:
             self._drop_superseded_parts(channel, newest)
         self._events.append(
-            (self._conn, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED))
+            (self._conn, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED, mode))
         )
         return 1
 

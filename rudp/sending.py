@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from rudp import wire
 from rudp.config import BUFFER_ENTRY_COST, Config
-from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull
+from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull, check_sequence
 from rudp.events import MessageAcked
 from rudp.graph import GraphNode, mark_executed
 from rudp.wire import (
@@ -75,6 +75,7 @@ SENT: Final = 1
 ACKED: Final = 2
 FAILED: Final = 3
 SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel replaced it
+_STATE_NAMES: Final = ("queued", "sent", "acked", "failed", "superseded")
 
 
 class Waiter(Protocol):
@@ -152,6 +153,14 @@ class OutMessage:
         unreliable message, sent or dropped."""
         state = self.state
         return state >= ACKED or (self.mode in UNRELIABLE_MODES and state != QUEUED)
+
+    def __repr__(self) -> str:
+        state = _STATE_NAMES[self.state] if 0 <= self.state < len(_STATE_NAMES) else self.state
+        mode = Delivery(self.mode).name if 0 <= self.mode < len(Delivery) else self.mode
+        return (
+            f"<rudp.SendHandle {mode} channel={self.channel} seq={self.seq} "
+            f"{len(self.data)} bytes {state}>"
+        )
 
     def __await__(self) -> Generator[Any, None, None]:
         # One object per message instead of two: the asyncio layer returns the core's
@@ -347,6 +356,8 @@ class Sender:
         depends_on: Iterable[OutMessage] | None,
         now: float | None,
     ) -> OutMessage:
+        if depends_on is not None:
+            check_sequence(depends_on, "depends_on")  # a str would be its letters
         try:
             kind = Delivery.DEPENDENCY_ORDERED if delivery is None else Delivery(delivery)
         except ValueError:

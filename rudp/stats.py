@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from rudp.congestion import CongestionController
+    from rudp.packet_reader import PacketReader
     from rudp.pmtu import PathMtu
     from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
@@ -82,6 +83,15 @@ COUNTER_TABLE: Final = (
     ("timeouts", "Resend timer expirations.", "rudp_resend_timeouts_total"),
 )
 COUNTERS: Final = tuple(name for name, _, _ in COUNTER_TABLE)
+
+# The byte rates: when it sends or receives, the connection samples its byte counters
+# once SAMPLE_INTERVAL seconds have passed since the last sample; the rates are the
+# change over that interval (longer while the traffic is sparse: a silent connection
+# still pings every keepalive interval, so they come down within a few seconds).
+SAMPLE_INTERVAL: Final = 1.0
+# The recent inbound loss is read over this many of the peer's latest packet numbers
+# (at most the replay window's 1,024): a few seconds of a game's traffic.
+RECENT_PACKETS: Final = 256
 """The counters of ``ConnectionStats`` (not read from ``__slots__``, which compiled
 builds do not expose)."""
 
@@ -89,7 +99,19 @@ builds do not expose)."""
 class ConnectionStats:
     """Per-connection transport statistics (``Connection.stats``)."""
 
-    __slots__ = (*COUNTERS, "cc", "pmtu", "rtt")
+    __slots__ = (
+        *COUNTERS,
+        "_sampled_at",
+        "_sampled_received",
+        "_sampled_sent",
+        "cc",
+        "pmtu",
+        "reader",
+        "receive_rate",
+        "rtt",
+        "sample_due",
+        "send_rate",
+    )
 
     def __init__(self) -> None:
         # One per name in COUNTER_TABLE, which says what each counts.
@@ -122,6 +144,62 @@ class ConnectionStats:
         self.rtt: RttEstimator | None = None
         self.cc: CongestionController | None = None
         self.pmtu: PathMtu | None = None
+        self.reader: PacketReader | None = None
+        # The byte counters at the last sample, and the rates measured up to it.
+        self.sample_due = 0.0
+        self._sampled_at = -1.0
+        self._sampled_sent = 0
+        self._sampled_received = 0
+        self.send_rate = 0.0
+        """Bytes per second of DATA packets sent, over the last second or so."""
+        self.receive_rate = 0.0
+        """Bytes per second of DATA packets received, over the last second or so."""
+
+    def sample(self, now: float) -> None:
+        """Measure the byte rates since the last sample (the connection calls it, at
+        most every ``SAMPLE_INTERVAL`` seconds, when it sends or receives)."""
+        elapsed = now - self._sampled_at
+        if self._sampled_at >= 0 and elapsed > 0:
+            self.send_rate = (self.bytes_sent - self._sampled_sent) / elapsed
+            self.receive_rate = (self.bytes_received - self._sampled_received) / elapsed
+        self._sampled_at = now
+        self._sampled_sent = self.bytes_sent
+        self._sampled_received = self.bytes_received
+        self.sample_due = now + SAMPLE_INTERVAL
+
+    def _window(self) -> tuple[int, int, int]:
+        """(packets the peer sent us so far, of which arrived, the replay bits)."""
+        reader = self.reader
+        opener = reader.opener if reader is not None else None
+        if opener is None:
+            return 0, 0, 0
+        window = opener.window
+        return window.largest + 1, window.accepted, window.bits
+
+    @property
+    def packets_missing(self) -> int:
+        """The peer's packets that have not arrived: the gaps in its packet numbers up
+        to the newest received. Every packet counts, unreliable-only and ack-only ones
+        too; a packet reordered behind later ones counts until it arrives."""
+        sent, arrived, _ = self._window()
+        return max(0, sent - arrived)
+
+    @property
+    def inbound_loss(self) -> float:
+        """Fraction of the peer's packets that never arrived (``packets_missing`` over
+        the packets it sent us), since the connection opened."""
+        sent, arrived, _ = self._window()
+        return max(0, sent - arrived) / sent if sent else 0.0
+
+    @property
+    def recent_inbound_loss(self) -> float:
+        """``inbound_loss`` over the peer's latest ``RECENT_PACKETS`` (256) packet numbers."""
+        sent, _, bits = self._window()
+        span = min(sent, RECENT_PACKETS)
+        if span == 0:
+            return 0.0
+        arrived = (bits & ((1 << span) - 1)).bit_count()
+        return (span - arrived) / span
 
     @property
     def srtt(self) -> float:
@@ -166,7 +244,9 @@ class ConnectionStats:
 
     @property
     def loss_estimate(self) -> float:
-        """Fraction of ack-eliciting packets declared lost."""
+        """Fraction of our ack-eliciting packets declared lost (the outbound path, as
+        the reliable traffic measures it; ``inbound_loss`` counts every packet the
+        peer sent us)."""
         return self.packets_lost / self.eliciting_sent if self.eliciting_sent else 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -179,6 +259,11 @@ class ConnectionStats:
             congestion_window=self.congestion_window,
             bytes_in_flight=self.bytes_in_flight,
             random_losses=self.random_losses,
+            packets_missing=self.packets_missing,
+            inbound_loss=self.inbound_loss,
+            recent_inbound_loss=self.recent_inbound_loss,
+            send_rate=self.send_rate,
+            receive_rate=self.receive_rate,
             path_mtu=self.path_mtu,
         )
         return out
@@ -202,6 +287,7 @@ ENDPOINT_COUNTER_TABLE: Final = (
         "Handshakes that crossed our own CONNECT to the same peer and won the tie-break.",
         "rudp_simultaneous_opens_total",
     ),
+    ("tokens_accepted", "Connect tokens verified and spent.", "rudp_tokens_accepted_total"),
     (
         "noconn_suppressed",
         "NOCONN replies held back by the rate limit.",
@@ -234,6 +320,8 @@ class EndpointStats:
         "dropped",
         "noconn_suppressed",
         "simultaneous_opens",
+        "tokens_accepted",
+        "tokens_refused",
         "unvalidated_bytes_received",
         "unvalidated_bytes_sent",
     )
@@ -253,6 +341,10 @@ class EndpointStats:
         # NOCONN replies the token bucket held back (the datagram itself is counted
         # once, under its drop reason).
         self.noconn_suppressed = 0
+        # Connect tokens (``rudp.tokens``): accepted, and refused by reason (each refusal
+        # is answered with a REJECT naming it).
+        self.tokens_accepted = 0
+        self.tokens_refused: Counter[str] = Counter()
         # Counters of connections that have ended, so exported totals never go back.
         self.closed_totals: Counter[str] = Counter()
 
@@ -265,3 +357,10 @@ class EndpointStats:
     @property
     def datagrams_dropped(self) -> int:
         return sum(self.dropped.values())
+
+    def __repr__(self) -> str:
+        counters = ", ".join(
+            f"{name}={getattr(self, name)}" for name, _, _ in ENDPOINT_COUNTER_TABLE
+        )
+        dropped = {str(reason): n for reason, n in self.dropped.items()}
+        return f"EndpointStats({counters}, dropped={dropped!r})"

@@ -23,8 +23,9 @@ table below reads from byte 0 as written and one CRC covers every byte before it
 
     0xA0|type u8, version u8 (2), body..., crc32 u32
 
-    CONNECT      salt u64, pattern u8 (0 NN, 1 NK), cookie_len u8, cookie,
-                 Noise message 1, zero padding to the client's max datagram size
+    CONNECT      salt u64, pattern u8 (0 NN, 1 NK; 0x80: a token), cookie_len u8,
+                 cookie, [token_len u16 if 0x80], Noise message 1, zero padding
+                 to the client's max datagram size
     CHALLENGE    salt u64, cookie_len u8, cookie
     ACCEPT       salt u64, Noise message 2 (``handshake.SECOND_MESSAGE_SIZE``)
     REJECT       salt u64, text_len u8, text (utf-8)
@@ -32,7 +33,8 @@ table below reads from byte 0 as written and one CRC covers every byte before it
     QUERY_REPLY  nonce u32, len u16, payload
 
 The Noise message 1 of a CONNECT runs to the padding; its size follows from the
-pattern (``handshake.first_message_size``), so the endpoint cuts it there.
+pattern and the size of the connect token its payload carries, if any
+(``handshake.first_message_size``), so the endpoint cuts it there.
 
 Version 1 datagrams (CRC-32 first, byte 4 the version, 1) are recognised only to
 be dropped as ``wrong_version``; a version-1 CONNECT is answered with a
@@ -105,6 +107,7 @@ NOCONN_SIZE: Final = NOCONN.size
 MAX_REJECT_TEXT: Final = 96
 MAX_CLOSE_TEXT: Final = 200
 MAX_COOKIE: Final = 64
+CONNECT_TOKEN: Final = 0x80  # CONNECT pattern flag: a token_len u16 follows the cookie
 # The smallest CONNECT a server answers. Every handshake reply is smaller than
 # this, so no spoofed CONNECT can make us send more than we received.
 MIN_CONNECT_SIZE: Final = 256
@@ -274,6 +277,7 @@ class Connect(NamedTuple):
     pattern: int
     cookie: bytes
     rest: bytes  # the Noise message 1, then the padding (the endpoint cuts it)
+    token_size: int = 0  # bytes of connect token at the end of the Noise payload
 
 
 class Challenge(NamedTuple):
@@ -357,8 +361,14 @@ def _v1_or(data: bytes, reason: DropReason) -> DropReason:
 # -- handshake -----------------------------------------------------------------
 
 
-def encode_connect(salt: int, pattern: int, cookie: bytes, message: bytes, pad_to: int) -> bytes:
-    body = CONNECT_BODY.pack(salt, pattern, len(cookie)) + cookie + message
+def encode_connect(
+    salt: int, pattern: int, cookie: bytes, message: bytes, pad_to: int, token_size: int = 0
+) -> bytes:
+    if token_size:
+        body = CONNECT_BODY.pack(salt, pattern | CONNECT_TOKEN, len(cookie)) + cookie
+        body += U16.pack(token_size) + message
+    else:
+        body = CONNECT_BODY.pack(salt, pattern, len(cookie)) + cookie + message
     padding = max(0, pad_to - HEADER_SIZE - len(body))
     return _packet(PacketType.CONNECT, body + bytes(padding))
 
@@ -367,7 +377,14 @@ def decode_connect(data: bytes) -> Connect:
     salt, pattern, n = _unpack(CONNECT_BODY, data)
     offset = BODY_OFFSET + CONNECT_BODY.size
     cookie = _take(data, offset, n, MAX_COOKIE)
-    return Connect(salt, pattern, cookie, data[offset + n : len(data) - CRC_SIZE])
+    offset += n
+    token_size = 0
+    if pattern & CONNECT_TOKEN:
+        (token_size,) = U16.unpack(_take(data, offset, U16.size, U16.size))
+        offset += U16.size
+    return Connect(
+        salt, pattern & ~CONNECT_TOKEN, cookie, data[offset : len(data) - CRC_SIZE], token_size
+    )
 
 
 def encode_challenge(salt: int, cookie: bytes) -> bytes:

@@ -38,6 +38,7 @@ CORE = [
     "rudp.admission",
     "rudp.endpoint",
     "rudp.stats",
+    "rudp.tokens",
     "rudp.aio.connection",
     "rudp.aio.endpoint",
 ]
