@@ -30,6 +30,7 @@ COMPILED_MODULES = [
     "rudp/packet_builder.py",
     "rudp/packet_reader.py",
     "rudp/recovery.py",
+    "rudp/pmtu.py",
     "rudp/congestion.py",
     "rudp/receiving.py",
     "rudp/graph.py",

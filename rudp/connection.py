@@ -75,6 +75,7 @@ from rudp.noise import ephemeral_key, private_key
 from rudp.opening import Opening
 from rudp.packet_builder import PacketBuilder
 from rudp.packet_reader import PacketReader
+from rudp.pmtu import PathMtu, ceiling_for
 from rudp.protection import Opener, PacketNumbersExhausted, Sealer
 from rudp.receiving import NO_BUFFER as NO_BUFFER
 from rudp.receiving import Receiver
@@ -137,6 +138,8 @@ class Connection:
         self.stats.rtt = self._rtt
         self._cc = CongestionController(config)
         self.stats.cc = self._cc
+        self._pmtu = PathMtu(config.base_datagram_size, self.stats)
+        self.stats.pmtu = self._pmtu
         # Packet numbers start at 0 in each direction: with every packet sealed nothing is
         # guessable from them, so no random initial number is needed (it was version 1's
         # defence against blind injection).
@@ -319,6 +322,9 @@ class Connection:
         if state is DRAINING:
             return self._deadline
         t = self._last_recv + self._idle_timeout
+        pmtu_at = self._pmtu.deadline
+        if pmtu_at < t:
+            t = pmtu_at
         recovery = self._recovery
         if recovery.sent:
             t = min(t, recovery.probe_deadline())
@@ -369,12 +375,23 @@ class Connection:
             builder.early_acks.clear()
         closing = state is CLOSING
         draining = state is DRAINING
+        pmtu = self._pmtu
+        probe = 0
+        if now >= pmtu.next_probe:
+            probe = pmtu.due(now)
+            if probe:
+                builder.ping = True  # the probe's witness that the path is alive (rudp.pmtu)
         try:
             while True:
                 datagram = builder.build(now, closing, draining)
                 if datagram is None:
                     break
                 out.append(datagram)
+            if probe:
+                out.append(builder.probe(probe))
+                pmtu.probe_sent(
+                    builder.tx_next - 1, probe, now, self._rtt.rto, self._recovery.largest_acked
+                )
         except PacketNumbersExhausted:
             self._numbers_exhausted()
         if out:
@@ -454,7 +471,7 @@ class Connection:
         self.handshake_hash = keys.handshake_hash
         self._builder.set_keys(Sealer(keys.send_key), peer.connection_id)
         self._reader.opener = Opener(keys.recv_key)
-        self._apply_peer_limits(peer)
+        self._apply_peer_limits(peer, now)
         self._reader.rx_largest = -1
         self._last_recv = now
         self._builder.last_eliciting = now
@@ -464,10 +481,11 @@ class Connection:
         if self._limits_error:
             self._protocol_error(self._limits_error)
 
-    def _apply_peer_limits(self, peer: TransportParams) -> None:
+    def _apply_peer_limits(self, peer: TransportParams, now: float) -> None:
         """What the peer stated it accepts, from the handshake: its largest message and
         channel count (``send()`` raises at once past them, naming the peer's limit),
-        its receive buffer (what we let sit in it), the smaller datagram size and the
+        its receive buffer (what we let sit in it), the smaller datagram size of the
+        two sides (the ceiling of path MTU discovery, which starts now) and the
         smaller idle timeout of the two sides (either side's silence limit ends the
         connection, so both keep it alive within the smaller).
 
@@ -479,9 +497,12 @@ class Connection:
         if 0 < idle < self._idle_timeout:
             self._idle_timeout = idle
             self._keepalive_interval = min(self._keepalive_interval, idle / 2)
-        datagram = min(self.config.max_datagram_size, peer.max_datagram_size)
-        self._builder.apply_peer_limits(datagram, peer.recv_buffer_bytes)
-        self._limits_error = self._sender.apply_peer_limits(peer, datagram)
+        config = self.config
+        base = min(config.base_datagram_size, peer.max_datagram_size)
+        ceiling = min(ceiling_for(self.address, config.max_datagram_size), peer.max_datagram_size)
+        self._builder.apply_peer_limits(base, peer.recv_buffer_bytes)
+        self._limits_error = self._sender.apply_peer_limits(peer, base)
+        self._pmtu.start(base, ceiling, now)
 
     def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it carries
@@ -625,6 +646,28 @@ class Connection:
                 by_peer=False,
             )
 
+    def _on_probe_ack(self, ack16: int, bits: int, now: float) -> None:
+        """An acknowledgment arrived while a path MTU probe is in flight."""
+        pmtu = self._pmtu
+        if pmtu.on_ack(ack16, bits, self._builder.tx_next, now):
+            self._use_datagram_size(pmtu.current)
+            self._sink.dirty[self] = None  # the next probe may be due at once
+
+    def _use_datagram_size(self, size: int) -> None:
+        """Path MTU discovery moved the size datagrams are filled to."""
+        self._builder.set_datagram_size(size)
+        self._cc.set_datagram_size(size)
+
+    def _datagram_refused(self, size: int, now: float) -> None:
+        """The local interface refused to send one of our datagrams of ``size`` bytes
+        as too large (EMSGSIZE): a probe is lost at once; a packet of the current
+        size makes the size fall back (its messages are resent when it is declared
+        lost)."""
+        pmtu = self._pmtu
+        if pmtu.on_refused(size, now):
+            self._use_datagram_size(pmtu.current)
+        self._sink.dirty[self] = None
+
     def _on_acks(self, now: float) -> None:
         """The peer acknowledged new packets of ours: a close may now go on."""
         if self.state is CLOSING:
@@ -652,12 +695,18 @@ class Connection:
 
     def _on_packet_acked(self, pkt: SentPacket) -> None:
         self._sender.on_acked(pkt)
+        pmtu = self._pmtu
+        if pkt.size > pmtu.base:
+            pmtu.big_losses = 0  # the path still carries large packets
         if pkt.disconnect and self.state is CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
 
     def _on_packet_lost(self, pkt: SentPacket) -> None:
         self._sender.on_lost(pkt)
         builder = self._builder
+        pmtu = self._pmtu
+        if pkt.size > pmtu.base and pmtu.on_big_lost(self._clock):
+            self._use_datagram_size(pmtu.current)  # a black hole: back to the base size
         if pkt.control and self.state is CLOSING:
             builder.control.extend(pkt.control)
         if pkt.seq == builder.flow_seq and not builder.flow_frame:
@@ -702,6 +751,11 @@ class Connection:
                 return
         builder = self._builder
         recovery = self._recovery
+        pmtu = self._pmtu
+        if now >= pmtu.deadline:
+            if now >= pmtu.probe_deadline:
+                pmtu.on_timeout(now, recovery.largest_acked, self._rtt.backed_off_rto)
+            self._sink.dirty[self] = None  # a probe is due
         if recovery.on_timer(now, builder.tx_next):
             builder.ping = True  # a probe goes out even if nothing needed resending
         elif not recovery.sent and now >= builder.last_eliciting + self._keepalive_interval:
@@ -752,6 +806,8 @@ class Connection:
         if new not in TRANSITIONS[self.state]:
             raise LocalProtocolError(f"illegal transition {self.state.value} -> {new.value}")
         self.state = new
+        if new is not CONNECTED:
+            self._pmtu.stop()
         if new is CLOSED:
             self._sink.closed(self)
 

@@ -128,6 +128,14 @@ class Endpoint:
     def connection(self, address: Address) -> Connection | None:
         return self._conns.get(address)
 
+    def datagram_refused(self, address: Address, size: int, now: float) -> None:
+        """The local interface refused to send a datagram of ``size`` bytes to
+        ``address`` as too large (EMSGSIZE): its connection learns it (a lost path
+        MTU probe, or a path that no longer carries its datagrams)."""
+        conn = self._conns.get(address)
+        if conn is not None:
+            conn._datagram_refused(size, now)
+
     @property
     def public_key(self) -> bytes | None:
         """Our static public key (what clients pass as ``server_key``), if we have one."""
@@ -286,7 +294,7 @@ class Endpoint:
 
     @property
     def max_query_payload(self) -> int:
-        return self.config.max_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
+        return self.config.base_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
 
     # -- receive -----------------------------------------------------------------
 

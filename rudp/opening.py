@@ -66,7 +66,9 @@ class Opening:
         self.deadline = now + config.connect_timeout
         self.retry_interval = config.connect_retry_interval
         self.next_connect = now + self.retry_interval
-        self.max_datagram_size = config.max_datagram_size
+        # Padded to the base size: a larger CONNECT could be lost on a path that would
+        # carry the connection (path MTU discovery starts after the handshake).
+        self.max_datagram_size = config.base_datagram_size
         self.bad_answers = 0  # ACCEPTs for our salt that failed authentication
 
     @property

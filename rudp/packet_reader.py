@@ -200,6 +200,8 @@ class PacketReader:
         if now >= stats.sample_due:
             stats.sample(now)
         conn._last_recv = now
+        if conn._pmtu.probe_pn >= 0:
+            conn._on_probe_ack(ack16, ack_bits, now)
         if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next):
             sender = self._sender
             if sender.rel_queue or sender.retx:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from rudp.congestion import CongestionController
     from rudp.packet_reader import PacketReader
+    from rudp.pmtu import PathMtu
     from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
 
@@ -61,6 +62,13 @@ COUNTER_TABLE: Final = (
         "Times the peer moved to a new address that answered our path challenge.",
         "rudp_migrations_total",
     ),
+    (
+        "mtu_black_holes",
+        "Times the datagram size fell back to the base: larger packets stopped arriving.",
+        "",
+    ),
+    ("mtu_probes_lost", "Path MTU probes lost (or refused by the local interface).", ""),
+    ("mtu_probes_sent", "Path MTU probes sent (padded packets of the size tried).", ""),
     ("packets_dropped", "Datagrams from this peer dropped (duplicate, stale, bad...).", ""),
     ("packets_lost", "Ack-eliciting packets declared lost.", "rudp_packets_lost_total"),
     ("packets_received", "DATA packets accepted.", "rudp_packets_received_total"),
@@ -113,6 +121,7 @@ class ConnectionStats:
         "_sampled_received",
         "_sampled_sent",
         "cc",
+        "pmtu",
         "reader",
         "receive_rate",
         "rtt",
@@ -137,6 +146,9 @@ class ConnectionStats:
         self.messages_resent = 0
         self.messages_sent = 0
         self.migrations = 0
+        self.mtu_black_holes = 0
+        self.mtu_probes_lost = 0
+        self.mtu_probes_sent = 0
         self.packets_dropped = 0
         self.packets_lost = 0
         self.packets_received = 0
@@ -151,6 +163,7 @@ class ConnectionStats:
         self.timeouts = 0
         self.rtt: RttEstimator | None = None
         self.cc: CongestionController | None = None
+        self.pmtu: PathMtu | None = None
         self.reader: PacketReader | None = None
         # The byte counters at the last sample, and the rates measured up to it.
         self.sample_due = 0.0
@@ -244,6 +257,12 @@ class ConnectionStats:
         return self.cc.bytes_in_flight if self.cc else 0
 
     @property
+    def path_mtu(self) -> int:
+        """The datagram size the path is known to carry (path MTU discovery), in bytes
+        of UDP payload: what datagrams are filled to."""
+        return self.pmtu.current if self.pmtu else 0
+
+    @property
     def loss_estimate(self) -> float:
         """Fraction of our ack-eliciting packets declared lost (the outbound path, as
         the reliable traffic measures it; ``inbound_loss`` counts every packet the
@@ -265,6 +284,7 @@ class ConnectionStats:
             recent_inbound_loss=self.recent_inbound_loss,
             send_rate=self.send_rate,
             receive_rate=self.receive_rate,
+            path_mtu=self.path_mtu,
         )
         return out
 

@@ -27,6 +27,7 @@ CORE = [
     "rudp.packet_builder",
     "rudp.packet_reader",
     "rudp.recovery",
+    "rudp.pmtu",
     "rudp.congestion",
     "rudp.receiving",
     "rudp.graph",

@@ -19,8 +19,13 @@ from tests.rudp.harness import CLIENT, SERVER, Address, Link, Network, Node, pai
 
 
 def test_handshake_takes_two_round_trips_and_reports_connected() -> None:
-    net, server, client, conn = pair()
+    net = Network()
+    server = net.add(SERVER, accept=True)
+    client = net.add(CLIENT)
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: conn.state is State.CONNECTED)
     assert net.now == pytest.approx(1000.04)  # CONNECT, CHALLENGE, CONNECT, ACCEPT at 10 ms each
+    net.run(0.1)  # path MTU discovery's probes: no event
     assert [type(e) for _, e in client.events] == [Connected]
     assert [type(e) for _, e in server.events] == [Connected]
     sconn = server_conn(server)  # each side routes by the connection id it chose
