@@ -68,15 +68,15 @@ from rudp import wire
 from rudp.config import Config
 from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
-from rudp.events import Connected, Disconnected, DisconnectReason, PathChanged
-from rudp.handshake import ClientHandshake, Keys, TransportParams
-from rudp.migration import CHALLENGE_TRIES, PathValidation
+from rudp.events import Disconnected, DisconnectReason
+from rudp.handshake import ClientHandshake, TransportParams
+from rudp.migration import Migration
 from rudp.noise import ephemeral_key, private_key
 from rudp.opening import Opening
 from rudp.packet_builder import PacketBuilder
 from rudp.packet_reader import PacketReader
-from rudp.pmtu import PathMtu, ceiling_for
-from rudp.protection import Opener, PacketNumbersExhausted, Sealer
+from rudp.pmtu import PathMtu
+from rudp.protection import PacketNumbersExhausted
 from rudp.receiving import NO_BUFFER as NO_BUFFER
 from rudp.receiving import Receiver
 from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
@@ -182,9 +182,7 @@ class Connection:
             else None
         )
         # -- migration: the validation of a new peer address (``rudp.migration``)
-        self._path: PathValidation | None = None
-        self._rx_path: PathValidation | None = None  # the one the packet being read came from
-        self.path_out: list[tuple[bytes, Address]] = []  # challenges, to their own address
+        self._migration = Migration(self)  # a new peer address being validated
         self._close_code = 0
         self._close_text = ""
         self._disconnect_queued = False
@@ -334,9 +332,9 @@ class Connection:
             t = min(t, self._builder.last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
-        path = self._path
-        if path is not None and path.deadline is not None:
-            t = min(t, path.deadline)
+        path_at = self._migration.deadline()
+        if path_at is not None:
+            t = min(t, path_at)
         graph = self._receiver.graph
         if graph.nodes and not self.receiving_paused:
             t = min(t, graph.deadline(self.config.dependency_timeout))
@@ -404,105 +402,11 @@ class Connection:
 
     # -- the endpoint's interface: handshake and DATA --------------------------------------
 
-    def _receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
-        opening = self._opening
-        if self.state is not CONNECTING or opening is None:
-            return DropReason.UNEXPECTED
-        reason = opening.on_challenge(challenge)
-        if reason is None:
-            self._sink.dirty[self] = None  # the CONNECT with the cookie goes out now
-        return reason
-
-    def _receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
-        opening = self._opening
-        if self.state is not CONNECTING or opening is None:
-            return DropReason.DUPLICATE if accept.salt == self.salt else DropReason.UNEXPECTED
-        result = opening.on_accept(accept, now)
-        if isinstance(result, DropReason):
-            return result
-        keys, sample = result
-        if sample is not None:
-            self._rtt.on_sample(sample)
-        self.server_authenticated = opening.expects_server_key
-        self._opening = None
-        self._establish(keys, now)
-        return None
-
-    def _receive_reject(self, reject: wire.Reject) -> DropReason | None:
-        if self.state is not CONNECTING or reject.salt != self.salt:
-            return DropReason.UNEXPECTED
-        self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
-        return None
-
-    def _answer_connect(
-        self, salt: int, answer: bytes, keys: Keys, now: float, *, token_sealed: bool
-    ) -> bytes:
-        """The endpoint accepted the peer's CONNECT into this connection: a new one, or
-        ours in a simultaneous open that the peer's handshake won (our own CONNECTs and
-        our Noise state are dropped; the connection takes the peer's salt, so a duplicate
-        of its CONNECT gets the ACCEPT again). ``answer`` is our Noise message 2.
-        Returns the ACCEPT to send; ``_accept_datagram`` keeps it.
-
-        ``token_sealed`` is False under NN, where the peer's parameters, its reset token
-        among them, crossed the network in clear: anyone who saw the CONNECT could then
-        forge its NOCONN, so this side believes none (the peer that forgot us is noticed
-        at the idle timeout instead)."""
-        self._accept_datagram = wire.encode_accept(salt, answer)
-        self.salt = salt
-        self._opening = None
-        self.server_authenticated = False
-        self._establish(keys, now)
-        if not token_sealed:
-            self._peer_reset_token = b""
-        return self._accept_datagram
-
     @property
     def expects_server_key(self) -> bool:
         """True while this connection's own handshake is NK: it names the server's key."""
         opening = self._opening
         return opening is not None and opening.expects_server_key
-
-    def _establish(self, keys: Keys, now: float) -> None:
-        """Handshake done: packet keys, and the peer's connection id, token and limits."""
-        peer = keys.peer
-        self.peer_params = peer
-        self.peer_cid = peer.connection_id
-        self._peer_reset_token = peer.reset_token
-        self.handshake_hash = keys.handshake_hash
-        self._builder.set_keys(Sealer(keys.send_key), peer.connection_id)
-        self._reader.opener = Opener(keys.recv_key)
-        self._apply_peer_limits(peer, now)
-        self._reader.rx_largest = -1
-        self._last_recv = now
-        self._builder.last_eliciting = now
-        self._set_state(CONNECTED)
-        self._sink.events.append((self, Connected()))
-        self._sink.dirty[self] = None
-        if self._limits_error:
-            self._protocol_error(self._limits_error)
-
-    def _apply_peer_limits(self, peer: TransportParams, now: float) -> None:
-        """What the peer stated it accepts, from the handshake: its largest message and
-        channel count (``send()`` raises at once past them, naming the peer's limit),
-        its receive buffer (what we let sit in it), the smaller datagram size of the
-        two sides (the ceiling of path MTU discovery, which starts now) and the
-        smaller idle timeout of the two sides (either side's silence limit ends the
-        connection, so both keep it alive within the smaller).
-
-        A message queued before the handshake was checked against our limits only; if
-        it breaks the peer's, it can never be sent, and the connection ends at once
-        (protocol error, naming the limit) rather than stall.
-        """
-        idle = peer.idle_timeout_ms / 1000.0
-        if 0 < idle < self._idle_timeout:
-            self._idle_timeout = idle
-            self._keepalive_interval = min(self._keepalive_interval, idle / 2)
-        config = self.config
-        base = min(config.base_datagram_size, peer.max_datagram_size)
-        ceiling = min(ceiling_for(self.address, config.max_datagram_size), peer.max_datagram_size)
-        self._builder.apply_peer_limits(base, peer.recv_buffer_bytes)
-        self._limits_error = self._sender.apply_peer_limits(peer, base)
-        self._pmtu.start(base, ceiling, now)
 
     def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it carries
@@ -538,103 +442,18 @@ class Connection:
     def _receive_moved(
         self, data: bytes, pn32: int, address: Address, now: float, *, movable: bool
     ) -> DropReason | None:
-        """A DATA packet for this connection from another address than ``address``.
+        """A DATA packet for this connection from another address (``rudp.migration``);
+        ``movable`` is False when another connection of the endpoint has that address."""
+        return self._migration.receive(data, pn32, address, now, movable)
 
-        Opened like any other; if it authenticates and is the highest-numbered packet
-        so far, it starts (or feeds) the validation of its address (``rudp.migration``),
-        which moves the connection once the address answered our challenge.
-        ``movable`` is False when another connection of the endpoint has that address.
-        """
-        state = self.state
-        opener = self._reader.opener
-        if (state is not CONNECTED and state is not CLOSING) or opener is None:
-            return DropReason.WRONG_ADDRESS  # nothing to move, or nothing left to say there
-        self._clock = now
-        pn = opener.full_number(pn32, 32)
-        if opener.window.seen(pn):
-            return DropReason.REPLAYED
-        newest = pn > opener.window.largest
-        cut = wire.DATA_PREFIX_SIZE
-        body = opener.open_unseen(pn, data[:cut], data[cut:])
-        if body is None:
-            return DropReason.AUTH_FAILED  # changes nothing, from anywhere
-        path = self._path
-        if path is None or path.address != address:
-            path = None
-            if newest and movable:
-                path = self._path = PathValidation(address, self._rng.randbytes(8), pn)
-        if path is not None:
-            path.received += len(data)
-            if newest:
-                path.newest = pn
-        self._rx_path = path
-        try:
-            ack = (body[0] << 8) | body[1]
-            bits = int.from_bytes(body[2:6], "big")
-            reason = self._reader.process(body, pn, ack, bits, now, len(data))
-        except PacketNumbersExhausted:
-            self._numbers_exhausted()
-            return None
-        finally:
-            self._rx_path = None
-        if path is not None and path is self._path and self.state in (CONNECTED, CLOSING):
-            if path.answered and newest and movable:
-                self._migrate(path)
-            elif path.deadline is None:
-                self._send_challenge(path, now)
-        return reason
-
-    def _on_path_frames(self, challenge: bytes, response: bytes) -> None:
-        """An authenticated packet carried PATH_CHALLENGE and/or PATH_RESPONSE."""
-        if challenge:
-            # Answered in our next packet, ack-eliciting like DISCONNECT: the peer
-            # resends its challenge if the answer is lost.
-            self._builder.control.append(wire.path_response_frame(challenge))
-            self.stats.path_responses += 1
-            self._sink.dirty[self] = None
-        path = self._rx_path
-        if response and path is not None and hmac.compare_digest(response, path.data):
-            path.answered = True
-
-    def _send_challenge(self, path: PathValidation, now: float) -> None:
-        """Send ``path`` its next PATH_CHALLENGE if its budget allows; arm the retry."""
-        opener = self._reader.opener
-        if path.tries >= CHALLENGE_TRIES or (
-            path.tries and opener is not None and opener.window.largest > path.newest
-        ):
-            # Unanswered, or the peer's newer packets come from elsewhere: stay.
-            self._path = None
-            self.stats.path_validation_failures += 1
-            return
-        size = wire.DATA_HEADER_SIZE + 1 + wire.PATH_DATA_SIZE
-        if path.budget() < size:
-            path.deadline = None  # the peer's next packets from there make room
-            return
-        try:
-            datagram = self._builder.path_packet(wire.path_challenge_frame(path.data))
-        except PacketNumbersExhausted:
-            self._numbers_exhausted()
-            return
-        path.sent += len(datagram)
-        path.tries += 1
-        path.deadline = now + self._rtt.rto * (1 << (path.tries - 1))
-        self.path_out.append((datagram, path.address))
-        self.stats.path_challenges += 1
-        self._sink.dirty[self] = None
-
-    def _migrate(self, path: PathValidation) -> None:
-        """The new address answered: everything goes there from now on."""
-        old = self.address
-        self.address = path.address
-        self._path = None
-        self.stats.migrations += 1
-        self._sink.events.append((self, PathChanged(old, path.address)))
-        self._sink.dirty[self] = None
+    @property
+    def path_out(self) -> list[tuple[bytes, Address]]:
+        """Path challenges waiting to be sent, each to its own address."""
+        return self._migration.out
 
     def take_path_datagrams(self) -> list[tuple[bytes, Address]]:
         """The challenges to send, each with its own address (not ``address``)."""
-        out, self.path_out = self.path_out, []
-        return out
+        return self._migration.take_datagrams()
 
     def _numbers_exhausted(self) -> None:
         """Our next packet would need number 2**62: end before a nonce could repeat."""
@@ -744,11 +563,8 @@ class Connection:
         ):
             self._protocol_error("a dependency never arrived")
             return
-        path = self._path
-        if path is not None and path.deadline is not None and now >= path.deadline:
-            self._send_challenge(path, now)  # the last one was lost, or never answered
-            if self.state is CLOSED:
-                return
+        if self._migration.on_timer(now):
+            return  # the connection ended (packet numbers exhausted)
         builder = self._builder
         recovery = self._recovery
         pmtu = self._pmtu

@@ -65,6 +65,7 @@ from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
 from rudp.noise import NoiseError, ephemeral_key, private_key, public_bytes
+from rudp.opening import answer_connect, receive_accept, receive_challenge, receive_reject
 from rudp.sink import EndpointSink
 from rudp.state import CONNECTED, CONNECTING
 from rudp.stats import EndpointStats
@@ -385,11 +386,11 @@ class Endpoint:
         elif conn is None:
             reason = DropReason.UNKNOWN_PEER
         elif ptype == PacketType.CHALLENGE:
-            reason = conn._receive_challenge(wire.decode_challenge(data))
+            reason = receive_challenge(conn, wire.decode_challenge(data))
         elif ptype == PacketType.ACCEPT:
-            reason = conn._receive_accept(wire.decode_accept(data), now)
+            reason = receive_accept(conn, wire.decode_accept(data), now)
         elif ptype == PacketType.REJECT:
-            reason = conn._receive_reject(wire.decode_reject(data))
+            reason = receive_reject(conn, wire.decode_reject(data))
         else:  # NOCONN
             reason = conn._receive_noconn(wire.decode_noconn(data))
         if reason is not None:
@@ -564,8 +565,13 @@ class Endpoint:
         """Answer the client's first message into ``conn`` and send ACCEPT (kept for
         resending on a duplicate CONNECT); the connection is established."""
         answer, keys = first.answer(conn.transport_params())
-        accept = conn._answer_connect(
-            request.salt, answer, keys, now, token_sealed=request.pattern == handshake.PATTERN_NK
+        accept = answer_connect(
+            conn,
+            request.salt,
+            answer,
+            keys,
+            now,
+            token_sealed=request.pattern == handshake.PATTERN_NK,
         )
         self._out.append((accept, conn.address))
         self._schedule(conn)

@@ -44,7 +44,7 @@ the connection with ``protocol error`` naming the limit: the peer knew it from
 the handshake, and dropping the packet would stall the channel for good.
 
 Migration: PATH_CHALLENGE and PATH_RESPONSE frames are handed to the connection
-(``_on_path_frames``; see ``rudp.migration``) from any authenticated packet, even
+(``Migration.on_frames``; see ``rudp.migration``) from any authenticated packet, even
 one refused below, like PAUSE and RESUME.
 
 Judgement call: the reader decides what a packet means; what follows from it for
@@ -169,7 +169,7 @@ class PacketReader:
                 return None
         if frames.special and not draining:
             if frames.challenge or frames.response:
-                conn._on_path_frames(frames.challenge, frames.response)
+                conn._migration.on_frames(frames.challenge, frames.response)
             violation = receiver.size_violation(frames.messages)
             if violation:
                 conn._protocol_error(violation)

@@ -99,7 +99,7 @@ def test_a_replayed_packet_from_another_address_moves_nothing() -> None:
     net.run(1)
     assert server.endpoint.stats.dropped[DropReason.REPLAYED] == len(old)
     assert not [d for d, _, to in net.sent if to == ATTACKER]
-    assert sconn.address == CLIENT and sconn._path is None
+    assert sconn.address == CLIENT and sconn._migration.path is None
     assert sconn.stats.path_challenges == sconn.stats.migrations == 0
     assert server.received() == [b"once"]
 
@@ -116,7 +116,7 @@ def test_an_older_packet_from_another_address_is_delivered_but_moves_nothing() -
     server.endpoint.receive_datagram(older, ATTACKER, net.now)
     net.run(0.5)
     assert server.received() == [b"newer", b"older"]
-    assert sconn._path is None and sconn.stats.path_challenges == 0
+    assert sconn._migration.path is None and sconn.stats.path_challenges == 0
     assert not [d for d, _, to in net.sent if to == ATTACKER]
     assert sconn.address == CLIENT
 
@@ -147,7 +147,7 @@ def test_a_spoofed_copy_of_a_genuine_packet_draws_at_most_its_size_and_cannot_hi
     assert 0 < _bytes(net, SERVER, ATTACKER) <= len(copy)
     assert len(_challenges(net, ATTACKER)) == sconn.stats.path_challenges >= 1
     assert sconn.address == CLIENT and sconn.stats.migrations == 0
-    assert sconn.stats.path_validation_failures == 1 and sconn._path is None
+    assert sconn.stats.path_validation_failures == 1 and sconn._migration.path is None
     assert tags(server)[1:] == list(range(50)) and tags(client) == list(range(50))
     assert not client.disconnects() and not server.disconnects()
 
@@ -217,7 +217,7 @@ def test_a_new_address_held_by_another_connection_is_never_taken() -> None:
     packet = conn.seal_datagram(wire.ack_fields(0, 0) + wire.unreliable_frame(0, b"x"))
     server.endpoint.receive_datagram(packet, NEW, net.now)
     net.run(1)
-    assert sconn.address == CLIENT and sconn._path is None
+    assert sconn.address == CLIENT and sconn._migration.path is None
     assert sconn.stats.path_challenges == 0
     assert server.endpoint.connection(NEW) is not sconn
     assert _node_of(net, other) is net.nodes[NEW]
