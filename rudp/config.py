@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 # packets, so 1200 leaves room for tunnel headers (QUIC uses the same figure).
 MIN_DATAGRAM_SIZE: Final = 576
 MAX_DATAGRAM_SIZE: Final = 65507
+BASE_DATAGRAM_SIZE: Final = 1200
+"""Every connection starts at this datagram size and never goes below it (QUIC's
+figure, RFC 9000 section 14): path MTU discovery probes upward from here."""
+ETHERNET_DATAGRAM_SIZE: Final = 1472
+"""The largest UDP payload of a 1,500-byte Ethernet path over IPv4 (20-byte IP and
+8-byte UDP headers)."""
+IPV6_EXTRA_HEADER: Final = 20
+"""IPv6's header is 20 bytes longer than IPv4's: over IPv6 the ceiling of path MTU
+discovery is ``max_datagram_size`` less this (1,452 bytes by default)."""
 REDUNDANT_FRAME_MAX: Final = 256
 """Largest message frame (payload plus 3-6 header bytes) that ``redundancy`` repeats."""
 BUFFER_ENTRY_COST: Final = 64
@@ -48,8 +57,15 @@ class NetsimConfig:
 class Config:
     """Connection and endpoint settings. Times are in seconds."""
 
-    max_datagram_size: int = 1200
-    """Largest datagram we send. 1200 bytes is safe on IPv6 and tunnelled paths."""
+    max_datagram_size: int = ETHERNET_DATAGRAM_SIZE
+    """Largest datagram we send or take: the ceiling of path MTU discovery. Every
+    connection starts at 1200 bytes (safe on IPv6 and tunnelled paths) and probes
+    upward to the smaller of this and the peer's value, then packs its datagrams up to the size the
+    path confirmed. Messages are still split into fragments that fit 1200 bytes
+    (``base_datagram_size``), so a path whose MTU shrinks loses none of them.
+    The default is the largest UDP payload of a 1,500-byte Ethernet path over IPv4;
+    it counts as an IPv4 size, so over IPv6 (20 more bytes of IP header) the ceiling
+    is 20 bytes less (1,452 by default). 1200 or less turns the discovery off."""
 
     window: int = 256
     """Ack-eliciting packets in flight at most. 256 x 1200 B covers 30 MB/s at 10 ms RTT."""
@@ -253,7 +269,7 @@ class Config:
         if fragments > min(self.channel_window, MAX_FRAGMENTS):
             raise ValueError(
                 f"Config.max_message_size of {self.max_message_size} bytes needs up to "
-                f"{fragments} fragments of a {self.max_datagram_size}-byte datagram; at most "
+                f"{fragments} fragments of a {self.base_datagram_size}-byte datagram; at most "
                 f"min(channel_window, {MAX_FRAGMENTS}) = "
                 f"{min(self.channel_window, MAX_FRAGMENTS)} are allowed"
             )
@@ -289,10 +305,18 @@ class Config:
             raise ValueError("Config.socket_buffer_size must be >= 0")
 
     @property
+    def base_datagram_size(self) -> int:
+        """The datagram size every path is assumed to carry: what connections start
+        with, what fragments and unreliable messages are sized for, and what
+        CONNECTs and queries are padded to."""
+        return min(BASE_DATAGRAM_SIZE, self.max_datagram_size)
+
+    @property
     def fragment_payload(self) -> int:
         """Payload bytes of every fragment but the first (which also carries the
-        dependencies) and the last."""
-        return self.max_datagram_size - FRAGMENT_FRAME_OVERHEAD
+        dependencies) and the last. Sized for ``base_datagram_size``: a fragment in
+        flight must still fit if the path MTU falls back."""
+        return self.base_datagram_size - FRAGMENT_FRAME_OVERHEAD
 
     @property
     def max_fragments(self) -> int:

@@ -28,10 +28,14 @@ identity becomes the connection's ``peer_identity``. Expiry is in UNIX time:
 ``wall_offset`` turns ``now`` into it.
 
 Routing: connections are indexed by address (handshake packets) and by the
-connection id each side chose for the packets it receives (DATA). A DATA for a
-known id from another address is dropped as ``wrong_address`` (connection
-migration is not supported). A DATA that does not authenticate is dropped as
-``auth_failed`` and changes nothing.
+connection id each side chose for the packets it receives (DATA). A DATA that
+does not authenticate is dropped as ``auth_failed`` and changes nothing. A DATA
+for a known id from another address goes to the connection's
+``_receive_moved``: if it authenticates and is the newest packet, the connection
+validates the new address and moves there once it answered (``rudp.migration``);
+the address index follows (``_moved``). The challenges go to the new address,
+never more bytes than authenticated packets brought from it, and are counted as
+unvalidated bytes.
 
 Amplification and reflection: the client pads CONNECT to its datagram size and
 the server ignores a CONNECT shorter than ``wire.MIN_CONNECT_SIZE``; every reply
@@ -61,6 +65,7 @@ from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
 from rudp.noise import NoiseError, ephemeral_key, private_key, public_bytes
+from rudp.opening import answer_connect, receive_accept, receive_challenge, receive_reject
 from rudp.sink import EndpointSink
 from rudp.state import CONNECTED, CONNECTING
 from rudp.stats import EndpointStats
@@ -123,6 +128,14 @@ class Endpoint:
 
     def connection(self, address: Address) -> Connection | None:
         return self._conns.get(address)
+
+    def datagram_refused(self, address: Address, size: int, now: float) -> None:
+        """The local interface refused to send a datagram of ``size`` bytes to
+        ``address`` as too large (EMSGSIZE): its connection learns it (a lost path
+        MTU probe, or a path that no longer carries its datagrams)."""
+        conn = self._conns.get(address)
+        if conn is not None:
+            conn._datagram_refused(size, now)
 
     @property
     def public_key(self) -> bytes | None:
@@ -198,6 +211,10 @@ class Endpoint:
                 address = conn.address
                 for datagram in conn.datagrams_to_send(now):
                     out.append((datagram, address))
+                if conn.path_out:  # path challenges, each to the address it validates
+                    for item in conn.take_path_datagrams():
+                        self.stats.unvalidated_bytes_sent += len(item[0])
+                        out.append(item)
                 self._schedule(conn)
         if out:
             size = 0
@@ -278,7 +295,7 @@ class Endpoint:
 
     @property
     def max_query_payload(self) -> int:
-        return self.config.max_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
+        return self.config.base_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
 
     # -- receive -----------------------------------------------------------------
 
@@ -316,11 +333,10 @@ class Endpoint:
             self._send_noconn(dcid, address, now)
             return None
         if conn.address != address:
-            # Not the connection's path: never answered (a NOCONN or anything else
-            # would make us a reflector), never a reason to move the connection.
+            # Not the connection's path: never answered but by a path challenge no
+            # larger than what authenticated from there (``rudp.migration``).
             stats.unvalidated_bytes_received += len(data)
-            stats.dropped[DropReason.WRONG_ADDRESS] += 1
-            return None
+            return self._receive_moved(conn, data, pn32, address, now)
         try:
             reason = conn._receive_sealed(data, pn32, now)
         except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
@@ -330,6 +346,30 @@ class Endpoint:
             conn.stats.packets_dropped += 1
         self._schedule(conn)
         return conn
+
+    def _receive_moved(
+        self, conn: Connection, data: bytes, pn32: int, address: Address, now: float
+    ) -> Connection:
+        old = conn.address
+        try:
+            reason = conn._receive_moved(
+                data, pn32, address, now, movable=address not in self._conns
+            )
+        except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
+            reason = exc.reason
+        if reason is not None:
+            self.stats.dropped[reason] += 1
+            conn.stats.packets_dropped += 1
+        if conn.address != old:
+            self._moved(conn, old)
+        self._schedule(conn)
+        return conn
+
+    def _moved(self, conn: Connection, old: Address) -> None:
+        """``conn`` migrated from ``old``: the address index follows it."""
+        if self._conns.get(old) is conn:
+            del self._conns[old]
+        self._conns[conn.address] = conn
 
     def _receive_other(
         self, ptype: PacketType, conn: Connection | None, data: bytes, address: Address, now: float
@@ -346,11 +386,11 @@ class Endpoint:
         elif conn is None:
             reason = DropReason.UNKNOWN_PEER
         elif ptype == PacketType.CHALLENGE:
-            reason = conn._receive_challenge(wire.decode_challenge(data))
+            reason = receive_challenge(conn, wire.decode_challenge(data))
         elif ptype == PacketType.ACCEPT:
-            reason = conn._receive_accept(wire.decode_accept(data), now)
+            reason = receive_accept(conn, wire.decode_accept(data), now)
         elif ptype == PacketType.REJECT:
-            reason = conn._receive_reject(wire.decode_reject(data))
+            reason = receive_reject(conn, wire.decode_reject(data))
         else:  # NOCONN
             reason = conn._receive_noconn(wire.decode_noconn(data))
         if reason is not None:
@@ -451,11 +491,14 @@ class Endpoint:
                 return DropReason.BAD_HANDSHAKE
             if keys.peer.connection_id == conn.peer_cid:
                 return DropReason.DUPLICATE
-        self._cookies.remember(address, request.salt, now)
         if len(self._conns) >= self.config.max_connections + (conn is not None):
+            # Before the cookie is spent: a client whose REJECT was lost gets it again
+            # for its resent CONNECT, and once there is room that same CONNECT gets its
+            # one connection (remembered below, so never a second).
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
             return None
+        self._cookies.remember(address, request.salt, now)  # one DH per cookie, at most
         first = self._read_first(request, address)
         if first is None:
             return DropReason.BAD_HANDSHAKE
@@ -525,8 +568,13 @@ class Endpoint:
         """Answer the client's first message into ``conn`` and send ACCEPT (kept for
         resending on a duplicate CONNECT); the connection is established."""
         answer, keys = first.answer(conn.transport_params())
-        accept = conn._answer_connect(
-            request.salt, answer, keys, now, token_sealed=request.pattern == handshake.PATTERN_NK
+        accept = answer_connect(
+            conn,
+            request.salt,
+            answer,
+            keys,
+            now,
+            token_sealed=request.pattern == handshake.PATTERN_NK,
         )
         self._out.append((accept, conn.address))
         self._schedule(conn)

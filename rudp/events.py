@@ -28,6 +28,8 @@ class DisconnectReason(enum.StrEnum):
     """The peer broke the protocol in a way that cannot be dropped and forgotten."""
     ABORTED = "aborted"
     """Ended locally without a handshake (the endpoint was shut down)."""
+    EXHAUSTED = "packet numbers exhausted"
+    """2**62 packets were sent: another would reuse a nonce. Connect again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,17 @@ class MessageAcked:
 
 
 @dataclass(frozen=True, slots=True)
+class PathChanged:
+    """The peer moved to another address (a NAT rebinding, another network), which
+    answered our path challenge; our packets go there from now on."""
+
+    old: tuple[Any, ...]
+    """The address it had."""
+    address: tuple[Any, ...]
+    """The address it has now (``Connection.address``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Disconnected:
     """The connection ended. Nothing more will be delivered or sent."""
 
@@ -142,5 +155,5 @@ class QueryAnswered:
     """Seconds from the request to the reply."""
 
 
-Event = Connected | MessageReceived | MessageAcked | Disconnected
+Event = Connected | MessageReceived | MessageAcked | PathChanged | Disconnected
 EndpointEvent = QueryReceived | QueryAnswered

@@ -212,7 +212,9 @@ class Sender:
         self._sink = sink
         self._stats = stats
         self._config = config
-        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
+        # Sized for the base datagram, not the path MTU found later: every frame must
+        # still fit if the path falls back to it (``rudp.pmtu``).
+        self._max_payload = config.base_datagram_size - wire.DATA_HEADER_SIZE
         self.max_single = self._max_payload - wire.MESSAGE_OVERHEAD
         self._max_message = config.max_message_size
         self._fragment_payload = config.fragment_payload
@@ -301,9 +303,10 @@ class Sender:
         )
 
     def apply_peer_limits(self, peer: TransportParams, datagram_size: int) -> str:
-        """Take the peer's limits from the handshake; ``datagram_size`` is the smaller of
-        the two sides' datagram sizes. Returns why a message queued before the handshake
-        can never be sent (it was checked against our limits only), or "".
+        """Take the peer's limits from the handshake; ``datagram_size`` is the base size
+        both sides take (what every frame must fit, whatever the path MTU). Returns why
+        a message queued before the handshake can never be sent (it was checked against
+        our limits only), or "".
         """
         self._peer_channels = min(self._channels, peer.channels)
         self._peer_max_message = peer.max_message_size

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from rudp.congestion import CongestionController
     from rudp.packet_reader import PacketReader
+    from rudp.pmtu import PathMtu
     from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
 
@@ -57,10 +58,33 @@ COUNTER_TABLE: Final = (
     ("messages_received", "Messages delivered.", "rudp_messages_received_total"),
     ("messages_resent", "Reliable messages sent again.", "rudp_retransmissions_total"),
     ("messages_sent", "Messages sent for the first time.", "rudp_messages_sent_total"),
+    (
+        "migrations",
+        "Times the peer moved to a new address that answered our path challenge.",
+        "rudp_migrations_total",
+    ),
+    (
+        "mtu_black_holes",
+        "Times the datagram size fell back to the base: larger packets stopped arriving.",
+        "",
+    ),
+    ("mtu_probes_lost", "Path MTU probes lost (or refused by the local interface).", ""),
+    ("mtu_probes_sent", "Path MTU probes sent (padded packets of the size tried).", ""),
     ("packets_dropped", "Datagrams from this peer dropped (duplicate, stale, bad...).", ""),
     ("packets_lost", "Ack-eliciting packets declared lost.", "rudp_packets_lost_total"),
     ("packets_received", "DATA packets accepted.", "rudp_packets_received_total"),
     ("packets_sent", "DATA packets sent.", "rudp_packets_sent_total"),
+    (
+        "path_challenges",
+        "PATH_CHALLENGEs sent to a peer's new address (first tries and resends).",
+        "rudp_path_challenges_total",
+    ),
+    ("path_responses", "PATH_RESPONSEs sent: challenges of the peer answered.", ""),
+    (
+        "path_validation_failures",
+        "New peer addresses given up on: challenges unanswered, or the peer stayed.",
+        "rudp_path_validation_failures_total",
+    ),
     (
         "peer_pauses",
         "Times the peer asked us to pause sending (its receive queue was full).",
@@ -103,6 +127,7 @@ class ConnectionStats:
         "_sampled_received",
         "_sampled_sent",
         "cc",
+        "pmtu",
         "reader",
         "receive_rate",
         "rtt",
@@ -127,10 +152,17 @@ class ConnectionStats:
         self.messages_received = 0
         self.messages_resent = 0
         self.messages_sent = 0
+        self.migrations = 0
+        self.mtu_black_holes = 0
+        self.mtu_probes_lost = 0
+        self.mtu_probes_sent = 0
         self.packets_dropped = 0
         self.packets_lost = 0
         self.packets_received = 0
         self.packets_sent = 0
+        self.path_challenges = 0
+        self.path_responses = 0
+        self.path_validation_failures = 0
         self.peer_pauses = 0
         self.receive_pauses = 0
         self.spurious_losses = 0
@@ -139,6 +171,7 @@ class ConnectionStats:
         self.timer_wakeups = 0
         self.rtt: RttEstimator | None = None
         self.cc: CongestionController | None = None
+        self.pmtu: PathMtu | None = None
         self.reader: PacketReader | None = None
         # The byte counters at the last sample, and the rates measured up to it.
         self.sample_due = 0.0
@@ -232,6 +265,12 @@ class ConnectionStats:
         return self.cc.bytes_in_flight if self.cc else 0
 
     @property
+    def path_mtu(self) -> int:
+        """The datagram size the path is known to carry (path MTU discovery), in bytes
+        of UDP payload: what datagrams are filled to."""
+        return self.pmtu.current if self.pmtu else 0
+
+    @property
     def loss_estimate(self) -> float:
         """Fraction of our ack-eliciting packets declared lost (the outbound path, as
         the reliable traffic measures it; ``inbound_loss`` counts every packet the
@@ -253,6 +292,7 @@ class ConnectionStats:
             recent_inbound_loss=self.recent_inbound_loss,
             send_rate=self.send_rate,
             receive_rate=self.receive_rate,
+            path_mtu=self.path_mtu,
         )
         return out
 

@@ -45,6 +45,7 @@ from rudp.events import (
     Disconnected,
     MessageAcked,
     MessageReceived,
+    PathChanged,
     QueryAnswered,
     QueryReceived,
 )
@@ -142,6 +143,7 @@ class AioEndpoint:
         self._close_after_flush = False
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
         self.send_errors = 0
+        self.datagrams_too_large = 0  # sends refused with EMSGSIZE
         self.queries_unanswered = 0  # replies withheld because they exceeded the request
         self.send_buffer_drops = 0
         self._closed = False
@@ -273,7 +275,7 @@ class AioEndpoint:
             self._buffer(data, address)
             self.loop.add_writer(self._sock.fileno(), self._write_ready)
         except OSError as exc:
-            self._send_failed(exc, address)
+            self._send_failed(exc, data, address)
 
     def _buffer(self, data: bytes, address: Address) -> None:
         if len(self._send_buffer) >= SEND_BUFFER_LIMIT:
@@ -291,11 +293,19 @@ class AioEndpoint:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self._send_failed(exc, address)
+                self._send_failed(exc, data, address)
             buffer.popleft()
         self.loop.remove_writer(self._sock.fileno())
 
-    def _send_failed(self, exc: OSError, address: Address) -> None:
+    def _send_failed(self, exc: OSError, data: bytes, address: Address) -> None:
+        if exc.errno == errno.EMSGSIZE:
+            # Larger than the interface (or the kernel's path MTU) allows: the socket
+            # never fragments (see rudp.aio.server). Expected of path MTU probes, so
+            # the connection is told, and nothing is logged or raised.
+            self.datagrams_too_large += 1
+            self.core.datagram_refused(address, len(data), monotonic())
+            self._schedule_flush()
+            return
         self.send_errors += 1
         if exc.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
             log.warning("send_error peer=%s error=%r", format_address(address), str(exc))
@@ -346,6 +356,13 @@ class AioEndpoint:
             elif type(event) is Disconnected:
                 del conns[core_conn]
                 conn.connection_ended(event)
+            elif type(event) is PathChanged:
+                # ``conn.remote_address`` is the core's address: it has followed already.
+                log.info(
+                    "path_changed peer=%s old=%s",
+                    format_address(event.address),
+                    format_address(event.old),
+                )
         if self.draining:
             for conn in list(self.draining):
                 conn.check_drain()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
+import sys
 from types import TracebackType
 from typing import Any
 
@@ -25,6 +26,37 @@ def _set_buffers(sock: socket.socket, size: int) -> None:
         # The kernel clamps to its maximum; a smaller buffer still works.
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, size)
+
+
+def _forbid_fragmentation(sock: socket.socket) -> None:
+    """Set Don't Fragment on every datagram: path MTU discovery (``rudp.pmtu``) needs a
+    datagram too large for the path to be lost, not cut into IP fragments; one too
+    large for the interface then fails with EMSGSIZE, which the endpoint takes for a
+    lost probe. Linux: IP_MTU_DISCOVER / IPV6_MTU_DISCOVER = PMTUDISC_DO; macOS and
+    BSD: IP_DONTFRAG / IPV6_DONTFRAG; Windows: IP_DONTFRAGMENT. Where none exists the
+    kernel may fragment, and probes only ever succeed up to the ceiling."""
+    options: list[tuple[int, int, int]] = []
+    v4 = sock.family == socket.AF_INET or (
+        sock.family == socket.AF_INET6
+        and not sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+    )
+    if sys.platform.startswith("linux"):
+        # Python names these only from 3.12 on: <linux/in.h> and <linux/in6.h> values.
+        do = getattr(socket, "IP_PMTUDISC_DO", 2)
+        if sock.family == socket.AF_INET6:
+            options.append((socket.IPPROTO_IPV6, getattr(socket, "IPV6_MTU_DISCOVER", 23), do))
+        if v4:
+            options.append((socket.IPPROTO_IP, getattr(socket, "IP_MTU_DISCOVER", 10), do))
+    else:
+        if sock.family == socket.AF_INET6 and hasattr(socket, "IPV6_DONTFRAG"):
+            options.append((socket.IPPROTO_IPV6, socket.IPV6_DONTFRAG, 1))
+        if v4:
+            name = getattr(socket, "IP_DONTFRAG", getattr(socket, "IP_DONTFRAGMENT", None))
+            if name is not None:
+                options.append((socket.IPPROTO_IP, name, 1))
+    for level, option, value in options:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, option, value)
 
 
 async def _resolve(host: str, port: int, family: int = 0, flags: int = 0) -> tuple[int, Address]:
@@ -70,6 +102,7 @@ async def _open_socket(host: str | None, port: int, family: int, config: Config)
         if fam == socket.AF_INET6 and sockaddr[0] == "::":
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         _set_buffers(sock, config.socket_buffer_size)
+        _forbid_fragmentation(sock)
         sock.bind(sockaddr)
     except BaseException:
         sock.close()
