@@ -329,7 +329,8 @@ class Connection:
             if recovery.loss_time is not None:
                 t = min(t, recovery.loss_time)
         elif not self._builder.ping:  # a pending PING goes out with the next flush
-            t = min(t, self._builder.last_eliciting + self._keepalive_interval)
+            t = min(t, self._keepalive_due())
+        t = min(t, self._builder.ack_deadline)
         if self._deadline is not None:
             t = min(t, self._deadline)
         path_at = self._migration.deadline()
@@ -349,6 +350,7 @@ class Connection:
             if self._deadline is not None and now >= self._deadline:
                 self._set_state(CLOSED)
         elif state is not CLOSED:
+            self.stats.timer_wakeups += 1
             self._connected_timer(now)
 
     def datagrams_to_send(self, now: float) -> list[bytes]:
@@ -567,6 +569,9 @@ class Connection:
             return  # the connection ended (packet numbers exhausted)
         builder = self._builder
         recovery = self._recovery
+        if now >= builder.ack_deadline:
+            builder.ack_pending = True  # nothing went out to carry it: it goes alone
+            self._sink.dirty[self] = None
         pmtu = self._pmtu
         if now >= pmtu.deadline:
             if now >= pmtu.probe_deadline:
@@ -574,9 +579,16 @@ class Connection:
             self._sink.dirty[self] = None  # a probe is due
         if recovery.on_timer(now, builder.tx_next):
             builder.ping = True  # a probe goes out even if nothing needed resending
-        elif not recovery.sent and now >= builder.last_eliciting + self._keepalive_interval:
+        elif not recovery.sent and now >= self._keepalive_due():
             builder.ping = True
             self._sink.dirty[self] = None
+
+    def _keepalive_due(self) -> float:
+        """When a PING is due: after ``keepalive_interval`` without sending anything (the
+        peer's idle timer needs our packets) or without hearing anything (ours needs the
+        peer's answer). Traffic both ways, even unreliable or acknowledgments only,
+        needs none."""
+        return min(self._last_recv, self._builder.last_sent) + self._keepalive_interval
 
     # -- closing ----------------------------------------------------------------------------
 

@@ -485,6 +485,7 @@ class Endpoint:
                     conn.transport_params(),
                     ephemeral_key(self._rng),
                     request.token_size,
+                    request.extensions,
                 )[1]
             except (NoiseError, ValueError):
                 return DropReason.BAD_HANDSHAKE
@@ -519,9 +520,10 @@ class Endpoint:
         return None
 
     def _message(self, request: wire.Connect) -> bytes:
-        """The Noise message 1 of a CONNECT: its size follows from the pattern and the
-        size of the token it carries."""
-        return request.rest[: handshake.first_message_size(request.pattern, request.token_size)]
+        """The Noise message 1 of a CONNECT: its size follows from the pattern, the size
+        of the token it carries and that of the client's parameter extensions."""
+        size = handshake.first_message_size(request.pattern, request.token_size, request.extensions)
+        return request.rest[:size]
 
     def _read_first(self, request: wire.Connect, address: Address) -> handshake.FirstMessage | None:
         """The client's Noise message 1, read; None, with a REJECT sent, when it is not
@@ -534,6 +536,7 @@ class Endpoint:
                 self._message(request),
                 ephemeral_key(self._rng),
                 request.token_size,
+                request.extensions,
             )
         except (NoiseError, ValueError):
             # The address is proven (valid cookie) and the REJECT is smaller than the

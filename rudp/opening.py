@@ -104,7 +104,13 @@ class Opening:
             self.cookie_connect_at = now
         hs = self.handshake
         return wire.encode_connect(
-            self.salt, hs.pattern, self.cookie, hs.message, self.max_datagram_size, hs.token_size
+            self.salt,
+            hs.pattern,
+            self.cookie,
+            hs.message,
+            self.max_datagram_size,
+            hs.token_size,
+            hs.extensions,
         )
 
     def on_timer(self, now: float) -> str | None:
@@ -209,7 +215,7 @@ def establish(conn: Connection, keys: Keys, now: float) -> None:
     apply_peer_limits(conn, peer, now)
     conn._reader.rx_largest = -1
     conn._last_recv = now
-    conn._builder.last_eliciting = now
+    conn._builder.last_sent = now
     conn._set_state(CONNECTED)
     conn._sink.events.append((conn, Connected()))
     conn._sink.dirty[conn] = None
@@ -220,10 +226,11 @@ def establish(conn: Connection, keys: Keys, now: float) -> None:
 def apply_peer_limits(conn: Connection, peer: TransportParams, now: float) -> None:
     """What the peer stated it accepts, from the handshake: its largest message and
     channel count (``send()`` raises at once past them, naming the peer's limit),
-    its receive buffer (what we let sit in it), the smaller datagram size of the
-    two sides (the ceiling of path MTU discovery, which starts now) and the
-    smaller idle timeout of the two sides (either side's silence limit ends the
-    connection, so both keep it alive within the smaller).
+    its receive buffer (what we let sit in it), its acknowledgment delay (our resend
+    timer allows for it; we delay ours only if it stated one, and so reads ours),
+    the smaller datagram size of the two sides (the ceiling of path MTU discovery,
+    which starts now) and the smaller idle timeout of the two sides (either side's
+    silence limit ends the connection, so both keep it alive within the smaller).
 
     A message queued before the handshake was checked against our limits only; if
     it breaks the peer's, it can never be sent, and the connection ends at once
@@ -234,6 +241,10 @@ def apply_peer_limits(conn: Connection, peer: TransportParams, now: float) -> No
         conn._idle_timeout = idle
         conn._keepalive_interval = min(conn._keepalive_interval, idle / 2)
     config = conn.config
+    if peer.max_ack_delay_ms is not None:
+        # The peer reads our delay and allows for it; one that states none does not.
+        conn._builder.ack_delay = config.max_ack_delay
+    conn._rtt.peer_ack_delay = (peer.max_ack_delay_ms or 0) / 1000.0
     base = min(config.base_datagram_size, peer.max_datagram_size)
     ceiling = min(ceiling_for(conn.address, config.max_datagram_size), peer.max_datagram_size)
     conn._builder.apply_peer_limits(base, peer.recv_buffer_bytes)

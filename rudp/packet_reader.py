@@ -22,6 +22,12 @@ The endpoint routes a DATA datagram by its connection id to
    messages to the receiver (``receiving``), and asks for an acknowledgment if
    it elicits one.
 
+Acknowledgments are delayed, as QUIC's are: one waits up to ``max_ack_delay`` (a
+transport parameter, which the peer's resend timer allows for) for a packet that
+goes out anyway to carry it, and goes alone only when none does. It goes at once
+when the packet arrives out of order (reordering or loss: the sender learns
+sooner), for every second ack-eliciting packet, and for a PING or DISCONNECT.
+
 When more packets arrive between two flushes than one header can acknowledge
 (33), the older ones are acknowledged at once in an ack-only packet, or the
 sender would declare them lost and resend. A late packet more than 32 behind the
@@ -72,6 +78,7 @@ if TYPE_CHECKING:
     from rudp.stats import ConnectionStats
 
 _PN_BITS: Final = 32  # the DATA header carries the packet number's low 32 bits
+EARLY_ACK_SPAN: Final = ACK_SPAN // 2
 
 
 class PacketReader:
@@ -92,6 +99,7 @@ class PacketReader:
         "peer_flow_seq",
         "rx_bits",
         "rx_largest",
+        "rx_largest_time",
     )
 
     def __init__(
@@ -116,6 +124,7 @@ class PacketReader:
         stats.reader = self  # what arrived of the peer's packets: see ConnectionStats
         self.rx_largest = -1
         self.rx_bits = 0  # bit i: packet (largest - i) was received
+        self.rx_largest_time = 0.0  # when it arrived (for the ACK_DELAY frame)
         # Packets remembered for acknowledgment; twice the window, so reordering
         # within a full window is never mistaken for staleness.
         self._rx_window = max(1024, 2 * config.window)
@@ -186,12 +195,16 @@ class PacketReader:
                 self.pause_budget -= size
         builder = self._builder
         low = builder.ack_low
-        if low is not None and seq - low > ACK_SPAN:
-            # The older packets are about to leave what one header acknowledges.
+        if low is not None and seq - low > EARLY_ACK_SPAN:
+            # The older packets are about to leave what one header acknowledges. Sent at
+            # half the span, so each packet of a burst is in two such acknowledgments: one
+            # lost ack-only packet would otherwise leave packets that no later header
+            # acknowledges, and the sender would resend them.
             builder.early_acks.append(builder.ack_only())
         if delta > 0:
             self.rx_bits = ((self.rx_bits << delta) | 1) & self._rx_mask
             self.rx_largest = seq
+            self.rx_largest_time = now
         elif -delta < self._rx_window:
             self.rx_bits |= 1 << -delta
         stats = self._stats
@@ -202,7 +215,7 @@ class PacketReader:
         conn._last_recv = now
         if conn._pmtu.probe_pn >= 0:
             conn._on_probe_ack(ack16, ack_bits, now)
-        if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next):
+        if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next, frames.ack_delay):
             sender = self._sender
             if sender.rel_queue or sender.retx:
                 # The ack opened the window: what waited for room can go out now, not at the
@@ -221,7 +234,16 @@ class PacketReader:
         elif frames.messages:
             eliciting = True
         if eliciting:
-            builder.ack_pending = True
+            # A packet out of order (it skips some, lost or overtaken, or it is a late
+            # one filling a gap) is reported at once, as RFC 9000 says, and so is a
+            # PING (a probe waits for its answer) or DISCONNECT; otherwise the
+            # acknowledgment may wait for a packet that goes out anyway (see
+            # PacketBuilder.on_eliciting). Either way the connection is flushed, which
+            # re-arms its timer for the delayed acknowledgment.
+            builder.on_eliciting(
+                now,
+                delta != 1 or frames.ping or frames.disconnect is not None or draining,
+            )
             self._sink.dirty[conn] = None
             low = builder.ack_low
             if seq >= self.rx_largest - ACK_SPAN:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # Prometheus counter that exports it or "" if none). ``metrics`` exports from this
 # table, and ended connections are folded into endpoint totals by it.
 COUNTER_TABLE: Final = (
+    ("acks_alone", "Packets sent carrying nothing but an acknowledgment.", ""),
     ("bad_acks", "Acknowledgments of packets never sent, ignored.", ""),
     ("bytes_received", "Bytes of DATA packets accepted.", ""),
     ("bytes_sent", "Bytes of DATA packets sent.", ""),
@@ -96,7 +97,12 @@ COUNTER_TABLE: Final = (
     ),
     ("spurious_losses", "Losses disproved by a late acknowledgment.", ""),
     ("stale_messages", "Sequenced messages older than the newest delivered, dropped.", ""),
-    ("timeouts", "Resend timer expirations.", "rudp_resend_timeouts_total"),
+    ("timeouts", "Resend timer expirations (probe timeouts).", "rudp_resend_timeouts_total"),
+    (
+        "timer_wakeups",
+        "Times the connection's timer ran (resend, loss, delayed ack, keepalive, close).",
+        "",
+    ),
 )
 COUNTERS: Final = tuple(name for name, _, _ in COUNTER_TABLE)
 
@@ -131,6 +137,7 @@ class ConnectionStats:
 
     def __init__(self) -> None:
         # One per name in COUNTER_TABLE, which says what each counts.
+        self.acks_alone = 0
         self.bad_acks = 0
         self.bytes_received = 0
         self.bytes_sent = 0
@@ -161,6 +168,7 @@ class ConnectionStats:
         self.spurious_losses = 0
         self.stale_messages = 0
         self.timeouts = 0
+        self.timer_wakeups = 0
         self.rtt: RttEstimator | None = None
         self.cc: CongestionController | None = None
         self.pmtu: PathMtu | None = None

@@ -23,9 +23,10 @@ table below reads from byte 0 as written and one CRC covers every byte before it
 
     0xA0|type u8, version u8 (2), body..., crc32 u32
 
-    CONNECT      salt u64, pattern u8 (0 NN, 1 NK; 0x80: a token), cookie_len u8,
-                 cookie, [token_len u16 if 0x80], Noise message 1, zero padding
-                 to the client's max datagram size
+    CONNECT      salt u64, pattern u8 (0 NN, 1 NK; 0x80: a token; 0x40: parameter
+                 extensions), cookie_len u8, cookie, [token_len u16 if 0x80],
+                 [extensions_len u8 if 0x40], Noise message 1, zero padding to
+                 the client's max datagram size
     CHALLENGE    salt u64, cookie_len u8, cookie
     ACCEPT       salt u64, Noise message 2 (``handshake.SECOND_MESSAGE_SIZE``)
     REJECT       salt u64, text_len u8, text (utf-8)
@@ -33,8 +34,9 @@ table below reads from byte 0 as written and one CRC covers every byte before it
     QUERY_REPLY  nonce u32, len u16, payload
 
 The Noise message 1 of a CONNECT runs to the padding; its size follows from the
-pattern and the size of the connect token its payload carries, if any
-(``handshake.first_message_size``), so the endpoint cuts it there.
+pattern, the size of the connect token its payload carries, if any, and that of
+the extensions of the client's parameters (``handshake.first_message_size``), so
+the endpoint cuts it there.
 
 Version 1 datagrams (CRC-32 first, byte 4 the version, 1) are recognised only to
 be dropped as ``wrong_version``; a version-1 CONNECT is answered with a
@@ -47,6 +49,9 @@ DATA frames (inside the seal)::
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
     0x03 PAUSE                                 ack-eliciting, no body: no new reliable messages
     0x04 RESUME                                ack-eliciting, no body: send them again
+    0x05 ACK_DELAY   delay u16 (units of 100 us)  how long the acknowledgment in this
+                                               header waited (only to a peer that
+                                               states max_ack_delay in the handshake)
     0x1A PATH_CHALLENGE  data (8 bytes)        sent to a peer's new address (migration)
     0x1B PATH_RESPONSE   data (8 bytes)        ack-eliciting: echoes a PATH_CHALLENGE
     0x80|flags MESSAGE                         flags: bits 0-2 wire mode,
@@ -112,6 +117,7 @@ MAX_REJECT_TEXT: Final = 96
 MAX_CLOSE_TEXT: Final = 200
 MAX_COOKIE: Final = 64
 CONNECT_TOKEN: Final = 0x80  # CONNECT pattern flag: a token_len u16 follows the cookie
+PARAMS_EXTENDED: Final = 0x40  # CONNECT pattern flag: an extensions_len u8 follows
 # The smallest CONNECT a server answers. Every handshake reply is smaller than
 # this, so no spoofed CONNECT can make us send more than we received.
 MIN_CONNECT_SIZE: Final = 256
@@ -154,6 +160,7 @@ class FrameType(enum.IntEnum):
     DISCONNECT = 0x02
     PAUSE = 0x03
     RESUME = 0x04
+    ACK_DELAY = 0x05
     PATH_CHALLENGE = 0x1A
     PATH_RESPONSE = 0x1B
 
@@ -203,6 +210,8 @@ _PING: Final = 0x01
 _DISCONNECT: Final = 0x02
 _PAUSE: Final = 0x03
 _RESUME: Final = 0x04
+_ACK_DELAY: Final = 0x05
+ACK_DELAY_UNIT: Final = 0.0001  # seconds per unit of an ACK_DELAY frame
 _PATH_CHALLENGE: Final = 0x1A
 _PATH_RESPONSE: Final = 0x1B
 _DATA: Final = 5
@@ -264,7 +273,16 @@ class DisconnectFrame(NamedTuple):
 class DataFrames:
     """The frames of one DATA packet (a native class when compiled: one per packet)."""
 
-    __slots__ = ("challenge", "disconnect", "flow", "messages", "ping", "response", "special")
+    __slots__ = (
+        "ack_delay",
+        "challenge",
+        "disconnect",
+        "flow",
+        "messages",
+        "ping",
+        "response",
+        "special",
+    )
 
     def __init__(
         self,
@@ -275,6 +293,7 @@ class DataFrames:
         flow: int = NO_FLOW,
         challenge: bytes = b"",
         response: bytes = b"",
+        ack_delay: float = 0.0,
     ) -> None:
         self.messages = messages
         self.ping = ping
@@ -285,6 +304,7 @@ class DataFrames:
         self.flow = flow  # the packet's last PAUSE (1) or RESUME (0) frame, NO_FLOW if none
         self.challenge = challenge  # the data of the packet's last PATH_CHALLENGE, if any
         self.response = response  # the data of the packet's last PATH_RESPONSE, if any
+        self.ack_delay = ack_delay  # how long the header's acknowledgment waited (ACK_DELAY)
 
 
 class Connect(NamedTuple):
@@ -293,6 +313,7 @@ class Connect(NamedTuple):
     cookie: bytes
     rest: bytes  # the Noise message 1, then the padding (the endpoint cuts it)
     token_size: int = 0  # bytes of connect token at the end of the Noise payload
+    extensions: int = -1  # bytes of parameter extensions in the payload, -1: none stated
 
 
 class Challenge(NamedTuple):
@@ -377,13 +398,23 @@ def _v1_or(data: bytes, reason: DropReason) -> DropReason:
 
 
 def encode_connect(
-    salt: int, pattern: int, cookie: bytes, message: bytes, pad_to: int, token_size: int = 0
+    salt: int,
+    pattern: int,
+    cookie: bytes,
+    message: bytes,
+    pad_to: int,
+    token_size: int = 0,
+    extensions: int = -1,
 ) -> bytes:
+    """A CONNECT; ``extensions`` (-1: none stated) is the length of the extensions of
+    the client's parameters, which tells the server where the Noise message ends."""
+    flags = (CONNECT_TOKEN if token_size else 0) | (PARAMS_EXTENDED if extensions >= 0 else 0)
+    body = CONNECT_BODY.pack(salt, pattern | flags, len(cookie)) + cookie
     if token_size:
-        body = CONNECT_BODY.pack(salt, pattern | CONNECT_TOKEN, len(cookie)) + cookie
-        body += U16.pack(token_size) + message
-    else:
-        body = CONNECT_BODY.pack(salt, pattern, len(cookie)) + cookie + message
+        body += U16.pack(token_size)
+    if extensions >= 0:
+        body += bytes((extensions,))
+    body += message
     padding = max(0, pad_to - HEADER_SIZE - len(body))
     return _packet(PacketType.CONNECT, body + bytes(padding))
 
@@ -397,8 +428,17 @@ def decode_connect(data: bytes) -> Connect:
     if pattern & CONNECT_TOKEN:
         (token_size,) = U16.unpack(_take(data, offset, U16.size, U16.size))
         offset += U16.size
+    extensions = -1
+    if pattern & PARAMS_EXTENDED:
+        extensions = _take(data, offset, 1, 1)[0]
+        offset += 1
     return Connect(
-        salt, pattern & ~CONNECT_TOKEN, cookie, data[offset : len(data) - CRC_SIZE], token_size
+        salt,
+        pattern & ~(CONNECT_TOKEN | PARAMS_EXTENDED),
+        cookie,
+        data[offset : len(data) - CRC_SIZE],
+        token_size,
+        extensions,
     )
 
 
@@ -574,6 +614,14 @@ def message_frame_size(
 
 
 PING_FRAME: Final = bytes((FrameType.PING,))
+
+
+def ack_delay_frame(delay: float) -> bytes:
+    """An ACK_DELAY frame saying the header's acknowledgment waited ``delay`` seconds."""
+    units = min(int(delay / ACK_DELAY_UNIT), 0xFFFF)
+    return bytes((_ACK_DELAY, units >> 8, units & 0xFF))
+
+
 PAUSE_FRAME: Final = bytes((FrameType.PAUSE,))
 RESUME_FRAME: Final = bytes((FrameType.RESUME,))
 
@@ -617,6 +665,7 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
     flow = NO_FLOW
     challenge = response = b""
     disconnect: DisconnectFrame | None = None
+    ack_delay = 0.0
     end = len(data)
     while off < end:
         kind = data[off]
@@ -664,6 +713,9 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             flow = 1
         elif kind == _RESUME:
             flow = 0
+        elif kind == _ACK_DELAY:
+            ack_delay = ((data[off] << 8) | data[off + 1]) * ACK_DELAY_UNIT
+            off += 2
         elif kind == _PATH_CHALLENGE:
             challenge = _path_data(data, off)
             off += PATH_DATA_SIZE
@@ -674,7 +726,7 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             special = True
         else:
             raise DecodeError(DropReason.MALFORMED)
-    return DataFrames(messages, ping, disconnect, special, flow, challenge, response)
+    return DataFrames(messages, ping, disconnect, special, flow, challenge, response, ack_delay)
 
 
 def _path_data(data: bytes, off: int) -> bytes:
