@@ -23,6 +23,7 @@ COMPILED_MODULES = [
     "rudp/events.py",
     "rudp/drops.py",
     "rudp/wire.py",
+    "rudp/frames.py",
     "rudp/wire_v1.py",
     "rudp/protection.py",
     "rudp/seqnum.py",

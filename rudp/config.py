@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from rudp.wire import FRAGMENT_FRAME_OVERHEAD, MAX_FRAGMENTS
+from rudp.frames import FRAGMENT_FRAME_OVERHEAD, MAX_FRAGMENTS
 
 if TYPE_CHECKING:
     from rudp.netsim.conditioner import LinkProfile

@@ -64,7 +64,7 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import Config
 from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
@@ -286,7 +286,7 @@ class Connection:
         self.receiving_paused = True
         self._reader.pause_budget = self._byte_window
         self.stats.receive_pauses += 1
-        self._builder.flow_frame = wire.PAUSE_FRAME
+        self._builder.flow_frame = frames.PAUSE_FRAME
         self._sink.dirty[self] = None
 
     def resume_receiving(self) -> None:
@@ -294,7 +294,7 @@ class Connection:
         if not self.receiving_paused:
             return
         self.receiving_paused = False
-        self._builder.flow_frame = wire.RESUME_FRAME
+        self._builder.flow_frame = frames.RESUME_FRAME
         self._sink.dirty[self] = None
         # While paused we may have refused the very dependencies these wait for: their
         # dependency_timeout counts from now, not from their arrival.
@@ -532,7 +532,9 @@ class Connection:
             builder.control.extend(pkt.control)
         if pkt.seq == builder.flow_seq and not builder.flow_frame:
             # Our latest PAUSE or RESUME was lost: tell the current state again.
-            builder.flow_frame = wire.PAUSE_FRAME if self.receiving_paused else wire.RESUME_FRAME
+            builder.flow_frame = (
+                frames.PAUSE_FRAME if self.receiving_paused else frames.RESUME_FRAME
+            )
         self._sink.dirty[self] = None
 
     # -- timers -----------------------------------------------------------------------------
@@ -597,11 +599,11 @@ class Connection:
         if self._disconnect_queued or sender.unacked_reliable or sender.unrel_queue:
             return
         self._disconnect_queued = True
-        self._builder.control.append(wire.disconnect_frame(self._close_code, self._close_text))
+        self._builder.control.append(frames.disconnect_frame(self._close_code, self._close_text))
         self._deadline = now + self.config.close_timeout
         self._sink.dirty[self] = None
 
-    def _on_peer_disconnect(self, frame: wire.DisconnectFrame, now: float) -> None:
+    def _on_peer_disconnect(self, frame: frames.DisconnectFrame, now: float) -> None:
         if self.state is DRAINING:
             return
         if self.state is CLOSING:

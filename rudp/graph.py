@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from rudp import wire
+from rudp import frames
 from rudp.config import BUFFER_ENTRY_COST
 from rudp.events import MessageReceived
 from rudp.seqnum import SEQ_MASK, seq_diff
@@ -102,7 +102,7 @@ def refresh_deps(msg: OutMessage) -> bool:
         return False
     node.deps = keep
     fragment = None if parent is None else (0, len(parent.fragments), len(parent.data))  # type: ignore[arg-type]
-    msg.frame = wire.message_frame(
+    msg.frame = frames.message_frame(
         GRAPH,
         msg.channel,
         msg.seq,

@@ -50,7 +50,7 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING, Any, Final
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.drops import DropReason
 from rudp.events import PathChanged
 from rudp.protection import PacketNumbersExhausted
@@ -175,7 +175,7 @@ class Migration:
         if challenge:
             # Answered in our next packet, ack-eliciting like DISCONNECT: the peer
             # resends its challenge if the answer is lost.
-            conn._builder.control.append(wire.path_response_frame(challenge))
+            conn._builder.control.append(frames.path_response_frame(challenge))
             conn.stats.path_responses += 1
             conn._sink.dirty[conn] = None
         path = self.rx_path
@@ -201,12 +201,12 @@ class Migration:
             self.path = None
             conn.stats.path_validation_failures += 1
             return
-        size = wire.DATA_HEADER_SIZE + 1 + wire.PATH_DATA_SIZE
+        size = wire.DATA_HEADER_SIZE + 1 + frames.PATH_DATA_SIZE
         if path.budget() < size:
             path.deadline = None  # the peer's next packets from there make room
             return
         try:
-            datagram = conn._builder.path_packet(wire.path_challenge_frame(path.data))
+            datagram = conn._builder.path_packet(frames.path_challenge_frame(path.data))
         except PacketNumbersExhausted:
             conn._numbers_exhausted()
             return

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Final
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import BUFFER_ENTRY_COST, REDUNDANT_FRAME_MAX, Config
 from rudp.errors import LocalProtocolError
 from rudp.graph import refresh_deps
@@ -195,7 +195,7 @@ class PacketBuilder:
         not loss detection's to track (``rudp.pmtu``): a lost probe loses nothing."""
         reader = self._conn._reader
         ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
-        return self.seal_next(ack + wire.probe_frames(size - wire.DATA_HEADER_SIZE))
+        return self.seal_next(ack + frames.probe_frames(size - wire.DATA_HEADER_SIZE))
 
     def build(self, now: float, closing: bool, draining: bool) -> bytes | None:
         """The next datagram due now, or None; ``closing`` and ``draining`` say
@@ -262,7 +262,7 @@ class PacketBuilder:
                 budget = self._take_redundant(parts, messages, budget, level)
         eliciting = bool(messages or control or flow)
         if self.ping and not eliciting and not draining:
-            parts.append(wire.PING_FRAME)
+            parts.append(frames.PING_FRAME)
             eliciting = True
         elif messages and budget and sender.rel_queue and not conn.peer_paused:
             queued = sender.rel_queue[0]
@@ -271,7 +271,7 @@ class PacketBuilder:
                 # asks the peer to do so at once rather than after its ack delay (as
                 # QUIC's IMMEDIATE_ACK does), or a window-limited sender would wait that
                 # long every round trip.
-                parts.append(wire.PING_FRAME)
+                parts.append(frames.PING_FRAME)
         if len(parts) == 1:
             if not self.ack_pending:
                 return None
@@ -280,8 +280,8 @@ class PacketBuilder:
         if delayed:
             # The peer takes it off its RTT sample (RFC 9002, section 5.3).
             waited = now - reader.rx_largest_time
-            if waited >= wire.ACK_DELAY_UNIT:
-                parts.append(wire.ack_delay_frame(waited))
+            if waited >= frames.ACK_DELAY_UNIT:
+                parts.append(frames.ack_delay_frame(waited))
         self.ping = False
         self._acked()
         self.last_sent = now
@@ -393,7 +393,9 @@ class PacketBuilder:
                 channel = msg.channel
                 seq = msg.seq = sender.tx_useq[channel]
                 sender.tx_useq[channel] = seq + 1
-                frame = msg.frame = wire.message_frame(UNRELIABLE_SEQUENCED, channel, seq, msg.data)
+                frame = msg.frame = frames.message_frame(
+                    UNRELIABLE_SEQUENCED, channel, seq, msg.data
+                )
             queue.popleft().state = SENT
             parts.append(frame)
             sender.queued -= 1
@@ -525,4 +527,4 @@ class PacketBuilder:
 
 
 def _disconnect_in(control: list[bytes]) -> bool:
-    return any(frame[0] == wire.FrameType.DISCONNECT for frame in control)
+    return any(frame[0] == frames.FrameType.DISCONNECT for frame in control)

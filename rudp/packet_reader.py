@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.protection import Opener
 from rudp.state import CLOSED, DRAINING
 from rudp.wire import ACK_SPAN, DropReason
@@ -165,29 +165,29 @@ class PacketReader:
         conn = self._conn
         draining = conn.state is DRAINING
         delta = seq - self.rx_largest
-        frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
+        decoded = frames.decode_frames(data)  # DecodeError is counted by the endpoint
         receiver = self._receiver
-        flow = frames.flow
-        if flow != wire.NO_FLOW and seq > self.peer_flow_seq and not draining:
+        flow = decoded.flow
+        if flow != frames.NO_FLOW and seq > self.peer_flow_seq and not draining:
             self.peer_flow_seq = seq
             conn._on_peer_flow(flow == 1, now)
-        if frames.messages:
-            violation = receiver.channel_violation(frames.messages)
+        if decoded.messages:
+            violation = receiver.channel_violation(decoded.messages)
             if violation:
                 conn._protocol_error(violation)
                 return None
-        if frames.special and not draining:
-            if frames.challenge or frames.response:
-                conn._migration.on_frames(frames.challenge, frames.response)
-            violation = receiver.size_violation(frames.messages)
+        if decoded.special and not draining:
+            if decoded.challenge or decoded.response:
+                conn._migration.on_frames(decoded.challenge, decoded.response)
+            violation = receiver.size_violation(decoded.messages)
             if violation:
                 conn._protocol_error(violation)
                 return None
-            reason = receiver.check_fragments(frames.messages)
+            reason = receiver.check_fragments(decoded.messages)
             if reason is not None:
                 return reason
-        if frames.messages:
-            if not receiver.can_buffer(frames.messages, size):
+        if decoded.messages:
+            if not receiver.can_buffer(decoded.messages, size):
                 return DropReason.RECV_BUFFER_FULL
             if conn.receiving_paused and not draining:
                 if size > self.pause_budget:
@@ -215,7 +215,7 @@ class PacketReader:
         conn._last_recv = now
         if conn._pmtu.probe_pn >= 0:
             conn._on_probe_ack(ack16, ack_bits, now)
-        if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next, frames.ack_delay):
+        if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next, decoded.ack_delay):
             sender = self._sender
             if sender.rel_queue or sender.retx:
                 # The ack opened the window: what waited for room can go out now, not at the
@@ -224,14 +224,14 @@ class PacketReader:
             conn._on_acks(now)
         if conn.state is CLOSED:  # that ack completed our close
             return None
-        eliciting = frames.ping or frames.disconnect is not None or flow != wire.NO_FLOW
-        if frames.messages and not draining:
-            eliciting = receiver.deliver(frames.messages, now) or eliciting
+        eliciting = decoded.ping or decoded.disconnect is not None or flow != frames.NO_FLOW
+        if decoded.messages and not draining:
+            eliciting = receiver.deliver(decoded.messages, now) or eliciting
             violation = receiver.graph.violation
             if violation:  # the peer broke the protocol
                 conn._protocol_error(violation)
                 return None
-        elif frames.messages:
+        elif decoded.messages:
             eliciting = True
         if eliciting:
             # A packet out of order (it skips some, lost or overtaken, or it is a late
@@ -242,7 +242,7 @@ class PacketReader:
             # re-arms its timer for the delayed acknowledgment.
             builder.on_eliciting(
                 now,
-                delta != 1 or frames.ping or frames.disconnect is not None or draining,
+                delta != 1 or decoded.ping or decoded.disconnect is not None or draining,
             )
             self._sink.dirty[conn] = None
             low = builder.ack_low
@@ -251,6 +251,6 @@ class PacketReader:
                     builder.ack_low = seq
             else:
                 builder.early_acks.append(builder.ack_only(about=seq))
-        if frames.disconnect is not None:
-            conn._on_peer_disconnect(frames.disconnect, now)
+        if decoded.disconnect is not None:
+            conn._on_peer_disconnect(decoded.disconnect, now)
         return None

@@ -39,9 +39,10 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Final
 
-from rudp import wire
+from rudp import frames
 from rudp.config import BUFFER_ENTRY_COST, Config
 from rudp.events import MessageReceived
+from rudp.frames import FrameExtra
 from rudp.graph import ReceiveGraph
 from rudp.seqnum import SEQ_MASK, seq_diff
 from rudp.wire import (
@@ -51,7 +52,6 @@ from rudp.wire import (
     UNRELIABLE,
     UNRELIABLE_SEQUENCED,
     DropReason,
-    FrameExtra,
 )
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class Receiver:
 
     # -- accepting a packet --------------------------------------------------------------
 
-    def can_buffer(self, messages: list[wire.MessageFrame], size: int) -> bool:
+    def can_buffer(self, messages: list[frames.MessageFrame], size: int) -> bool:
         """Whether the packet's early reliable messages fit the reorder buffer.
 
         A packet is accepted whole or not at all: acknowledging it while dropping a
@@ -241,7 +241,7 @@ class Receiver:
                 running[channel] = expected
         return buffered + extra <= limit
 
-    def channel_violation(self, messages: list[wire.MessageFrame]) -> str:
+    def channel_violation(self, messages: list[frames.MessageFrame]) -> str:
         """Why the packet's messages break the channel count we stated in the handshake,
         or "". The packet authenticated, so its sender broke the protocol: the
         connection ends (the sender knew the limit, and could never get such a message
@@ -252,7 +252,7 @@ class Receiver:
                 return f"message on channel {m[1]}; this side accepts {channels} channels"
         return ""
 
-    def size_violation(self, messages: list[wire.MessageFrame]) -> str:
+    def size_violation(self, messages: list[frames.MessageFrame]) -> str:
         """Why a fragment of the packet breaks the largest message we stated in the
         handshake, or "". As for channels, the packet authenticated and its sender knew
         the limit: the connection ends (the message could never be taken)."""
@@ -266,7 +266,7 @@ class Receiver:
                 )
         return ""
 
-    def check_fragments(self, messages: list[wire.MessageFrame]) -> DropReason | None:
+    def check_fragments(self, messages: list[frames.MessageFrame]) -> DropReason | None:
         """Check a packet's fragments before accepting it (all or nothing).
 
         A fragment that disagrees with the rest of its message is malformed (one
@@ -313,7 +313,7 @@ class Receiver:
 
     # -- delivery ------------------------------------------------------------------------
 
-    def deliver(self, messages: list[wire.MessageFrame], now: float) -> bool:
+    def deliver(self, messages: list[frames.MessageFrame], now: float) -> bool:
         """Deliver or buffer each message; returns whether any was reliable.
 
         Stops early if the peer broke the protocol (``graph.violation`` says how).
@@ -376,7 +376,9 @@ class Receiver:
         self._stats.messages_received += delivered
         return reliable_seen
 
-    def _whole_in_packet(self, messages: list[wire.MessageFrame], i: int, more: FrameExtra) -> int:
+    def _whole_in_packet(
+        self, messages: list[frames.MessageFrame], i: int, more: FrameExtra
+    ) -> int:
         """Whether the reliable-ordered fragment ``messages[i]`` starts a message whose
         every fragment follows it in this packet and which is the next its channel
         delivers, with nothing being reassembled: then it needs no reassembly (a path
@@ -406,7 +408,7 @@ class Receiver:
         return count - 1 if size == more.total else 0
 
     def _deliver_in_order(
-        self, channel: int, messages: list[wire.MessageFrame], i: int, count: int
+        self, channel: int, messages: list[frames.MessageFrame], i: int, count: int
     ) -> int:
         """Deliver the message whose ``count`` fragments are ``messages[i:i + count]``
         (see ``_whole_in_packet``); returns how many messages were delivered."""

@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Awaitable, Generator, Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import BUFFER_ENTRY_COST, Config
 from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull, check_sequence
 from rudp.events import MessageAcked
@@ -215,7 +215,7 @@ class Sender:
         # Sized for the base datagram, not the path MTU found later: every frame must
         # still fit if the path falls back to it (``rudp.pmtu``).
         self._max_payload = config.base_datagram_size - wire.DATA_HEADER_SIZE
-        self.max_single = self._max_payload - wire.MESSAGE_OVERHEAD
+        self.max_single = self._max_payload - frames.MESSAGE_OVERHEAD
         self._max_message = config.max_message_size
         self._fragment_payload = config.fragment_payload
         self._channels = config.channels
@@ -273,14 +273,14 @@ class Sender:
             seq = self.tx_ch_next[channel]
             self.tx_ch_next[channel] = seq + 1
             msg = OutMessage(
-                data, RELIABLE_ORDERED, channel, seq, wire.reliable_frame(channel, seq, data)
+                data, RELIABLE_ORDERED, channel, seq, frames.reliable_frame(channel, seq, data)
             )
             self.rel_queue.append(msg)
             self._unacked_on(channel).append(msg)
             self.unacked_reliable += 1
         else:
             self._check_unfragmented(data)
-            msg = OutMessage(data, UNRELIABLE, channel, 0, wire.unreliable_frame(channel, data))
+            msg = OutMessage(data, UNRELIABLE, channel, 0, frames.unreliable_frame(channel, data))
             msg.queued_at = now
             self.unrel_queue.append(msg)
         self.queued += 1
@@ -312,8 +312,8 @@ class Sender:
         self._peer_max_message = peer.max_message_size
         self._byte_window = peer.recv_buffer_bytes
         self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
-        self.max_single = self._max_payload - wire.MESSAGE_OVERHEAD
-        self._fragment_payload = datagram_size - wire.FRAGMENT_FRAME_OVERHEAD
+        self.max_single = self._max_payload - frames.MESSAGE_OVERHEAD
+        self._fragment_payload = datagram_size - frames.FRAGMENT_FRAME_OVERHEAD
         for queue in (self.rel_queue, self.unrel_queue):
             for msg in queue:
                 if msg.channel >= peer.channels:
@@ -375,7 +375,7 @@ class Sender:
         if mode == UNRELIABLE_SEQUENCED:
             self._check_unfragmented(data)
             # Numbered when it goes out (see PacketBuilder); the frame has its size.
-            msg = OutMessage(data, mode, channel, 0, wire.message_frame(mode, channel, 0, data))
+            msg = OutMessage(data, mode, channel, 0, frames.message_frame(mode, channel, 0, data))
             msg.queued_at = now
             self.unrel_queue.append(msg)
             self.queued += 1
@@ -418,9 +418,9 @@ class Sender:
                 )
             if not node.executed and dep not in pending:
                 pending.append(dep)
-        if len(pending) > wire.MAX_DEPS:
+        if len(pending) > frames.MAX_DEPS:
             raise LocalProtocolError(
-                f"a message can wait for at most {wire.MAX_DEPS} unacknowledged messages, "
+                f"a message can wait for at most {frames.MAX_DEPS} unacknowledged messages, "
                 f"got {len(pending)}"
             )
         return pending
@@ -429,11 +429,11 @@ class Sender:
         self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
     ) -> OutMessage:
         """Queue a graph or reliable-sequenced message, fragmented if it needs to be."""
-        size = wire.message_frame_size(mode, channel, len(data), deps=len(deps))
+        size = frames.message_frame_size(mode, channel, len(data), deps=len(deps))
         if size > self._max_payload:
             return self._send_fragmented(data, mode, channel, deps)
         seq = self._next_seq(mode, channel, 1)
-        frame = wire.message_frame(mode, channel, seq, data, deps=deps)
+        frame = frames.message_frame(mode, channel, seq, data, deps=deps)
         msg = OutMessage(data, mode, channel, seq, frame)
         self.rel_queue.append(msg)
         self.unacked_reliable += 1
@@ -488,7 +488,7 @@ class Sender:
         unacked = self._unacked_on(channel) if mode == RELIABLE_ORDERED else None
         for index, chunk in enumerate(chunks):
             seq = base + index
-            frame = wire.message_frame(
+            frame = frames.message_frame(
                 mode,
                 channel,
                 seq,

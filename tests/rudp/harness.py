@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.endpoint import Endpoint
@@ -277,7 +277,7 @@ def inject_frames(net: Network, server: Node, *frames: bytes) -> DropReason | No
     return changed[0] if changed else None
 
 
-NO_FRAMES = wire.DataFrames([], False, None, False)
+NO_FRAMES = frames.DataFrames([], False, None, False)
 
 
 def open_data(data: bytes) -> bytes | None:
@@ -295,7 +295,7 @@ def open_data(data: bytes) -> bytes | None:
     return None
 
 
-def frames_of(data: bytes) -> wire.DataFrames:
+def frames_of(data: bytes) -> frames.DataFrames:
     """The frames of a DATA datagram on a test network (none for other packets)."""
     body = open_data(data)
-    return NO_FRAMES if body is None else wire.decode_frames(body)
+    return NO_FRAMES if body is None else frames.decode_frames(body)

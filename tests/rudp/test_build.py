@@ -20,6 +20,7 @@ CORE = [
     "rudp.events",
     "rudp.drops",
     "rudp.wire",
+    "rudp.frames",
     "rudp.wire_v1",
     "rudp.protection",
     "rudp.seqnum",

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import State
 from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull
@@ -53,7 +53,7 @@ def test_receive_buffer_is_bounded_and_drops_whole_packets() -> None:
     sconn = server_conn(server)
     # Forge early messages far ahead on channel 0 straight into the server core.
     for i in range(1, 20):
-        frame = wire.message_frame(1, 0, i * 10, bytes(1000))
+        frame = frames.message_frame(1, 0, i * 10, bytes(1000))
         packet = conn.seal_datagram(wire.ack_fields(0, 0) + frame)  # the client's real keys
         server.endpoint.receive_datagram(packet, CLIENT, net.now)
     assert sconn._receiver.buffered_bytes <= 4000

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import NO_BUFFER, Connection, State
 from rudp.errors import LocalProtocolError, MessageTooLarge
@@ -265,7 +265,7 @@ def test_a_dependency_sent_more_than_65536_messages_earlier() -> None:
     kill = conn.send(tagged(n + 1), depends_on=[spawn])
     settle(net, conn)
     assert kill.acked
-    assert sizes[0] == wire.DATA_HEADER_SIZE + len(wire.reliable_frame(0, 1, tagged(n + 1)))
+    assert sizes[0] == wire.DATA_HEADER_SIZE + len(frames.reliable_frame(0, 1, tagged(n + 1)))
     got = tags(server)
     assert got[0] == 0 and got[-1] == n + 1
     assert sorted(got) == list(range(n + 2))
@@ -300,7 +300,7 @@ def test_pending_dependencies_cost_two_bytes_each_and_executed_ones_nothing() ->
     b = conn.send(b"b", depends_on=[a])
     c = conn.send(b"c", depends_on=[a, b])
     net.flush()
-    base = wire.DATA_HEADER_SIZE + 3 * len(wire.reliable_frame(0, 0, b"a"))
+    base = wire.DATA_HEADER_SIZE + 3 * len(frames.reliable_frame(0, 0, b"a"))
     assert sizes == [base + 3 + 5]  # b: n + 1 id; c: n + 2 ids
     settle(net, conn)
     assert c.graph is not None and c.graph.executed
@@ -308,7 +308,7 @@ def test_pending_dependencies_cost_two_bytes_each_and_executed_ones_nothing() ->
     conn.send(b"d", depends_on=[a, b, c])
     conn.send(b"e")
     net.flush()
-    assert sizes == [wire.DATA_HEADER_SIZE + 2 * len(wire.reliable_frame(0, 0, b"d"))]
+    assert sizes == [wire.DATA_HEADER_SIZE + 2 * len(frames.reliable_frame(0, 0, b"d"))]
 
 
 # -- receiver bounds and protocol errors ----------------------------------------------------
@@ -317,7 +317,7 @@ def test_pending_dependencies_cost_two_bytes_each_and_executed_ones_nothing() ->
 def test_a_dependency_on_a_later_message_is_a_protocol_error() -> None:
     net, server, client, conn = pair()
     sconn = server_conn(server)
-    inject_frames(net, server, wire.message_frame(3, 0, 5, b"x", deps=(9,)))
+    inject_frames(net, server, frames.message_frame(3, 0, 5, b"x", deps=(9,)))
     assert sconn.state is State.CLOSED
     assert sconn.close_reason is not None
     assert sconn.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
@@ -327,7 +327,7 @@ def test_a_dependency_on_a_later_message_is_a_protocol_error() -> None:
 def test_a_dependency_beyond_the_window_is_a_protocol_error() -> None:
     net, server, client, conn = pair()
     sconn = server_conn(server)
-    inject_frames(net, server, wire.message_frame(3, 0, 5, b"x", deps=(40_000,)))
+    inject_frames(net, server, frames.message_frame(3, 0, 5, b"x", deps=(40_000,)))
     reason = sconn.close_reason
     assert reason is not None and reason.reason is DisconnectReason.PROTOCOL_ERROR
 
@@ -336,7 +336,7 @@ def test_a_dependency_that_never_arrives_ends_the_connection_after_the_timeout()
     cfg = Config(dependency_timeout=3.0)
     net, server, client, conn = pair(config=cfg)
     sconn = server_conn(server)
-    inject_frames(net, server, wire.message_frame(3, 0, 5, b"waits", deps=(4,)))
+    inject_frames(net, server, frames.message_frame(3, 0, 5, b"waits", deps=(4,)))
     assert len(sconn._receiver.graph.nodes) == 1
     net.run(2.9)
     assert sconn.state is State.CONNECTED
@@ -353,7 +353,7 @@ def test_malformed_fragment_streams_are_dropped_without_growth() -> None:
     sconn = server_conn(server)
 
     def frag(seq: int, index: int, count: int, total: int, body: bytes = b"z" * 10) -> bytes:
-        return wire.message_frame(3, 0, seq, body, fragment=(index, count, total))
+        return frames.message_frame(3, 0, seq, body, fragment=(index, count, total))
 
     # (Larger than max_message_size: a protocol error, see test_limits.py.)
     # A fragment longer than the whole it claims to be part of.

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import State
 from rudp.events import DisconnectReason, MessageReceived
@@ -34,8 +34,8 @@ from tests.rudp.harness import (
 def test_two_disagreeing_first_fragments_in_one_packet_are_malformed() -> None:
     net, server, client, conn = pair()
     sconn = server_conn(server)
-    a = wire.message_frame(3, 0, 0, b"x" * 5, fragment=(0, 2, 10))
-    b = wire.message_frame(3, 0, 5, b"y" * 5, fragment=(5, 10, 100))
+    a = frames.message_frame(3, 0, 0, b"x" * 5, fragment=(0, 2, 10))
+    b = frames.message_frame(3, 0, 5, b"y" * 5, fragment=(5, 10, 100))
     inject_frames(net, server, a, b)  # IndexError escapes receive_datagram
     assert sconn.state is State.CONNECTED
 
@@ -51,7 +51,7 @@ def test_more_dependents_of_one_message_than_the_window() -> None:
     assert len(tags(server)) == 5001
 
 
-def drop_once(net: Network, pred: Callable[[list[wire.MessageFrame]], bool]) -> list[int]:
+def drop_once(net: Network, pred: Callable[[list[frames.MessageFrame]], bool]) -> list[int]:
     """Lose, once, each client DATA packet for which pred(frames) is true."""
     dropped = [0]
     transmit = net._transmit
@@ -95,7 +95,7 @@ def test_superseded_large_sequenced_messages_free_their_reassembly() -> None:
     assert got and got[-1] == versions[-1]
 
 
-def drop_n(net: Network, pred: Callable[[list[wire.MessageFrame]], bool], n: int) -> list[int]:
+def drop_n(net: Network, pred: Callable[[list[frames.MessageFrame]], bool], n: int) -> list[int]:
     dropped = [0]
     transmit = net._transmit
 
@@ -246,9 +246,9 @@ def test_fragments_entering_the_window_mid_packet_respect_the_budget() -> None:
     tracemalloc.start()
     base_mem = tracemalloc.get_traced_memory()[0]
     for e in range(200):
-        inorder = wire.reliable_frame(0, e, b"m")
+        inorder = frames.reliable_frame(0, e, b"m")
         # beyond the window when the packet is checked, inside it once `inorder` was delivered
-        frag = wire.message_frame(1, 0, e + 4096, b"z", fragment=(0, 65535, 1_000_000))
+        frag = frames.message_frame(1, 0, e + 4096, b"z", fragment=(0, 65535, 1_000_000))
         assert inject_frames(net, server, inorder, frag) is None
     mem = tracemalloc.get_traced_memory()[0] - base_mem
     tracemalloc.stop()

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 import rudp
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.errors import SendQueueFull
@@ -33,16 +33,16 @@ from tests.rudp.harness import (
 
 def _flow_frames(data: bytes) -> int:
     if wire.decode_type(data) is not wire.PacketType.DATA:
-        return wire.NO_FLOW
+        return frames.NO_FLOW
     return frames_of(data).flow
 
 
 def test_flow_frames_round_trip() -> None:
-    body = wire.ack_fields(3, 0) + wire.PAUSE_FRAME + wire.PING_FRAME
-    assert wire.decode_frames(body).flow == 1
-    body = wire.ack_fields(3, 0) + wire.PAUSE_FRAME + wire.RESUME_FRAME
-    assert wire.decode_frames(body).flow == 0  # the last one counts
-    assert wire.decode_frames(wire.ack_fields(3, 0)).flow == wire.NO_FLOW
+    body = wire.ack_fields(3, 0) + frames.PAUSE_FRAME + frames.PING_FRAME
+    assert frames.decode_frames(body).flow == 1
+    body = wire.ack_fields(3, 0) + frames.PAUSE_FRAME + frames.RESUME_FRAME
+    assert frames.decode_frames(body).flow == 0  # the last one counts
+    assert frames.decode_frames(wire.ack_fields(3, 0)).flow == frames.NO_FLOW
 
 
 def test_a_paused_receiver_stops_new_messages_and_resuming_delivers_the_rest() -> None:
@@ -171,7 +171,7 @@ def test_a_peer_that_ignores_pause_is_refused_past_the_budget() -> None:
     real = net._transmit
 
     def lose_flow(data: bytes, src: Address, dst: Address) -> None:
-        if src == SERVER and _flow_frames(data) != wire.NO_FLOW:
+        if src == SERVER and _flow_frames(data) != frames.NO_FLOW:
             return
         real(data, src, dst)
 

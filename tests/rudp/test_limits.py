@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 import rudp
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.errors import LocalProtocolError, MessageTooLarge
@@ -94,7 +94,7 @@ def test_channels_raise_at_once_naming_the_peers_count_or_arrive() -> None:
 def test_datagrams_keep_to_the_smaller_size_both_ways() -> None:
     net, a, b, to_a, to_b = _pair()
     assert to_a.max_datagram_payload == to_b.max_datagram_payload
-    assert to_b.max_datagram_payload == 700 - wire.DATA_HEADER_SIZE - wire.MESSAGE_OVERHEAD
+    assert to_b.max_datagram_payload == 700 - wire.DATA_HEADER_SIZE - frames.MESSAGE_OVERHEAD
     start = len(net.sent)
     to_b.send(bytes(4900))
     to_a.send(bytes(4900))
@@ -146,7 +146,7 @@ def test_a_peer_that_breaks_the_channel_limit_ends_the_connection_naming_it() ->
     # NK: the client's reset token crossed the network sealed, so the server believes
     # the NOCONN that follows (under NN it would learn at its idle timeout).
     net, a, b, to_a, to_b = _pair(keyed=True)
-    rogue = to_b.seal_datagram(wire.ack_fields(0, 0) + wire.reliable_frame(9, 0, b"x"))
+    rogue = to_b.seal_datagram(wire.ack_fields(0, 0) + frames.reliable_frame(9, 0, b"x"))
     b.endpoint.receive_datagram(rogue, SERVER, net.now)
     assert to_a.state is State.CLOSED
     assert to_a.close_reason is not None
@@ -163,7 +163,7 @@ def test_a_fragment_of_a_message_past_our_largest_ends_the_connection_naming_it(
     # The peer knew our limit from the handshake: a counted drop would leave the rest of
     # that message, and its channel, stalled for good.
     net, a, b, to_a, to_b = _pair(keyed=True)
-    fragment = wire.message_frame(1, 0, 0, b"z" * 100, fragment=(0, 2, 5001))
+    fragment = frames.message_frame(1, 0, 0, b"z" * 100, fragment=(0, 2, 5001))
     rogue = to_a.seal_datagram(wire.ack_fields(0, 0) + fragment)
     a.endpoint.receive_datagram(rogue, CLIENT, net.now)
     assert to_b.state is State.CLOSED
@@ -184,8 +184,8 @@ def test_a_fragment_of_a_message_past_our_largest_ends_the_connection_naming_it(
 
 def test_a_fragment_within_our_largest_message_is_taken() -> None:
     net, a, b, to_a, to_b = _pair()
-    first = wire.message_frame(1, 0, 0, b"y" * 2500, fragment=(0, 2, 5000))
-    second = wire.message_frame(1, 0, 1, b"z" * 2500, fragment=(1, 2, 5000))
+    first = frames.message_frame(1, 0, 0, b"y" * 2500, fragment=(0, 2, 5000))
+    second = frames.message_frame(1, 0, 1, b"z" * 2500, fragment=(1, 2, 5000))
     for frame in (first, second):
         a.endpoint.receive_datagram(
             to_a.seal_datagram(wire.ack_fields(0, 0) + frame), CLIENT, net.now

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rudp import wire
+from rudp import frames, wire
 from rudp.connection import Connection, State
 from rudp.events import PathChanged
 from rudp.migration import CHALLENGE_TRIES
@@ -110,8 +110,8 @@ def test_an_older_packet_from_another_address_is_delivered_but_moves_nothing() -
     net, server, client, conn = pair()
     sconn = server_conn(server)
     ack = wire.ack_fields(0, 0)
-    older = conn.seal_datagram(ack + wire.unreliable_frame(0, b"older"))
-    newer = conn.seal_datagram(ack + wire.unreliable_frame(0, b"newer"))
+    older = conn.seal_datagram(ack + frames.unreliable_frame(0, b"older"))
+    newer = conn.seal_datagram(ack + frames.unreliable_frame(0, b"newer"))
     server.endpoint.receive_datagram(newer, CLIENT, net.now)
     server.endpoint.receive_datagram(older, ATTACKER, net.now)
     net.run(0.5)
@@ -214,7 +214,7 @@ def test_a_new_address_held_by_another_connection_is_never_taken() -> None:
     other = net.add(NEW).endpoint.connect(SERVER, net.now)
     net.run_until(lambda: other.state is State.CONNECTED)
     # The first client's genuine packet arrives from the other client's address.
-    packet = conn.seal_datagram(wire.ack_fields(0, 0) + wire.unreliable_frame(0, b"x"))
+    packet = conn.seal_datagram(wire.ack_fields(0, 0) + frames.unreliable_frame(0, b"x"))
     server.endpoint.receive_datagram(packet, NEW, net.now)
     net.run(1)
     assert sconn.address == CLIENT and sconn._migration.path is None

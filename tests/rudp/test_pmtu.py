@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import rudp
-from rudp import wire
+from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.events import MessageReceived
@@ -39,8 +39,8 @@ def test_by_default_both_sides_probe_up_to_the_ethernet_limit() -> None:
         assert side.stats.packets_lost == 0
     probes = [d for d, s, _ in net.sent if s == CLIENT and len(d) == 1472]
     assert len(probes) == 1
-    frames = frames_of(probes[0])
-    assert frames.ping and not frames.messages  # PING and PADDING, no message
+    decoded = frames_of(probes[0])
+    assert decoded.ping and not decoded.messages  # PING and PADDING, no message
 
 
 def test_a_1200_byte_message_then_travels_in_one_datagram() -> None:
@@ -201,13 +201,13 @@ def test_no_probe_while_closing() -> None:
 
 
 def test_padding_ends_the_frames_of_a_packet() -> None:
-    body = wire.ack_fields(0, 0) + wire.probe_frames(100)
+    body = wire.ack_fields(0, 0) + frames.probe_frames(100)
     assert len(body) == 106
-    frames = wire.decode_frames(body)
-    assert frames.ping and not frames.messages and frames.disconnect is None
+    decoded = frames.decode_frames(body)
+    assert decoded.ping and not decoded.messages and decoded.disconnect is None
     # Whatever follows PADDING is not read.
-    frames = wire.decode_frames(wire.ack_fields(0, 0) + b"\x00\xff\xfe")
-    assert not frames.ping and not frames.messages
+    decoded = frames.decode_frames(wire.ack_fields(0, 0) + b"\x00\xff\xfe")
+    assert not decoded.ping and not decoded.messages
 
 
 def test_the_link_conditioner_drops_datagrams_longer_than_its_mtu() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import rudp
-from rudp import handshake, protection, wire, wire_v1
+from rudp import frames, handshake, protection, wire, wire_v1
 from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.endpoint import HANDSHAKE_FAILED, NO_STATIC_KEY, V1_REFUSAL
@@ -74,7 +74,7 @@ def _still_flows(net: Network, server: Node, client: Node, conn: Connection) -> 
 
 def _sealed_from_client(conn: Connection, payload: bytes = b"genuine") -> bytes:
     """A genuine DATA packet the client's connection seals (its next packet number)."""
-    return conn.seal_datagram(wire.ack_fields(0, 0) + wire.reliable_frame(5, 0, payload))
+    return conn.seal_datagram(wire.ack_fields(0, 0) + frames.reliable_frame(5, 0, payload))
 
 
 # -- tampering, truncation -----------------------------------------------------------------

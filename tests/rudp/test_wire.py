@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rudp import wire, wire_v1
+from rudp import frames, wire, wire_v1
 from rudp.config import Config
 from rudp.endpoint import Endpoint
 from rudp.events import MessageReceived
@@ -27,12 +27,12 @@ def _body() -> bytes:
     return b"".join(
         [
             wire.ack_fields(65535, 0x80000001),
-            wire.message_frame(wire.Delivery.RELIABLE_ORDERED, 0, 65535, b"hello"),
-            wire.message_frame(wire.Delivery.RELIABLE_ORDERED, 31, 1, b""),
-            wire.message_frame(wire.Delivery.UNRELIABLE, 0, 0, b"x" * 300),
-            wire.message_frame(wire.Delivery.UNRELIABLE, 200, 0, b"y"),
-            wire.PING_FRAME,
-            wire.disconnect_frame(4000, "bye ✓"),
+            frames.message_frame(wire.Delivery.RELIABLE_ORDERED, 0, 65535, b"hello"),
+            frames.message_frame(wire.Delivery.RELIABLE_ORDERED, 31, 1, b""),
+            frames.message_frame(wire.Delivery.UNRELIABLE, 0, 0, b"x" * 300),
+            frames.message_frame(wire.Delivery.UNRELIABLE, 200, 0, b"y"),
+            frames.PING_FRAME,
+            frames.disconnect_frame(4000, "bye ✓"),
         ]
     )
 
@@ -58,16 +58,16 @@ def test_data_packet_round_trip() -> None:
     body = _open(packet)
     assert body == _body()
     assert wire.ACK_FIELDS.unpack_from(body) == (65535, 0x80000001)
-    frames = wire.decode_frames(body)
-    assert frames.messages == [
+    decoded = frames.decode_frames(body)
+    assert decoded.messages == [
         (1, 0, 65535, b"hello", None),
         (1, 31, 1, b"", None),
         (0, 0, 0, b"x" * 300, None),
         (0, 200, 0, b"y", None),
     ]
-    assert not frames.special
-    assert frames.ping
-    assert frames.disconnect == wire.DisconnectFrame(4000, "bye ✓")
+    assert not decoded.special
+    assert decoded.ping
+    assert decoded.disconnect == frames.DisconnectFrame(4000, "bye ✓")
 
 
 def test_data_overhead_is_header_ack_fields_and_tag() -> None:
@@ -85,29 +85,29 @@ def test_no_version_2_packet_starts_with_ff() -> None:
 def test_frame_size_matches_encoding() -> None:
     for mode in range(wire.WIRE_MODES):
         for channel in (0, 5):
-            frame = wire.message_frame(mode, channel, 9, b"abc")
-            assert len(frame) == wire.message_frame_size(mode, channel, 3)
-            assert len(frame) - 3 <= wire.MESSAGE_OVERHEAD
-    frame = wire.message_frame(3, 7, 9, b"abc", deps=(1, 2, 3), fragment=(0, 4, 100))
-    assert len(frame) == wire.message_frame_size(3, 7, 3, deps=3, fragment=True)
+            frame = frames.message_frame(mode, channel, 9, b"abc")
+            assert len(frame) == frames.message_frame_size(mode, channel, 3)
+            assert len(frame) - 3 <= frames.MESSAGE_OVERHEAD
+    frame = frames.message_frame(3, 7, 9, b"abc", deps=(1, 2, 3), fragment=(0, 4, 100))
+    assert len(frame) == frames.message_frame_size(3, 7, 3, deps=3, fragment=True)
 
 
 def test_every_mode_fragment_and_dependency_round_trips() -> None:
     """Each mode's frame, with and without fragment header and dependencies, decodes
     to what was encoded; a dependency-free graph message costs exactly the bytes of a
     reliable-ordered one."""
-    frames = [
-        wire.message_frame(2, 3, 65535, b"pos"),
-        wire.message_frame(3, 0, 70000, b"free"),  # ids are sent mod 2**16
-        wire.message_frame(3, 9, 12, b"dep", deps=(10, 65535)),
-        wire.message_frame(4, 1, 5, b"latest"),
-        wire.message_frame(1, 2, 40, b"frag", fragment=(1, 3, 10)),
-        wire.message_frame(3, 0, 41, b"f0", deps=(7,), fragment=(0, 2, 3)),
-        wire.message_frame(4, 4, 42, b"f1", fragment=(1, 2, 3)),
+    decoded = [
+        frames.message_frame(2, 3, 65535, b"pos"),
+        frames.message_frame(3, 0, 70000, b"free"),  # ids are sent mod 2**16
+        frames.message_frame(3, 9, 12, b"dep", deps=(10, 65535)),
+        frames.message_frame(4, 1, 5, b"latest"),
+        frames.message_frame(1, 2, 40, b"frag", fragment=(1, 3, 10)),
+        frames.message_frame(3, 0, 41, b"f0", deps=(7,), fragment=(0, 2, 3)),
+        frames.message_frame(4, 4, 42, b"f1", fragment=(1, 2, 3)),
     ]
-    decoded = wire.decode_frames(_body_of(*frames))
+    decoded = frames.decode_frames(_body_of(*decoded))
     assert decoded.special
-    FX = wire.FrameExtra
+    FX = frames.FrameExtra
     assert decoded.messages == [
         (2, 3, 65535, b"pos", None),
         (3, 0, 70000 & 0xFFFF, b"free", None),
@@ -117,7 +117,7 @@ def test_every_mode_fragment_and_dependency_round_trips() -> None:
         (3, 0, 41, b"f0", FX(2, 0, 3, (7,))),
         (4, 4, 42, b"f1", FX(2, 1, 3, ())),
     ]
-    assert len(wire.message_frame(3, 5, 1, b"abc")) == len(wire.reliable_frame(5, 1, b"abc"))
+    assert len(frames.message_frame(3, 5, 1, b"abc")) == len(frames.reliable_frame(5, 1, b"abc"))
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_every_mode_fragment_and_dependency_round_trips() -> None:
 )
 def test_inconsistent_frame_headers_are_malformed(frame: bytes) -> None:
     with pytest.raises(DecodeError) as info:
-        wire.decode_frames(_body_of(frame))
+        frames.decode_frames(_body_of(frame))
     assert info.value.reason is DropReason.MALFORMED
 
 
@@ -199,17 +199,17 @@ def test_every_truncation_is_rejected() -> None:
 
 def test_truncation_on_a_frame_boundary_is_the_only_one_the_frame_parser_takes() -> None:
     body = _body()
-    full = wire.decode_frames(body)
+    full = frames.decode_frames(body)
     accepted = 0
     for n in range(wire.ACK_SIZE + 1, len(body)):
         try:
-            frames = wire.decode_frames(body[:n])
+            decoded = frames.decode_frames(body[:n])
         except DecodeError:
             continue
-        # Only a cut exactly on a frame boundary is valid: a prefix of the frames.
+        # Only a cut exactly on a frame boundary is valid: a prefix of the decoded.
         accepted += 1
-        assert frames.messages == full.messages[: len(frames.messages)]
-        assert frames.disconnect is None
+        assert decoded.messages == full.messages[: len(decoded.messages)]
+        assert decoded.disconnect is None
     assert accepted == 5  # one per frame boundary before the last frame
 
 
@@ -262,7 +262,7 @@ def test_version_1_datagrams_are_recognised_as_the_wrong_version() -> None:
 def test_reserved_flags_and_unknown_frames_are_malformed() -> None:
     for frame in (bytes([0x80 | 0x10, 0, 0]), bytes([0x80 | 0x05, 0, 0]), bytes([0x33])):
         with pytest.raises(DecodeError) as info:
-            wire.decode_frames(_body_of(frame))
+            frames.decode_frames(_body_of(frame))
         assert info.value.reason is DropReason.MALFORMED
 
 
@@ -298,7 +298,7 @@ def _decode_body(ptype: PacketType, data: bytes) -> None:
     try:
         if ptype is PacketType.DATA:
             wire.decode_data_prefix(data)
-            wire.decode_frames(data[wire.DATA_PREFIX_SIZE :])
+            frames.decode_frames(data[wire.DATA_PREFIX_SIZE :])
         else:
             decoders[ptype](data)
     except DecodeError:
@@ -345,8 +345,8 @@ def test_the_hot_path_int_constants_match_their_enums() -> None:
     assert int(wire.Delivery.UNRELIABLE) == wire._UNRELIABLE
     assert int(wire.Delivery.RELIABLE_ORDERED) == wire._ORDERED
     assert int(wire.Delivery.RELIABLE_UNORDERED) == wire._UNORDERED
-    assert int(wire.FrameType.PING) == wire._PING
-    assert int(wire.FrameType.DISCONNECT) == wire._DISCONNECT
+    assert int(frames.FrameType.PING) == frames._PING
+    assert int(frames.FrameType.DISCONNECT) == frames._DISCONNECT
     assert int(wire.PacketType.DATA) == wire._DATA
     for name in (
         "UNRELIABLE",
@@ -370,11 +370,11 @@ def test_the_fast_frame_encoders_match_the_layout(channel: int, size: int) -> No
     data = data[:size]
     head = bytes([0x81 | (0x08 if channel else 0)]) + (bytes([channel]) if channel else b"")
     assert (
-        wire.reliable_frame(channel, 0x12345, data)
+        frames.reliable_frame(channel, 0x12345, data)
         == head + b"\x23\x45" + size.to_bytes(2, "big") + data
     )
     head = bytes([0x80 | (0x08 if channel else 0)]) + (bytes([channel]) if channel else b"")
-    assert wire.unreliable_frame(channel, data) == head + size.to_bytes(2, "big") + data
+    assert frames.unreliable_frame(channel, data) == head + size.to_bytes(2, "big") + data
 
 
 def test_a_received_message_copies_pickles_and_matches_like_the_tuple_it_was() -> None:
