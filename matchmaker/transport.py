@@ -8,7 +8,7 @@ protocol logic testable without sockets or timers.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import rudp
@@ -41,6 +41,19 @@ class Peer(Protocol):
         ...
 
     async def close(self, code: int = 0, reason: str = "") -> None: ...
+
+
+DatagramHandler = Callable[[bytes, tuple[Any, ...]], Sequence[bytes]]
+"""``fn(datagram, source) -> replies`` (each reply goes back to ``source``)."""
+
+
+class DatagramPort(Protocol):
+    """The socket a host's connections leave from, for connectionless datagrams
+    (heartbeats, introductions); `rudp.Server` is one."""
+
+    def send_datagram(self, data: bytes, address: tuple[Any, ...]) -> None: ...
+
+    def set_datagram_handler(self, first_byte: int, handler: DatagramHandler | None) -> None: ...
 
 
 Connector = Callable[[], Awaitable[Peer]]
