@@ -17,25 +17,14 @@ message is acknowledged when any packet carrying it is. Duplicate and replayed
 packets are refused by the replay window (``protection.Opener``) before they are
 opened; duplicate messages by their sequence numbers (``receiving``).
 
-Sealing: the handshake (``rudp.handshake``, run by the endpoint) gives the
-connection its keys, the peer's connection id, reset token and limits
-(``_establish``). The packet builder produces the plaintext body and the
-connection seals it, the 9-byte cleartext header as associated data
-(``_seal``). A received packet is opened in ``_receive_sealed``: one that fails
-authentication changes nothing at all, not even the idle timer, so a forger can
-neither keep a dead connection alive nor disturb a live one.
-
-Judgement calls, as aioquic would make them: an ACCEPT that does not
-authenticate is dropped and the attempt goes on (an unauthenticated packet never
-ends anything), and the genuine answer can still complete it (the forgery was
-read into a copy of the Noise state). A message queued before the handshake is
-checked against our limits only; if it breaks the peer's
-(``_apply_peer_limits``), it could never be sent, so the connection ends at
-once with ``protocol error`` naming the limit rather than stall. A message on a
-channel we do not have, in an authenticated packet, ends the connection the same
-way: the peer knew the limit, and dropping it would stall the channel for good.
-(An announced message larger than our ``max_message_size`` stays a counted
-``malformed`` drop, as before the peer could know our limit.)
+Sealing: the handshake (``rudp.handshake``; the client's attempt is driven by
+``rudp.opening``, the server's by the endpoint) gives the connection its keys,
+the peer's connection id, reset token and limits (``_establish``). The packet
+builder produces the plaintext body and seals it, the 9-byte cleartext header
+as associated data; the packet reader opens what
+arrives, and a packet that fails authentication changes nothing at all, not even
+the idle timer, so a forger can neither keep a dead connection alive nor disturb
+a live one.
 
 The data path, one module per idea::
 
@@ -43,118 +32,56 @@ The data path, one module per idea::
             -> packet_builder           fills each datagram from the queues, acks, redundancy
             -> recovery.PacketRecovery  RTT, loss detection (tells us each packet's fate)
                congestion               how many bytes may be in flight
-    DATA    -> Connection._receive_data packet window, flow control, acknowledgments
+    DATA    -> packet_reader            opening, packet window, flow frames, acknowledgments
             -> receiving.Receiver       reorder buffers, sequenced modes, reassembly, delivery
                graph                    the dependency graph, both sides
     events, flush requests, our end     -> sink.EndpointSink (the endpoint's)
 
-This module keeps what belongs to the connection as a whole: the handshake,
-the lifecycle and its state machine, the timers, flow control and the
-packet-level receive window, and the glue that tells each part what happened.
+This module keeps what belongs to the connection as a whole: the handshake's
+outcome and the limits it negotiated, the lifecycle and its state machine, the
+timers, flow control, and the glue that tells each part what happened.
 
-Flow control: a receiver whose application is not keeping up calls
-``pause_receiving()``, which sends PAUSE; the peer then sends no new reliable
-messages (resends, unreliable messages, acks, PING and DISCONNECT still go)
-until RESUME. Both frames are ack-eliciting and, while they still describe the
-current state, resent when lost; a receiver applies one only from a packet
-newer than the last that carried one (even from a packet it refuses), so a
-late copy never undoes a newer state. Messages already on
-their way when the receiver paused are accepted, up to ``recv_buffer_bytes`` of
-datagrams; past that a paused receiver refuses packets carrying messages, so a
-peer that ignores PAUSE cannot make it hold more.
+Flow control (PAUSE / RESUME): see ``pause_receiving`` and ``packet_reader``.
 
-All state transitions happen in ``_set_state``; the states are::
-
-    CONNECTING -> CONNECTED -> CLOSING (our close: flush, DISCONNECT, its ack) -> CLOSED
-                           \\-> DRAINING (peer's DISCONNECT: linger to re-ack it) -> CLOSED
-    any -> CLOSED (timeout, NOCONN, refusal, abort)
+All state transitions happen in ``_set_state``; the states are in ``rudp.state``.
 
 Sequence numbers are unwrapped into unbounded ints on arrival (``seqnum``), so
 wraparound is handled in one place.
 
 Judgement call: the parts are separate objects that own their state, as in
-aioquic, and the connection holds one of each. A few of their counters and
-tables are also readable here under their historical names (the properties at
-the end): they are the invariants a test checks after a connection ends.
+aioquic, and the connection holds one of each.
 """
 
 from __future__ import annotations
 
-import enum
 import hmac
 import random
-from collections import deque
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any
 
 from rudp import wire
 from rudp.config import Config
 from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
 from rudp.events import Connected, Disconnected, DisconnectReason
-from rudp.graph import Waiting
-from rudp.handshake import PATTERN_NK, ClientHandshake, Keys, TransportParams
-from rudp.noise import NoiseError, ephemeral_key
+from rudp.handshake import ClientHandshake, Keys, TransportParams
+from rudp.noise import ephemeral_key
+from rudp.opening import Opening
 from rudp.packet_builder import PacketBuilder
+from rudp.packet_reader import PacketReader
 from rudp.protection import Opener, Sealer
 from rudp.receiving import NO_BUFFER as NO_BUFFER
-from rudp.receiving import Partial, Receiver, Whole
+from rudp.receiving import Receiver
 from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
 from rudp.sending import OutMessage, Sender
 from rudp.sink import EndpointSink
+from rudp.state import CLOSED, CLOSING, CONNECTED, CONNECTING, DRAINING, TRANSITIONS, State
 from rudp.stats import ConnectionStats
-from rudp.wire import (
-    ACK_SPAN,
-    DEPENDENCY_ORDERED,
-    GRAPH,
-    RELIABLE_ORDERED,
-    RELIABLE_SEQUENCED,
-    UNRELIABLE,
-    UNRELIABLE_SEQUENCED,
-    Delivery,
-    DropReason,
-)
+from rudp.wire import Delivery, DropReason
 
-# The delivery modes as plain ints are the connection's vocabulary too.
-__all__ = [
-    "DEPENDENCY_ORDERED",
-    "GRAPH",
-    "NO_BUFFER",
-    "RELIABLE_ORDERED",
-    "RELIABLE_SEQUENCED",
-    "UNRELIABLE",
-    "UNRELIABLE_SEQUENCED",
-    "Address",
-    "Connection",
-    "State",
-]
+__all__ = ["NO_BUFFER", "Address", "Connection", "State"]
 
 Address = tuple[Any, ...]
-_U32: Final = 0xFFFFFFFF
-_PN_BITS: Final = 32  # the DATA header carries the packet number's low 32 bits
-
-
-class State(enum.Enum):
-    CONNECTING = "connecting"
-    CONNECTED = "connected"
-    CLOSING = "closing"
-    DRAINING = "draining"
-    CLOSED = "closed"
-
-
-CONNECTING: Final = State.CONNECTING
-CONNECTED: Final = State.CONNECTED
-CLOSING: Final = State.CLOSING
-DRAINING: Final = State.DRAINING
-CLOSED: Final = State.CLOSED
-
-_TRANSITIONS = {
-    CONNECTING: {CONNECTED, CLOSED},
-    CONNECTED: {CLOSING, DRAINING, CLOSED},
-    CLOSING: {DRAINING, CLOSED},
-    DRAINING: {CLOSED},
-    CLOSED: set(),
-}
 
 
 class Connection:
@@ -186,10 +113,7 @@ class Connection:
         """True when the handshake proved the server holds the key we expected (NK)."""
         self.handshake_hash = b""
         """The Noise handshake hash, identical on both sides (a channel binding)."""
-        self._sealer: Sealer | None = None
-        self._opener: Opener | None = None
         self._peer_reset_token = b""
-        self._bad_answers = 0  # ACCEPTs for our salt that failed authentication
         self._limits_error = ""  # why something queued before the handshake cannot go
         self.state = CONNECTING
         self.stats = ConnectionStats()
@@ -215,26 +139,27 @@ class Connection:
         self._idle_timeout = config.idle_timeout
         self._keepalive_interval = config.keepalive_interval
         self._byte_window = config.recv_buffer_bytes
-        # -- the packet-level receive window
-        self._rx_largest = -1
-        self._rx_bits = 0  # bit i: packet (largest - i) was received
-        # Packets remembered for duplicate detection; older ones are dropped as
-        # stale (their reliable messages were resent anyway). Twice the window,
-        # so reordering within a full window is never mistaken for staleness.
-        self._rx_window = max(1024, 2 * config.window)
-        self._rx_mask = (1 << self._rx_window) - 1
+        self._reader = PacketReader(
+            self,
+            self._builder,
+            self._recovery,
+            self._sender,
+            self._receiver,
+            self._sink,
+            self.stats,
+            config,
+        )
         self._last_recv = now
         # -- handshake and close
-        self._cookie = b""
-        self._cookie_connects = 0  # CONNECTs sent with the current cookie
-        self._cookie_connect_at = now
-        self._send_connect = client
-        self._connect_deadline = now + config.connect_timeout
-        self._next_connect = now + config.connect_retry_interval
         self._accept_datagram = b""  # our ACCEPT, if we answered a CONNECT (see _answer_connect)
-        # The client's side of the Noise handshake: its first message goes in every CONNECT.
-        self._handshake = (
-            ClientHandshake(self.transport_params(), salt, server_key, ephemeral_key(rng))
+        # The client's side of the handshake, until it is answered (``rudp.opening``).
+        self._opening = (
+            Opening(
+                config,
+                ClientHandshake(self.transport_params(), salt, server_key, ephemeral_key(rng)),
+                salt,
+                now,
+            )
             if client
             else None
         )
@@ -245,23 +170,12 @@ class Connection:
         # -- flow control (PAUSE / RESUME)
         self.receiving_paused = False  # we asked the peer to stop sending reliable messages
         self.peer_paused = False  # the peer asked us to
-        self._peer_flow_seq = -1  # the newest packet whose PAUSE or RESUME we applied
-        self._pause_budget = 0  # datagram bytes with messages still accepted while paused
 
     # -- public API -----------------------------------------------------------------
 
     def transport_params(self) -> TransportParams:
         """What this side tells the peer in the handshake (``rudp.handshake``)."""
-        cfg = self.config
-        return TransportParams(
-            connection_id=self.cid,
-            max_message_size=max(1, cfg.max_message_size),
-            channels=cfg.channels,
-            recv_buffer_bytes=min(cfg.recv_buffer_bytes, _U32),
-            max_datagram_size=cfg.max_datagram_size,
-            idle_timeout_ms=min(round(cfg.idle_timeout * 1000), _U32),
-            reset_token=self.reset_token,
-        )
+        return TransportParams.of(self.config, self.cid, self.reset_token)
 
     def seal_datagram(self, body: bytes) -> bytes:
         """``body`` (acknowledgment fields, then frames) sealed as our next DATA packet.
@@ -269,28 +183,12 @@ class Connection:
         The packet builder's last step; public for tests that play a peer and forge
         its packets with its real keys. Raises LocalProtocolError before the handshake.
         """
-        if self._sealer is None:
-            raise LocalProtocolError("no packet keys before the handshake completes")
-        builder = self._builder
-        pn = builder.tx_next
-        builder.tx_next = pn + 1
-        return self._seal(pn, body)
+        return self._builder.seal_next(body)
 
     def peek_datagram(self, data: bytes) -> bytes | None:
         """The opened body of a DATA packet sent to this connection, or None, without
         receiving it: nothing changes. For tools and tests that watch a link."""
-        opener = self._opener
-        if opener is None or len(data) < wire.DATA_HEADER_SIZE:
-            return None
-        pn = opener.full_number(wire.decode_data_prefix(data)[1], _PN_BITS)
-        cut = wire.DATA_PREFIX_SIZE
-        return opener.peek(pn, data[:cut], data[cut:])
-
-    def _seal(self, pn: int, body: bytes) -> bytes:
-        sealer = self._sealer
-        assert sealer is not None  # only established connections build packets
-        header = wire.data_prefix(self.peer_cid, pn)
-        return header + sealer.seal(pn, header, body)
+        return self._reader.peek(data)
 
     @property
     def queued(self) -> int:
@@ -366,7 +264,7 @@ class Connection:
         if self.receiving_paused:
             return
         self.receiving_paused = True
-        self._pause_budget = self._byte_window
+        self._reader.pause_budget = self._byte_window
         self.stats.receive_pauses += 1
         self._builder.flow_frame = wire.PAUSE_FRAME
         self._sink.dirty[self] = None
@@ -397,7 +295,8 @@ class Connection:
         if state is CLOSED:
             return None
         if state is CONNECTING:
-            return min(self._connect_deadline, self._next_connect)
+            assert self._opening is not None  # only a client connects
+            return self._opening.timer()
         if state is DRAINING:
             return self._deadline
         t = self._last_recv + self._idle_timeout
@@ -435,19 +334,10 @@ class Connection:
             for msg in self._sender.unrel_queue:
                 if msg.queued_at is None:  # sent without a time: it ages from now
                     msg.queued_at = now
-            if self._send_connect:
-                self._send_connect = False
-                if self._cookie:
-                    self._cookie_connects += 1
-                    self._cookie_connect_at = now
-                cfg = self.config
-                hs = self._handshake
-                assert hs is not None  # a client sends CONNECT until it is answered
-                out.append(
-                    wire.encode_connect(
-                        self.salt, hs.pattern, self._cookie, hs.message, cfg.max_datagram_size
-                    )
-                )
+            assert self._opening is not None
+            connect = self._opening.connect_datagram(now)
+            if connect is not None:
+                out.append(connect)
             return out
         if state is CLOSED:
             return out
@@ -470,41 +360,26 @@ class Connection:
     # -- the endpoint's interface: handshake and DATA --------------------------------------
 
     def _receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
-        if self.state is not CONNECTING or challenge.salt != self.salt:
+        opening = self._opening
+        if self.state is not CONNECTING or opening is None:
             return DropReason.UNEXPECTED
-        answered = bool(self._cookie)
-        self._cookie = challenge.cookie
-        self._cookie_connects = 0
-        if answered:
-            # Only the first CHALLENGE is answered at once; later ones (a duplicate, or
-            # a flood from an on-path spoofer who read our salt) wait for the retry
-            # timer, so no received packet turns into a 1,200-byte CONNECT.
-            return DropReason.DUPLICATE
-        self._send_connect = True
-        self._sink.dirty[self] = None
-        return None
+        reason = opening.on_challenge(challenge)
+        if reason is None:
+            self._sink.dirty[self] = None  # the CONNECT with the cookie goes out now
+        return reason
 
     def _receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
-        if accept.salt != self.salt:
-            return DropReason.UNEXPECTED
-        hs = self._handshake
-        if self.state is not CONNECTING or hs is None:
-            return DropReason.DUPLICATE
-        try:
-            keys = hs.finish(accept.message)
-        except (NoiseError, ValueError):
-            self._bad_answers += 1
-            # Not an answer to our message (forged, tampered, from another key). Judgement
-            # call: the attempt goes on (it times out if no genuine answer comes) rather
-            # than ending on an unauthenticated packet; ``finish`` read it into a copy of
-            # the Noise state, so the genuine answer can still complete the handshake.
-            return DropReason.BAD_HANDSHAKE
-        if self._cookie_connects == 1:
-            # One CONNECT, one ACCEPT: an unambiguous first RTT sample (Karn's rule),
-            # so the first data packet does not wait on rto_initial.
-            self._rtt.on_sample(now - self._cookie_connect_at)
-        self.server_authenticated = hs.pattern == PATTERN_NK
-        self._handshake = None
+        opening = self._opening
+        if self.state is not CONNECTING or opening is None:
+            return DropReason.DUPLICATE if accept.salt == self.salt else DropReason.UNEXPECTED
+        result = opening.on_accept(accept, now)
+        if isinstance(result, DropReason):
+            return result
+        keys, sample = result
+        if sample is not None:
+            self._rtt.on_sample(sample)
+        self.server_authenticated = opening.expects_server_key
+        self._opening = None
         self._establish(keys, now)
         return None
 
@@ -529,9 +404,7 @@ class Connection:
         at the idle timeout instead)."""
         self._accept_datagram = wire.encode_accept(salt, answer)
         self.salt = salt
-        self._send_connect = False
-        self._cookie = b""
-        self._handshake = None
+        self._opening = None
         self.server_authenticated = False
         self._establish(keys, now)
         if not token_sealed:
@@ -541,8 +414,8 @@ class Connection:
     @property
     def expects_server_key(self) -> bool:
         """True while this connection's own handshake is NK: it names the server's key."""
-        hs = self._handshake
-        return hs is not None and hs.pattern == PATTERN_NK
+        opening = self._opening
+        return opening is not None and opening.expects_server_key
 
     def _establish(self, keys: Keys, now: float) -> None:
         """Handshake done: packet keys, and the peer's connection id, token and limits."""
@@ -551,10 +424,10 @@ class Connection:
         self.peer_cid = peer.connection_id
         self._peer_reset_token = peer.reset_token
         self.handshake_hash = keys.handshake_hash
-        self._sealer = Sealer(keys.send_key)
-        self._opener = Opener(keys.recv_key)
+        self._builder.set_keys(Sealer(keys.send_key), peer.connection_id)
+        self._reader.opener = Opener(keys.recv_key)
         self._apply_peer_limits(peer)
-        self._rx_largest = -1
+        self._reader.rx_largest = -1
         self._last_recv = now
         self._builder.last_eliciting = now
         self._set_state(CONNECTED)
@@ -603,103 +476,16 @@ class Connection:
         return None
 
     def _receive_sealed(self, data: bytes, pn32: int, now: float) -> DropReason | None:
-        """Open one DATA packet routed here by its connection id, then process it.
-
-        A replay is refused before any decryption; a packet that fails authentication
-        changes nothing at all (no acknowledgment, RTT sample, timer or idle refresh).
-        """
-        opener = self._opener
-        if opener is None or self.state is CLOSED:
-            return DropReason.UNEXPECTED  # no keys yet: the ACCEPT was lost or overtaken
-        pn = opener.full_number(pn32, _PN_BITS)
-        if opener.window.seen(pn):
-            return DropReason.REPLAYED
-        body = opener.open(pn, data[: wire.DATA_PREFIX_SIZE], data[wire.DATA_PREFIX_SIZE :])
-        if body is None:
-            return DropReason.AUTH_FAILED
-        ack = (body[0] << 8) | body[1]
-        ack_bits = int.from_bytes(body[2:6], "big")
-        return self._receive_data(body, pn, ack, ack_bits, now, len(data))
-
-    def _receive_data(
-        self, data: bytes, seq: int, ack16: int, ack_bits: int, now: float, size: int
-    ) -> DropReason | None:
-        """Process the opened body of DATA packet number ``seq`` (``size`` bytes on the
-        wire). The replay window already refused duplicates and packets too old."""
-        state = self.state
-        delta = seq - self._rx_largest
-        frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
+        """A DATA packet routed here by its connection id (see ``packet_reader``)."""
+        if self.state is CLOSED:
+            return DropReason.UNEXPECTED
         self._clock = now
-        receiver = self._receiver
-        flow = frames.flow
-        if flow != wire.NO_FLOW and seq > self._peer_flow_seq and state is not DRAINING:
-            # Applied even from a packet refused below: a RESUME that travels with
-            # messages we cannot take yet must not be refused with them every time.
-            self._peer_flow_seq = seq
-            self._on_peer_flow(flow == 1, now)
-        if frames.messages:
-            violation = receiver.channel_violation(frames.messages)
-            if violation:
-                self._protocol_error(violation)
-                return None
-        if frames.special and state is not DRAINING:
-            reason = receiver.check_fragments(frames.messages)
-            if reason is not None:
-                return reason
-        if frames.messages:
-            if not receiver.can_buffer(frames.messages, size):
-                return DropReason.RECV_BUFFER_FULL
-            if self.receiving_paused and state is not DRAINING:
-                if size > self._pause_budget:
-                    return DropReason.RECV_QUEUE_FULL
-                self._pause_budget -= size
-        builder = self._builder
-        low = builder.ack_low
-        if low is not None and seq - low > ACK_SPAN:
-            # A header acknowledges its largest packet and the 32 before it. When more than
-            # that arrive between two flushes (one socket read drains up to 256 datagrams),
-            # acknowledge the older ones now, or the sender would declare them lost and resend.
-            builder.early_acks.append(builder.ack_only())
-        if delta > 0:
-            self._rx_bits = ((self._rx_bits << delta) | 1) & self._rx_mask
-            self._rx_largest = seq
-        elif -delta < self._rx_window:
-            self._rx_bits |= 1 << -delta
-        stats = self.stats
-        stats.packets_received += 1
-        stats.bytes_received += size
-        self._last_recv = now
-        if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next):
-            sender = self._sender
-            if sender.rel_queue or sender.retx:
-                # The ack opened the window: what waited for room can go out now, not at the
-                # next timer (an ack-only packet does not otherwise schedule a flush).
-                self._sink.dirty[self] = None
-            if self.state is CLOSING:
-                self._maybe_send_disconnect(now)
-        if self.state is CLOSED:  # that ack completed our close
-            return None
-        eliciting = frames.ping or frames.disconnect is not None or flow != wire.NO_FLOW
-        if frames.messages and state is not DRAINING:
-            eliciting = receiver.deliver(frames.messages, now) or eliciting
-            violation = receiver.graph.violation
-            if violation:  # the peer broke the protocol
-                self._protocol_error(violation)
-                return None
-        elif frames.messages:
-            eliciting = True
-        if eliciting:
-            builder.ack_pending = True
-            self._sink.dirty[self] = None
-            low = builder.ack_low
-            if seq >= self._rx_largest - ACK_SPAN:
-                if low is None or seq < low:
-                    builder.ack_low = seq
-            else:
-                builder.early_acks.append(builder.ack_only(about=seq))
-        if frames.disconnect is not None:
-            self._on_peer_disconnect(frames.disconnect, now)
-        return None
+        return self._reader.receive(data, pn32, now)
+
+    def _on_acks(self, now: float) -> None:
+        """The peer acknowledged new packets of ours: a close may now go on."""
+        if self.state is CLOSING:
+            self._maybe_send_disconnect(now)
 
     def _on_peer_flow(self, paused: bool, now: float) -> None:
         if paused == self.peer_paused:
@@ -739,14 +525,12 @@ class Connection:
     # -- timers -----------------------------------------------------------------------------
 
     def _connecting_timer(self, now: float) -> None:
-        if now >= self._connect_deadline:
-            text = ""
-            if self._bad_answers:
-                text = "the server's answers failed authentication (not the expected server key?)"
-            self._end(DisconnectReason.CONNECT_TIMEOUT, 0, text, by_peer=False)
-        elif now >= self._next_connect:
-            self._next_connect = now + self.config.connect_retry_interval
-            self._send_connect = True
+        opening = self._opening
+        assert opening is not None  # only a client connects
+        timeout = opening.on_timer(now)
+        if timeout is not None:
+            self._end(DisconnectReason.CONNECT_TIMEOUT, 0, timeout, by_peer=False)
+        elif opening.send_connect:
             self._sink.dirty[self] = None
 
     def _connected_timer(self, now: float) -> None:
@@ -817,7 +601,7 @@ class Connection:
         self._receiver.clear()
 
     def _set_state(self, new: State) -> None:
-        if new not in _TRANSITIONS[self.state]:
+        if new not in TRANSITIONS[self.state]:
             raise LocalProtocolError(f"illegal transition {self.state.value} -> {new.value}")
         self.state = new
         if new is CLOSED:
@@ -825,69 +609,3 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
-
-    # -- the parts' state under the names it had here (read-only) ---------------------------
-
-    @property
-    def _tx_next(self) -> int:
-        return self._builder.tx_next
-
-    @property
-    def _reorder_threshold(self) -> int:
-        return self._recovery.reorder_threshold
-
-    @property
-    def _retx(self) -> deque[OutMessage]:
-        return self._sender.retx
-
-    @property
-    def _unacked_reliable(self) -> int:
-        return self._sender.unacked_reliable
-
-    @property
-    def _unacked_bytes(self) -> int:
-        return self._sender.unacked_bytes
-
-    @property
-    def _tx_graph(self) -> deque[OutMessage]:
-        return self._sender.tx_graph
-
-    @property
-    def _tx_gid(self) -> int:
-        return self._sender.tx_gid
-
-    @property
-    def _tx_ch_unacked(self) -> list[deque[OutMessage] | None]:
-        return self._sender.tx_ch_unacked
-
-    @property
-    def _rx_ch_next(self) -> list[int]:
-        return self._receiver.ch_next
-
-    @property
-    def _rx_ch_buf(self) -> list[dict[int, bytes | Whole]]:
-        return self._receiver.ch_buf
-
-    @property
-    def _rx_buffered_bytes(self) -> int:
-        return self._receiver.buffered_bytes
-
-    @property
-    def _rx_parts(self) -> dict[tuple[int, int, int], Partial]:
-        return self._receiver.parts
-
-    @property
-    def _rx_reassembly_bytes(self) -> int:
-        return self._receiver.reserved_bytes
-
-    @property
-    def _rx_g_nodes(self) -> dict[int, Waiting]:
-        return self._receiver.graph.nodes
-
-    @property
-    def _rx_g_waiters(self) -> dict[int, list[int]]:
-        return self._receiver.graph.waiters
-
-    @property
-    def _rx_g_done(self) -> set[int]:
-        return self._receiver.graph.done

@@ -13,13 +13,9 @@ Noise handshake of ``rudp.handshake`` rides in the last two messages)::
     CONNECT(salt, pattern, cookie, msg1, padded)    ->                    cookie checked
                                           <- ACCEPT(salt, msg2)           connection made
 
-The client computes its Noise message once per connect() and sends the same
-CONNECT every time. The cookie is ``slot || HMAC-SHA256(key(slot), host, port,
-salt)[:16]`` where ``slot = floor(now / cookie_lifetime)`` and ``key(slot)`` is
-derived from a random master secret, so the secret rotates every period with no
-state and the previous period's cookies are still accepted. A cookie is used
-once: a replay cache (bounded, expiring with the cookies) refuses a second
-connection from it. Only after a valid cookie does the server spend a
+The client's side is ``rudp.opening``; the checks before any work is spent on
+a handshake (cookies, their replay cache, reset tokens, rates) are
+``rudp.admission``. Only after a valid, unused cookie does the server spend a
 Diffie-Hellman on the client's message (``handshake.answer``); a message that is
 not genuine is dropped as ``bad_handshake`` and answered with a short REJECT
 that names the likely cause (the client expects another server key).
@@ -39,66 +35,36 @@ only, so a spoofer cannot turn a client into a reflector.
 ``stats.unvalidated_bytes_*`` count both directions so tests can check it.
 
 NOCONN: a DATA for a connection id we do not know gets NOCONN(dcid, token),
-rate-limited by a token bucket, where ``token = HMAC-SHA256(reset secret,
-dcid)[:16]`` can be recomputed after the connection is forgotten. The peer
-believes it only if the token is the one we gave it in the handshake. The reset
-secret derives from ``Config.static_key`` when there is one, so a server that
-restarts with its key still ends its old clients' connections at once; without
-a static key it is random per endpoint, and clients of a restarted server learn
-by their idle timeout instead (see docs/security.md).
+rate-limited by a token bucket; the token (``admission.ResetTokens``) is the
+one we gave the peer in the handshake, so only we can end its connection, and
+a server that restarts with its static key still can (see docs/security.md).
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import hmac
 import itertools
 import random
-import struct
-from collections import OrderedDict
 from typing import Final
 
-from rudp import handshake, wire
+from rudp import handshake, wire, wire_v1
+from rudp.admission import CookieJar, ResetTokens, TokenBucket
 from rudp.config import Config
-from rudp.connection import CONNECTED, CONNECTING, Address, Connection
+from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
 from rudp.noise import NoiseError, ephemeral_key, private_key, public_bytes
 from rudp.sink import EndpointSink
+from rudp.state import CONNECTED, CONNECTING
 from rudp.stats import EndpointStats
 from rudp.wire import DecodeError, DropReason, PacketType
 
-COOKIE_MAC: Final = 16
 _DATA_BYTE: Final = wire.DATA_BYTE
 _DATA_MIN: Final = wire.DATA_HEADER_SIZE
-_RESET_LABEL: Final = b"rudp reset secret"
 NO_STATIC_KEY: Final = "this server has no static key"
 HANDSHAKE_FAILED: Final = "handshake failed: the client expects another server key"
 V1_REFUSAL: Final = "this server speaks rudp protocol version 2; upgrade the client"
-_SLOT: Final = struct.Struct("!I")
-REPLAY_CACHE_LIMIT: Final = 65536
 QUERY_LIMIT: Final = 4096  # our own queries awaiting an answer
-
-
-class TokenBucket:
-    """Classic token bucket on an injected clock."""
-
-    __slots__ = ("burst", "rate", "stamp", "tokens")
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        self.rate = rate
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self.stamp = now
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
 
 
 class Endpoint:
@@ -122,15 +88,9 @@ class Endpoint:
         self._heap: list[tuple[float, int, Connection]] = []
         self._armed: dict[Connection, float] = {}
         self._ids = itertools.count()
-        self._master = rng.randbytes(32)
+        self._cookies = CookieJar(config.cookie_lifetime, rng)
         self._static = None if config.static_key is None else private_key(config.static_key)
-        if config.static_key is not None:
-            # Recomputable by the same server after a restart (see the module docstring).
-            self._reset_secret = hmac.digest(config.static_key, _RESET_LABEL, hashlib.sha256)
-        else:
-            self._reset_secret = rng.randbytes(32)
-        self._keys: dict[int, bytes] = {}
-        self._used: OrderedDict[tuple[Address, int], float] = OrderedDict()
+        self._reset_tokens = ResetTokens(config.static_key, rng)
         self._noconn = TokenBucket(config.noconn_rate, config.noconn_burst, now)
         self._queries: dict[int, tuple[Address, float]] = {}
 
@@ -353,10 +313,10 @@ class Endpoint:
     def _refuse_v1(self, data: bytes, address: Address) -> None:
         """Tell a version-1 client why it gets no connection: its own REJECT format,
         smaller than its padded CONNECT."""
-        salt = wire.v1_connect_salt(data)
+        salt = wire_v1.v1_connect_salt(data)
         if salt is not None:
             self.stats.connections_refused += 1
-            self._send_unvalidated(wire.encode_v1_reject(salt, V1_REFUSAL), address)
+            self._send_unvalidated(wire_v1.encode_v1_reject(salt, V1_REFUSAL), address)
 
     def _receive_connect(
         self, conn: Connection | None, data: bytes, address: Address, now: float
@@ -402,13 +362,13 @@ class Endpoint:
             return None
         if not request.cookie:
             self._send_unvalidated(
-                wire.encode_challenge(request.salt, self._cookie(address, request.salt, now)),
+                wire.encode_challenge(request.salt, self._cookies.make(address, request.salt, now)),
                 address,
             )
             return None
-        if not self._cookie_valid(request.cookie, address, request.salt, now):
+        if not self._cookies.valid(request.cookie, address, request.salt, now):
             return DropReason.BAD_COOKIE
-        if (address, request.salt) in self._used:
+        if self._cookies.used(address, request.salt):
             return DropReason.REPLAYED_COOKIE
         if opening:
             assert conn is not None
@@ -419,7 +379,7 @@ class Endpoint:
                 return DropReason.UNEXPECTED
             if not self._answer(conn, request, address, now):
                 return DropReason.BAD_HANDSHAKE
-            self._remember_cookie(address, request.salt, now)
+            self._cookies.remember(address, request.salt, now)
             self.stats.simultaneous_opens += 1
             return None
         if late_loser and conn is not None:
@@ -439,7 +399,7 @@ class Endpoint:
                 return DropReason.BAD_HANDSHAKE
             if keys.peer.connection_id == conn.peer_cid:
                 return DropReason.DUPLICATE
-        self._remember_cookie(address, request.salt, now)
+        self._cookies.remember(address, request.salt, now)
         if len(self._conns) >= self.config.max_connections + (conn is not None):
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
@@ -524,7 +484,7 @@ class Endpoint:
             salt=salt,
             sink=self._sink,
             cid=cid,
-            reset_token=self._reset_token(cid),
+            reset_token=self._reset_tokens.token(cid),
             server_key=server_key,
         )
         self._by_cid[cid] = conn
@@ -538,9 +498,6 @@ class Endpoint:
             cid = self._rng.getrandbits(32)
             if cid and cid not in self._by_cid:
                 return cid
-
-    def _reset_token(self, cid: int) -> bytes:
-        return hmac.digest(self._reset_secret, _SLOT.pack(cid), hashlib.sha256)[:16]
 
     def _forget(self, conn: Connection) -> None:
         if self._conns.get(conn.address) is conn:
@@ -575,41 +532,8 @@ class Endpoint:
 
     def _send_noconn(self, dcid: int, address: Address, now: float) -> None:
         if self._noconn.take(now):
-            self._send_unvalidated(wire.encode_noconn(dcid, self._reset_token(dcid)), address)
+            self._send_unvalidated(
+                wire.encode_noconn(dcid, self._reset_tokens.token(dcid)), address
+            )
         else:
             self.stats.noconn_suppressed += 1
-
-    def _key(self, slot: int) -> bytes:
-        key = self._keys.get(slot)
-        if key is None:
-            if len(self._keys) > 4:
-                self._keys.clear()
-            key = hmac.digest(self._master, _SLOT.pack(slot & 0xFFFFFFFF), hashlib.sha256)
-            self._keys[slot] = key
-        return key
-
-    def _mac(self, slot: int, address: Address, salt: int) -> bytes:
-        msg = f"{address[0]}|{address[1]}|{salt}".encode()
-        return hmac.digest(self._key(slot), msg, hashlib.sha256)[:COOKIE_MAC]
-
-    def _slot(self, now: float) -> int:
-        return int(now // self.config.cookie_lifetime) & 0xFFFFFFFF
-
-    def _cookie(self, address: Address, salt: int, now: float) -> bytes:
-        slot = self._slot(now)
-        return _SLOT.pack(slot) + self._mac(slot, address, salt)
-
-    def _cookie_valid(self, cookie: bytes, address: Address, salt: int, now: float) -> bool:
-        if len(cookie) != _SLOT.size + COOKIE_MAC:
-            return False
-        (slot,) = _SLOT.unpack_from(cookie)
-        current = self._slot(now)
-        if slot not in (current, (current - 1) & 0xFFFFFFFF):
-            return False
-        return hmac.compare_digest(cookie[_SLOT.size :], self._mac(slot, address, salt))
-
-    def _remember_cookie(self, address: Address, salt: int, now: float) -> None:
-        used = self._used
-        while used and (next(iter(used.values())) < now or len(used) >= REPLAY_CACHE_LIMIT):
-            used.popitem(last=False)
-        used[(address, salt)] = now + 2 * self.config.cookie_lifetime

@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from rudp.noise import DHLEN, TAGLEN, HandshakeState, NoiseError
+
+if TYPE_CHECKING:
+    from rudp.config import Config
 
 PATTERN_NN: Final = 0
 PATTERN_NK: Final = 1
@@ -50,6 +53,7 @@ _PROTOCOL_NAMES: Final = {
 }
 _PROLOGUE: Final = b"rudp/2"
 RESET_TOKEN_SIZE: Final = 16
+_U32: Final = 0xFFFFFFFF
 
 # connection id u32, max message u32, channels u8, receive buffer u32,
 # max datagram u16, idle timeout ms u32, reset token (16 bytes).
@@ -107,6 +111,19 @@ class TransportParams:
         if channels == 0 or datagram < 576 or message == 0:
             raise ValueError("transport parameters out of range")
         return cls(cid, message, channels, buffer, datagram, idle, token)
+
+    @classmethod
+    def of(cls, config: Config, connection_id: int, reset_token: bytes) -> TransportParams:
+        """What a side with ``config`` states, capped to the fields' sizes."""
+        return cls(
+            connection_id=connection_id,
+            max_message_size=max(1, config.max_message_size),
+            channels=config.channels,
+            recv_buffer_bytes=min(config.recv_buffer_bytes, _U32),
+            max_datagram_size=config.max_datagram_size,
+            idle_timeout_ms=min(round(config.idle_timeout * 1000), _U32),
+            reset_token=reset_token,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,8 @@ Each packet takes the next packet number (``tx_next``); ack-eliciting ones go to
 loss detection (``recovery.PacketRecovery``), which reports their fate back.
 
 Judgement call: which packets we received (the acknowledgment every header
-carries) is the connection's state (``Connection._rx_largest`` and ``_rx_bits``,
-updated as each packet is accepted); the builder reads it there rather than
+carries) is the packet reader's state (``PacketReader.rx_largest`` and
+``rx_bits``, updated as each packet is accepted); the builder reads it there rather than
 keeping a copy that could disagree. Likewise it asks the connection to queue its
 DISCONNECT (``_maybe_send_disconnect``) when the last unreliable message before a
 close goes out, since when to say goodbye is a lifecycle decision.
@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Final
 
 from rudp import wire
 from rudp.config import BUFFER_ENTRY_COST, REDUNDANT_FRAME_MAX, Config
+from rudp.errors import LocalProtocolError
 from rudp.graph import refresh_deps
+from rudp.protection import Sealer
 from rudp.recovery import PacketRecovery, SentPacket
 from rudp.sending import FAILED, SENT, OutMessage, Sender, buffer_cost
 from rudp.seqnum import SEQ_MASK
@@ -66,8 +68,10 @@ class PacketBuilder:
         "_conn",
         "_max_payload",
         "_packet_window",
+        "_peer_cid",
         "_recovery",
         "_redundancy",
+        "_sealer",
         "_sender",
         "_stats",
         "_unreliable_max_age",
@@ -108,6 +112,8 @@ class PacketBuilder:
         self._unreliable_max_age = config.unreliable_max_age
         self._redundancy = config.redundancy
         self.tx_next = isn  # the number of our next packet
+        self._sealer: Sealer | None = None  # set when the handshake completes
+        self._peer_cid = 0
         self.control: list[bytes] = []  # DISCONNECT, to go out (again)
         self.flow_frame = b""  # PAUSE or RESUME waiting to go out
         self.flow_seq = -1  # the packet that carried our latest PAUSE or RESUME
@@ -115,11 +121,32 @@ class PacketBuilder:
         self.ack_pending = False
         # Oldest ack-eliciting packet received since our last packet reported the receive
         # window, and ack-only packets built early because it was about to leave the 33
-        # packets one header can acknowledge (see ``Connection._receive_data``).
+        # packets one header can acknowledge (see ``packet_reader``).
         self.ack_low: int | None = None
         self.early_acks: list[bytes] = []
         self.recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
         self.last_eliciting = now  # when our last ack-eliciting packet went out
+
+    def set_keys(self, sealer: Sealer, peer_cid: int) -> None:
+        """The handshake is done: seal with ``sealer``, address packets to ``peer_cid``."""
+        self._sealer = sealer
+        self._peer_cid = peer_cid
+
+    def seal(self, pn: int, body: bytes) -> bytes:
+        """``body`` sealed as packet ``pn``: the cleartext header is associated data."""
+        sealer = self._sealer
+        if sealer is None:
+            raise LocalProtocolError("no packet keys before the handshake completes")
+        header = wire.data_prefix(self._peer_cid, pn)
+        return header + sealer.seal(pn, header, body)
+
+    def seal_next(self, body: bytes) -> bytes:
+        """``body`` (acknowledgment fields, then frames) sealed as our next packet."""
+        if self._sealer is None:
+            raise LocalProtocolError("no packet keys before the handshake completes")
+        pn = self.tx_next
+        self.tx_next = pn + 1
+        return self.seal(pn, body)
 
     def apply_peer_limits(self, datagram_size: int, recv_buffer_bytes: int) -> None:
         """Build datagrams of at most ``datagram_size`` bytes (the smaller of the two
@@ -193,13 +220,14 @@ class PacketBuilder:
         self.ack_low = None
         seq = self.tx_next
         self.tx_next = seq + 1
+        reader = conn._reader
         body = b"".join(
             [
-                wire.ack_fields(conn._rx_largest & SEQ_MASK, (conn._rx_bits >> 1) & 0xFFFFFFFF),
+                wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF),
                 *parts,
             ]
         )
-        datagram = conn._seal(seq, body)
+        datagram = self.seal(seq, body)
         if eliciting:
             recovery.on_packet_sent(
                 SentPacket(
@@ -228,14 +256,15 @@ class PacketBuilder:
         ack header, and without this the sender could never learn it arrived.
         """
         conn = self._conn
+        reader = conn._reader
         if about is None:
             self.ack_low = None
-            ack, bits = conn._rx_largest, conn._rx_bits >> 1
+            ack, bits = reader.rx_largest, reader.rx_bits >> 1
         else:
-            ack, bits = about, conn._rx_bits >> (conn._rx_largest - about + 1)
+            ack, bits = about, reader.rx_bits >> (reader.rx_largest - about + 1)
         seq = self.tx_next
         self.tx_next = seq + 1
-        return conn._seal(seq, wire.ack_fields(ack & SEQ_MASK, bits & 0xFFFFFFFF))
+        return self.seal(seq, wire.ack_fields(ack & SEQ_MASK, bits & 0xFFFFFFFF))
 
     def _take_retransmissions(
         self, parts: list[bytes], messages: list[OutMessage], budget: int

@@ -67,6 +67,9 @@ import struct
 import zlib
 from typing import Final, NamedTuple
 
+from rudp.drops import DropReason as DropReason
+from rudp.wire_v1 import is_v1
+
 PROTOCOL_ID: Final = 0x52554450  # "RUDP"
 PROTOCOL_VERSION: Final = 2
 MARKER: Final = 0xA0  # high nibble of every version-2 first byte
@@ -186,35 +189,6 @@ _DISCONNECT: Final = 0x02
 _PAUSE: Final = 0x03
 _RESUME: Final = 0x04
 _DATA: Final = 5
-
-
-class DropReason(enum.StrEnum):
-    """Why an incoming datagram was dropped; each has its own counter."""
-
-    TRUNCATED = "truncated"
-    BAD_CHECKSUM = "bad_checksum"
-    WRONG_VERSION = "wrong_version"
-    UNKNOWN_TYPE = "unknown_type"
-    MALFORMED = "malformed"
-    UNKNOWN_PEER = "unknown_peer"
-    BAD_TOKEN = "bad_token"
-    BAD_COOKIE = "bad_cookie"
-    REPLAYED_COOKIE = "replayed_cookie"
-    STALE = "stale"
-    DUPLICATE = "duplicate"
-    BAD_ACK = "bad_ack"
-    RECV_BUFFER_FULL = "recv_buffer_full"
-    RECV_QUEUE_FULL = "recv_queue_full"
-    UNEXPECTED = "unexpected"
-    REPLAYED = "replayed"
-    """A sealed packet whose number was already received, or is older than the replay window."""
-    AUTH_FAILED = "auth_failed"
-    """A sealed packet that does not authenticate under the connection's key (forged,
-    tampered, truncated, or reflected back at its sender)."""
-    WRONG_ADDRESS = "wrong_address"
-    """A sealed packet for a known connection id from another address than the connection's."""
-    BAD_HANDSHAKE = "bad_handshake"
-    """A CONNECT or ACCEPT whose Noise message is not genuine (wrong key, tampered)."""
 
 
 class DecodeError(Exception):
@@ -423,46 +397,6 @@ def _take(data: bytes, offset: int, n: int, limit: int) -> bytes:
 
 def _clip_utf8(text: str, limit: int) -> bytes:
     return text.encode("utf-8")[:limit].decode("utf-8", "ignore").encode("utf-8")
-
-
-# -- version 1, recognised to be refused -----------------------------------------
-
-V1_HEADER: Final = struct.Struct("!IBB")  # crc32 of bytes 4.., version, type
-V1_CONNECT_SIZE: Final = 256  # version 1's MIN_CONNECT_SIZE
-_V1_CONNECT: Final = 1
-_V1_REJECT: Final = 4
-_V1_SALT: Final = struct.Struct("!Q")
-
-
-def is_v1(data: bytes) -> bool:
-    """Whether ``data`` is a well-formed version-1 datagram (its CRC checks)."""
-    if len(data) < V1_HEADER.size or data[4] != 1:
-        return False
-    return bool(V1_HEADER.unpack_from(data)[0] == _crc(memoryview(data)[4:]))
-
-
-def v1_connect_salt(data: bytes) -> int | None:
-    """The salt of a version-1 CONNECT large enough to answer, else None."""
-    if len(data) < V1_CONNECT_SIZE or not is_v1(data) or data[5] != _V1_CONNECT:
-        return None
-    return int(_V1_SALT.unpack_from(data, V1_HEADER.size)[0])
-
-
-def _v1_packet(ptype: int, body: bytes) -> bytes:
-    rest = bytes((1, ptype)) + body
-    return CRC.pack(_crc(rest)) + rest
-
-
-def encode_v1_reject(salt: int, text: str) -> bytes:
-    """A version-1 REJECT: what a version-1 client understands as a refusal."""
-    raw = _clip_utf8(text, MAX_REJECT_TEXT)
-    return _v1_packet(_V1_REJECT, REJECT_BODY.pack(salt, len(raw)) + raw)
-
-
-def encode_v1_connect(salt: int, pad_to: int = 1200) -> bytes:
-    """A version-1 CONNECT without cookie (what a version-1 client sends first)."""
-    body = struct.pack("!QHB", salt, 0, 0)
-    return _v1_packet(_V1_CONNECT, body + bytes(max(0, pad_to - V1_HEADER.size - len(body))))
 
 
 # -- DATA packets ----------------------------------------------------------------

@@ -243,7 +243,7 @@ def inject_frames(net: Network, server: Node, *frames: bytes) -> DropReason | No
     conn = server_conn(server)
     peer = net.nodes[CLIENT].endpoint.connection(SERVER)
     assert peer is not None, "the client's connection is gone: nothing can seal for it"
-    ack = (conn._tx_next - 1) & 0xFFFF
+    ack = (conn._builder.tx_next - 1) & 0xFFFF
     packet = peer.seal_datagram(wire.ack_fields(ack, 0) + b"".join(frames))
     before = server.endpoint.stats.dropped.copy()
     server.endpoint.receive_datagram(packet, CLIENT, net.now)

@@ -611,8 +611,8 @@ async def test_hostile_input_loses_nothing_counts_every_drop_and_never_amplifies
         assert sum(got.values()) + sealed + challenges == injected
         # No state for strangers: only the three real connections, bounded tables.
         assert len(core._conns) == 3
-        assert len(core._used) <= 3  # only the real clients' cookies were ever used
-        assert len(core._keys) <= 5 and len(core._queries) == 0
+        assert len(core._cookies._used) <= 3  # only the real clients' cookies were ever used
+        assert len(core._cookies._keys) <= 5 and len(core._queries) == 0
         assert len(core._heap) < 100 and not core._events  # ~1,300 datagrams left no trace
         # Never an amplifier: to every unvalidated address, at most what it sent us.
         unval_rx = stats.unvalidated_bytes_received - unval_rx_before

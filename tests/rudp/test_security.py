@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import rudp
-from rudp import handshake, wire
+from rudp import handshake, wire, wire_v1
 from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.endpoint import HANDSHAKE_FAILED, NO_STATIC_KEY, V1_REFUSAL
@@ -29,13 +29,13 @@ from tests.rudp.harness import CLIENT, SERVER, Link, Network, Node, pair, server
 
 def _snapshot(conn: Connection) -> tuple[Any, ...]:
     """Everything a DATA packet could change in a connection."""
-    opener = conn._opener
+    opener = conn._reader.opener
     assert opener is not None
     stats = conn.stats
     return (
         conn.state,
-        conn._rx_largest,
-        conn._rx_bits,
+        conn._reader.rx_largest,
+        conn._reader.rx_bits,
         conn._last_recv,
         conn.get_timer(),
         opener.window.largest,
@@ -165,7 +165,7 @@ def test_replays_are_refused_after_40000_packets() -> None:
             net.run(0.002)
     net.run(1)
     sconn = server_conn(server)
-    assert sconn._rx_largest > 40_000
+    assert sconn._reader.rx_largest > 40_000
     late = _client_data(net)[-3000:-2000]  # within and beyond the replay window
     before = _snapshot(sconn)
     for packet in first + early + late:
@@ -405,7 +405,7 @@ def test_a_version_1_client_is_told_the_server_speaks_version_2() -> None:
     server = net.add(SERVER, accept=True)
     v1_client = ("10.0.0.77", 4000)
     request = _v1_connect(0xABCDEF)
-    assert request == wire.encode_v1_connect(0xABCDEF)
+    assert request == wire_v1.encode_v1_connect(0xABCDEF)
     net.inject(request, v1_client, SERVER)
     net.run(0.5)
     (reply,) = [d for d, s, dst in net.sent if s == SERVER and dst == v1_client]
