@@ -56,6 +56,8 @@ def bench_settings(**overrides: Any) -> Settings:
         "allow_private": True,
         "max_hosts_per_ip": 1_000_000,
         "max_connections": 100_000,
+        "max_connections_per_source": 0,
+        "handshake_rate": 0.0,
         "register_rate": UNLIMITED,
         "register_burst": UNLIMITED,
         "list_rate": UNLIMITED,

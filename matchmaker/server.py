@@ -84,6 +84,10 @@ class Matchmaker:
             idle_timeout=idle,
             keepalive_interval=idle / 3,
             max_connections=settings.max_connections,
+            max_connections_per_source=settings.max_connections_per_source,
+            handshake_rate_per_source=settings.handshake_rate,
+            handshake_burst_per_source=settings.handshake_burst,
+            source_limit_keys=settings.rate_limit_keys,
             channels=1,
         )
         self._udp: rudp.Server | None = None

@@ -48,7 +48,7 @@ import random
 from typing import Final
 
 from rudp import handshake, wire, wire_v1
-from rudp.admission import CookieJar, ResetTokens, TokenBucket
+from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket
 from rudp.config import Config
 from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
@@ -64,6 +64,7 @@ _DATA_MIN: Final = wire.DATA_HEADER_SIZE
 NO_STATIC_KEY: Final = "this server has no static key"
 HANDSHAKE_FAILED: Final = "handshake failed: the client expects another server key"
 V1_REFUSAL: Final = "this server speaks rudp protocol version 2; upgrade the client"
+SOURCE_FULL: Final = "too many connections from your address"
 QUERY_LIMIT: Final = 4096  # our own queries awaiting an answer
 
 
@@ -92,6 +93,12 @@ class Endpoint:
         self._static = None if config.static_key is None else private_key(config.static_key)
         self._reset_tokens = ResetTokens(config.static_key, rng)
         self._noconn = TokenBucket(config.noconn_rate, config.noconn_burst, now)
+        self._sources = SourceLimits(
+            config.max_connections_per_source,
+            config.handshake_rate_per_source,
+            config.handshake_burst_per_source,
+            config.source_limit_keys,
+        )
         self._queries: dict[int, tuple[Address, float]] = {}
 
     # -- public API ------------------------------------------------------------
@@ -399,10 +406,20 @@ class Endpoint:
                 return DropReason.BAD_HANDSHAKE
             if keys.peer.connection_id == conn.peer_cid:
                 return DropReason.DUPLICATE
+        if conn is None and not self._sources.may_start(address, now):
+            # Unanswered, and the cookie stays unused: the client's next resend
+            # of this CONNECT tries again once the source's bucket has refilled.
+            self.stats.source_handshakes_limited += 1
+            return None
         self._cookies.remember(address, request.salt, now)
         if len(self._conns) >= self.config.max_connections + (conn is not None):
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
+            return None
+        if conn is None and not self._sources.may_hold(address):
+            self.stats.connections_refused += 1
+            self.stats.source_connections_refused += 1
+            self._send_unvalidated(wire.encode_reject(request.salt, SOURCE_FULL), address)
             return None
         fresh = self._new_connection(address, now, client=False, salt=request.salt)
         if not self._answer(fresh, request, address, now):
@@ -411,6 +428,8 @@ class Endpoint:
         if conn is not None:
             # The peer restarted: its old session is gone.
             conn.abort(DisconnectReason.NO_CONNECTION, by_peer=True)
+            if address not in self._conns:  # (forgotten by the abort)
+                self._sources.opened(address)
             self._conns[address] = fresh
         self.stats.connections_accepted += 1
         return None
@@ -490,6 +509,7 @@ class Endpoint:
         self._by_cid[cid] = conn
         if address not in self._conns:
             self._conns[address] = conn
+            self._sources.opened(address)
         return conn
 
     def _new_cid(self) -> int:
@@ -502,6 +522,7 @@ class Endpoint:
     def _forget(self, conn: Connection) -> None:
         if self._conns.get(conn.address) is conn:
             del self._conns[conn.address]
+            self._sources.closed(conn.address)
         if self._by_cid.get(conn.cid) is conn:
             del self._by_cid[conn.cid]
         self.stats.absorb(conn.stats)
@@ -511,6 +532,7 @@ class Endpoint:
         del self._by_cid[fresh.cid]
         if self._conns.get(fresh.address) is fresh:
             del self._conns[fresh.address]
+            self._sources.closed(fresh.address)
 
     def _schedule(self, conn: Connection) -> None:
         """Keep one heap entry per connection at its earliest deadline.

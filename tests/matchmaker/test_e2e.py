@@ -199,3 +199,33 @@ def test_daemon_process_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_one_source_filling_the_slots_is_capped_and_a_host_still_gets_in() -> None:
+    daemon = Matchmaker(settings(max_connections=40, max_connections_per_source=8))
+    await daemon.start()
+    greedy = [await rudp.open_endpoint("127.0.0.1", 0) for _ in range(12)]
+
+    async def players(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    game = await rudp.serve(players, "127.0.0.2", 0)  # the legitimate host: another source
+    host = MatchmakerClient.to(*daemon.udp_address, via=game)
+    try:
+        results = await asyncio.gather(
+            *(e.connect(*daemon.udp_address) for e in greedy), return_exceptions=True
+        )
+        held = [r for r in results if isinstance(r, rudp.Connection)]
+        refused = [r for r in results if isinstance(r, rudp.ConnectRefused)]
+        assert (len(held), len(refused)) == (8, 4), results
+        assert all("too many connections from your address" in str(r) for r in refused)
+        address = await host.register(**HOST)
+        assert daemon.registry.get(address) is not None
+        _, body = await http_get(daemon.http_address, "/metrics")
+        assert "rudp_source_connections_refused_total 4.0" in body.decode()
+    finally:
+        await host.close()
+        await game.close()
+        for e in greedy:
+            await e.close()
+        await daemon.shutdown()
