@@ -11,6 +11,8 @@ drives it through a pipe with small commands:
 - ``stats``: RSS, CPU seconds, hosts, connections, rudp counters, and the
   pause of every garbage collection since start, by generation (the
   collector is set as in production, `matchmaker.gctuning`);
+- ``trim``: ``stats`` after gc.collect() and glibc's malloc_trim(0) (RSS
+  without the free memory the allocator keeps from earlier peaks);
 - ``trace`` / ``traced``: allocations held since ``trace`` (tracemalloc),
   for breakdowns of what a host costs;
 - ``stop``.
@@ -24,6 +26,8 @@ daemon's defaults unless a benchmark overrides them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import dataclasses
 import gc
 import ipaddress
@@ -130,6 +134,8 @@ def _daemon_main(pipe: Pipe, settings: Settings, use_uvloop: bool) -> None:
                     pipe.send(("populated", await _populate(mm, cmd[1])))
                 elif cmd[0] == "stats":
                     pipe.send(("stats", _stats(mm)))
+                elif cmd[0] == "trim":
+                    pipe.send(("trimmed", _trim(mm)))
                 elif cmd[0] == "trace":
                     tracemalloc.start(cmd[1])
                     traced[:] = [tracemalloc.take_snapshot()]
@@ -155,6 +161,16 @@ async def _populate(mm: Any, n: int) -> dict[str, Any]:
     traced = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     return {"hosts": len(mm.registry.index()), "registry_bytes_per_host": traced / max(n, 1)}
+
+
+def _trim(mm: Any) -> dict[str, Any]:
+    """Stats after a full collection and glibc's malloc_trim(0): what the process
+    holds, without the free memory the allocator kept from earlier peaks (the
+    handshakes of a registration storm)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the untrimmed figure
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _stats(mm)
 
 
 def _traced(before: tracemalloc.Snapshot, top: int) -> dict[str, Any]:
@@ -259,6 +275,12 @@ class DaemonProcess:
         """Allocations since `trace` still held, total and the `top` source lines."""
         self._pipe.send(("traced", top))
         result: dict[str, Any] = self._expect("traced", 300)[1]
+        return result
+
+    def trimmed(self) -> dict[str, Any]:
+        """`stats` after a full collection and malloc_trim (see ``_trim``)."""
+        self._pipe.send(("trim",))
+        result: dict[str, Any] = self._expect("trimmed", 120)[1]
         return result
 
     def stats(self) -> dict[str, Any]:

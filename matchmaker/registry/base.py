@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import enum
 import random
 import secrets
+import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -137,6 +139,20 @@ class Notice:
     payload: bytes
 
 
+def shared_strings(info: HostInfo) -> HostInfo:
+    """`info` with its game, version, map, region and tags interned: most hosts
+    share them, and each decoded copy would cost ~50 bytes (~300 B a host)."""
+    intern = sys.intern
+    return dataclasses.replace(
+        info,
+        game=intern(info.game),
+        version=intern(info.version),
+        map=intern(info.map),
+        region=intern(info.region),
+        tags=tuple(intern(t) for t in info.tags),
+    )
+
+
 def new_token() -> str:
     return secrets.token_hex(8)
 
@@ -216,6 +232,7 @@ class LocalIndex:
 
     def put(self, record: HostRecord) -> HostRecord | None:
         """Insert or replace; returns the replaced record."""
+        record.info = shared_strings(record.info)
         old = self._records.get(record.address)
         if old is not None and old.token == record.token:
             record.beat = max(record.beat, old.beat)  # an update: same registration
