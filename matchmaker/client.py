@@ -368,6 +368,7 @@ class MatchmakerClient:
         self.registrations += 1
         self._needs_register.clear()
         self._beats = None
+        self._seen_intros.clear()  # introduction ids are per registration
         if self._port is not None and reply.secret:
             self._listen()
             self._beats = _Beats(reply.secret, reply.address, conn.remote_address)
@@ -669,7 +670,10 @@ class MatchmakerClient:
         conn, self._conn = self._conn, None
         reader, self._reader = self._reader, None
         if reader is not None:
-            reader.cancel()
+            # Left to read until the connection ends: an introduction the matchmaker
+            # sent over it before it closed still reaches `introductions`.
+            self._closing.add(reader)
+            reader.add_done_callback(self._closing.discard)
         closing = asyncio.create_task(_close_quietly(conn, self._timeout), name="mm-close")
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)

@@ -37,6 +37,7 @@ No I/O and no clock here: the caller passes ``now`` and a ``send`` function.
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,9 @@ class Liveness:
         """Set once the socket exists; until then introductions are not sent."""
         self._seen: set[Address] = set()
         self._pending: dict[int, _Pending] = {}
-        self._ids = itertools.count(1)
+        # Ids start at random: a host that moved from another replica does not
+        # take a new introduction for one it already had.
+        self._ids = itertools.count(secrets.randbits(48) + 1)
         self.stopping = False
         """Set when the replica stops: heartbeats get NOT_REGISTERED, so that their
         hosts register again, which a stopping replica refuses (``shutting_down``),

@@ -307,6 +307,11 @@ class MatchmakerService:
         if self.shutting_down:
             self.metrics.registrations.labels("rejected").inc()
             raise MessageError(ErrorReason.SHUTTING_DOWN, _STOPPING, request_id=rid)
+        if not self.registry.ready:
+            # A shared registry not loaded yet does not know the replicas' heartbeat
+            # key: a secret handed out now would not be the one they check.
+            self.metrics.registrations.labels("unavailable").inc()
+            raise MessageError(ErrorReason.UNAVAILABLE, "registry loading", request_id=rid)
         if self._rate_limited(self._register_limit, "register", session):
             self.metrics.registrations.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "registrations", request_id=rid)

@@ -7,6 +7,8 @@ import pytest
 from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address
 from matchmaker.messages import (
+    Error,
+    ErrorReason,
     HostUpdate,
     Introduce,
     Introduction,
@@ -16,6 +18,7 @@ from matchmaker.messages import (
     Update,
     decode,
 )
+from matchmaker.registry import MemoryRegistry
 from tests.matchmaker.fakes import settle
 from tests.matchmaker.helpers import Harness, info, pub
 
@@ -272,3 +275,24 @@ async def test_an_unacknowledged_introduction_is_given_up_after_its_attempts() -
     assert len(sent) == liveness.attempts
     assert liveness.pending == 0
     assert h.sample("matchmaker_introduction_datagrams_total", result="unacked") == 1
+
+
+class _Loading(MemoryRegistry):
+    """A shared registry before its first load: it does not know the shared key yet."""
+
+    loaded = False
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded
+
+
+async def test_no_secret_is_handed_out_before_the_registry_is_loaded() -> None:
+    registry = _Loading()
+    h = Harness(registry)
+    wire = h.connect(HOST.ip, HOST.port)
+    reply = await wire.request(Register(request_id=1, host=info()))
+    assert isinstance(reply, Error) and reply.reason is ErrorReason.UNAVAILABLE
+    assert h.registry.get(HOST) is None
+    registry.loaded = True
+    assert isinstance(await wire.request(Register(request_id=2, host=info())), Registered)
