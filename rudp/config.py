@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 # packets, so 1200 leaves room for tunnel headers (QUIC uses the same figure).
 MIN_DATAGRAM_SIZE: Final = 576
 MAX_DATAGRAM_SIZE: Final = 65507
+BASE_DATAGRAM_SIZE: Final = 1200
+"""Every connection starts at this datagram size and never goes below it (QUIC's
+figure, RFC 9000 section 14): path MTU discovery probes upward from here."""
+ETHERNET_DATAGRAM_SIZE: Final = 1472
+"""The largest UDP payload of a 1,500-byte Ethernet path over IPv4 (20-byte IP and
+8-byte UDP headers)."""
+IPV6_EXTRA_HEADER: Final = 20
+"""IPv6's header is 20 bytes longer than IPv4's: over IPv6 the ceiling of path MTU
+discovery is ``max_datagram_size`` less this (1,452 bytes by default)."""
 REDUNDANT_FRAME_MAX: Final = 256
 """Largest message frame (payload plus 3-6 header bytes) that ``redundancy`` repeats."""
 BUFFER_ENTRY_COST: Final = 64
@@ -48,8 +57,15 @@ class NetsimConfig:
 class Config:
     """Connection and endpoint settings. Times are in seconds."""
 
-    max_datagram_size: int = 1200
-    """Largest datagram we send. 1200 bytes is safe on IPv6 and tunnelled paths."""
+    max_datagram_size: int = ETHERNET_DATAGRAM_SIZE
+    """Largest datagram we send or take: the ceiling of path MTU discovery. Every
+    connection starts at 1200 bytes (safe on IPv6 and tunnelled paths) and probes
+    upward to the smaller of this and the peer's value, then packs its datagrams up to the size the
+    path confirmed. Messages are still split into fragments that fit 1200 bytes
+    (``base_datagram_size``), so a path whose MTU shrinks loses none of them.
+    The default is the largest UDP payload of a 1,500-byte Ethernet path over IPv4;
+    it counts as an IPv4 size, so over IPv6 (20 more bytes of IP header) the ceiling
+    is 20 bytes less (1,452 by default). 1200 or less turns the discovery off."""
 
     window: int = 256
     """Ack-eliciting packets in flight at most. 256 x 1200 B covers 30 MB/s at 10 ms RTT."""
@@ -214,6 +230,16 @@ class Config:
     without it, NN: every packet is still sealed, but the server is not
     authenticated (an on-path attacker could sit in the middle)."""
 
+    token_issuers: tuple[bytes, ...] = ()
+    """Connect-token issuers' public keys (Ed25519, 32 bytes; two while a key rotates).
+    With any, this server admits only clients that present a token one of them signed
+    for this server's ``static_key`` (which it then needs); the verified client id and
+    user data are ``conn.peer_identity``. See docs/security.md, "Connect tokens"."""
+
+    token_addresses: tuple[tuple[str, int], ...] = ()
+    """This server's public addresses, when it knows them: a token must then name one.
+    Empty, the token's host key alone binds it to this server."""
+
     netsim: NetsimConfig | None = field(default=None)
     """In-process link conditioner for this endpoint (testing and demos). Off by default."""
 
@@ -222,6 +248,7 @@ class Config:
             key = getattr(self, name)
             if key is not None and (not isinstance(key, bytes) or len(key) != 32):
                 raise ValueError(f"Config.{name} must be 32 bytes (an X25519 key)")
+        _check_tokens(self)
         _check_range(
             "max_datagram_size", self.max_datagram_size, MIN_DATAGRAM_SIZE, MAX_DATAGRAM_SIZE
         )
@@ -247,7 +274,7 @@ class Config:
         if fragments > min(self.channel_window, MAX_FRAGMENTS):
             raise ValueError(
                 f"Config.max_message_size of {self.max_message_size} bytes needs up to "
-                f"{fragments} fragments of a {self.max_datagram_size}-byte datagram; at most "
+                f"{fragments} fragments of a {self.base_datagram_size}-byte datagram; at most "
                 f"min(channel_window, {MAX_FRAGMENTS}) = "
                 f"{min(self.channel_window, MAX_FRAGMENTS)} are allowed"
             )
@@ -284,10 +311,18 @@ class Config:
             raise ValueError("Config.socket_buffer_size must be >= 0")
 
     @property
+    def base_datagram_size(self) -> int:
+        """The datagram size every path is assumed to carry: what connections start
+        with, what fragments and unreliable messages are sized for, and what
+        CONNECTs and queries are padded to."""
+        return min(BASE_DATAGRAM_SIZE, self.max_datagram_size)
+
+    @property
     def fragment_payload(self) -> int:
         """Payload bytes of every fragment but the first (which also carries the
-        dependencies) and the last."""
-        return self.max_datagram_size - FRAGMENT_FRAME_OVERHEAD
+        dependencies) and the last. Sized for ``base_datagram_size``: a fragment in
+        flight must still fit if the path MTU falls back."""
+        return self.base_datagram_size - FRAGMENT_FRAME_OVERHEAD
 
     @property
     def max_fragments(self) -> int:
@@ -306,3 +341,15 @@ class Config:
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"Config.{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _check_tokens(config: Config) -> None:
+    issuers = config.token_issuers
+    if not isinstance(issuers, tuple) or len(issuers) > 2:
+        raise ValueError("Config.token_issuers must be a tuple of at most 2 keys")
+    if any(not isinstance(key, bytes) or len(key) != 32 for key in issuers):
+        raise ValueError("Config.token_issuers: each key is 32 bytes (an Ed25519 public key)")
+    if issuers and config.static_key is None:
+        raise ValueError(
+            "Config.token_issuers needs Config.static_key: a token names the server's key"
+        )

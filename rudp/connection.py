@@ -39,7 +39,12 @@ The data path, one module per idea::
 
 This module keeps what belongs to the connection as a whole: the handshake's
 outcome and the limits it negotiated, the lifecycle and its state machine, the
-timers, flow control, and the glue that tells each part what happened.
+timers, flow control, the peer's address and its migration (``rudp.migration``
+says when a connection moves), and the glue that tells each part what happened.
+
+Packet numbers: a sender that reached the last one (2**62 - 1,
+``protection.MAX_PACKET_NUMBER``) ends the connection
+(``DisconnectReason.EXHAUSTED``) rather than seal under a nonce again.
 
 Flow control (PAUSE / RESUME): see ``pause_receiving`` and ``packet_reader``.
 
@@ -63,13 +68,15 @@ from rudp import wire
 from rudp.config import Config
 from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
-from rudp.events import Connected, Disconnected, DisconnectReason
-from rudp.handshake import ClientHandshake, Keys, TransportParams
-from rudp.noise import ephemeral_key
+from rudp.events import Disconnected, DisconnectReason
+from rudp.handshake import ClientHandshake, TransportParams
+from rudp.migration import Migration
+from rudp.noise import ephemeral_key, private_key
 from rudp.opening import Opening
 from rudp.packet_builder import PacketBuilder
 from rudp.packet_reader import PacketReader
-from rudp.protection import Opener, Sealer
+from rudp.pmtu import PathMtu
+from rudp.protection import PacketNumbersExhausted
 from rudp.receiving import NO_BUFFER as NO_BUFFER
 from rudp.receiving import Receiver
 from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
@@ -77,6 +84,7 @@ from rudp.sending import OutMessage, Sender
 from rudp.sink import EndpointSink
 from rudp.state import CLOSED, CLOSING, CONNECTED, CONNECTING, DRAINING, TRANSITIONS, State
 from rudp.stats import ConnectionStats
+from rudp.tokens import PeerIdentity
 from rudp.wire import Delivery, DropReason
 
 __all__ = ["NO_BUFFER", "Address", "Connection", "State"]
@@ -100,10 +108,14 @@ class Connection:
         cid: int = 1,
         reset_token: bytes = bytes(16),
         server_key: bytes | None = None,
+        token: bytes = b"",
+        token_key: bytes | None = None,
     ) -> None:
         self.config = config
         self.address = address
+        """The peer's address: where our packets go. It changes when the peer migrates."""
         self.client = client
+        self._rng = rng
         self.salt = salt
         self.cid = cid  # the connection id the peer puts on packets to us (ours to route)
         self.peer_cid = 0  # the one we put on packets to the peer, from its parameters
@@ -113,6 +125,8 @@ class Connection:
         """True when the handshake proved the server holds the key we expected (NK)."""
         self.handshake_hash = b""
         """The Noise handshake hash, identical on both sides (a channel binding)."""
+        self.peer_identity: PeerIdentity | None = None
+        """On a server that requires connect tokens: the client's verified token."""
         self._peer_reset_token = b""
         self._limits_error = ""  # why something queued before the handshake cannot go
         self.state = CONNECTING
@@ -124,6 +138,8 @@ class Connection:
         self.stats.rtt = self._rtt
         self._cc = CongestionController(config)
         self.stats.cc = self._cc
+        self._pmtu = PathMtu(config.base_datagram_size, self.stats)
+        self.stats.pmtu = self._pmtu
         # Packet numbers start at 0 in each direction: with every packet sealed nothing is
         # guessable from them, so no random initial number is needed (it was version 1's
         # defence against blind injection).
@@ -153,16 +169,20 @@ class Connection:
         # -- handshake and close
         self._accept_datagram = b""  # our ACCEPT, if we answered a CONNECT (see _answer_connect)
         # The client's side of the handshake, until it is answered (``rudp.opening``).
+        # A connect token is bound to the key it was issued for: then that key is ours.
+        ephemeral = ephemeral_key(rng) if token_key is None else private_key(token_key)
         self._opening = (
             Opening(
                 config,
-                ClientHandshake(self.transport_params(), salt, server_key, ephemeral_key(rng)),
+                ClientHandshake(self.transport_params(), salt, server_key, ephemeral, token),
                 salt,
                 now,
             )
             if client
             else None
         )
+        # -- migration: the validation of a new peer address (``rudp.migration``)
+        self._migration = Migration(self)  # a new peer address being validated
         self._close_code = 0
         self._close_text = ""
         self._disconnect_queued = False
@@ -300,6 +320,9 @@ class Connection:
         if state is DRAINING:
             return self._deadline
         t = self._last_recv + self._idle_timeout
+        pmtu_at = self._pmtu.deadline
+        if pmtu_at < t:
+            t = pmtu_at
         recovery = self._recovery
         if recovery.sent:
             t = min(t, recovery.probe_deadline())
@@ -309,6 +332,9 @@ class Connection:
             t = min(t, self._builder.last_eliciting + self._keepalive_interval)
         if self._deadline is not None:
             t = min(t, self._deadline)
+        path_at = self._migration.deadline()
+        if path_at is not None:
+            t = min(t, path_at)
         graph = self._receiver.graph
         if graph.nodes and not self.receiving_paused:
             t = min(t, graph.deadline(self.config.dependency_timeout))
@@ -347,113 +373,40 @@ class Connection:
             builder.early_acks.clear()
         closing = state is CLOSING
         draining = state is DRAINING
-        while True:
-            datagram = builder.build(now, closing, draining)
-            if datagram is None:
-                break
-            out.append(datagram)
+        pmtu = self._pmtu
+        probe = 0
+        if now >= pmtu.next_probe:
+            probe = pmtu.due(now)
+            if probe:
+                builder.ping = True  # the probe's witness that the path is alive (rudp.pmtu)
+        try:
+            while True:
+                datagram = builder.build(now, closing, draining)
+                if datagram is None:
+                    break
+                out.append(datagram)
+            if probe:
+                out.append(builder.probe(probe))
+                pmtu.probe_sent(
+                    builder.tx_next - 1, probe, now, self._rtt.rto, self._recovery.largest_acked
+                )
+        except PacketNumbersExhausted:
+            self._numbers_exhausted()
         if out:
-            self.stats.packets_sent += len(out)
-            self.stats.bytes_sent += sum(map(len, out))
+            stats = self.stats
+            stats.packets_sent += len(out)
+            stats.bytes_sent += sum(map(len, out))
+            if now >= stats.sample_due:
+                stats.sample(now)
         return out
 
     # -- the endpoint's interface: handshake and DATA --------------------------------------
-
-    def _receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
-        opening = self._opening
-        if self.state is not CONNECTING or opening is None:
-            return DropReason.UNEXPECTED
-        reason = opening.on_challenge(challenge)
-        if reason is None:
-            self._sink.dirty[self] = None  # the CONNECT with the cookie goes out now
-        return reason
-
-    def _receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
-        opening = self._opening
-        if self.state is not CONNECTING or opening is None:
-            return DropReason.DUPLICATE if accept.salt == self.salt else DropReason.UNEXPECTED
-        result = opening.on_accept(accept, now)
-        if isinstance(result, DropReason):
-            return result
-        keys, sample = result
-        if sample is not None:
-            self._rtt.on_sample(sample)
-        self.server_authenticated = opening.expects_server_key
-        self._opening = None
-        self._establish(keys, now)
-        return None
-
-    def _receive_reject(self, reject: wire.Reject) -> DropReason | None:
-        if self.state is not CONNECTING or reject.salt != self.salt:
-            return DropReason.UNEXPECTED
-        self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
-        return None
-
-    def _answer_connect(
-        self, salt: int, answer: bytes, keys: Keys, now: float, *, token_sealed: bool
-    ) -> bytes:
-        """The endpoint accepted the peer's CONNECT into this connection: a new one, or
-        ours in a simultaneous open that the peer's handshake won (our own CONNECTs and
-        our Noise state are dropped; the connection takes the peer's salt, so a duplicate
-        of its CONNECT gets the ACCEPT again). ``answer`` is our Noise message 2.
-        Returns the ACCEPT to send; ``_accept_datagram`` keeps it.
-
-        ``token_sealed`` is False under NN, where the peer's parameters, its reset token
-        among them, crossed the network in clear: anyone who saw the CONNECT could then
-        forge its NOCONN, so this side believes none (the peer that forgot us is noticed
-        at the idle timeout instead)."""
-        self._accept_datagram = wire.encode_accept(salt, answer)
-        self.salt = salt
-        self._opening = None
-        self.server_authenticated = False
-        self._establish(keys, now)
-        if not token_sealed:
-            self._peer_reset_token = b""
-        return self._accept_datagram
 
     @property
     def expects_server_key(self) -> bool:
         """True while this connection's own handshake is NK: it names the server's key."""
         opening = self._opening
         return opening is not None and opening.expects_server_key
-
-    def _establish(self, keys: Keys, now: float) -> None:
-        """Handshake done: packet keys, and the peer's connection id, token and limits."""
-        peer = keys.peer
-        self.peer_params = peer
-        self.peer_cid = peer.connection_id
-        self._peer_reset_token = peer.reset_token
-        self.handshake_hash = keys.handshake_hash
-        self._builder.set_keys(Sealer(keys.send_key), peer.connection_id)
-        self._reader.opener = Opener(keys.recv_key)
-        self._apply_peer_limits(peer)
-        self._reader.rx_largest = -1
-        self._last_recv = now
-        self._builder.last_eliciting = now
-        self._set_state(CONNECTED)
-        self._sink.events.append((self, Connected()))
-        self._sink.dirty[self] = None
-        if self._limits_error:
-            self._protocol_error(self._limits_error)
-
-    def _apply_peer_limits(self, peer: TransportParams) -> None:
-        """What the peer stated it accepts, from the handshake: its largest message and
-        channel count (``send()`` raises at once past them, naming the peer's limit),
-        its receive buffer (what we let sit in it), the smaller datagram size and the
-        smaller idle timeout of the two sides (either side's silence limit ends the
-        connection, so both keep it alive within the smaller).
-
-        A message queued before the handshake was checked against our limits only; if
-        it breaks the peer's, it can never be sent, and the connection ends at once
-        (protocol error, naming the limit) rather than stall.
-        """
-        idle = peer.idle_timeout_ms / 1000.0
-        if 0 < idle < self._idle_timeout:
-            self._idle_timeout = idle
-            self._keepalive_interval = min(self._keepalive_interval, idle / 2)
-        datagram = min(self.config.max_datagram_size, peer.max_datagram_size)
-        self._builder.apply_peer_limits(datagram, peer.recv_buffer_bytes)
-        self._limits_error = self._sender.apply_peer_limits(peer, datagram)
 
     def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it carries
@@ -480,7 +433,59 @@ class Connection:
         if self.state is CLOSED:
             return DropReason.UNEXPECTED
         self._clock = now
-        return self._reader.receive(data, pn32, now)
+        try:
+            return self._reader.receive(data, pn32, now)
+        except PacketNumbersExhausted:  # an early ack-only packet had no number left
+            self._numbers_exhausted()
+            return None
+
+    def _receive_moved(
+        self, data: bytes, pn32: int, address: Address, now: float, *, movable: bool
+    ) -> DropReason | None:
+        """A DATA packet for this connection from another address (``rudp.migration``);
+        ``movable`` is False when another connection of the endpoint has that address."""
+        return self._migration.receive(data, pn32, address, now, movable)
+
+    @property
+    def path_out(self) -> list[tuple[bytes, Address]]:
+        """Path challenges waiting to be sent, each to its own address."""
+        return self._migration.out
+
+    def take_path_datagrams(self) -> list[tuple[bytes, Address]]:
+        """The challenges to send, each with its own address (not ``address``)."""
+        return self._migration.take_datagrams()
+
+    def _numbers_exhausted(self) -> None:
+        """Our next packet would need number 2**62: end before a nonce could repeat."""
+        if self.state is not CLOSED:
+            self._end(
+                DisconnectReason.EXHAUSTED,
+                0,
+                "packet numbers exhausted: 2**62 packets sent on this connection",
+                by_peer=False,
+            )
+
+    def _on_probe_ack(self, ack16: int, bits: int, now: float) -> None:
+        """An acknowledgment arrived while a path MTU probe is in flight."""
+        pmtu = self._pmtu
+        if pmtu.on_ack(ack16, bits, self._builder.tx_next, now):
+            self._use_datagram_size(pmtu.current)
+            self._sink.dirty[self] = None  # the next probe may be due at once
+
+    def _use_datagram_size(self, size: int) -> None:
+        """Path MTU discovery moved the size datagrams are filled to."""
+        self._builder.set_datagram_size(size)
+        self._cc.set_datagram_size(size)
+
+    def _datagram_refused(self, size: int, now: float) -> None:
+        """The local interface refused to send one of our datagrams of ``size`` bytes
+        as too large (EMSGSIZE): a probe is lost at once; a packet of the current
+        size makes the size fall back (its messages are resent when it is declared
+        lost)."""
+        pmtu = self._pmtu
+        if pmtu.on_refused(size, now):
+            self._use_datagram_size(pmtu.current)
+        self._sink.dirty[self] = None
 
     def _on_acks(self, now: float) -> None:
         """The peer acknowledged new packets of ours: a close may now go on."""
@@ -509,12 +514,18 @@ class Connection:
 
     def _on_packet_acked(self, pkt: SentPacket) -> None:
         self._sender.on_acked(pkt)
+        pmtu = self._pmtu
+        if pkt.size > pmtu.base:
+            pmtu.big_losses = 0  # the path still carries large packets
         if pkt.disconnect and self.state is CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
 
     def _on_packet_lost(self, pkt: SentPacket) -> None:
         self._sender.on_lost(pkt)
         builder = self._builder
+        pmtu = self._pmtu
+        if pkt.size > pmtu.base and pmtu.on_big_lost(self._clock):
+            self._use_datagram_size(pmtu.current)  # a black hole: back to the base size
         if pkt.control and self.state is CLOSING:
             builder.control.extend(pkt.control)
         if pkt.seq == builder.flow_seq and not builder.flow_frame:
@@ -552,8 +563,15 @@ class Connection:
         ):
             self._protocol_error("a dependency never arrived")
             return
+        if self._migration.on_timer(now):
+            return  # the connection ended (packet numbers exhausted)
         builder = self._builder
         recovery = self._recovery
+        pmtu = self._pmtu
+        if now >= pmtu.deadline:
+            if now >= pmtu.probe_deadline:
+                pmtu.on_timeout(now, recovery.largest_acked, self._rtt.backed_off_rto)
+            self._sink.dirty[self] = None  # a probe is due
         if recovery.on_timer(now, builder.tx_next):
             builder.ping = True  # a probe goes out even if nothing needed resending
         elif not recovery.sent and now >= builder.last_eliciting + self._keepalive_interval:
@@ -604,6 +622,8 @@ class Connection:
         if new not in TRANSITIONS[self.state]:
             raise LocalProtocolError(f"illegal transition {self.state.value} -> {new.value}")
         self.state = new
+        if new is not CONNECTED:
+            self._pmtu.stop()
         if new is CLOSED:
             self._sink.closed(self)
 

@@ -34,6 +34,8 @@ class DropReason(enum.StrEnum):
     """A sealed packet that does not authenticate under the connection's key (forged,
     tampered, truncated, or reflected back at its sender)."""
     WRONG_ADDRESS = "wrong_address"
-    """A sealed packet for a known connection id from another address than the connection's."""
+    """A sealed packet for a known connection id from another address than the
+    connection's, while the connection cannot move (not established, or draining); an
+    established one validates the new address instead (``rudp.migration``)."""
     BAD_HANDSHAKE = "bad_handshake"
     """A CONNECT or ACCEPT whose Noise message is not genuine (wrong key, tampered)."""

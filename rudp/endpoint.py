@@ -20,11 +20,22 @@ Diffie-Hellman on the client's message (``handshake.answer``); a message that is
 not genuine is dropped as ``bad_handshake`` and answered with a short REJECT
 that names the likely cause (the client expects another server key).
 
+Connect tokens: a server with ``Config.token_issuers`` reads the client's Noise
+message after the cookie checks (``handshake.read_first``) and verifies the token
+its payload carries (``rudp.tokens``) before it makes a connection; a refusal is a
+REJECT naming the reason, counted in ``stats.tokens_refused``. The verified
+identity becomes the connection's ``peer_identity``. Expiry is in UNIX time:
+``wall_offset`` turns ``now`` into it.
+
 Routing: connections are indexed by address (handshake packets) and by the
-connection id each side chose for the packets it receives (DATA). A DATA for a
-known id from another address is dropped as ``wrong_address`` (connection
-migration is not supported). A DATA that does not authenticate is dropped as
-``auth_failed`` and changes nothing.
+connection id each side chose for the packets it receives (DATA). A DATA that
+does not authenticate is dropped as ``auth_failed`` and changes nothing. A DATA
+for a known id from another address goes to the connection's
+``_receive_moved``: if it authenticates and is the newest packet, the connection
+validates the new address and moves there once it answered (``rudp.migration``);
+the address index follows (``_moved``). The challenges go to the new address,
+never more bytes than authenticated packets brought from it, and are counted as
+unvalidated bytes.
 
 Amplification and reflection: the client pads CONNECT to its datagram size and
 the server ignores a CONNECT shorter than ``wire.MIN_CONNECT_SIZE``; every reply
@@ -54,9 +65,11 @@ from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
 from rudp.noise import NoiseError, ephemeral_key, private_key, public_bytes
+from rudp.opening import answer_connect, receive_accept, receive_challenge, receive_reject
 from rudp.sink import EndpointSink
 from rudp.state import CONNECTED, CONNECTING
 from rudp.stats import EndpointStats
+from rudp.tokens import MAX_TOKEN_SIZE, PeerIdentity, TokenError, TokenRefusal, TokenVerifier
 from rudp.wire import DecodeError, DropReason, PacketType
 
 _DATA_BYTE: Final = wire.DATA_BYTE
@@ -100,8 +113,21 @@ class Endpoint:
             config.source_limit_keys,
         )
         self._queries: dict[int, tuple[Address, float]] = {}
+        # Connect tokens (``rudp.tokens``): required when the config names issuers.
+        self._tokens = (
+            TokenVerifier(config.token_issuers, public_bytes(self._static), config.token_addresses)
+            if config.token_issuers and self._static is not None
+            else None
+        )
+        self.wall_offset = 0.0
+        """UNIX time minus ``now``: tokens expire in wall-clock time, while the core's
+        clock may be any monotonic one (the asyncio layer sets it)."""
 
     # -- public API ------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        role = "accepting" if self.accept else "connecting out"
+        return f"<rudp.endpoint.Endpoint {role}, {len(self._conns)} connections>"
 
     @property
     def connections(self) -> list[Connection]:
@@ -110,20 +136,37 @@ class Endpoint:
     def connection(self, address: Address) -> Connection | None:
         return self._conns.get(address)
 
+    def datagram_refused(self, address: Address, size: int, now: float) -> None:
+        """The local interface refused to send a datagram of ``size`` bytes to
+        ``address`` as too large (EMSGSIZE): its connection learns it (a lost path
+        MTU probe, or a path that no longer carries its datagrams)."""
+        conn = self._conns.get(address)
+        if conn is not None:
+            conn._datagram_refused(size, now)
+
     @property
     def public_key(self) -> bytes | None:
         """Our static public key (what clients pass as ``server_key``), if we have one."""
         return None if self._static is None else public_bytes(self._static)
 
     def connect(
-        self, address: Address, now: float, *, server_key: bytes | None = None
+        self,
+        address: Address,
+        now: float,
+        *,
+        server_key: bytes | None = None,
+        token: bytes | None = None,
+        token_key: bytes | None = None,
     ) -> Connection:
         """Start a handshake to ``address``; the connection reports ``Connected``.
 
         ``server_key`` (default ``Config.server_key``) is the public key the peer must
         prove it holds (Noise NK); without one the handshake is NN: sealed, but the
-        peer is not authenticated.
+        peer is not authenticated. ``token`` is a connect token for a server that
+        requires one, and ``token_key`` the X25519 private key it was issued for,
+        which the handshake then uses as this side's ephemeral key.
         """
+        self._check_token(token, token_key)
         existing = self._conns.get(address)
         if existing is not None:
             if existing.client:
@@ -134,11 +177,29 @@ class Endpoint:
             )
         key = self.config.server_key if server_key is None else server_key
         conn = self._new_connection(
-            address, now, client=True, salt=self._rng.getrandbits(64), server_key=key
+            address,
+            now,
+            client=True,
+            salt=self._rng.getrandbits(64),
+            server_key=key,
+            token=token or b"",
+            token_key=token_key,
         )
         self._sink.dirty[conn] = None
         self._schedule(conn)
         return conn
+
+    def _check_token(self, token: bytes | None, token_key: bytes | None) -> None:
+        if (token is None) != (token_key is None):
+            raise LocalProtocolError("a connect token needs the key it was issued for: give both")
+        if token_key is not None and len(token_key) != 32:
+            raise LocalProtocolError("token_key is the 32-byte X25519 private key of the token")
+        room = self.config.max_datagram_size - wire.MIN_CONNECT_SIZE
+        if token is not None and len(token) > min(MAX_TOKEN_SIZE, room):
+            raise MessageTooLarge(
+                f"a connect token of {len(token)} bytes does not fit a CONNECT of "
+                f"{self.config.max_datagram_size} bytes (max_datagram_size)"
+            )
 
     @property
     def has_events(self) -> bool:
@@ -157,6 +218,10 @@ class Endpoint:
                 address = conn.address
                 for datagram in conn.datagrams_to_send(now):
                     out.append((datagram, address))
+                if conn.path_out:  # path challenges, each to the address it validates
+                    for item in conn.take_path_datagrams():
+                        self.stats.unvalidated_bytes_sent += len(item[0])
+                        out.append(item)
                 self._schedule(conn)
         if out:
             size = 0
@@ -237,7 +302,7 @@ class Endpoint:
 
     @property
     def max_query_payload(self) -> int:
-        return self.config.max_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
+        return self.config.base_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
 
     # -- receive -----------------------------------------------------------------
 
@@ -275,11 +340,10 @@ class Endpoint:
             self._send_noconn(dcid, address, now)
             return None
         if conn.address != address:
-            # Not the connection's path: never answered (a NOCONN or anything else
-            # would make us a reflector), never a reason to move the connection.
+            # Not the connection's path: never answered but by a path challenge no
+            # larger than what authenticated from there (``rudp.migration``).
             stats.unvalidated_bytes_received += len(data)
-            stats.dropped[DropReason.WRONG_ADDRESS] += 1
-            return None
+            return self._receive_moved(conn, data, pn32, address, now)
         try:
             reason = conn._receive_sealed(data, pn32, now)
         except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
@@ -289,6 +353,33 @@ class Endpoint:
             conn.stats.packets_dropped += 1
         self._schedule(conn)
         return conn
+
+    def _receive_moved(
+        self, conn: Connection, data: bytes, pn32: int, address: Address, now: float
+    ) -> Connection:
+        old = conn.address
+        try:
+            reason = conn._receive_moved(
+                data, pn32, address, now, movable=address not in self._conns
+            )
+        except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
+            reason = exc.reason
+        if reason is not None:
+            self.stats.dropped[reason] += 1
+            conn.stats.packets_dropped += 1
+        if conn.address != old:
+            self._moved(conn, old)
+        self._schedule(conn)
+        return conn
+
+    def _moved(self, conn: Connection, old: Address) -> None:
+        """``conn`` migrated from ``old``: the address index follows it."""
+        if self._conns.get(old) is conn:
+            del self._conns[old]
+            self._sources.closed(old)
+        if conn.address not in self._conns:
+            self._sources.opened(conn.address)  # per-source counts follow it too
+        self._conns[conn.address] = conn
 
     def _receive_other(
         self, ptype: PacketType, conn: Connection | None, data: bytes, address: Address, now: float
@@ -305,11 +396,11 @@ class Endpoint:
         elif conn is None:
             reason = DropReason.UNKNOWN_PEER
         elif ptype == PacketType.CHALLENGE:
-            reason = conn._receive_challenge(wire.decode_challenge(data))
+            reason = receive_challenge(conn, wire.decode_challenge(data))
         elif ptype == PacketType.ACCEPT:
-            reason = conn._receive_accept(wire.decode_accept(data), now)
+            reason = receive_accept(conn, wire.decode_accept(data), now)
         elif ptype == PacketType.REJECT:
-            reason = conn._receive_reject(wire.decode_reject(data))
+            reason = receive_reject(conn, wire.decode_reject(data))
         else:  # NOCONN
             reason = conn._receive_noconn(wire.decode_noconn(data))
         if reason is not None:
@@ -384,8 +475,10 @@ class Endpoint:
             # connection answers it, as a server would, and is established.
             if request.salt <= conn.salt:
                 return DropReason.UNEXPECTED
-            if not self._answer(conn, request, address, now):
+            first = self._read_first(request, address)
+            if first is None:
                 return DropReason.BAD_HANDSHAKE
+            self._answer(conn, request, first, now)
             self._cookies.remember(address, request.salt, now)
             self.stats.simultaneous_opens += 1
             return None
@@ -401,6 +494,7 @@ class Endpoint:
                     self._message(request),
                     conn.transport_params(),
                     ephemeral_key(self._rng),
+                    request.token_size,
                 )[1]
             except (NoiseError, ValueError):
                 return DropReason.BAD_HANDSHAKE
@@ -411,20 +505,33 @@ class Endpoint:
             # of this CONNECT tries again once the source's bucket has refilled.
             self.stats.source_handshakes_limited += 1
             return None
-        self._cookies.remember(address, request.salt, now)
         if len(self._conns) >= self.config.max_connections + (conn is not None):
+            # Before the cookie is spent: a client whose REJECT was lost gets it again
+            # for its resent CONNECT, and once there is room that same CONNECT gets its
+            # one connection (remembered below, so never a second).
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
             return None
         if conn is None and not self._sources.may_hold(address):
+            # Before the cookie is spent too, as "server full" above.
             self.stats.connections_refused += 1
             self.stats.source_connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, SOURCE_FULL), address)
             return None
-        fresh = self._new_connection(address, now, client=False, salt=request.salt)
-        if not self._answer(fresh, request, address, now):
-            self._forget_unborn(fresh)
+        self._cookies.remember(address, request.salt, now)  # one DH per cookie, at most
+        first = self._read_first(request, address)
+        if first is None:
             return DropReason.BAD_HANDSHAKE
+        identity = None
+        if self._tokens is not None:
+            # After the cookie, before any per-connection state: a refused client
+            # costs the DH of its first message, as a wrong server key does.
+            identity = self._admit(first, request.salt, address, now)
+            if identity is None:
+                return None
+        fresh = self._new_connection(address, now, client=False, salt=request.salt)
+        fresh.peer_identity = identity
+        self._answer(fresh, request, first, now)
         if conn is not None:
             # The peer restarted: its old session is gone.
             conn.abort(DisconnectReason.NO_CONNECTION, by_peer=True)
@@ -435,35 +542,62 @@ class Endpoint:
         return None
 
     def _message(self, request: wire.Connect) -> bytes:
-        """The Noise message 1 of a CONNECT: its size follows from the pattern."""
-        return request.rest[: handshake.first_message_size(request.pattern)]
+        """The Noise message 1 of a CONNECT: its size follows from the pattern and the
+        size of the token it carries."""
+        return request.rest[: handshake.first_message_size(request.pattern, request.token_size)]
 
-    def _answer(
-        self, conn: Connection, request: wire.Connect, address: Address, now: float
-    ) -> bool:
-        """Run the server's side of the Noise handshake on ``request`` into ``conn`` and
-        send ACCEPT (kept for resending on a duplicate CONNECT); the connection is
-        established. False, with a REJECT sent, when the message is not genuine."""
+    def _read_first(self, request: wire.Connect, address: Address) -> handshake.FirstMessage | None:
+        """The client's Noise message 1, read; None, with a REJECT sent, when it is not
+        genuine."""
         try:
-            answer, keys = handshake.answer(
+            return handshake.read_first(
                 self._static,
                 request.pattern,
                 request.salt,
                 self._message(request),
-                conn.transport_params(),
                 ephemeral_key(self._rng),
+                request.token_size,
             )
         except (NoiseError, ValueError):
             # The address is proven (valid cookie) and the REJECT is smaller than the
             # CONNECT. Under NK the usual cause is a client configured with another key.
             self._send_unvalidated(wire.encode_reject(request.salt, HANDSHAKE_FAILED), address)
-            return False
-        accept = conn._answer_connect(
-            request.salt, answer, keys, now, token_sealed=request.pattern == handshake.PATTERN_NK
+            return None
+
+    def _admit(
+        self, first: handshake.FirstMessage, salt: int, address: Address, now: float
+    ) -> PeerIdentity | None:
+        """The identity in the client's connect token; None, with a REJECT naming the
+        reason sent (smaller than the CONNECT) and the reason counted, when refused."""
+        assert self._tokens is not None
+        try:
+            if not first.token:
+                raise TokenError(TokenRefusal.MISSING)
+            identity = self._tokens.verify(first.token, first.client_key, now + self.wall_offset)
+        except TokenError as exc:
+            self.stats.tokens_refused[exc.refusal] += 1
+            self.stats.connections_refused += 1
+            self._send_unvalidated(wire.encode_reject(salt, str(exc)), address)
+            return None
+        self.stats.tokens_accepted += 1
+        return identity
+
+    def _answer(
+        self, conn: Connection, request: wire.Connect, first: handshake.FirstMessage, now: float
+    ) -> None:
+        """Answer the client's first message into ``conn`` and send ACCEPT (kept for
+        resending on a duplicate CONNECT); the connection is established."""
+        answer, keys = first.answer(conn.transport_params())
+        accept = answer_connect(
+            conn,
+            request.salt,
+            answer,
+            keys,
+            now,
+            token_sealed=request.pattern == handshake.PATTERN_NK,
         )
         self._out.append((accept, conn.address))
         self._schedule(conn)
-        return True
 
     def _receive_query(self, data: bytes, address: Address) -> DropReason | None:
         query = wire.decode_query(data)
@@ -492,6 +626,8 @@ class Endpoint:
         client: bool,
         salt: int,
         server_key: bytes | None = None,
+        token: bytes = b"",
+        token_key: bytes | None = None,
     ) -> Connection:
         cid = self._new_cid()
         conn = Connection(
@@ -505,6 +641,8 @@ class Endpoint:
             cid=cid,
             reset_token=self._reset_tokens.token(cid),
             server_key=server_key,
+            token=token,
+            token_key=token_key,
         )
         self._by_cid[cid] = conn
         if address not in self._conns:
@@ -526,13 +664,6 @@ class Endpoint:
         if self._by_cid.get(conn.cid) is conn:
             del self._by_cid[conn.cid]
         self.stats.absorb(conn.stats)
-
-    def _forget_unborn(self, fresh: Connection) -> None:
-        """Undo ``_new_connection`` for a connection whose handshake failed."""
-        del self._by_cid[fresh.cid]
-        if self._conns.get(fresh.address) is fresh:
-            del self._conns[fresh.address]
-            self._sources.closed(fresh.address)
 
     def _schedule(self, conn: Connection) -> None:
         """Keep one heap entry per connection at its earliest deadline.

@@ -30,6 +30,12 @@ Both messages are encrypted and authenticated except the client's parameters
 under ``NN``: they travel in clear in the first message (there is no key yet),
 but they are hashed into the transcript, so a change by an attacker makes the
 server's answer fail to authenticate at the client.
+
+A client may append a connect token (``rudp.tokens``) to its parameters in the
+first message's payload: encrypted to the server's key under NK. The server reads
+the first message (``read_first``), checks the token against the client's
+ephemeral key, which the token names, and only then answers
+(``FirstMessage.answer``) and spends anything on a connection.
 """
 
 from __future__ import annotations
@@ -61,10 +67,10 @@ _PARAMS: Final = struct.Struct("!IIBIHI16s")
 PARAMS_SIZE: Final = _PARAMS.size
 
 
-def first_message_size(pattern: int) -> int:
-    """Bytes of the client's Noise message (ephemeral key, parameters, tags)."""
+def first_message_size(pattern: int, token_size: int = 0) -> int:
+    """Bytes of the client's Noise message (ephemeral key, parameters, token, tags)."""
     tags = TAGLEN if pattern == PATTERN_NK else 0
-    return DHLEN + PARAMS_SIZE + tags
+    return DHLEN + PARAMS_SIZE + token_size + tags
 
 
 SECOND_MESSAGE_SIZE: Final = DHLEN + PARAMS_SIZE + TAGLEN
@@ -150,9 +156,11 @@ class ClientHandshake:
         salt: int,
         server_key: bytes | None,
         ephemeral: X25519PrivateKey | None = None,
+        token: bytes = b"",
     ) -> None:
         if server_key is not None and len(server_key) != DHLEN:
             raise ValueError(f"a server key is {DHLEN} bytes (X25519 public key)")
+        self.token_size = len(token)
         self.pattern = PATTERN_NN if server_key is None else PATTERN_NK
         self._state = HandshakeState(
             _PROTOCOL_NAMES[self.pattern],
@@ -162,7 +170,7 @@ class ClientHandshake:
             ephemeral=ephemeral,
         )
         # Computed once: every CONNECT of this attempt carries the same message.
-        self.message = self._state.write_message(params.encode())
+        self.message = self._state.write_message(params.encode() + token)
 
     def finish(self, answer: bytes) -> Keys:
         """The keys, from the server's message; NoiseError or ValueError if it is not genuine."""
@@ -177,25 +185,47 @@ class ClientHandshake:
         return Keys(peer, send_key, recv_key, state.handshake_hash)
 
 
-def answer(
+class FirstMessage:
+    """The server's side, half way: the client's first message read, not yet answered."""
+
+    def __init__(self, state: HandshakeState, payload: bytes) -> None:
+        self._state = state
+        self.peer = TransportParams.decode(payload[:PARAMS_SIZE])
+        self.token = payload[PARAMS_SIZE:]
+        """The connect token the client appended to its parameters (empty: none)."""
+        client_key = state.remote_ephemeral
+        assert client_key is not None  # every first message starts with "e"
+        self.client_key = client_key
+        """The client's ephemeral public key: what its token must name."""
+
+    def answer(self, params: TransportParams) -> tuple[bytes, Keys]:
+        """(the server's message 2, its keys)."""
+        state = self._state
+        reply = state.write_message(params.encode())
+        send_key, recv_key = state.split()
+        return reply, Keys(self.peer, send_key, recv_key, state.handshake_hash)
+
+
+def read_first(
     static: X25519PrivateKey | None,
     pattern: int,
     salt: int,
     message: bytes,
-    params: TransportParams,
     ephemeral: X25519PrivateKey | None = None,
-) -> tuple[bytes, Keys]:
-    """The server's side in one call: (its answer, its keys) for a client's first message.
+    token_size: int = 0,
+) -> FirstMessage:
+    """The client's first message, read and authenticated (under NK), not answered.
 
     Raises NoiseError or ValueError when the message is not a genuine first message
-    for this server (wrong size, wrong key, tampered), and ValueError when the
+    for this server (too short, wrong key, tampered), and ValueError when the
     client asks for NK and this server has no static key. ``ephemeral`` (default: a
     fresh key from the operating system) lets a caller draw it from its own
     cryptographically secure source; both sides' ``ephemeral`` exist for that.
+    ``token_size``: the bytes of connect token the CONNECT says the payload carries.
     """
     if pattern not in _PROTOCOL_NAMES:
         raise ValueError(f"unknown handshake pattern {pattern}")
-    if len(message) != first_message_size(pattern):
+    if len(message) != first_message_size(pattern, token_size):
         raise NoiseError("handshake message has the wrong size")
     if pattern == PATTERN_NK and static is None:
         raise ValueError("the client expects a server key and this server has none")
@@ -206,7 +236,18 @@ def answer(
         static=static if pattern == PATTERN_NK else None,
         ephemeral=ephemeral,
     )
-    peer = TransportParams.decode(state.read_message(message))
-    reply = state.write_message(params.encode())
-    send_key, recv_key = state.split()
-    return reply, Keys(peer, send_key, recv_key, state.handshake_hash)
+    return FirstMessage(state, state.read_message(message))
+
+
+def answer(
+    static: X25519PrivateKey | None,
+    pattern: int,
+    salt: int,
+    message: bytes,
+    params: TransportParams,
+    ephemeral: X25519PrivateKey | None = None,
+    token_size: int = 0,
+) -> tuple[bytes, Keys]:
+    """The server's side in one call: (its answer, its keys) for a client's first
+    message (``read_first``, then ``FirstMessage.answer``)."""
+    return read_first(static, pattern, salt, message, ephemeral, token_size).answer(params)

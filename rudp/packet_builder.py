@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from rudp.stats import ConnectionStats
 
 RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
+_NO_CONTROL: Final[list[bytes]] = []  # a packet's control frames when it has none (never changed)
 
 
 class PacketBuilder:
@@ -104,7 +105,7 @@ class PacketBuilder:
         self._recovery = recovery
         self._cc = cc
         self._stats = stats
-        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
+        self._max_payload = config.base_datagram_size - wire.DATA_HEADER_SIZE
         # Config values read per packet, copied into native attributes (see RttEstimator).
         self._packet_window = config.window
         self._window = config.channel_window
@@ -148,12 +149,33 @@ class PacketBuilder:
         self.tx_next = pn + 1
         return self.seal(pn, body)
 
+    def path_packet(self, frame: bytes) -> bytes:
+        """A packet carrying our acknowledgment and ``frame`` (a PATH_CHALLENGE), for
+        another address than the peer's: not tracked by loss detection (the migration's
+        own timer resends it; see ``rudp.migration``)."""
+        reader = self._conn._reader
+        seq = self.tx_next
+        self.tx_next = seq + 1
+        ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        return self.seal(seq, ack + frame)
+
     def apply_peer_limits(self, datagram_size: int, recv_buffer_bytes: int) -> None:
         """Build datagrams of at most ``datagram_size`` bytes (the smaller of the two
         sides'), and keep what may sit in the peer's reorder buffer below the size it
         stated in the handshake."""
         self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
         self._byte_window = recv_buffer_bytes
+
+    def set_datagram_size(self, size: int) -> None:
+        """Fill datagrams up to ``size`` bytes (the size path MTU discovery confirmed)."""
+        self._max_payload = size - wire.DATA_HEADER_SIZE
+
+    def probe(self, size: int) -> bytes:
+        """A path MTU probe of exactly ``size`` bytes: PING and PADDING, no message. It is
+        not loss detection's to track (``rudp.pmtu``): a lost probe loses nothing."""
+        reader = self._conn._reader
+        ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        return self.seal_next(ack + wire.probe_frames(size - wire.DATA_HEADER_SIZE))
 
     def build(self, now: float, closing: bool, draining: bool) -> bytes | None:
         """The next datagram due now, or None; ``closing`` and ``draining`` say
@@ -172,9 +194,10 @@ class PacketBuilder:
         conn = self._conn
         recovery = self._recovery
         budget = self._max_payload
-        parts: list[bytes] = []
+        # parts[0] is the acknowledgment, filled in last: one list per datagram, joined once.
+        parts: list[bytes] = [b""]
         messages: list[OutMessage] = []
-        control: list[bytes] = []
+        control = _NO_CONTROL  # shared and never changed: most packets carry none
         if self.control:
             control, self.control = self.control, []
             for frame in control:
@@ -201,7 +224,7 @@ class PacketBuilder:
                 if self.control and budget >= len(self.control[-1]):
                     frame = self.control.pop()
                     parts.append(frame)
-                    control.append(frame)
+                    control = [*control, frame]
                     budget -= len(frame)
         if room and not sender.retx and not conn.peer_paused:
             # A paused peer gets no new reliable messages; unreliable ones still go (they
@@ -213,7 +236,7 @@ class PacketBuilder:
         if self.ping and not eliciting and not draining:
             parts.append(wire.PING_FRAME)
             eliciting = True
-        if not parts and not self.ack_pending:
+        if len(parts) == 1 and not self.ack_pending:
             return None
         self.ping = False
         self.ack_pending = False
@@ -221,13 +244,8 @@ class PacketBuilder:
         seq = self.tx_next
         self.tx_next = seq + 1
         reader = conn._reader
-        body = b"".join(
-            [
-                wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF),
-                *parts,
-            ]
-        )
-        datagram = self.seal(seq, body)
+        parts[0] = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        datagram = self.seal(seq, b"".join(parts))
         if eliciting:
             recovery.on_packet_sent(
                 SentPacket(

@@ -38,11 +38,14 @@ to ``recv_buffer_bytes`` of datagrams (``pause_budget``); past that a paused
 receiver refuses packets carrying messages, so a peer that ignores PAUSE cannot
 make it hold more.
 
-Limits: a message on a channel we do not have, in an authenticated packet, ends
-the connection with ``protocol error``: the peer knew the limit from the
-handshake, and dropping it would stall the channel for good. (An announced
-message larger than our ``max_message_size`` stays a counted ``malformed`` drop,
-as before the peer could know our limit.)
+Limits: a message on a channel we do not have, or a fragment announcing a
+message larger than our ``max_message_size``, in an authenticated packet, ends
+the connection with ``protocol error`` naming the limit: the peer knew it from
+the handshake, and dropping the packet would stall the channel for good.
+
+Migration: PATH_CHALLENGE and PATH_RESPONSE frames are handed to the connection
+(``Migration.on_frames``; see ``rudp.migration``) from any authenticated packet, even
+one refused below, like PAUSE and RESUME.
 
 Judgement call: the reader decides what a packet means; what follows from it for
 the connection as a whole (a protocol error, the peer's DISCONNECT, the close we
@@ -110,6 +113,7 @@ class PacketReader:
         self._sink = sink
         self._stats = stats
         self.opener: Opener | None = None  # set when the handshake completes
+        stats.reader = self  # what arrived of the peer's packets: see ConnectionStats
         self.rx_largest = -1
         self.rx_bits = 0  # bit i: packet (largest - i) was received
         # Packets remembered for acknowledgment; twice the window, so reordering
@@ -136,7 +140,8 @@ class PacketReader:
         pn = opener.full_number(pn32, _PN_BITS)
         if opener.window.seen(pn):
             return DropReason.REPLAYED
-        body = opener.open(pn, data[: wire.DATA_PREFIX_SIZE], data[wire.DATA_PREFIX_SIZE :])
+        # (At least DATA_HEADER_SIZE long, so the tag is there: the endpoint checked.)
+        body = opener.open_unseen(pn, data[: wire.DATA_PREFIX_SIZE], data[wire.DATA_PREFIX_SIZE :])
         if body is None:
             return DropReason.AUTH_FAILED
         ack = (body[0] << 8) | body[1]
@@ -163,6 +168,12 @@ class PacketReader:
                 conn._protocol_error(violation)
                 return None
         if frames.special and not draining:
+            if frames.challenge or frames.response:
+                conn._migration.on_frames(frames.challenge, frames.response)
+            violation = receiver.size_violation(frames.messages)
+            if violation:
+                conn._protocol_error(violation)
+                return None
             reason = receiver.check_fragments(frames.messages)
             if reason is not None:
                 return reason
@@ -186,7 +197,11 @@ class PacketReader:
         stats = self._stats
         stats.packets_received += 1
         stats.bytes_received += size
+        if now >= stats.sample_due:
+            stats.sample(now)
         conn._last_recv = now
+        if conn._pmtu.probe_pn >= 0:
+            conn._on_probe_ack(ack16, ack_bits, now)
         if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next):
             sender = self._sender
             if sender.rel_queue or sender.retx:

@@ -102,6 +102,8 @@ async def test_reregisters_after_matchmaker_restart_with_latest_info(mode: str) 
         await eventually(lambda: fresh.registry.get(address) is not None)
         rec = fresh.registry.get(address)
         assert rec is not None and rec.info.players == 5
+        # The entry is made before the reply reaches the client.
+        await eventually(lambda: host.registrations >= 2)
         assert host.registrations == 2
 
 
@@ -120,6 +122,7 @@ async def test_reregisters_when_told_not_registered(mode: str) -> None:
             await eventually(lambda: bool(board.harness.service._beats))
             await board.harness.service.flush_heartbeats()
         await eventually(lambda: board.harness.registry.get(address) is not None)
+        await eventually(lambda: host.registrations >= 2)  # the reply comes after the entry
         assert host.registrations == 2
 
 
