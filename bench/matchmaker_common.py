@@ -8,7 +8,13 @@ drives it through a pipe with small commands:
 - ``populate n``: insert n hosts straight into the registry (no connections),
   each on its own documentation-range public IP, measuring the memory the
   registry entries take with tracemalloc (the registry only, no rudp state);
-- ``stats``: RSS, CPU seconds, hosts, connections, rudp counters;
+- ``stats``: RSS, CPU seconds, hosts, connections, rudp counters, and the
+  pause of every garbage collection since start, by generation (the
+  collector is set as in production, `matchmaker.gctuning`);
+- ``trim``: ``stats`` after gc.collect() and glibc's malloc_trim(0) (RSS
+  without the free memory the allocator keeps from earlier peaks);
+- ``trace`` / ``traced``: allocations held since ``trace`` (tracemalloc),
+  for breakdowns of what a host costs;
 - ``stop``.
 
 Settings for benchmarks lift the abuse limits (every bench client is on
@@ -20,7 +26,10 @@ daemon's defaults unless a benchmark overrides them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import dataclasses
+import gc
 import ipaddress
 import multiprocessing
 import os
@@ -51,6 +60,8 @@ def bench_settings(**overrides: Any) -> Settings:
         "allow_private": True,
         "max_hosts_per_ip": 1_000_000,
         "max_connections": 100_000,
+        "max_connections_per_source": 0,
+        "handshake_rate": 0.0,
         "register_rate": UNLIMITED,
         "register_burst": UNLIMITED,
         "list_rate": UNLIMITED,
@@ -98,6 +109,7 @@ def cpu_seconds() -> float:
 
 def _daemon_main(pipe: Pipe, settings: Settings, use_uvloop: bool) -> None:
     import rudp
+    from matchmaker.gctuning import tune_gc
     from matchmaker.logging import configure
     from matchmaker.server import Matchmaker
 
@@ -106,9 +118,12 @@ def _daemon_main(pipe: Pipe, settings: Settings, use_uvloop: bool) -> None:
     async def main() -> None:
         mm = Matchmaker(settings)
         await mm.start()
+        tune_gc()  # as `Matchmaker.run` does once started
+        gc.callbacks.append(_gc_pauses.observe)
         pipe.send(("ready", mm.udp_address, mm.http_address))
         loop = asyncio.get_running_loop()
         commands: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        traced: list[tracemalloc.Snapshot] = []
         loop.add_reader(pipe.fileno(), lambda: commands.put_nowait(pipe.recv()))
         try:
             while True:
@@ -119,6 +134,14 @@ def _daemon_main(pipe: Pipe, settings: Settings, use_uvloop: bool) -> None:
                     pipe.send(("populated", await _populate(mm, cmd[1])))
                 elif cmd[0] == "stats":
                     pipe.send(("stats", _stats(mm)))
+                elif cmd[0] == "trim":
+                    pipe.send(("trimmed", _trim(mm)))
+                elif cmd[0] == "trace":
+                    tracemalloc.start(cmd[1])
+                    traced[:] = [tracemalloc.take_snapshot()]
+                    pipe.send(("tracing",))
+                elif cmd[0] == "traced":
+                    pipe.send(("traced", _traced(traced[0], cmd[1])))
         finally:
             loop.remove_reader(pipe.fileno())
             await mm.shutdown()
@@ -140,9 +163,61 @@ async def _populate(mm: Any, n: int) -> dict[str, Any]:
     return {"hosts": len(mm.registry.index()), "registry_bytes_per_host": traced / max(n, 1)}
 
 
+def _trim(mm: Any) -> dict[str, Any]:
+    """Stats after a full collection and glibc's malloc_trim(0): what the process
+    holds, without the free memory the allocator kept from earlier peaks (the
+    handshakes of a registration storm)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the untrimmed figure
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _stats(mm)
+
+
+def _traced(before: tracemalloc.Snapshot, top: int) -> dict[str, Any]:
+    """Memory allocated since `before` and still held, in all and by source line."""
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    diff = after.compare_to(before, "lineno")
+    return {
+        "bytes": sum(d.size_diff for d in diff),
+        "top": [(str(d.traceback), d.size_diff, d.count_diff) for d in diff[:top]],
+    }
+
+
+class _GcPauses:
+    """Every collection's pause, by generation (a gc.callbacks hook)."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._start = 0.0
+
+    def observe(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._start)
+
+    def summary(self) -> dict[str, Any]:
+        def pick(values: list[float], q: float) -> float | None:
+            ordered = sorted(values)
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3 if values else None
+
+        return {
+            "count": {str(g): len(v) for g, v in self.pauses.items()},
+            "p50_ms": {str(g): pick(v, 0.5) for g, v in self.pauses.items()},
+            "p99_ms": {str(g): pick(v, 0.99) for g, v in self.pauses.items()},
+            "max_ms": {str(g): max(v) * 1e3 if v else None for g, v in self.pauses.items()},
+        }
+
+
+_gc_pauses = _GcPauses()
+
+
 def _stats(mm: Any) -> dict[str, Any]:
     stats = mm.udp.stats
     return {
+        "gc": _gc_pauses.summary(),
         "rss": rss_bytes(),
         "cpu": cpu_seconds(),
         "hosts": len(mm.registry.index()),
@@ -189,6 +264,23 @@ class DaemonProcess:
     def populate(self, n: int) -> dict[str, Any]:
         self._pipe.send(("populate", n))
         result: dict[str, Any] = self._expect("populated", 300)[1]
+        return result
+
+    def trace(self, frames: int = 1) -> None:
+        """Start tracing allocations (slows the daemon: for memory breakdowns only)."""
+        self._pipe.send(("trace", frames))
+        self._expect("tracing", 30)
+
+    def traced(self, top: int = 15) -> dict[str, Any]:
+        """Allocations since `trace` still held, total and the `top` source lines."""
+        self._pipe.send(("traced", top))
+        result: dict[str, Any] = self._expect("traced", 300)[1]
+        return result
+
+    def trimmed(self) -> dict[str, Any]:
+        """`stats` after a full collection and malloc_trim (see ``_trim``)."""
+        self._pipe.send(("trim",))
+        result: dict[str, Any] = self._expect("trimmed", 120)[1]
         return result
 
     def stats(self) -> dict[str, Any]:

@@ -9,28 +9,37 @@ collects `ListPage`s (which may arrive in any order) until the page marked
 ``end`` and all before it are in.
 
 A host calls `register(...)` once.  From then on a background task keeps the
-registration alive: a `Heartbeat` every ``keepalive`` seconds (the interval
-comes from the matchmaker's `Registered` reply), and a fresh `Register` with
-the latest info whenever the connection ends (matchmaker restart, failover to
-another replica) or the matchmaker says ``not_registered`` (the entry expired),
-retrying with exponential backoff.  `update(...)` changes what is listed and
-what a re-registration sends.
+registration alive, every ``keepalive`` seconds (the interval comes from the
+matchmaker's `Registered` reply).  A client given the host's socket
+(``datagrams``, or ``to(..., via=server)``) closes the connection once
+registered and sends connectionless heartbeats from that socket instead
+(`matchmaker.heartbeat`, keyed by the secret `Registered` handed out): the
+listed host then costs the matchmaker no connection, and the heartbeats keep
+the host's NAT open for introductions, which arrive as datagrams too and are
+acknowledged.  A heartbeat is resent every ``timeout / 4`` seconds until one
+is acknowledged.  Without a socket the client keeps the connection and sends
+`Heartbeat` messages over it.  A fresh `Register` with the latest info is sent
+whenever the matchmaker says ``not_registered`` (the entry expired, or the
+replica is stopping) or the connection (connection mode) ends, retrying with
+exponential backoff.  `update(...)` changes what is listed and what a
+re-registration sends; it opens a connection for the time of the request.
 
 Failover: the client knows one or more matchmaker addresses (`to` takes a
 name, which may resolve to several replicas, or a list of addresses).  Each
 connection attempt starts after the replica last used when that one's
 connection ended, so a dead or stopping replica is tried last.  A replica is
 taken for dead when a heartbeat stays unacknowledged for ``timeout`` seconds;
-a stopping one closes its connections and refuses registrations with
-``shutting_down``.  Either way the host re-registers with another replica at
-once.  The first `register` retries too (with the same backoff) until
-``register_timeout`` runs out, then raises `MatchmakerUnreachable` naming every
-address it tried.
+a stopping one closes its connections, answers heartbeats with
+``not_registered`` and refuses registrations with ``shutting_down``.  Either
+way the host re-registers with another replica at once.  The first `register`
+retries too (with the same backoff) until ``register_timeout`` runs out, then
+raises `MatchmakerUnreachable` naming every address it tried.
 
 A host should open the client *via its game server's rudp socket*
 (``MatchmakerClient.to(host, port, via=server)``) so that the address the
 matchmaker observes, lists and introduces is the game port.  Introductions
-for the host (a client wants to join) arrive on `introductions`; the host then
+for the host (a client wants to join) arrive on `introductions` (each one once,
+however often the matchmaker had to send it); the host then
 sends one datagram to ``peer`` (and ``peer_lan``) from that same server
 (``server.query(...)``) to open its NAT, and does not connect back: the
 client, having got its own `Introduction` from `introduce`, connects to the
@@ -46,11 +55,13 @@ import itertools
 import logging
 import random
 import socket
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import rudp
+from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address, make_address
 from matchmaker.messages import (
     DEFAULT_LIMITS,
@@ -83,7 +94,13 @@ from matchmaker.messages import (
     str_tuple,
 )
 from matchmaker.tickets import Ticket, check_introduction
-from matchmaker.transport import TRANSPORT_ERRORS, Connector, Peer, rudp_connector
+from matchmaker.transport import (
+    TRANSPORT_ERRORS,
+    Connector,
+    DatagramPort,
+    Peer,
+    rudp_connector,
+)
 from rudp.errors import check_address, check_sequence
 
 log = logging.getLogger(__name__)
@@ -164,6 +181,22 @@ class ServerList(list[HostEntry]):
 
 
 @dataclass(slots=True)
+class _Beats:
+    """One registration's connectionless heartbeats."""
+
+    secret: bytes
+    address: Address
+    """Our address as the matchmaker observed (and lists) it."""
+    replica: tuple[Any, ...]
+    """Where heartbeats go: the replica that took the registration."""
+    counter: int = 0
+    round_start: int = 1
+    """The first counter of the heartbeats now waiting for an answer."""
+    acked: int = 0
+    answered: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(slots=True)
 class _PendingList:
     future: asyncio.Future[list[ListPage]]
     pages: dict[int, ListPage]
@@ -184,11 +217,14 @@ class MatchmakerClient:
         max_introductions: int = 64,
         routes: Routes | None = None,
         issuer_keys: Sequence[bytes] = (),
+        datagrams: DatagramPort | None = None,
     ) -> None:
         """`connect` opens a connection to the matchmaker (several: one per replica);
         `routes`, when given, replaces it with named addresses looked up per attempt.
         `issuer_keys` pins the matchmaker's token-issuing public key (two while it
-        rotates): `ticket` believes only introductions it signed."""
+        rotates): `ticket` believes only introductions it signed.
+        `datagrams` is the socket those connections leave from (a game server's):
+        with it, a registered host heartbeats without holding a connection."""
         if routes is None:
             if connect is None:
                 raise TypeError("MatchmakerClient needs connect or routes")
@@ -205,6 +241,9 @@ class MatchmakerClient:
         """An address whose connection ended or refused: tried last next time."""
         self._tried: dict[str, str] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._releasing: dict[str, asyncio.Task[None]] = {}
+        """Connections being closed after their last request, by address: a new
+        one to the same address waits for that (rudp allows one per address)."""
         self._route_count = 1
         self._moved = 0
         """Immediate retries on other replicas since the last success (at most one
@@ -225,6 +264,10 @@ class MatchmakerClient:
         self._keepalive = 5.0
         self._needs_register = asyncio.Event()
         self._keeper: asyncio.Task[None] | None = None
+        self._port = datagrams
+        self._beats: _Beats | None = None
+        self._seen_intros: deque[int] = deque(maxlen=256)
+        """Ids of the latest introductions, so a resent one is queued once."""
         self.address: Address | None = None
         """Our public address as the matchmaker sees it (after `register`)."""
         self.introductions: asyncio.Queue[Introduction] = asyncio.Queue(max_introductions)
@@ -268,6 +311,8 @@ class MatchmakerClient:
                 replicas.append((replica[0], int(replica[1])))
             if not replicas:
                 raise ValueError("to([]): no matchmaker address")
+        if via is not None:
+            kwargs.setdefault("datagrams", via)
         client = cls(routes=_resolving_routes(replicas, via, config), **kwargs)
         client._socket_of_its_own = via is None
         return client
@@ -370,22 +415,35 @@ class MatchmakerClient:
             merged = upd.apply(self._host)
         except MessageError as exc:
             raise MatchmakerError(exc.reason, exc.detail) from None
-        await self._expect(Update(changes=upd), Ok)
+        try:
+            await self._expect(Update(changes=upd), Ok)
+        finally:
+            self._release()
         self._host = merged
 
     async def unregister(self) -> None:
         """Leave the list now and stop keeping the registration alive."""
         self._host = None
         await self._stop_keeper()
-        if self._conn is not None:
-            await self._expect(Unregister(), Ok)
+        beats, self._beats = self._beats, None
+        if self._conn is not None or beats is not None:
+            try:
+                await self._expect(Unregister(), Ok)
+            finally:
+                self._release()
 
     async def _register_now(self, host: HostInfo) -> Address:
-        reply = await self._expect(Register(host=host), Registered)
+        reply, conn = await self._expect_on(Register(host=host), Registered)
         self._keepalive = reply.keepalive
         self.address = reply.address
         self.registrations += 1
         self._needs_register.clear()
+        self._beats = None
+        self._seen_intros.clear()  # introduction ids are per registration
+        if self._port is not None and reply.secret:
+            self._listen()
+            self._beats = _Beats(reply.secret, reply.address, conn.remote_address)
+            self._release()  # the listing lives on heartbeats: no connection held
         return reply.address
 
     async def _register_first(self, host: HostInfo) -> Address:
@@ -469,7 +527,11 @@ class MatchmakerClient:
             log.info("reregistered")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._needs_register.wait(), self._keepalive)
-        if not self._needs_register.is_set():
+        if self._needs_register.is_set():
+            return
+        if self._beats is not None:
+            await self._heartbeat(self._beats)
+        else:
             conn = await self._connection()
             acked = conn.send(encode(Heartbeat()))
             try:
@@ -479,6 +541,70 @@ class MatchmakerClient:
                 if self._conn is conn:
                     self._abandon()
                 raise ConnectionLost("heartbeat not acknowledged") from None
+
+    async def _heartbeat(self, beats: _Beats) -> None:
+        """One heartbeat datagram, resent until acknowledged or ``timeout`` runs out."""
+        port = self._port
+        assert port is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        beats.round_start = beats.counter + 1
+        while True:
+            beats.counter += 1
+            beats.answered.clear()
+            data = hb.encode_beat(beats.secret, beats.address, beats.counter)
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                port.send_datagram(data, beats.replica)
+            wait = min(self._timeout / 4, deadline - loop.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(beats.answered.wait(), max(wait, 0.0))
+            if self._needs_register.is_set() or beats.acked >= beats.round_start:
+                return
+            if loop.time() >= deadline:
+                # A replica that does not answer is dead (or cut off): move on.
+                self._abandon()
+                raise ConnectionLost("heartbeat not acknowledged")
+
+    def _listen(self, on: bool = True) -> None:
+        """Route the matchmaker's datagrams on the host's socket to this client
+        (`on` False: give them back)."""
+        if self._port is None:
+            return
+        for kind in (hb.Kind.HEARTBEAT_ACK, hb.Kind.NOT_REGISTERED, hb.Kind.INTRODUCTION):
+            self._port.set_datagram_handler(kind, self._on_datagram if on else None)
+
+    def _on_datagram(self, data: bytes, source: tuple[Any, ...]) -> list[bytes]:
+        beats = self._beats
+        if beats is None or not data:
+            return []
+        if data[0] == hb.Kind.HEARTBEAT_ACK:
+            acked = hb.decode_ack(beats.secret, beats.address, data)
+            if acked is not None and acked <= beats.counter:
+                beats.acked = max(beats.acked, acked)
+                beats.answered.set()
+        elif data[0] == hb.Kind.NOT_REGISTERED:
+            # Only an answer to a heartbeat still waiting counts (the counter
+            # echo is what an off-path forger cannot know).
+            counter = hb.decode_not_registered(data)
+            if counter is not None and beats.round_start <= counter <= beats.counter:
+                log.info("heartbeat_not_registered")
+                self._needs_register.set()
+                beats.answered.set()
+        elif data[0] == hb.Kind.INTRODUCTION:
+            return self._on_introduction_datagram(beats, data)
+        return []
+
+    def _on_introduction_datagram(self, beats: _Beats, data: bytes) -> list[bytes]:
+        found = hb.decode_introduction(beats.secret, beats.address, data)
+        if found is None:
+            return []
+        intro_id, payload = found
+        ack = hb.encode_introduction_ack(beats.secret, beats.address, intro_id)
+        if intro_id in self._seen_intros:
+            return [ack]  # our acknowledgement was lost: the matchmaker sent it again
+        self._seen_intros.append(intro_id)
+        self._on_message(payload)
+        return [ack]
 
     async def _stop_keeper(self) -> None:
         if self._keeper is not None:
@@ -554,9 +680,20 @@ class MatchmakerClient:
     # ------------------------------------------------------------------ plumbing
 
     async def close(self) -> None:
-        """Stop keeping alive and close the connection (the entry goes at once)."""
-        self._host = None
+        """Stop keeping alive and close the connection; a host leaves the list at once
+        (a LEAVE datagram, or the connection's `Unregister`-less end)."""
+        was_host, self._host = self._host is not None, None
         await self._stop_keeper()
+        beats, self._beats = self._beats, None
+        if was_host and beats is None and self._conn is not None:
+            # Connection mode: the entry does not end with the connection.
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                self._conn.send(encode(Unregister(request_id=next(self._ids))))
+        if beats is not None and self._port is not None:
+            leave = hb.encode_beat(beats.secret, beats.address, beats.counter + 1, hb.Kind.LEAVE)
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                self._port.send_datagram(leave, beats.replica)
+            self._listen(on=False)
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(*TRANSPORT_ERRORS):
@@ -592,6 +729,10 @@ class MatchmakerClient:
         failures: list[str] = []
         for label, connect in order:
             self._route = label
+            released = self._releasing.pop(label, None)
+            if released is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(released), self._timeout)
             try:
                 conn = await asyncio.wait_for(connect(), self._timeout)
             except _CONNECT_ERRORS as exc:
@@ -622,13 +763,38 @@ class MatchmakerClient:
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
 
+    def _release(self) -> None:
+        """Close the connection in the background when a heartbeating host has no
+        request left on it (the registry entry does not depend on it)."""
+        if self._beats is None and self._host is not None:
+            return  # connection mode: the connection carries the heartbeats
+        if self._port is None or self._pending or self._lists or self._conn is None:
+            return
+        conn, self._conn = self._conn, None
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            # Left to read until the connection ends: an introduction the matchmaker
+            # sent over it before it closed still reaches `introductions`.
+            self._closing.add(reader)
+            reader.add_done_callback(self._closing.discard)
+        closing = asyncio.create_task(_close_quietly(conn, self._timeout), name="mm-close")
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        if self._route is not None:
+            self._releasing[self._route] = closing
+
     async def _expect(self, request: Message, reply_type: type[M]) -> M:
-        reply = await self._request(request)
-        if not isinstance(reply, reply_type):
-            raise MatchmakerError(ErrorReason.MALFORMED, f"unexpected {type(reply).__name__}")
+        reply, _ = await self._expect_on(request, reply_type)
         return reply
 
-    async def _request(self, request: Message) -> Message:
+    async def _expect_on(self, request: Message, reply_type: type[M]) -> tuple[M, Peer]:
+        """The reply, and the connection that carried it."""
+        reply, conn = await self._request(request)
+        if not isinstance(reply, reply_type):
+            raise MatchmakerError(ErrorReason.MALFORMED, f"unexpected {type(reply).__name__}")
+        return reply, conn
+
+    async def _request(self, request: Message) -> tuple[Message, Peer]:
         rid = next(self._ids)
         request = _with_id(request, rid)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -636,7 +802,7 @@ class MatchmakerClient:
         try:
             conn = await self._connection()
             conn.send(encode(request))
-            return await asyncio.wait_for(future, self._timeout)
+            return await asyncio.wait_for(future, self._timeout), conn
         finally:
             self._pending.pop(rid, None)
 

@@ -35,6 +35,19 @@ UPDATE_RESULTS = ("ok", "rejected", "not_registered", "rate_limited", "unavailab
 LIST_RESULTS = ("ok", "rate_limited", "failed")
 INTRODUCTION_RESULTS = ("local", "relayed", "not_found", "rate_limited", "unavailable")
 RATE_LIMITED_KINDS = ("register", "list", "introduce")
+HEARTBEAT_RESULTS = (
+    "ok",
+    "left",
+    "not_registered",
+    "bad_mac",
+    "replayed",
+    "wrong_address",
+    "truncated",
+    "malformed",
+    "unknown_type",
+    "stopping",
+)
+INTRODUCTION_DELIVERIES = ("sent", "resent", "acked", "unacked", "bad_ack", "late_ack", "overflow")
 REGISTRY_OPS = (
     "upsert",
     "update",
@@ -130,6 +143,18 @@ class Metrics:
         self.introductions = Counter(
             "matchmaker_introductions", "NAT introductions, by result.", ["result"], registry=r
         )
+        self.heartbeats = Counter(
+            "matchmaker_heartbeats",
+            "Connectionless heartbeat datagrams (and leaves), by result.",
+            ["result"],
+            registry=r,
+        )
+        self.introduction_datagrams = Counter(
+            "matchmaker_introduction_datagrams",
+            "Introductions sent to hosts as datagrams, and their acknowledgements.",
+            ["result"],
+            registry=r,
+        )
         self.rate_limited = Counter(
             "matchmaker_rate_limited_requests",
             "Requests refused by a rate limit, by kind.",
@@ -179,6 +204,10 @@ class Metrics:
             self.introductions.labels(label)
         for label in RATE_LIMITED_KINDS:
             self.rate_limited.labels(label)
+        for label in HEARTBEAT_RESULTS:
+            self.heartbeats.labels(label)
+        for label in INTRODUCTION_DELIVERIES:
+            self.introduction_datagrams.labels(label)
         for label in DROP_REASONS:
             self.dropped.labels(label)
 

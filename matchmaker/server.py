@@ -21,8 +21,10 @@ from typing import Any
 import structlog
 
 import rudp
+from matchmaker.addresses import Address
 from matchmaker.catalog import EVERY_GAME, every_game_list
 from matchmaker.gctuning import tune_gc
+from matchmaker.heartbeat import FIRST_BYTES
 from matchmaker.http import HttpApi, HttpServer, entry_json
 from matchmaker.master import MasterProtocol, MasterResponder
 from matchmaker.messages import HostEntry, ListRequest, entry_fields
@@ -82,18 +84,22 @@ class Matchmaker:
         self.service = MatchmakerService(
             settings, self.registry, self.metrics, rng=rng, issuer=self.issuer
         )
-        # rudp's idle timeout ends a silent host's connection (and so removes
-        # it) no later than it would be hidden anyway.  Hosts keep talking
-        # (heartbeats, their own rudp pings), so the daemon's own pings can be
-        # rare: at rudp's default 1 s they were half of an idle fleet's
-        # datagrams.  The protocol uses channel 0 only; rudp keeps per-channel
-        # queues for every connection, and its default 32 channels cost
-        # ~20 KiB per registered host.
+        # Listed hosts hold no connection (they heartbeat with datagrams); the
+        # connections are clients' and registering hosts', and rudp's idle
+        # timeout ends a silent one.  Peers keep talking (their own rudp
+        # pings), so the daemon's own pings can be rare: at rudp's default
+        # 1 s they were half of an idle fleet's datagrams.  The protocol uses
+        # channel 0 only; rudp keeps per-channel queues for every connection,
+        # and its default 32 channels cost ~20 KiB per connection.
         idle = min(10.0, settings.hide_after)
         self._rudp_config = rudp_config or rudp.Config(
             idle_timeout=idle,
             keepalive_interval=idle / 3,
             max_connections=settings.max_connections,
+            max_connections_per_source=settings.max_connections_per_source,
+            handshake_rate_per_source=settings.handshake_rate,
+            handshake_burst_per_source=settings.handshake_burst,
+            source_limit_keys=settings.rate_limit_keys,
             channels=1,
         )
         self._udp: rudp.Server | None = None
@@ -148,6 +154,9 @@ class Matchmaker:
         await self.registry.start()
         self._udp = await rudp.serve(self.service.handle, s.bind, s.port, config=self._rudp_config)
         self._udp.on_query = self.service.answer_query
+        for first_byte in FIRST_BYTES:
+            self._udp.set_datagram_handler(first_byte, self.service.liveness.receive)
+        self.service.liveness.send = self._send_datagram
         self._transport_metrics.add(self._udp)
         api = HttpApi(
             registry=self.registry,
@@ -165,6 +174,7 @@ class Matchmaker:
             await self._start_master()
         self._spawn(self.service.run_sweeper(), "sweeper")
         self._spawn(self.service.run_notices(), "notices")
+        self._spawn(self.service.run_introductions(), "introductions")
         log.info(
             "matchmaker_started",
             udp=f"{self.udp_address[0]}:{self.udp_address[1]}",
@@ -178,6 +188,19 @@ class Matchmaker:
                 note="development only: a new key every start, which every host and client "
                 "must be given again; production uses --issuer-key-file",
             )
+
+    def _send_datagram(self, data: bytes, address: Address) -> None:
+        """Send a heartbeat-protocol datagram (an introduction) from the rudp port."""
+        udp = self._udp
+        if udp is None:
+            return
+        ip = address.ip
+        if len(udp.endpoint.local_address) == 4 and address.family == 4:
+            ip = "::ffff:" + ip  # an IPv6 (dual-stack) socket names IPv4 peers so
+        try:
+            udp.send_datagram(data, (ip, address.port))
+        except OSError:
+            self.metrics.dropped.labels("send_failed").inc()
 
     async def _start_master(self) -> None:
         s = self.settings

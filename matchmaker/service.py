@@ -14,17 +14,22 @@ gets an `Error` with the reason code, a foreign protocol version gets
 A host is keyed by the connection's *observed* address, so a host can only
 register itself, and a restarted host replaces its own old entry.
 
-Liveness: a registered host sends `Heartbeat` every ``keepalive`` seconds.
-Heartbeats are batched and written to the registry once per sweep (one
-registry call per second, not one per host); a host the registry no longer
-knows gets ``not_registered`` back and re-registers.  When a host's
-connection ends its entry is removed at once, naming the registration token
-so an old connection cannot remove a newer registration.  On shutdown the
-replica first stops accepting (new connections are closed at once, `Register`
-is refused with ``shutting_down``), then closes its connections; the entries
-are left in place instead of removed: their hosts reconnect to another replica
-and re-register there (which takes the entry over), and lists do not flicker
-meanwhile.
+Liveness: a host registers over a connection, gets a heartbeat secret in
+`Registered`, and may then close the connection: it stays listed with
+connectionless heartbeat datagrams on the same port (`matchmaker.liveness`,
+wire format in `matchmaker.heartbeat`), so a listed host costs the daemon its
+registry entry and nothing else.  A `Heartbeat` message over a connection
+still counts too.  Heartbeats are batched and written to the registry once
+per sweep (one registry call per second, not one per host); a host the
+registry no longer knows gets ``not_registered`` back and re-registers.  The
+end of a connection removes nothing: a host leaves with `Unregister`, a LEAVE
+datagram, or by going silent until ``expire_after``.  `Update` and
+`Unregister` act on the entry at the connection's observed address, whichever
+connection carried the registration.  On shutdown the replica first stops
+accepting (new connections are closed at once, `Register` is refused with
+``shutting_down``), then closes its connections and no longer acknowledges
+heartbeats: the hosts re-register with another replica (which takes the entry
+over), and lists do not flicker meanwhile.
 
 List answers are cut into pages (`listing.paginate`, then by encoded size) and
 sent by a task of their own with at most ``pages_in_flight`` unacknowledged
@@ -36,8 +41,11 @@ other's public address, the LAN address too when both share a public IP, and
 the same random nonce.  The client's also carries the host's registered key
 and, when it sent its handshake key and the daemon has an issuing key, a
 connect token for that host (`rudp.tokens`, signed with the key of
-`matchmaker.keys`).  When the host's connection lives on another replica
-the registry relays the payload (`Registry.deliver`).
+`matchmaker.keys`).  The host's copy goes out as a datagram to its
+heartbeat address, repeated until the host acknowledges it; when the host
+heartbeats another replica (its ``owner``) the registry relays the payload
+there (`Registry.deliver`), since only that replica's datagrams pass the
+host's NAT.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import random
 import secrets
 import time
 from asyncio import FIRST_COMPLETED
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +72,7 @@ from matchmaker.addresses import (
     source_key,
 )
 from matchmaker.listing import paginate, size_cuts
+from matchmaker.liveness import Liveness
 from matchmaker.messages import (
     DEFAULT_LIMITS,
     NONCE_BYTES,
@@ -132,8 +141,6 @@ class _Session:
 
     peer: Peer
     address: Address
-    record: HostRecord | None = None
-    """The registration made over this connection, if any."""
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -166,7 +173,12 @@ class MatchmakerService:
         self._list_limit = RateLimiter(settings.list_bucket, max_keys=keys, clock=clock)
         self._introduce_limit = RateLimiter(settings.introduce_bucket, max_keys=keys, clock=clock)
         self._sessions: dict[Address, _Session] = {}
-        self._heartbeats: set[_Session] = set()
+        self._beats: set[Address] = set()
+        """Hosts that sent a `Heartbeat` message since the last flush."""
+        self.liveness = Liveness(registry, metrics, on_leave=self._leave)
+        """The connectionless heartbeats and introductions (the socket's handler)."""
+        self._background: set[asyncio.Task[None]] = set()
+        self._intro_due = asyncio.Event()
         self._ids = itertools.count(1)
         self.shutting_down = False
 
@@ -195,15 +207,18 @@ class MatchmakerService:
                 await self._end(session)
 
     async def _end(self, session: _Session) -> None:
+        # The host's entry stays: it lives on heartbeat datagrams (module doc).
         for task in session.tasks:
             task.cancel()
-        self._heartbeats.discard(session)
         if self._sessions.get(session.address) is session:
             del self._sessions[session.address]
-        record, session.record = session.record, None
-        if record is not None and not self.shutting_down:
-            await self._remove(record, RemovalReason.DISCONNECTED)
         log.debug("connection_closed")
+
+    def _leave(self, record: HostRecord) -> None:
+        """A host's LEAVE datagram: remove its registration (in the background)."""
+        task = asyncio.create_task(self._remove(record, RemovalReason.UNREGISTERED))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _remove(self, record: HostRecord, reason: RemovalReason) -> None:
         try:
@@ -285,6 +300,9 @@ class MatchmakerService:
         task = asyncio.create_task(run())
         session.tasks.add(task)
         task.add_done_callback(session.tasks.discard)
+        if isinstance(coro, Coroutine):
+            # Cancelled before it ran (the connection ended first): not a leak.
+            task.add_done_callback(lambda _: coro.close())
 
     def _rate_limited(self, limiter: RateLimiter, kind: str, session: _Session) -> bool:
         if limiter.allow(rate_key(session.address.ip)):
@@ -299,6 +317,11 @@ class MatchmakerService:
         if self.shutting_down:
             self.metrics.registrations.labels("rejected").inc()
             raise MessageError(ErrorReason.SHUTTING_DOWN, _STOPPING, request_id=rid)
+        if not self.registry.ready:
+            # A shared registry not loaded yet does not know the replicas' heartbeat
+            # key: a secret handed out now would not be the one they check.
+            self.metrics.registrations.labels("unavailable").inc()
+            raise MessageError(ErrorReason.UNAVAILABLE, "registry loading", request_id=rid)
         if self._rate_limited(self._register_limit, "register", session):
             self.metrics.registrations.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "registrations", request_id=rid)
@@ -322,12 +345,14 @@ class MatchmakerService:
         except RegistryUnavailable:
             self.metrics.registrations.labels("unavailable").inc()
             raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
-        session.record = record
         result = "replaced" if replacing else "created"
         self.metrics.registrations.labels(result).inc()
         log.info("host_registered", host=record.address.key, game=req.host.game, result=result)
         reply = Registered(
-            request_id=rid, address=session.address, keepalive=self.settings.keepalive
+            request_id=rid,
+            address=session.address,
+            keepalive=self.settings.keepalive,
+            secret=self.liveness.secret(record),
         )
         self._send(session, reply)
 
@@ -349,7 +374,7 @@ class MatchmakerService:
         if self._rate_limited(self._register_limit, "register", session):
             self.metrics.updates.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "updates", request_id=rid)
-        record = session.record
+        record = self.registry.get(session.address)
         if record is None:
             self.metrics.updates.labels("not_registered").inc()
             raise MessageError(ErrorReason.NOT_REGISTERED, request_id=rid)
@@ -361,9 +386,8 @@ class MatchmakerService:
             self.metrics.updates.labels("rejected").inc()
             raise MessageError(exc.reason, exc.detail, request_id=rid) from None
         try:
-            session.record = await self.registry.update(session.address, record.token, info)
+            await self.registry.update(session.address, record.token, info)
         except NotRegistered:
-            session.record = None
             self.metrics.updates.labels("not_registered").inc()
             raise MessageError(ErrorReason.NOT_REGISTERED, request_id=rid) from None
         except RegistryUnavailable:
@@ -373,31 +397,32 @@ class MatchmakerService:
         self._send(session, Ok(request_id=rid))
 
     async def _unregister(self, session: _Session, req: Unregister) -> None:
-        record, session.record = session.record, None
-        self._heartbeats.discard(session)
+        record = self.registry.get(session.address)
+        self._beats.discard(session.address)
         if record is not None:
             await self._remove(record, RemovalReason.UNREGISTERED)
         self._send(session, Ok(request_id=req.request_id))
 
     def _heartbeat(self, session: _Session, req: Heartbeat) -> None:
-        if session.record is None:
+        if self.registry.get(session.address) is None:
             raise MessageError(ErrorReason.NOT_REGISTERED, request_id=req.request_id)
-        self._heartbeats.add(session)
+        self._beats.add(session.address)
 
     async def flush_heartbeats(self) -> None:
         """Write the heartbeats received since the last flush; tell unknown hosts."""
-        batch, self._heartbeats = self._heartbeats, set()
-        live = {s.address: s for s in batch if s.record is not None}
+        live, self._beats = self._beats, set()
+        live |= self.liveness.take_seen()
         if not live:
             return
         try:
             missing = await self.registry.touch(list(live))
         except RegistryUnavailable:
             return
+        # A datagram heartbeater learns it from its next heartbeat (NOT_REGISTERED).
         for address in missing:
-            session = live[address]
-            session.record = None
-            self._send(session, Error(reason=ErrorReason.NOT_REGISTERED, detail="expired"))
+            session = self._sessions.get(address)
+            if session is not None:
+                self._send(session, Error(reason=ErrorReason.NOT_REGISTERED, detail="expired"))
 
     async def expire(self) -> None:
         """One expiry sweep; local sessions of expired hosts forget their registration."""
@@ -408,9 +433,6 @@ class MatchmakerService:
         for record in expired:
             self.metrics.removals.labels(RemovalReason.EXPIRED.value).inc()
             log.info("host_removed", host=record.address.key, reason=RemovalReason.EXPIRED)
-            session = self._sessions.get(record.address)
-            if session is not None and session.record and session.record.token == record.token:
-                session.record = None
 
     async def run_sweeper(self) -> None:
         """Flush heartbeats and expire hosts every ``sweep_interval`` until cancelled."""
@@ -579,11 +601,7 @@ class MatchmakerService:
 
     async def _reach_host(self, target: HostRecord, payload: bytes, rid: int) -> str:
         if target.owner == self.registry.replica_id:
-            host = self._sessions.get(target.address)
-            if host is None:
-                self.metrics.introductions.labels("not_found").inc()
-                raise MessageError(ErrorReason.NOT_FOUND, "host connection gone", request_id=rid)
-            self._send_raw(host, payload)
+            self._deliver(target, payload)
             return "local"
         try:
             await self.registry.deliver(target.owner, Notice(target.address, payload))
@@ -592,20 +610,33 @@ class MatchmakerService:
             raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
         return "relayed"
 
-    def _send_raw(self, session: _Session, payload: bytes) -> None:
-        try:
-            session.peer.send(payload)
-        except TRANSPORT_ERRORS as exc:
-            self.metrics.dropped.labels("send_failed").inc()
-            log.info("send_failed", error=type(exc).__name__)
+    def _deliver(self, target: HostRecord, payload: bytes) -> None:
+        """Send an introduction to the host's heartbeat address, until it acknowledges;
+        over the host's connection instead while it holds one."""
+        session = self._sessions.get(target.address)
+        if session is not None:
+            self._send_bytes(session, payload)
+            return
+        self.liveness.introduce(target, payload, self._clock())
+        self._intro_due.set()
 
     async def run_notices(self) -> None:
         """Deliver payloads relayed by other replicas to local hosts, until cancelled."""
         while True:
             notice = await self.registry.next_notice()
-            session = self._sessions.get(notice.target)
-            if session is not None:
-                self._send_raw(session, notice.payload)
+            target = self.registry.get(notice.target)
+            if target is not None:
+                self._deliver(target, notice.payload)
+
+    async def run_introductions(self) -> None:
+        """Send unacknowledged introductions again when due, until cancelled."""
+        interval = self.liveness.resend_interval
+        while True:
+            if not self.liveness.pending:
+                self._intro_due.clear()
+                await self._intro_due.wait()
+            await asyncio.sleep(interval / 2)
+            self.liveness.resend(self._clock())
 
     # ------------------------------------------------------------------ shutdown
 
@@ -613,6 +644,7 @@ class MatchmakerService:
         """From now on refuse new connections, and registrations with
         ``shutting_down`` (which sends hosts to another replica)."""
         self.shutting_down = True
+        self.liveness.stopping = True
 
     async def close_all(self) -> None:
         """Stop accepting, then close every connection gracefully, keeping

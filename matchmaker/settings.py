@@ -50,7 +50,12 @@ class Settings:
     port: int = _s(27950, "UDP port for the matchmaker protocol")
     http_bind: str = _s("0.0.0.0", "address of the HTTP port (/metrics /healthz /readyz /servers)")
     http_port: int = _s(27951, "HTTP port")
-    max_connections: int = _s(20000, "rudp connections at once (every listed host holds one)")
+    max_connections: int = _s(20000, "rudp connections at once (a listed host holds none)")
+    max_connections_per_source: int = _s(
+        64, "rudp connections at once from one source (IPv4 / IPv6 /64); 0: no limit"
+    )
+    handshake_rate: float = _s(20.0, "rudp handshakes per second per source; 0: no limit")
+    handshake_burst: int = _s(100, "rudp handshake burst per source")
     # -- registry
     store: str = _s("memory://", "registry: memory:// or redis://host:port/db")
     redis_prefix: str = _s("{mm}:", "key prefix in Redis (braces: one cluster slot)")
@@ -122,6 +127,8 @@ class Settings:
             "store": _masked_url(self.store),
             "allow_private": self.allow_private,
             "max_connections": self.max_connections,
+            "max_connections_per_source": self.max_connections_per_source,
+            "handshake_rate": f"{self.handshake_rate:g}/s burst {self.handshake_burst}",
             "max_hosts_per_ip": self.max_hosts_per_ip,
             "list_limit": self.list_limit,
             "register_rate": f"{self.register_rate:g}/s burst {self.register_burst:g}",
@@ -265,6 +272,13 @@ _RULES: list[Check] = [
         "must be in 0..65535 (0: any free port)",
     ),
     ("max_connections", lambda s: 1 <= s.max_connections <= 1_000_000, "must be 1..1000000"),
+    (
+        "max_connections_per_source",
+        lambda s: 0 <= s.max_connections_per_source <= 1_000_000,
+        "must be 0..1000000 (0: no limit)",
+    ),
+    ("handshake_rate", lambda s: s.handshake_rate >= 0, "must be >= 0 (0: no limit)"),
+    ("handshake_burst", lambda s: 1 <= s.handshake_burst <= 1_000_000, "must be 1..1000000"),
     (
         "store",
         lambda s: s.store == "memory://" or s.store.startswith(REDIS_SCHEMES),

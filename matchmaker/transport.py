@@ -8,7 +8,7 @@ protocol logic testable without sockets or timers.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import rudp
@@ -46,6 +46,19 @@ class Peer(Protocol):
         """Start closing at once; the awaitable completes when the connection ended.
         (``reason=`` is the deprecated name of ``text``, as in ``rudp.Connection``.)"""
         ...
+
+
+DatagramHandler = Callable[[bytes, tuple[Any, ...]], Sequence[bytes]]
+"""``fn(datagram, source) -> replies`` (each reply goes back to ``source``)."""
+
+
+class DatagramPort(Protocol):
+    """The socket a host's connections leave from, for connectionless datagrams
+    (heartbeats, introductions); `rudp.Server` is one."""
+
+    def send_datagram(self, data: bytes, address: tuple[Any, ...]) -> None: ...
+
+    def set_datagram_handler(self, first_byte: int, handler: DatagramHandler | None) -> None: ...
 
 
 Connector = Callable[[], Awaitable[Peer]]

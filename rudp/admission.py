@@ -22,12 +22,22 @@ connections at once.
 
 Rates: NOCONNs are sent through a token bucket, so a flood of DATA for unknown
 connection ids cannot make the endpoint a reflector of any size.
+
+Sources (``SourceLimits``): a source is an IPv4 address or an IPv6 /64 (an end
+site gets at least a /64, so single IPv6 addresses would let one machine rotate
+through 2**64 of them). Each may hold at most ``max_connections_per_source``
+connections, so that one source cannot take every slot of ``max_connections``,
+and start at most ``handshake_rate_per_source`` handshakes a second (a token
+bucket per source, in bounded memory), counted where a handshake starts to cost
+a Diffie-Hellman: at the CONNECT with a valid cookie. Both are off (0) by
+default.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import random
 import struct
 from collections import OrderedDict
@@ -60,6 +70,67 @@ class TokenBucket:
             self.tokens -= 1.0
             return True
         return False
+
+
+def source_of(address: Address) -> str:
+    """The unit of the per-source limits: an IPv4 address, or an IPv6 /64 (as text)."""
+    ip = str(address[0])
+    if ":" not in ip:
+        return ip
+    try:
+        parsed = ipaddress.IPv6Address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if parsed.ipv4_mapped is not None:
+        return str(parsed.ipv4_mapped)  # what a dual-stack socket reports for IPv4
+    return parsed.packed[:8].hex() + "::/64"
+
+
+class SourceLimits:
+    """Connections held and handshakes started per source (module doc)."""
+
+    def __init__(self, max_connections: int, rate: float, burst: int, max_keys: int) -> None:
+        self.max_connections = max_connections
+        self.rate = rate
+        self.burst = burst
+        self.max_keys = max_keys
+        self._held: dict[str, int] = {}
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def may_start(self, address: Address, now: float) -> bool:
+        """Whether the source of `address` may start one more handshake now."""
+        if not self.rate:
+            return True
+        key = source_of(address)
+        buckets = self._buckets
+        bucket = buckets.get(key)
+        if bucket is None:
+            if len(buckets) >= self.max_keys:
+                buckets.popitem(last=False)
+            bucket = buckets[key] = TokenBucket(self.rate, self.burst, now)
+        else:
+            buckets.move_to_end(key)
+        return bucket.take(now)
+
+    def may_hold(self, address: Address) -> bool:
+        """Whether the source of `address` may hold one more connection."""
+        return not self.max_connections or (
+            self._held.get(source_of(address), 0) < self.max_connections
+        )
+
+    def opened(self, address: Address) -> None:
+        if self.max_connections:
+            key = source_of(address)
+            self._held[key] = self._held.get(key, 0) + 1
+
+    def closed(self, address: Address) -> None:
+        if self.max_connections:
+            key = source_of(address)
+            left = self._held.get(key, 0) - 1
+            if left > 0:
+                self._held[key] = left
+            else:
+                self._held.pop(key, None)
 
 
 class CookieJar:

@@ -196,6 +196,24 @@ class Config:
     max_connections: int = 1024
     """A server refuses (reason "server full") past this many connections."""
 
+    max_connections_per_source: int = 0
+    """A server refuses (reason "too many connections from your address") a new
+    connection from a source, an IPv4 address or an IPv6 /64, that already holds this
+    many (0: no limit). Keeps one source from taking every slot of ``max_connections``;
+    players behind one NAT share a source, so leave room for them."""
+
+    handshake_rate_per_source: float = 0.0
+    """Handshakes per second one source (IPv4 address, IPv6 /64) may start, counted at
+    the CONNECT with a valid cookie, the first one that costs a Diffie-Hellman (0: no
+    limit). One over it is dropped unanswered; the client's own CONNECT resends try
+    again."""
+
+    handshake_burst_per_source: int = 32
+    """Burst size of each source's handshake token bucket."""
+
+    source_limit_keys: int = 65536
+    """Sources whose handshake buckets are remembered (least recently used forgotten)."""
+
     cookie_lifetime: float = 10.0
     """Handshake cookie secret rotation period; a cookie is valid for up to two periods."""
 
@@ -293,6 +311,11 @@ class Config:
             raise ValueError(
                 f"Config.max_ack_delay must be in [0, 16.383] seconds, got {self.max_ack_delay!r}"
             )
+        _check_range("max_connections_per_source", self.max_connections_per_source, 0, 1 << 24)
+        if not self.handshake_rate_per_source >= 0:
+            raise ValueError("Config.handshake_rate_per_source must be >= 0")
+        _check_range("handshake_burst_per_source", self.handshake_burst_per_source, 1, 1 << 24)
+        _check_range("source_limit_keys", self.source_limit_keys, 1, 1 << 24)
         if not self.rto_min <= self.rto_initial <= self.rto_max:
             raise ValueError("Config needs rto_min <= rto_initial <= rto_max")
         if self.keepalive_interval >= self.idle_timeout:

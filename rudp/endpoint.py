@@ -59,7 +59,7 @@ import random
 from typing import Final
 
 from rudp import handshake, wire, wire_v1
-from rudp.admission import CookieJar, ResetTokens, TokenBucket
+from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket
 from rudp.config import Config
 from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
@@ -77,6 +77,7 @@ _DATA_MIN: Final = wire.DATA_HEADER_SIZE
 NO_STATIC_KEY: Final = "this server has no static key"
 HANDSHAKE_FAILED: Final = "handshake failed: the client expects another server key"
 V1_REFUSAL: Final = "this server speaks rudp protocol version 2; upgrade the client"
+SOURCE_FULL: Final = "too many connections from your address"
 QUERY_LIMIT: Final = 4096  # our own queries awaiting an answer
 
 
@@ -105,6 +106,12 @@ class Endpoint:
         self._static = None if config.static_key is None else private_key(config.static_key)
         self._reset_tokens = ResetTokens(config.static_key, rng)
         self._noconn = TokenBucket(config.noconn_rate, config.noconn_burst, now)
+        self._sources = SourceLimits(
+            config.max_connections_per_source,
+            config.handshake_rate_per_source,
+            config.handshake_burst_per_source,
+            config.source_limit_keys,
+        )
         self._queries: dict[int, tuple[Address, float]] = {}
         # Connect tokens (``rudp.tokens``): required when the config names issuers.
         self._tokens = (
@@ -369,6 +376,9 @@ class Endpoint:
         """``conn`` migrated from ``old``: the address index follows it."""
         if self._conns.get(old) is conn:
             del self._conns[old]
+            self._sources.closed(old)
+        if conn.address not in self._conns:
+            self._sources.opened(conn.address)  # per-source counts follow it too
         self._conns[conn.address] = conn
 
     def _receive_other(
@@ -491,12 +501,23 @@ class Endpoint:
                 return DropReason.BAD_HANDSHAKE
             if keys.peer.connection_id == conn.peer_cid:
                 return DropReason.DUPLICATE
+        if conn is None and not self._sources.may_start(address, now):
+            # Unanswered, and the cookie stays unused: the client's next resend
+            # of this CONNECT tries again once the source's bucket has refilled.
+            self.stats.source_handshakes_limited += 1
+            return None
         if len(self._conns) >= self.config.max_connections + (conn is not None):
             # Before the cookie is spent: a client whose REJECT was lost gets it again
             # for its resent CONNECT, and once there is room that same CONNECT gets its
             # one connection (remembered below, so never a second).
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
+            return None
+        if conn is None and not self._sources.may_hold(address):
+            # Before the cookie is spent too, as "server full" above.
+            self.stats.connections_refused += 1
+            self.stats.source_connections_refused += 1
+            self._send_unvalidated(wire.encode_reject(request.salt, SOURCE_FULL), address)
             return None
         self._cookies.remember(address, request.salt, now)  # one DH per cookie, at most
         first = self._read_first(request, address)
@@ -515,6 +536,8 @@ class Endpoint:
         if conn is not None:
             # The peer restarted: its old session is gone.
             conn.abort(DisconnectReason.NO_CONNECTION, by_peer=True)
+            if address not in self._conns:  # (forgotten by the abort)
+                self._sources.opened(address)
             self._conns[address] = fresh
         self.stats.connections_accepted += 1
         return None
@@ -627,6 +650,7 @@ class Endpoint:
         self._by_cid[cid] = conn
         if address not in self._conns:
             self._conns[address] = conn
+            self._sources.opened(address)
         return conn
 
     def _new_cid(self) -> int:
@@ -639,6 +663,7 @@ class Endpoint:
     def _forget(self, conn: Connection) -> None:
         if self._conns.get(conn.address) is conn:
             del self._conns[conn.address]
+            self._sources.closed(conn.address)
         if self._by_cid.get(conn.cid) is conn:
             del self._by_cid[conn.cid]
         self.stats.absorb(conn.stats)

@@ -317,6 +317,16 @@ ENDPOINT_COUNTER_TABLE: Final = (
     ),
     ("tokens_accepted", "Connect tokens verified and spent.", "rudp_tokens_accepted_total"),
     (
+        "source_connections_refused",
+        "Handshakes refused: their source (IPv4 address, IPv6 /64) held its share of connections.",
+        "rudp_source_connections_refused_total",
+    ),
+    (
+        "source_handshakes_limited",
+        "Handshakes left unanswered: their source started more than its rate allows.",
+        "rudp_source_handshakes_limited_total",
+    ),
+    (
         "noconn_suppressed",
         "NOCONN replies held back by the rate limit.",
         "rudp_noconn_suppressed_total",
@@ -348,6 +358,8 @@ class EndpointStats:
         "dropped",
         "noconn_suppressed",
         "simultaneous_opens",
+        "source_connections_refused",
+        "source_handshakes_limited",
         "tokens_accepted",
         "tokens_refused",
         "unvalidated_bytes_received",
@@ -366,6 +378,10 @@ class EndpointStats:
         self.connections_refused = 0
         # Handshakes that crossed our own CONNECT to the same peer and won the tie-break.
         self.simultaneous_opens = 0
+        # Handshakes refused or left unanswered by the per-source limits
+        # (the refused ones are in connections_refused too).
+        self.source_connections_refused = 0
+        self.source_handshakes_limited = 0
         # NOCONN replies the token bucket held back (the datagram itself is counted
         # once, under its drop reason).
         self.noconn_suppressed = 0

@@ -25,6 +25,7 @@ from matchmaker.messages._types import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
     REQUEST_TYPES,
+    SECRET_BYTES,
     Error,
     ErrorReason,
     Heartbeat,
@@ -140,6 +141,8 @@ class _Reader:
 
     def blob(self, key: str, max_bytes: int, *, min_bytes: int = 0, default: Any = _MISSING) -> Any:
         v = self.raw(key, default)
+        if v is default and default is not _MISSING:
+            return v
         if not isinstance(v, bytes) or not min_bytes <= len(v) <= max_bytes:
             raise self.fail(ErrorReason.BAD_FIELD, f"{key}: {min_bytes}..{max_bytes} bytes")
         return v
@@ -395,7 +398,10 @@ def _read_supported(r: _Reader) -> WrongVersion:
 _READERS: dict[MsgType, Callable[[_Reader], Message]] = {
     MsgType.REGISTER: lambda r: Register(request_id=r.request_id, host=_read_host(r)),
     MsgType.REGISTERED: lambda r: Registered(
-        request_id=r.request_id, address=r.address("addr"), keepalive=r.number("keepalive", 0, 3600)
+        request_id=r.request_id,
+        address=r.address("addr"),
+        keepalive=r.number("keepalive", 0, 3600),
+        secret=r.blob("secret", SECRET_BYTES, min_bytes=SECRET_BYTES, default=b""),
     ),
     MsgType.UPDATE: lambda r: Update(request_id=r.request_id, changes=_read_update(r)),
     MsgType.UNREGISTER: lambda r: Unregister(request_id=r.request_id),

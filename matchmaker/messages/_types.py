@@ -266,6 +266,9 @@ class Registered:
     """The host's public address as the matchmaker observed it."""
     keepalive: float
     """Seconds between the Heartbeats the host must send to stay listed."""
+    secret: bytes = b""
+    """Key of the host's heartbeat datagrams (`matchmaker.heartbeat`); empty from
+    a matchmaker that only takes heartbeats over the connection."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -438,6 +441,8 @@ REQUEST_TYPES: tuple[type, ...] = (
 )
 
 NONCE_BYTES = 16
+SECRET_BYTES = 32
+"""Size of `Registered.secret`."""
 
 # Optional host fields and their defaults; a list entry on the wire leaves out
 # those at their default (the decoder fills them in), ~10% more hosts a page.

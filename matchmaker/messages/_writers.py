@@ -131,7 +131,8 @@ def _fields(msg: Message) -> dict[str, object]:
         case Register():
             return _host_fields(msg.host, with_lan=True)
         case Registered():
-            return {"addr": _addr(msg.address), "keepalive": msg.keepalive}
+            fields: dict[str, object] = {"addr": _addr(msg.address), "keepalive": msg.keepalive}
+            return {**fields, "secret": msg.secret} if msg.secret else fields
         case Update():
             return _update_fields(msg.changes)
         case ListRequest():

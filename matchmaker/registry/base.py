@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import enum
 import random
 import secrets
+import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -108,6 +110,9 @@ class HostRecord:
     """Registry clock, seconds."""
     last_seen: float
     """Registry clock, seconds."""
+    beat: int = field(default=0, compare=False, repr=False)
+    """The counter of the last heartbeat datagram this replica accepted for this
+    registration (replay protection, `matchmaker.liveness`); moves in place."""
     listed: tuple[bytes, str] = field(default=(b"", ""), compare=False, repr=False)
     """What lists send of this host, once a list has: its encoded entry and its
     `source_key` (the unit of the per-IP page cap).  Kept with the record, which
@@ -132,6 +137,20 @@ class Notice:
 
     target: Address
     payload: bytes
+
+
+def shared_strings(info: HostInfo) -> HostInfo:
+    """`info` with its game, version, map, region and tags interned: most hosts
+    share them, and each decoded copy would cost ~50 bytes (~300 B a host)."""
+    intern = sys.intern
+    return dataclasses.replace(
+        info,
+        game=intern(info.game),
+        version=intern(info.version),
+        map=intern(info.map),
+        region=intern(info.region),
+        tags=tuple(intern(t) for t in info.tags),
+    )
 
 
 def new_token() -> str:
@@ -213,7 +232,10 @@ class LocalIndex:
 
     def put(self, record: HostRecord) -> HostRecord | None:
         """Insert or replace; returns the replaced record."""
+        record.info = shared_strings(record.info)
         old = self._records.get(record.address)
+        if old is not None and old.token == record.token:
+            record.beat = max(record.beat, old.beat)  # an update: same registration
         if old is not None and (old.info is record.info or old.info == record.info):
             self._records[record.address] = record
             same = self._by_game[old.info.game]
@@ -328,6 +350,9 @@ class Registry(abc.ABC):
         if not 0 < hide_after <= expire_after:
             raise ValueError("need 0 < hide_after <= expire_after")
         self.replica_id = replica_id
+        self.heartbeat_key = secrets.token_bytes(32)
+        """Key the heartbeat secrets are derived from (`matchmaker.heartbeat`); a
+        shared registry replaces it at start with the one every replica uses."""
         self.hide_after = hide_after
         self.expire_after = expire_after
         self._subscriptions: list[Subscription] = []

@@ -17,6 +17,8 @@ key                 type    content
 ``sweep``/``grace`` string  last expiry sweep, and end of a post-outage grace period
 ``epoch``           string  random, written by whoever finds it missing: a new value
                             means Redis lost its data
+``hbkey``           string  32 random bytes, written by whoever finds it missing: the
+                            key heartbeat secrets are derived from (`matchmaker.heartbeat`)
 ``notice:<id>``     pubsub  payloads for hosts connected to replica ``<id>``
 ==================  ======  =====================================================
 
@@ -850,7 +852,13 @@ class RedisRegistry(Registry):
         pipe.get(self._k("grace"))
         pipe.set(self._k("epoch"), new_token(), nx=True)
         pipe.get(self._k("epoch"))
-        t, sweep, grace, _, epoch = await self._op("time", pipe.execute())
+        # Every replica derives heartbeat secrets from the same key (written back
+        # by the first replica to reload after Redis lost its data).
+        pipe.set(self._k("hbkey"), self.heartbeat_key, nx=True)
+        pipe.get(self._k("hbkey"))
+        t, sweep, grace, _, epoch, _, key = await self._op("time", pipe.execute())
+        if isinstance(key, bytes) and len(key) == len(self.heartbeat_key):
+            self.heartbeat_key = key
         lost = self._epoch is not None and epoch != self._epoch
         self._epoch = epoch
         now_ms = int(t[0]) * 1000 + int(t[1]) // 1000

@@ -10,8 +10,11 @@ deadline moves earlier, and one flush per event-loop turn, scheduled with
 
 Another protocol may share the socket (``on_foreign``): a datagram starting with
 ``FF FF FF FF`` (Valve's A2S queries, Quake's out-of-band packets) then goes to
-that handler before any rudp decoding. The hook is chosen once, when the handler
-is set, so the read loop's per-datagram cost is the same with and without it.
+that handler before any rudp decoding. Other first bytes that no rudp datagram
+starts with can be handed elsewhere the same way (``set_datagram_handler``; the
+matchmaker's heartbeats use ``0xB1``-``0xB6``). The hook is chosen once, when a
+handler is set, so the read loop's per-datagram cost is the same with and
+without one.
 
 On an event loop without ``add_reader`` (Windows' Proactor), ``rudp.aio.protocol``
 reads and writes for this class through a ``DatagramProtocol`` instead.
@@ -59,6 +62,8 @@ ForeignHandler = Callable[[bytes, Address], "Sequence[bytes]"]
 Receive = Callable[[bytes, Address, float], object]
 FOREIGN_PREFIX = b"\xff\xff\xff\xff"
 """What starts a datagram of another protocol sharing the socket (A2S, Quake)."""
+RUDP_FIRST_BYTES = range(0xA0, 0xB0)
+"""First bytes reserved for rudp's own datagrams (``0xA0 | type``)."""
 SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
 # The close text of a connection its serve handler ended (what the peer's
 # ConnectionClosed and Disconnected say): returned, raised, or was no coroutine.
@@ -128,7 +133,9 @@ class AioEndpoint:
         self.core.wall_offset = time() - monotonic()
         self._handler = handler
         self.on_query: QueryHandler | None = None
-        self._foreign: ForeignHandler | None = None  # see set_foreign_handler()
+        # Handlers of other protocols by first byte (0xFF: FF FF FF FF), see
+        # set_foreign_handler() and set_datagram_handler().
+        self._foreign: dict[int, ForeignHandler] = {}
         self.foreign_errors = 0  # foreign handlers that raised
         # What each datagram read goes to: the core, or _receive_checked while a
         # foreign handler is set.
@@ -200,26 +207,51 @@ class AioEndpoint:
 
     @property
     def on_foreign(self) -> ForeignHandler | None:
-        return self._foreign
+        return self._foreign.get(0xFF)
 
     def set_foreign_handler(self, handler: ForeignHandler | None) -> None:
         """Send datagrams starting with ``FF FF FF FF`` to `handler` (None: to rudp)."""
         # A method, not a property setter: mypyc compiles no setters in this class.
-        self._foreign = handler
-        self._receive = self.core.receive_datagram if handler is None else self._receive_checked
+        self.set_datagram_handler(0xFF, handler)
+
+    def set_datagram_handler(self, first_byte: int, handler: ForeignHandler | None) -> None:
+        """Send datagrams starting with `first_byte` to `handler` (None: to rudp).
+
+        ``0xFF`` means ``FF FF FF FF`` (see `set_foreign_handler`); rudp's own
+        first bytes (``0xA0``-``0xAF``) cannot be taken.
+        """
+        if not 0 <= first_byte <= 0xFF or first_byte in RUDP_FIRST_BYTES:
+            raise LocalProtocolError(f"first byte {first_byte:#x} is not free for another protocol")
+        if handler is None:
+            self._foreign.pop(first_byte, None)
+        else:
+            self._foreign[first_byte] = handler
+        self._receive = self._receive_checked if self._foreign else self.core.receive_datagram
+
+    def send_datagram(self, data: bytes, address: Address) -> None:
+        """Send one datagram of another protocol sharing the socket (not rudp).
+
+        Its first byte must not be one of rudp's (the peer's rudp would read it).
+        The caller bounds what it sends to unvalidated addresses.
+        """
+        if not data or data[0] in RUDP_FIRST_BYTES:
+            raise LocalProtocolError("a foreign datagram must not start with a rudp byte")
+        if self._closed:
+            return
+        send = self._outbound.send if self._outbound is not None else self._sendto
+        send(data, address)
 
     def _receive_checked(self, data: bytes, address: Address, now: float) -> None:
         # Checked before any rudp decoding: a version-1 rudp packet starts with its
-        # CRC-32, which is FF FF FF FF once in 2**32; a version-2 one never does.
-        if data[:4] == FOREIGN_PREFIX:
-            self._foreign_datagram(data, address)
+        # CRC-32, which is FF FF FF FF once in 2**32; a version-2 one never starts
+        # with a byte outside 0xA1-0xA8.
+        handler = self._foreign.get(data[0]) if data else None
+        if handler is not None and (data[0] != 0xFF or data[:4] == FOREIGN_PREFIX):
+            self._foreign_datagram(handler, data, address)
         else:
             self.core.receive_datagram(data, address, now)
 
-    def _foreign_datagram(self, data: bytes, address: Address) -> None:
-        handler = self._foreign
-        if handler is None:
-            return
+    def _foreign_datagram(self, handler: ForeignHandler, data: bytes, address: Address) -> None:
         try:
             replies = handler(data, address)
         except Exception:

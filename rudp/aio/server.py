@@ -180,6 +180,16 @@ class Endpoint:
     def on_foreign(self, handler: ForeignHandler | None) -> None:
         self._endpoint.set_foreign_handler(handler)
 
+    def set_datagram_handler(self, first_byte: int, handler: ForeignHandler | None) -> None:
+        """Like `on_foreign`, for datagrams starting with `first_byte` (one no rudp
+        datagram starts with: not ``0xA0``-``0xAF``); None gives them back to rudp."""
+        self._endpoint.set_datagram_handler(first_byte, handler)
+
+    def send_datagram(self, data: bytes, address: Address) -> None:
+        """Send one datagram of another protocol from this socket (never rudp's:
+        its first byte is checked). Nothing is sent once the socket is closed."""
+        self._endpoint.send_datagram(data, address)
+
     async def connect(
         self,
         host: str,

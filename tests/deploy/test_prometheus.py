@@ -177,9 +177,10 @@ async def test_prometheus_scrapes_what_the_daemon_did(
         assert [(s["metric"]["replica"], s["value"][1]) for s in up] == [("127.0.0.1", "1")]
         prometheus.wait_for(hosts_listed, 3)
         prometheus.wait_for('sum(matchmaker_registrations_total{result="created"})', 3)
-        # rudp's transport metrics are scraped too: one connection per host.
-        prometheus.wait_for('sum(rudp_connections{job="matchmaker"})', 3)
+        # rudp's transport metrics are scraped too: each host registered over a
+        # connection, then closed it (listed hosts heartbeat with datagrams).
         prometheus.wait_for('sum(rudp_connections_accepted_total{job="matchmaker"})', 3)
+        prometheus.wait_for('sum(rudp_connections{job="matchmaker"})', 0)
         # The repository's metric relabelling is in force: no *_created series.
         assert prometheus.query('count({job="matchmaker", __name__=~".+_created"})') == []
 
@@ -191,10 +192,11 @@ async def test_prometheus_scrapes_what_the_daemon_did(
     )
     await asyncio.to_thread(check)
 
-    # One host leaves: Prometheus sees 2 at its next scrape.
+    # One host leaves (its LEAVE datagram): Prometheus sees 2 at its next scrape.
     await three_hosts[0].close()
     await asyncio.to_thread(prometheus.wait_for, hosts_listed, 2)
-    await asyncio.to_thread(prometheus.wait_for, 'sum(rudp_connections{job="matchmaker"})', 2)
+    left = 'sum(matchmaker_heartbeats_total{job="matchmaker", result="left"})'
+    await asyncio.to_thread(prometheus.wait_for, left, 1)
 
 
 def test_rules_load_and_queries_run(prometheus: Prometheus) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,3 +138,78 @@ async def settle() -> None:
     """Let every ready task run (a few loop turns; no wall-clock wait)."""
     for _ in range(20):
         await asyncio.sleep(0)
+
+
+SERVER_ADDRESS = ("203.0.113.1", 27950)
+"""Where `pipe` connections go: the fake matchmaker's rudp port."""
+
+DatagramHandler = Callable[[bytes, tuple[Any, ...]], Sequence[bytes]]
+
+
+class DatagramNet:
+    """Connectionless datagrams between hosts' sockets and one matchmaker's socket.
+
+    Each datagram is delivered on the next loop turn (never from inside the
+    sender's call).  `cut` drops everything in both directions.
+    """
+
+    def __init__(self) -> None:
+        self.ports: dict[tuple[str, int], FakeDatagramPort] = {}
+        self.server: DatagramHandler | None = None
+        self.cut = False
+        self.to_server: list[bytes] = []
+        self.to_hosts: list[bytes] = []
+
+    def port(self, address: tuple[str, int]) -> FakeDatagramPort:
+        port = self.ports.get(address)
+        if port is None:
+            port = self.ports[address] = FakeDatagramPort(self, address)
+        return port
+
+    def serve(self, handler: DatagramHandler) -> Callable[[bytes, tuple[Any, ...]], None]:
+        """Make `handler` the matchmaker's socket; returns its send function."""
+        self.server = handler
+        return self.send_to_host
+
+    def send_to_host(self, data: bytes, address: tuple[Any, ...]) -> None:
+        self.to_hosts.append(data)
+        port = self.ports.get((str(address[0]), int(address[1])))
+        if port is not None and not self.cut:
+            asyncio.get_running_loop().call_soon(port.deliver, data, SERVER_ADDRESS)
+
+    def send_to_server(self, data: bytes, source: tuple[str, int]) -> None:
+        self.to_server.append(data)
+        if not self.cut:
+            asyncio.get_running_loop().call_soon(self._serve, data, source)
+
+    def _serve(self, data: bytes, source: tuple[str, int]) -> None:
+        if self.server is None or self.cut:
+            return
+        for reply in self.server(data, source):
+            self.send_to_host(reply, source)
+
+
+class FakeDatagramPort:
+    """A host's socket as `MatchmakerClient(datagrams=...)` sees it."""
+
+    def __init__(self, net: DatagramNet, address: tuple[str, int]) -> None:
+        self.net = net
+        self.address = address
+        self.handlers: dict[int, DatagramHandler] = {}
+
+    def send_datagram(self, data: bytes, address: tuple[Any, ...]) -> None:
+        assert tuple(address) == SERVER_ADDRESS, address
+        self.net.send_to_server(data, self.address)
+
+    def set_datagram_handler(self, first_byte: int, handler: DatagramHandler | None) -> None:
+        if handler is None:
+            self.handlers.pop(first_byte, None)
+        else:
+            self.handlers[first_byte] = handler
+
+    def deliver(self, data: bytes, source: tuple[str, int]) -> None:
+        handler = self.handlers.get(data[0])
+        if handler is None:
+            return
+        for reply in handler(data, source):
+            self.send_datagram(reply, source)

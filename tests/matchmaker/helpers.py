@@ -114,6 +114,8 @@ class DaemonProcess:
         self.args += ["--store", store, "--bind", "127.0.0.1", "--port", str(self.port)]
         self.args += ["--http-bind", "127.0.0.1", "--http-port", str(self.http_port)]
         self.args += ["--allow-private", "--log-format", "json", *flags]
+        # Loopback is one source: the per-source limits would hold the tests' fleets.
+        self.args += ["--max-connections-per-source", "0", "--handshake-rate", "0"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -268,6 +270,9 @@ def settings(**kw: Any) -> Settings:
         "http_bind": "127.0.0.1",
         "http_port": 0,
         "allow_private": True,  # everything here is loopback
+        # Loopback is one source: the per-source limits would hold the tests' fleets.
+        "max_connections_per_source": 0,
+        "handshake_rate": 0.0,
         "keepalive": 0.2,
         "sweep_interval": 0.1,
         "shutdown_timeout": 3.0,

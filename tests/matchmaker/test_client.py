@@ -11,8 +11,12 @@ from matchmaker.addresses import Address
 from matchmaker.client import ConnectionLost, MatchmakerClient, MatchmakerError
 from matchmaker.messages import ErrorReason, Role
 from matchmaker.registry import RemovalReason
-from tests.matchmaker.fakes import FakeConnection, pipe
+from tests.matchmaker.fakes import DatagramNet, FakeConnection, pipe
 from tests.matchmaker.helpers import Harness, eventually, info, pub
+
+MODES = ["datagrams", "connection"]
+"""How a host keeps its listing: heartbeat datagrams from its socket, or messages
+over a connection it holds (a client given no socket)."""
 
 
 class Switchboard:
@@ -22,6 +26,12 @@ class Switchboard:
         self.harness = harness
         self.links: list[FakeConnection] = []
         self.tasks: list[asyncio.Task[None]] = []
+        self.net = DatagramNet()
+        self._plug()
+
+    def _plug(self) -> None:
+        liveness = self.harness.service.liveness
+        liveness.send = self.net.serve(liveness.receive)
 
     def connector(self, ip: str, port: int = 27960) -> Any:
         async def connect() -> FakeConnection:
@@ -38,25 +48,39 @@ class Switchboard:
             link.abort()
         await asyncio.gather(*self.tasks)
         self.harness = Harness(keepalive=self.harness.settings.keepalive)
+        self._plug()
         return self.harness
 
 
-def client(board: Switchboard, ip: str, port: int = 27960, **kw: Any) -> MatchmakerClient:
+def client(
+    board: Switchboard, ip: str, port: int = 27960, mode: str = "datagrams", **kw: Any
+) -> MatchmakerClient:
     kw.setdefault("reconnect_delay", 0.01)
+    if mode == "datagrams":
+        kw["datagrams"] = board.net.port((ip, port))
     return MatchmakerClient(board.connector(ip, port), **kw)
+
+
+def heartbeats_flow(board: Switchboard, mode: str) -> bool:
+    if mode == "datagrams":
+        return board.harness.sample("matchmaker_heartbeats_total", result="ok") > 0
+    return bool(board.harness.service._beats)
 
 
 HOST: dict[str, Any] = {"name": "srv", "game": "q3", "version": "1", "max_players": 8}
 
 
-async def test_register_keepalive_update_unregister() -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_register_keepalive_update_unregister(mode: str) -> None:
     board = Switchboard(Harness(keepalive=0.02))
-    async with client(board, pub(1)) as host:
+    async with client(board, pub(1), mode=mode) as host:
         address = await host.register(**HOST, tags=["ctf"], lan=("192.168.1.2", 27960))
         assert address == Address(pub(1), 27960) == host.address
         rec = board.harness.registry.get(address)
         assert rec is not None and rec.info.tags == ("ctf",)
-        await eventually(lambda: bool(board.harness.service._heartbeats))  # heartbeats flow
+        await eventually(lambda: heartbeats_flow(board, mode))
+        # A heartbeating host holds no connection; one that has no socket does.
+        await eventually(lambda: board.harness.service.connections == (mode == "connection"))
         await host.update(players=2, map="dm6")
         rec = board.harness.registry.get(address)
         assert rec is not None and (rec.info.players, rec.info.map) == (2, "dm6")
@@ -67,9 +91,10 @@ async def test_register_keepalive_update_unregister() -> None:
         assert board.harness.registry.get(address) is None
 
 
-async def test_reregisters_after_matchmaker_restart_with_latest_info() -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_reregisters_after_matchmaker_restart_with_latest_info(mode: str) -> None:
     board = Switchboard(Harness(keepalive=0.02))
-    async with client(board, pub(1)) as host:
+    async with client(board, pub(1), mode=mode) as host:
         await host.register(**HOST)
         await host.update(players=5)
         fresh = await board.restart()
@@ -77,31 +102,39 @@ async def test_reregisters_after_matchmaker_restart_with_latest_info() -> None:
         await eventually(lambda: fresh.registry.get(address) is not None)
         rec = fresh.registry.get(address)
         assert rec is not None and rec.info.players == 5
+        # The entry is made before the reply reaches the client.
+        await eventually(lambda: host.registrations >= 2)
         assert host.registrations == 2
 
 
-async def test_reregisters_when_told_not_registered() -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_reregisters_when_told_not_registered(mode: str) -> None:
     board = Switchboard(Harness(keepalive=0.02))
-    async with client(board, pub(1)) as host:
+    async with client(board, pub(1), mode=mode) as host:
         await host.register(**HOST)
         address = Address(pub(1), 27960)
         rec = board.harness.registry.get(address)
         assert rec is not None
         await board.harness.registry.remove(address, RemovalReason.EXPIRED)
-        # The next heartbeat is answered with not_registered (the session
-        # still thinks it is registered until the flush says otherwise).
-        await eventually(lambda: bool(board.harness.service._heartbeats))
-        await board.harness.service.flush_heartbeats()
+        # The next heartbeat is answered with not_registered: at once for a
+        # datagram, at the next flush for a message (the registry says so).
+        if mode == "connection":
+            await eventually(lambda: bool(board.harness.service._beats))
+            await board.harness.service.flush_heartbeats()
         await eventually(lambda: board.harness.registry.get(address) is not None)
+        await eventually(lambda: host.registrations >= 2)  # the reply comes after the entry
         assert host.registrations == 2
 
 
-async def test_close_removes_the_host() -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_close_removes_the_host(mode: str) -> None:
     board = Switchboard(Harness())
-    host = client(board, pub(1))
+    host = client(board, pub(1), mode=mode)
     await host.register(**HOST)
     await host.close()
     await eventually(lambda: board.harness.registry.get(Address(pub(1), 27960)) is None)
+    reason = "unregistered"
+    assert board.harness.sample("matchmaker_removals_total", reason=reason) == 1
 
 
 async def test_list_servers_collects_every_page() -> None:
@@ -121,10 +154,16 @@ async def test_list_servers_collects_every_page() -> None:
         assert refused.value.reason is ErrorReason.BAD_FIELD
 
 
-async def test_introduce_reaches_both_sides() -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_introduce_reaches_both_sides(mode: str) -> None:
     board = Switchboard(Harness())
-    async with client(board, pub(1)) as host, client(board, pub(2), 5000) as joiner:
+    async with (
+        client(board, pub(1), mode=mode) as host,
+        client(board, pub(2), 5000) as joiner,
+    ):
         address = await host.register(**HOST)
+        if mode == "datagrams":
+            await eventually(lambda: board.harness.service.connections == 0)
         intro = await joiner.introduce(address)
         assert intro.role is Role.CLIENT and intro.peer == address
         to_host = await asyncio.wait_for(host.introductions.get(), 2)

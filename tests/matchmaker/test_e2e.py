@@ -130,6 +130,7 @@ async def test_two_daemons_share_redis(redis_server: RedisProcess) -> None:
 async def test_metrics_export_rudp_transport_counters(daemon: Matchmaker) -> None:
     game, _ = await accepting_endpoint()
     host = MatchmakerClient.to(*daemon.udp_address, via=game)
+    browser = MatchmakerClient.to(*daemon.udp_address)
     garbage = 7
     try:
         await host.register(**HOST)
@@ -143,7 +144,9 @@ async def test_metrics_export_rudp_transport_counters(daemon: Matchmaker) -> Non
         transport.close()
         stats = daemon.udp.stats
         await eventually(lambda: stats.dropped[rudp.DropReason.BAD_CHECKSUM] == garbage)
-        await host.update(players=1)  # an acked round trip: an RTT sample on both sides
+        await browser.info()  # an acked round trip: an RTT sample on both sides
+        # The host heartbeats with datagrams: the browser's is the one connection.
+        await eventually(lambda: len(daemon.udp.endpoint.core.connections) == 1)
 
         status, body = await http_get(daemon.http_address, "/metrics")
         assert status == 200
@@ -157,13 +160,14 @@ async def test_metrics_export_rudp_transport_counters(daemon: Matchmaker) -> Non
         assert samples[("rudp_connections", ())] == 1
         assert samples[("rudp_datagrams_dropped_total", (("reason", "bad_checksum"),))] == garbage
         # A gauge histogram (text format 0.0.4 writes it as a histogram plus
-        # _gcount/_gsum); one open connection has an RTT sample: the host's.
+        # _gcount/_gsum); one open connection has an RTT sample: the browser's.
         assert samples[("rudp_rtt_seconds_bucket", (("le", "+Inf"),))] == 1
         assert samples[("rudp_rtt_seconds_gcount", ())] == 1
         assert ("rudp_retransmissions_total", ()) in samples
         build = (("python", platform.python_version()), ("version", __version__))
         assert samples[("matchmaker_build_info", build)] == 1
     finally:
+        await browser.close()
         await host.close()
         await game.close()
 
@@ -195,3 +199,33 @@ def test_daemon_process_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_one_source_filling_the_slots_is_capped_and_a_host_still_gets_in() -> None:
+    daemon = Matchmaker(settings(max_connections=40, max_connections_per_source=8))
+    await daemon.start()
+    greedy = [await rudp.open_endpoint("127.0.0.1", 0) for _ in range(12)]
+
+    async def players(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    game = await rudp.serve(players, "127.0.0.2", 0)  # the legitimate host: another source
+    host = MatchmakerClient.to(*daemon.udp_address, via=game)
+    try:
+        results = await asyncio.gather(
+            *(e.connect(*daemon.udp_address) for e in greedy), return_exceptions=True
+        )
+        held = [r for r in results if isinstance(r, rudp.Connection)]
+        refused = [r for r in results if isinstance(r, rudp.ConnectRefused)]
+        assert (len(held), len(refused)) == (8, 4), results
+        assert all("too many connections from your address" in str(r) for r in refused)
+        address = await host.register(**HOST)
+        assert daemon.registry.get(address) is not None
+        _, body = await http_get(daemon.http_address, "/metrics")
+        assert "rudp_source_connections_refused_total 4.0" in body.decode()
+    finally:
+        await host.close()
+        await game.close()
+        for e in greedy:
+            await e.close()
+        await daemon.shutdown()

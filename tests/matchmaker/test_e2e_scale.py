@@ -184,6 +184,8 @@ def settings(v6: bool) -> Settings:
         register_burst=1000.0,
         list_rate=1000.0,
         list_burst=1000.0,
+        max_connections_per_source=0,  # 20 hosts per loopback IP, 30 on ::1
+        handshake_rate=0.0,
         shutdown_timeout=5.0,
     )
 

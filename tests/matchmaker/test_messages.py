@@ -71,6 +71,7 @@ ALL_MESSAGES: list[Message] = [
     Register(request_id=1, host=HOST),
     Register(host=HostInfo(name="x", game="g", version="1", max_players=1)),
     Registered(request_id=2, address=A, keepalive=5.0),
+    Registered(request_id=2, address=A, keepalive=5.0, secret=b"s" * 32),
     Update(request_id=3, changes=HostUpdate(players=4, map="dm6", tags=(), info=b"")),
     Update(request_id=3, changes=HostUpdate(password=False)),
     Unregister(request_id=4),

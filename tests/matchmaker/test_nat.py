@@ -58,7 +58,7 @@ from matchmaker.client import MatchmakerClient
 def say(kind, **fields):
     print("@@ " + json.dumps({"kind": kind, **fields}), flush=True)
 
-async def main(mm_ip, mm_port, lan_ip):
+async def main(mm_ip, mm_port, lan_ip, idle="0"):
     joined = asyncio.Queue()
 
     async def handler(conn):
@@ -74,6 +74,16 @@ async def main(mm_ip, mm_port, lan_ip):
     addr = await mm.register(name="nat host", game="q3", version="1", max_players=8,
                              lan=(lan_ip, port))
     say("registered", addr=[addr.ip, addr.port], lan=[lan_ip, port])
+    if float(idle):
+        # Listed on heartbeat datagrams alone: no connection to the matchmaker is
+        # left, and the NAT's mapping outlives its own timeout only through them.
+        for _ in range(100):
+            if not game.connections:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(float(idle))
+        say("idle", connections=len(game.connections), address=[mm.address.ip, mm.address.port],
+            registrations=mm.registrations)
     intro = await asyncio.wait_for(mm.introductions.get(), 30)
     # The punch: one datagram from the game socket towards each of the client's
     # addresses opens this side's NAT (a rudp unconnected query; no answer comes).
@@ -191,11 +201,11 @@ def expect(lab: NetLab, proc: subprocess.Popen[str], kind: str) -> dict[str, Any
             return record
 
 
-def start_matchmaker(lab: NetLab) -> None:
+def start_matchmaker(lab: NetLab, *flags: str) -> None:
     mm = lab.add_namespace("mm")
     lab.plug(mm, "br0", "eth0", f"{MM_IP}/24")
     args = ["--bind", MM_IP, "--port", str(MM_PORT), "--http-bind", "127.0.0.1"]
-    args += ["--http-port", "0", "--allow-private", "--log-format", "json"]
+    args += ["--http-port", "0", "--allow-private", "--log-format", "json", *flags]
     proc = lab.spawn_in(mm, DAEMON, *args)
     while True:
         line = lab.read_line(proc, LINE_TIMEOUT)
@@ -204,11 +214,13 @@ def start_matchmaker(lab: NetLab) -> None:
 
 
 def run_join(
-    lab: NetLab, host: tuple[str, str], client: tuple[str, str]
+    lab: NetLab, host: tuple[str, str], client: tuple[str, str], idle: float = 0.0
 ) -> tuple[dict[str, Any], ...]:
-    """Host registers, client lists + is introduced + joins; every record of both."""
-    host_proc = lab.spawn_in(host[0], HOST, MM_IP, str(MM_PORT), host[1])
+    """Host registers (then stays idle for `idle` seconds: "idle" record), client
+    lists + is introduced + joins; every record of both."""
+    host_proc = lab.spawn_in(host[0], HOST, MM_IP, str(MM_PORT), host[1], str(idle))
     registered = expect(lab, host_proc, "registered")
+    idled = expect(lab, host_proc, "idle") if idle else registered
     client_proc = lab.spawn_in(client[0], CLIENT, MM_IP, str(MM_PORT), client[1])
     listed = expect(lab, client_proc, "listed")
     client_intro = expect(lab, client_proc, "introduced")
@@ -217,7 +229,7 @@ def run_join(
     connected = expect(lab, client_proc, "connected")
     for proc in (host_proc, client_proc):
         assert proc.wait(LINE_TIMEOUT) == 0
-    return registered, listed, client_intro, host_intro, joined, connected
+    return registered, listed, client_intro, host_intro, joined, connected, idled
 
 
 def test_introduction_through_two_nats(lab: NetLab) -> None:
@@ -227,7 +239,7 @@ def test_introduction_through_two_nats(lab: NetLab) -> None:
     host = add_lan_node(lab, "host", site_a, 2)
     client = add_lan_node(lab, "client", site_b, 2)
 
-    registered, listed, client_intro, host_intro, joined, connected = run_join(lab, host, client)
+    registered, listed, client_intro, host_intro, joined, connected, _ = run_join(lab, host, client)
 
     # The matchmaker saw, listed and introduced router A's public side, not the LAN.
     public_host = registered["addr"]
@@ -268,7 +280,7 @@ def test_introduction_behind_one_nat_uses_lan_addresses(lab: NetLab) -> None:
     host = add_lan_node(lab, "host", site, 2)
     client = add_lan_node(lab, "client", site, 3)
 
-    registered, listed, client_intro, host_intro, joined, connected = run_join(lab, host, client)
+    registered, listed, client_intro, host_intro, joined, connected, _ = run_join(lab, host, client)
 
     public_host = registered["addr"]
     assert public_host[0] == "10.214.0.1"
@@ -283,4 +295,38 @@ def test_introduction_behind_one_nat_uses_lan_addresses(lab: NetLab) -> None:
     assert joined["remote"] == [client[1], client_intro["local_port"]]
     assert joined["data"] == client_intro["nonce"]
     assert connected["remote"] == registered["lan"]
+    assert bytes.fromhex(connected["reply"]) == b"welcome:" + bytes.fromhex(client_intro["nonce"])
+
+
+def test_introduction_reaches_a_host_through_heartbeats_alone(lab: NetLab) -> None:
+    # The host's registration connection is closed; router A forgets an idle
+    # UDP mapping after 2 s.  Only the host's heartbeat datagrams (every 1 s)
+    # keep it listed and keep the way in open for the introduction.
+    start_matchmaker(lab, "--keepalive", "1", "--hide-after", "3", "--expire-after", "6")
+    site_a = make_router(lab, "rta", "10.214.0.1", "10.214.1")
+    site_b = make_router(lab, "rtb", "10.214.0.2", "10.214.2")
+    for router in (site_a.router, site_b.router):
+        for key in ("nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"):
+            try:
+                lab.exec(router, "sysctl", "-qw", f"net.netfilter.{key}=2")
+            except LabError as exc:
+                pytest.skip(f"conntrack timeouts not settable in a namespace: {exc}")
+    host = add_lan_node(lab, "host", site_a, 2)
+    client = add_lan_node(lab, "client", site_b, 2)
+
+    registered, listed, client_intro, host_intro, joined, connected, idled = run_join(
+        lab, host, client, idle=8.0
+    )
+
+    public_host = registered["addr"]
+    # Idle for 4 mapping timeouts and 2 hide-after periods, with no connection:
+    # still registered once, at the same public address, and listed there.
+    assert idled["connections"] == 0
+    assert idled["registrations"] == 1 and idled["address"] == public_host
+    assert listed["hosts"] == [public_host]
+    assert client_intro["peer"] == public_host
+    assert host_intro["peer"][0] == "10.214.0.2"
+    assert host_intro["nonce"] == client_intro["nonce"]
+    assert joined["remote"] == host_intro["peer"]
+    assert joined["data"] == client_intro["nonce"]
     assert bytes.fromhex(connected["reply"]) == b"welcome:" + bytes.fromhex(client_intro["nonce"])

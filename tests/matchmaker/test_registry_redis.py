@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from matchmaker.addresses import Address
+from matchmaker.heartbeat import derive_secret
 from matchmaker.messages import ListFilter
 from matchmaker.metrics import Metrics
 from matchmaker.registry import Notice, RegistryBusy, RemovalReason, TooManyHosts
@@ -578,3 +579,28 @@ async def test_carried_hosts_nobody_writes_back_are_dropped_after_the_grace_peri
         await a.expire()
         await asyncio.sleep(0.1)
     assert a.get(addr(1)) is not None
+
+
+async def test_every_replica_derives_the_same_heartbeat_secrets(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    assert len(a.heartbeat_key) == 32 and a.heartbeat_key == b.heartbeat_key
+    rec = await a.upsert(addr(1), host(), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    seen = b.get(addr(1))
+    assert seen is not None
+    assert derive_secret(b.heartbeat_key, seen.token, seen.address) == derive_secret(
+        a.heartbeat_key, rec.token, rec.address
+    )
+    # Redis loses its data: the key is written back, and stays the same.
+    key = a.heartbeat_key
+    redis_server.kill()
+    await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
+    shutil.rmtree(redis_server.directory)
+    redis_server.directory.mkdir()
+    redis_server.start()  # empty
+    await asyncio.wait_for(asyncio.gather(a.wait_synced(), b.wait_synced()), 10)
+    c = await replica(replica_id="c")
+    assert a.heartbeat_key == b.heartbeat_key == c.heartbeat_key == key

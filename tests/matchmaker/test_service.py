@@ -50,7 +50,16 @@ async def test_register_replies_with_observed_address() -> None:
     h = Harness()
     wire = h.connect(pub(1), 4000)
     reply = await wire.request(Register(request_id=7, host=info(lan=Address("10.0.0.5", 4000))))
-    assert reply == Registered(request_id=7, address=Address(pub(1), 4000), keepalive=5.0)
+    assert isinstance(reply, Registered)
+    record = h.registry.get(Address(pub(1), 4000))
+    assert record is not None
+    assert reply == Registered(
+        request_id=7,
+        address=Address(pub(1), 4000),
+        keepalive=5.0,
+        secret=h.service.liveness.secret(record),
+    )
+    assert len(reply.secret) == 32
     rec = h.registry.get(Address(pub(1), 4000))
     assert rec is not None and rec.info.lan == Address("10.0.0.5", 4000)
     assert h.sample("matchmaker_registrations_total", result="created") == 1
@@ -125,23 +134,47 @@ async def test_update_and_unregister() -> None:
     assert await wire.request(Unregister(request_id=5)) == Ok(request_id=5)  # idempotent
 
 
-async def test_disconnect_removes_at_once() -> None:
+async def test_the_end_of_the_connection_keeps_the_entry_until_it_expires() -> None:
+    # A listed host holds no connection: it heartbeats with datagrams.
     h = Harness()
     wire = await h.host(pub(1))
     await wire.close()
-    assert h.registry.get(Address(pub(1), 27960)) is None
-    assert h.sample("matchmaker_removals_total", reason="disconnected") == 1
     assert h.service.connections == 0
+    assert h.registry.get(Address(pub(1), 27960)) is not None
+    assert h.sample("matchmaker_removals_total", reason="disconnected") == 0
+    h.clock.advance(h.settings.expire_after + 1)
+    await h.service.expire()
+    assert h.registry.get(Address(pub(1), 27960)) is None
+    assert h.sample("matchmaker_removals_total", reason="expired") == 1
 
 
-async def test_restarted_host_replaces_and_old_connection_cannot_remove_it() -> None:
+async def test_update_and_unregister_over_a_later_connection() -> None:
+    h = Harness()
+    first = await h.host(pub(1), name="old")
+    await first.close()
+    later = h.connect(pub(1))  # same observed address, a new connection
+    assert await later.request(Update(request_id=2, changes=HostUpdate(name="new"))) == Ok(
+        request_id=2
+    )
+    rec = h.registry.get(Address(pub(1), 27960))
+    assert rec is not None and rec.info.name == "new"
+    assert await later.request(Unregister(request_id=3)) == Ok(request_id=3)
+    assert h.registry.get(Address(pub(1), 27960)) is None
+    assert h.sample("matchmaker_removals_total", reason="unregistered") == 1
+    other = h.connect(pub(2))  # another address cannot touch it
+    reply = await other.request(Update(request_id=4, changes=HostUpdate(name="x")))
+    assert isinstance(reply, Error) and reply.reason is ErrorReason.NOT_REGISTERED
+
+
+async def test_restarted_host_replaces_its_entry() -> None:
     h = Harness()
     old = await h.host(pub(1), name="old")
     new = await h.host(pub(1), name="new")  # same address: the host restarted
     await old.close()
     rec = h.registry.get(Address(pub(1), 27960))
     assert rec is not None and rec.info.name == "new"
-    await new.close()
+    assert h.sample("matchmaker_registrations_total", result="replaced") == 1
+    assert await new.request(Unregister(request_id=5)) == Ok(request_id=5)
     assert h.registry.get(Address(pub(1), 27960)) is None
 
 
@@ -421,12 +454,13 @@ async def test_log_events_carry_connection_context() -> None:
         wire = await h.host(pub(1))
         wire.send_raw(b"\xc1")
         await wire.recv()
+        await wire.request(Unregister(request_id=3))
         await wire.close()
     by_event = {e["event"]: e for e in logs}
     for event in ("host_registered", "request_rejected", "host_removed"):
         assert by_event[event]["peer"] == f"{pub(1)}:27960", event
         assert "conn" in by_event[event]
-    assert by_event["host_removed"]["reason"] == "disconnected"
+    assert by_event["host_removed"]["reason"] == "unregistered"
     assert by_event["request_rejected"]["reason"] == "malformed"
 
 

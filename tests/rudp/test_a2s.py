@@ -305,3 +305,52 @@ async def test_qstat_reads_split_rules(host: rudp.Server) -> None:
     assert rules["gamedir"] == "arena"
     assert rules["game_tags"] == "ctf,eu"
     assert rules["rule199"] == "x" * 40
+
+
+# -- other first bytes (set_datagram_handler, send_datagram) ------------------------------
+
+
+async def test_other_first_bytes_reach_their_handler_beside_a2s() -> None:
+    got: list[tuple[bytes, object]] = []
+
+    def mine(data: bytes, address: object) -> list[bytes]:
+        got.append((data, address))
+        return [b"\xb2" + data[1:3]]
+
+    async with await rudp.serve(echo, "127.0.0.1", 0) as server:
+        server.set_datagram_handler(0xB1, mine)
+        server.on_foreign = lambda data, address: [b"\xff\xff\xff\xffa2s"]
+        loop = asyncio.get_running_loop()
+
+        async def reply() -> bytes:
+            data, _ = await asyncio.wait_for(loop.sock_recvfrom(sock, 64), 5)
+            return data
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.setblocking(False)
+            sock.bind(("127.0.0.1", 0))
+            sock.sendto(b"\xb1abc", server.address)
+            assert await reply() == b"\xb2ab"
+            sock.sendto(INFO_REQUEST, server.address)
+            assert await reply() == b"\xff\xff\xff\xffa2s"
+            server.send_datagram(b"\xb5unprompted", sock.getsockname())
+            assert await reply() == b"\xb5unprompted"
+            # Handed back to rudp: dropped and counted there, like any stray byte.
+            server.set_datagram_handler(0xB1, None)
+            sock.sendto(b"\xb1abc", server.address)
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if server.stats.dropped:
+                    break
+        assert [data for data, _ in got] == [b"\xb1abc"]
+        assert sum(server.stats.dropped.values()) == 1
+        # rudp's own first bytes are not for the taking, nor for sending.
+        for first in (0xA0, 0xA5, 0xAF):
+            with pytest.raises(rudp.LocalProtocolError):
+                server.set_datagram_handler(first, mine)
+            with pytest.raises(rudp.LocalProtocolError):
+                server.send_datagram(bytes([first]) + b"x", ("127.0.0.1", 9))
+        conn = await rudp.connect(*server.address)  # rudp itself is untouched
+        conn.send(b"still rudp")
+        assert (await asyncio.wait_for(conn.recv(), 5)).data == b"still rudp"
+        await conn.close()

@@ -1,0 +1,223 @@
+"""Connectionless heartbeats and introductions between a listed host and the matchmaker.
+
+Theory of operation
+-------------------
+A host registers over a rudp connection (authenticated, rate limited); the
+`Registered` reply hands it a 32-byte ``secret``, and the host closes the
+connection.  From then on it stays listed with one small datagram every
+``keepalive`` seconds, sent from its game socket to the matchmaker's rudp
+port: an HMAC-SHA256 (cut to 16 bytes) keyed by the secret over the host's
+address and a counter that only grows.  The same datagram keeps the host's NAT
+mapping towards the matchmaker open, and that is the path introductions take:
+the matchmaker sends them to the address the heartbeats come from, and repeats
+them until the host acknowledges.
+
+The secret is never stored: it is derived from a key the replicas share
+(`Registry.heartbeat_key`) and the registration's token and address, so every
+replica can check a heartbeat without a per-host secret in memory or in Redis.
+
+Every datagram starts with a byte no rudp datagram (``0xA1``-``0xA8``), no
+A2S or Quake out-of-band packet (``FF FF FF FF``) and no master-server query
+(``0x31``, ``FF FF FF FF getservers``) starts with, so they share the rudp
+port (`rudp.Server.set_datagram_handler`).  Network byte order throughout:
+
+====  ==================  ========================================================
+byte  name                layout after the first byte
+====  ==================  ========================================================
+B1    HEARTBEAT           counter (8), address (7 or 19), mac (16): 32 or 44 bytes
+B2    HEARTBEAT_ACK       counter (8), mac (16): 25 bytes
+B3    NOT_REGISTERED      counter (8): 9 bytes
+B4    LEAVE               as HEARTBEAT; the host leaves the list
+B5    INTRODUCTION        id (8), payload (an `Introduction` message), mac (16)
+B6    INTRODUCTION_ACK    id (8), mac (16): 25 bytes
+====  ==================  ========================================================
+
+``address`` is the host's public address as the matchmaker told it in
+`Registered`: family (1 byte, 4 or 6), port (2), IP (4 or 16).  Each ``mac`` is
+the first 16 bytes of HMAC-SHA256(secret, first byte + the fields before the
+mac + address), so a MAC made for one kind, one address or one host is
+worthless for another.  Replies to a heartbeat are never larger than it (no
+amplification towards a spoofed source): an ACK is 25 bytes, NOT_REGISTERED 9.
+NOT_REGISTERED carries no MAC (the matchmaker knows no secret for an address it
+does not list); it only echoes the counter, which an off-path forger does not
+know.
+
+No I/O here: pure encoders and decoders.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import socket
+import struct
+from dataclasses import dataclass
+
+from matchmaker.addresses import Address, make_address
+
+SECRET_BYTES = 32
+MAC_BYTES = 16
+_COUNTER = struct.Struct("!Q")
+_ADDRESS_HEAD = struct.Struct("!BH")
+MAX_COUNTER = (1 << 64) - 1
+
+
+class Kind(enum.IntEnum):
+    """The first byte of each datagram."""
+
+    HEARTBEAT = 0xB1
+    HEARTBEAT_ACK = 0xB2
+    NOT_REGISTERED = 0xB3
+    LEAVE = 0xB4
+    INTRODUCTION = 0xB5
+    INTRODUCTION_ACK = 0xB6
+
+
+FIRST_BYTES: tuple[int, ...] = tuple(int(k) for k in Kind)
+"""Every first byte this module uses (what a socket routes here)."""
+ACK_BYTES = 1 + _COUNTER.size + MAC_BYTES
+"""Size of HEARTBEAT_ACK and INTRODUCTION_ACK."""
+
+
+class BeatError(ValueError):
+    """A datagram that is not a well-formed heartbeat; `reason` names the drop."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """A decoded HEARTBEAT or LEAVE (its MAC not yet checked)."""
+
+    kind: Kind
+    counter: int
+    address: Address
+    """The address the host says it was registered at."""
+    signed: bytes
+    """What the MAC covers."""
+    mac: bytes
+
+
+def derive_secret(key: bytes, token: str, address: Address) -> bytes:
+    """The secret of registration `token` at `address`, from the replicas' shared key."""
+    label = b"matchmaker heartbeat\0" + token.encode() + b"\0" + address.key.encode()
+    return hmac.digest(key, label, "sha256")
+
+
+def pack_address(address: Address) -> bytes:
+    family = socket.AF_INET6 if address.family == 6 else socket.AF_INET
+    return _ADDRESS_HEAD.pack(address.family, address.port) + socket.inet_pton(family, address.ip)
+
+
+def _unpack_address(data: bytes, offset: int) -> tuple[Address, int]:
+    """The address at `offset`, and where it ends; raises BeatError."""
+    if len(data) < offset + _ADDRESS_HEAD.size:
+        raise BeatError("truncated")
+    family, port = _ADDRESS_HEAD.unpack_from(data, offset)
+    size = {4: 4, 6: 16}.get(family)
+    if size is None:
+        raise BeatError("malformed")
+    start = offset + _ADDRESS_HEAD.size
+    raw = data[start : start + size]
+    if len(raw) != size:
+        raise BeatError("truncated")
+    ip = socket.inet_ntop(socket.AF_INET6 if family == 6 else socket.AF_INET, raw)
+    try:
+        return make_address(ip, port), start + size
+    except ValueError:
+        raise BeatError("malformed") from None
+
+
+def mac(secret: bytes, signed: bytes) -> bytes:
+    return hmac.digest(secret, signed, "sha256")[:MAC_BYTES]
+
+
+def mac_ok(secret: bytes, signed: bytes, tag: bytes) -> bool:
+    return hmac.compare_digest(mac(secret, signed), tag)
+
+
+# -- host -> matchmaker
+
+
+def encode_beat(
+    secret: bytes, address: Address, counter: int, kind: Kind = Kind.HEARTBEAT
+) -> bytes:
+    """A HEARTBEAT (or LEAVE) for the host registered at `address`."""
+    if kind not in (Kind.HEARTBEAT, Kind.LEAVE):
+        raise ValueError(f"not a heartbeat kind: {kind!r}")
+    signed = bytes((kind,)) + _COUNTER.pack(counter) + pack_address(address)
+    return signed + mac(secret, signed)
+
+
+def decode_beat(data: bytes) -> Beat:
+    """A HEARTBEAT or LEAVE, its MAC unchecked; raises BeatError."""
+    if not data or data[0] not in (Kind.HEARTBEAT, Kind.LEAVE):
+        raise BeatError("unknown_type")
+    if len(data) < 1 + _COUNTER.size:
+        raise BeatError("truncated")
+    (counter,) = _COUNTER.unpack_from(data, 1)
+    address, end = _unpack_address(data, 1 + _COUNTER.size)
+    if len(data) != end + MAC_BYTES:
+        raise BeatError("truncated" if len(data) < end + MAC_BYTES else "malformed")
+    return Beat(Kind(data[0]), counter, address, data[:end], data[end:])
+
+
+def encode_introduction_ack(secret: bytes, address: Address, intro_id: int) -> bytes:
+    head = bytes((Kind.INTRODUCTION_ACK,)) + _COUNTER.pack(intro_id)
+    return head + mac(secret, head + pack_address(address))
+
+
+def decode_introduction_ack(data: bytes) -> tuple[int, bytes]:
+    """(introduction id, mac); raises BeatError."""
+    if len(data) != ACK_BYTES or data[0] != Kind.INTRODUCTION_ACK:
+        raise BeatError("malformed")
+    return _COUNTER.unpack_from(data, 1)[0], data[1 + _COUNTER.size :]
+
+
+def introduction_ack_ok(secret: bytes, address: Address, data: bytes) -> bool:
+    return mac_ok(secret, data[: 1 + _COUNTER.size] + pack_address(address), data[-MAC_BYTES:])
+
+
+# -- matchmaker -> host
+
+
+def encode_ack(secret: bytes, address: Address, counter: int) -> bytes:
+    head = bytes((Kind.HEARTBEAT_ACK,)) + _COUNTER.pack(counter)
+    return head + mac(secret, head + pack_address(address))
+
+
+def decode_ack(secret: bytes, address: Address, data: bytes) -> int | None:
+    """The counter a genuine HEARTBEAT_ACK acknowledges, None for anything else."""
+    if len(data) != ACK_BYTES or data[0] != Kind.HEARTBEAT_ACK:
+        return None
+    head = data[: 1 + _COUNTER.size]
+    if not mac_ok(secret, head + pack_address(address), data[len(head) :]):
+        return None
+    return int(_COUNTER.unpack_from(data, 1)[0])
+
+
+def encode_not_registered(counter: int) -> bytes:
+    return bytes((Kind.NOT_REGISTERED,)) + _COUNTER.pack(counter)
+
+
+def decode_not_registered(data: bytes) -> int | None:
+    if len(data) != 1 + _COUNTER.size or data[0] != Kind.NOT_REGISTERED:
+        return None
+    return int(_COUNTER.unpack_from(data, 1)[0])
+
+
+def encode_introduction(secret: bytes, address: Address, intro_id: int, payload: bytes) -> bytes:
+    head = bytes((Kind.INTRODUCTION,)) + _COUNTER.pack(intro_id) + payload
+    return head + mac(secret, head + pack_address(address))
+
+
+def decode_introduction(secret: bytes, address: Address, data: bytes) -> tuple[int, bytes] | None:
+    """(id, payload) of a genuine INTRODUCTION for the host at `address`, else None."""
+    if len(data) < 1 + _COUNTER.size + MAC_BYTES or data[0] != Kind.INTRODUCTION:
+        return None
+    head = data[:-MAC_BYTES]
+    if not mac_ok(secret, head + pack_address(address), data[-MAC_BYTES:]):
+        return None
+    return int(_COUNTER.unpack_from(data, 1)[0]), head[1 + _COUNTER.size :]

@@ -1,0 +1,204 @@
+"""The daemon's half of the connectionless heartbeats (wire format: `matchmaker.heartbeat`).
+
+Theory of operation
+-------------------
+`Liveness.receive` is the rudp socket's handler for the heartbeat bytes
+(``0xB1``-``0xB6``).  A HEARTBEAT is checked in this order, and every refusal
+is counted in ``matchmaker_heartbeats_total`` under its reason:
+
+1. it decodes (``truncated``, ``malformed``, ``unknown_type``);
+2. the address it names is listed (``not_registered``: answered with a
+   9-byte NOT_REGISTERED, so the host registers again at once);
+3. its MAC is right for that registration's secret (``bad_mac``: a forgery,
+   or a heartbeat of an older registration; no answer);
+4. it comes from the address it names (``wrong_address``: a copy sent from
+   elsewhere, or the host's NAT moved it; answered with NOT_REGISTERED, which
+   a genuine host takes as "register again from where you are now");
+5. its counter is above the last one accepted for this registration
+   (``replayed``; no answer).
+
+Then the host is marked seen (written to the registry in one batch per
+sweep, as before) and gets a HEARTBEAT_ACK, no larger than the heartbeat.  The
+only per-host state is the registry entry itself: the secret is derived from
+the shared key (`heartbeat.derive_secret`), the last counter lives in the
+record (`HostRecord.beat`).  The counter is checked per replica: a heartbeat
+recorded at one replica and replayed at another once can only keep a host
+listed that was heartbeating anyway.
+
+Introductions for a host go to its listed address as INTRODUCTION datagrams,
+sent again every ``resend_interval`` seconds until the host acknowledges one
+(INTRODUCTION_ACK, with a MAC) or ``attempts`` sends have gone out.  At most
+``max_pending`` introductions wait for an acknowledgement; beyond that the
+oldest is given up (``overflow``).
+
+No I/O and no clock here: the caller passes ``now`` and a ``send`` function.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from matchmaker import heartbeat as hb
+from matchmaker.addresses import Address, from_sockaddr
+from matchmaker.metrics import Metrics
+from matchmaker.registry import HostRecord, Registry
+
+Send = Callable[[bytes, Address], None]
+"""Sends one datagram from the daemon's rudp socket."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    address: Address
+    datagram: bytes
+    left: int
+    """Sends still allowed."""
+    due: float
+
+
+class Liveness:
+    def __init__(
+        self,
+        registry: Registry,
+        metrics: Metrics,
+        *,
+        on_leave: Callable[[HostRecord], None],
+        resend_interval: float = 0.5,
+        attempts: int = 8,
+        max_pending: int = 10_000,
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self._on_leave = on_leave
+        self.resend_interval = resend_interval
+        self.attempts = attempts
+        self.max_pending = max_pending
+        self.send: Send | None = None
+        """Set once the socket exists; until then introductions are not sent."""
+        self._seen: set[Address] = set()
+        self._pending: dict[int, _Pending] = {}
+        # Ids start at random: a host that moved from another replica does not
+        # take a new introduction for one it already had.
+        self._ids = itertools.count(secrets.randbits(48) + 1)
+        self.stopping = False
+        """Set when the replica stops: heartbeats get NOT_REGISTERED, so that their
+        hosts register again, which a stopping replica refuses (``shutting_down``),
+        and so move to another replica at once."""
+        self._count = metrics.heartbeats.labels
+        self._deliveries = metrics.introduction_datagrams.labels
+
+    def secret(self, record: HostRecord) -> bytes:
+        """The heartbeat secret of `record`'s registration (what `Registered` hands out)."""
+        return hb.derive_secret(self.registry.heartbeat_key, record.token, record.address)
+
+    def take_seen(self) -> set[Address]:
+        """The hosts that proved themselves since the last call."""
+        seen, self._seen = self._seen, set()
+        return seen
+
+    # -- incoming
+
+    def receive(self, data: bytes, sockaddr: tuple[Any, ...]) -> list[bytes]:
+        """The socket's handler for the heartbeat bytes: the replies to send back."""
+        if data[:1] == bytes((hb.Kind.INTRODUCTION_ACK,)):
+            self._introduction_ack(data)
+            return []
+        try:
+            beat = hb.decode_beat(data)
+        except hb.BeatError as exc:
+            self._count(exc.reason).inc()
+            return []
+        return self._beat(beat, sockaddr)
+
+    def _beat(self, beat: hb.Beat, sockaddr: tuple[Any, ...]) -> list[bytes]:
+        record = self.registry.get(beat.address)
+        if record is None:
+            self._count("not_registered").inc()
+            return [hb.encode_not_registered(beat.counter)]
+        secret = self.secret(record)
+        if not hb.mac_ok(secret, beat.signed, beat.mac):
+            self._count("bad_mac").inc()
+            return []
+        if _source(sockaddr) != beat.address:
+            self._count("wrong_address").inc()
+            return [hb.encode_not_registered(beat.counter)]
+        if beat.counter <= record.beat:
+            self._count("replayed").inc()
+            return []
+        record.beat = beat.counter
+        if self.stopping and beat.kind is hb.Kind.HEARTBEAT:
+            self._count("stopping").inc()
+            return [hb.encode_not_registered(beat.counter)]
+        if beat.kind is hb.Kind.LEAVE:
+            self._count("left").inc()
+            self._on_leave(record)
+        else:
+            self._count("ok").inc()
+            self._seen.add(record.address)
+        return [hb.encode_ack(secret, record.address, beat.counter)]
+
+    def _introduction_ack(self, data: bytes) -> None:
+        try:
+            intro_id, _ = hb.decode_introduction_ack(data)
+        except hb.BeatError:
+            self._count("malformed").inc()
+            return
+        pending = self._pending.get(intro_id)
+        if pending is None:
+            self._deliveries("late_ack").inc()
+            return
+        record = self.registry.get(pending.address)
+        if record is None or not hb.introduction_ack_ok(self.secret(record), record.address, data):
+            self._deliveries("bad_ack").inc()
+            return
+        del self._pending[intro_id]
+        self._deliveries("acked").inc()
+
+    # -- introductions
+
+    def introduce(self, record: HostRecord, payload: bytes, now: float) -> None:
+        """Send `payload` (an encoded `Introduction`) to the host, until it acknowledges."""
+        intro_id = next(self._ids)
+        datagram = hb.encode_introduction(self.secret(record), record.address, intro_id, payload)
+        while len(self._pending) >= self.max_pending:
+            del self._pending[next(iter(self._pending))]
+            self._deliveries("overflow").inc()
+        self._pending[intro_id] = _Pending(
+            record.address, datagram, self.attempts - 1, now + self.resend_interval
+        )
+        self._send(datagram, record.address)
+        self._deliveries("sent").inc()
+
+    @property
+    def pending(self) -> int:
+        """Introductions waiting for their host's acknowledgement."""
+        return len(self._pending)
+
+    def resend(self, now: float) -> None:
+        """Send again what is due; give up what has had all its sends."""
+        for intro_id, p in list(self._pending.items()):
+            if p.due > now:
+                continue
+            if p.left <= 0:
+                del self._pending[intro_id]
+                self._deliveries("unacked").inc()
+                continue
+            p.left -= 1
+            p.due = now + self.resend_interval
+            self._send(p.datagram, p.address)
+            self._deliveries("resent").inc()
+
+    def _send(self, datagram: bytes, address: Address) -> None:
+        if self.send is not None:
+            self.send(datagram, address)
+
+
+def _source(sockaddr: tuple[Any, ...]) -> Address | None:
+    try:
+        return from_sockaddr(sockaddr)
+    except ValueError:
+        return None

@@ -1,0 +1,298 @@
+"""Connectionless heartbeats and introductions: the wire format and the daemon's checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from matchmaker import heartbeat as hb
+from matchmaker.addresses import Address
+from matchmaker.messages import (
+    Error,
+    ErrorReason,
+    HostUpdate,
+    Introduce,
+    Introduction,
+    Register,
+    Registered,
+    Role,
+    Update,
+    decode,
+)
+from matchmaker.registry import MemoryRegistry
+from tests.matchmaker.fakes import settle
+from tests.matchmaker.helpers import Harness, info, pub
+
+HOST = Address(pub(1), 27960)
+V6 = Address("2001:db8::7", 40000)
+SECRET = b"k" * 32
+
+
+# ------------------------------------------------------------------ wire
+
+
+@pytest.mark.parametrize("address", [HOST, V6])
+@pytest.mark.parametrize("kind", [hb.Kind.HEARTBEAT, hb.Kind.LEAVE])
+def test_beat_round_trip(address: Address, kind: hb.Kind) -> None:
+    data = hb.encode_beat(SECRET, address, 12345, kind)
+    assert len(data) == (32 if address.family == 4 else 44)
+    beat = hb.decode_beat(data)
+    assert (beat.kind, beat.counter, beat.address) == (kind, 12345, address)
+    assert hb.mac_ok(SECRET, beat.signed, beat.mac)
+    assert not hb.mac_ok(b"x" * 32, beat.signed, beat.mac)
+
+
+@pytest.mark.parametrize("address", [HOST, V6])
+def test_every_cut_and_trailing_garbage_is_refused(address: Address) -> None:
+    data = hb.encode_beat(SECRET, address, 1)
+    for end in range(len(data)):
+        with pytest.raises(hb.BeatError) as cut:
+            hb.decode_beat(data[:end])
+        assert cut.value.reason in ("unknown_type", "truncated")
+    with pytest.raises(hb.BeatError) as longer:
+        hb.decode_beat(data + b"\0")
+    assert longer.value.reason == "malformed"
+    bad_family = data[:9] + b"\x05" + data[10:]
+    with pytest.raises(hb.BeatError, match="malformed"):
+        hb.decode_beat(bad_family)
+
+
+def test_acks_and_introductions_are_bound_to_the_secret_and_address() -> None:
+    ack = hb.encode_ack(SECRET, HOST, 7)
+    assert len(ack) == hb.ACK_BYTES
+    assert hb.decode_ack(SECRET, HOST, ack) == 7
+    assert hb.decode_ack(SECRET, V6, ack) is None
+    assert hb.decode_ack(b"x" * 32, HOST, ack) is None
+    intro = hb.encode_introduction(SECRET, HOST, 9, b"payload")
+    assert hb.decode_introduction(SECRET, HOST, intro) == (9, b"payload")
+    assert hb.decode_introduction(SECRET, V6, intro) is None
+    assert hb.decode_introduction(SECRET, HOST, intro[:-1] + b"\0") is None
+    intro_ack = hb.encode_introduction_ack(SECRET, HOST, 9)
+    assert hb.decode_introduction_ack(intro_ack)[0] == 9
+    assert hb.introduction_ack_ok(SECRET, HOST, intro_ack)
+    assert not hb.introduction_ack_ok(SECRET, V6, intro_ack)
+    assert hb.decode_not_registered(hb.encode_not_registered(3)) == 3
+
+
+def test_first_bytes_are_free_of_rudp_a2s_and_master_queries() -> None:
+    for byte in hb.FIRST_BYTES:
+        assert not 0xA0 <= byte <= 0xAF  # rudp version 2
+        assert byte not in (0xFF, 0x31)  # A2S / Quake out-of-band, Steam master query
+
+
+# ------------------------------------------------------------------ the daemon's checks
+
+
+async def registered(h: Harness, address: Address = HOST) -> bytes:
+    """Register a host at `address` over a connection, close it; returns its secret."""
+    wire = await h.host(address.ip, address.port)
+    record = h.registry.get(address)
+    assert record is not None
+    await wire.close()
+    return h.service.liveness.secret(record)
+
+
+def result(h: Harness, name: str) -> float:
+    return h.sample("matchmaker_heartbeats_total", result=name)
+
+
+async def test_a_genuine_heartbeat_is_acknowledged_and_keeps_the_host_listed() -> None:
+    h = Harness()
+    secret = await registered(h)
+    before = h.registry.get(HOST)
+    assert before is not None
+    h.clock.advance(10)
+    beat = hb.encode_beat(secret, HOST, 1)
+    replies = h.service.liveness.receive(beat, HOST)
+    assert len(replies) == 1 and len(replies[0]) <= len(beat)
+    assert hb.decode_ack(secret, HOST, replies[0]) == 1
+    await h.service.flush_heartbeats()
+    after = h.registry.get(HOST)
+    assert after is not None and after.last_seen == h.registry.now()
+    assert result(h, "ok") == 1
+    assert h.service.connections == 0  # listed without a connection
+
+
+async def test_forgery_is_dropped_and_counted() -> None:
+    h = Harness()
+    secret = await registered(h)
+    forged = hb.encode_beat(b"guessed".ljust(32, b"\0"), HOST, 1)
+    assert h.service.liveness.receive(forged, HOST) == []
+    flipped = bytearray(hb.encode_beat(secret, HOST, 2))
+    flipped[-1] ^= 1
+    assert h.service.liveness.receive(bytes(flipped), HOST) == []
+    assert result(h, "bad_mac") == 2
+    await h.service.flush_heartbeats()
+    assert result(h, "ok") == 0
+    # A forged LEAVE removes nothing.
+    leave = hb.encode_beat(b"\0" * 32, HOST, 3, hb.Kind.LEAVE)
+    assert h.service.liveness.receive(leave, HOST) == []
+    await settle()
+    assert h.registry.get(HOST) is not None
+
+
+async def test_replay_is_dropped_and_counted() -> None:
+    h = Harness()
+    secret = await registered(h)
+    liveness = h.service.liveness
+    first = hb.encode_beat(secret, HOST, 5)
+    assert len(liveness.receive(first, HOST)) == 1
+    assert liveness.receive(first, HOST) == []  # the same datagram again
+    assert liveness.receive(hb.encode_beat(secret, HOST, 4), HOST) == []  # an older one
+    assert result(h, "replayed") == 2
+    assert len(liveness.receive(hb.encode_beat(secret, HOST, 6), HOST)) == 1
+    assert result(h, "ok") == 2
+
+
+async def test_an_update_keeps_the_replay_window() -> None:
+    h = Harness()
+    wire = await h.host(HOST.ip, HOST.port)
+    record = h.registry.get(HOST)
+    assert record is not None
+    secret = h.service.liveness.secret(record)
+    first = hb.encode_beat(secret, HOST, 5)
+    assert len(h.service.liveness.receive(first, HOST)) == 1
+    await wire.request(Update(request_id=2, changes=HostUpdate(players=3)))
+    updated = h.registry.get(HOST)
+    assert updated is not None and updated is not record and updated.info.players == 3
+    assert h.service.liveness.receive(first, HOST) == []
+    assert result(h, "replayed") == 1
+
+
+async def test_a_heartbeat_from_another_address_is_refused_and_counted() -> None:
+    h = Harness()
+    secret = await registered(h)
+    await registered(h, Address(pub(2), 27960))
+    copied = hb.encode_beat(secret, HOST, 1)
+    elsewhere = (pub(2), 27960)  # another listed host's address
+    replies = h.service.liveness.receive(copied, elsewhere)
+    assert replies == [hb.encode_not_registered(1)]
+    assert len(replies[0]) < len(copied)
+    assert result(h, "wrong_address") == 1
+    # The copy did not use up the genuine host's counter.
+    assert len(h.service.liveness.receive(copied, HOST)) == 1
+    assert result(h, "ok") == 1
+
+
+async def test_unknown_hosts_and_garbage() -> None:
+    h = Harness()
+    stranger = hb.encode_beat(SECRET, HOST, 1)
+    assert h.service.liveness.receive(stranger, HOST) == [hb.encode_not_registered(1)]
+    assert result(h, "not_registered") == 1
+    assert h.service.liveness.receive(stranger[:5], HOST) == []
+    assert result(h, "truncated") == 1
+    assert h.service.liveness.receive(stranger + b"!", HOST) == []
+    assert result(h, "malformed") == 1
+    assert h.service.liveness.receive(b"\xb2" + bytes(24), HOST) == []
+    assert result(h, "unknown_type") == 1
+
+
+async def test_leave_removes_the_host() -> None:
+    h = Harness()
+    secret = await registered(h)
+    leave = hb.encode_beat(secret, HOST, 1, hb.Kind.LEAVE)
+    assert len(h.service.liveness.receive(leave, HOST)) == 1
+    await settle()
+    assert h.registry.get(HOST) is None
+    assert result(h, "left") == 1
+    assert h.sample("matchmaker_removals_total", reason="unregistered") == 1
+
+
+async def test_a_stopping_replica_sends_heartbeaters_to_register_elsewhere() -> None:
+    h = Harness()
+    secret = await registered(h)
+    h.service.stop_accepting()
+    assert h.service.liveness.receive(hb.encode_beat(secret, HOST, 1), HOST) == [
+        hb.encode_not_registered(1)
+    ]
+    assert result(h, "stopping") == 1
+
+
+async def test_the_secret_comes_from_the_shared_key() -> None:
+    h = Harness()
+    wire = h.connect(HOST.ip, HOST.port)
+    reply = await wire.request(Register(request_id=1, host=info()))
+    assert isinstance(reply, Registered)
+    record = h.registry.get(HOST)
+    assert record is not None
+    assert reply.secret == hb.derive_secret(h.registry.heartbeat_key, record.token, HOST)
+    # Another replica with the same key checks the same heartbeats.
+    other = Harness()
+    other.registry.heartbeat_key = h.registry.heartbeat_key
+    other.registry.index().put(record)
+    assert len(other.service.liveness.receive(hb.encode_beat(reply.secret, HOST, 1), HOST)) == 1
+
+
+# ------------------------------------------------------------------ introductions
+
+
+async def test_introductions_are_resent_until_acknowledged() -> None:
+    h = Harness()
+    secret = await registered(h)
+    sent: list[tuple[bytes, Address]] = []
+    liveness = h.service.liveness
+    liveness.send = lambda data, to: sent.append((data, to))
+    joiner = h.connect(pub(2), 5000)
+    to_client = await joiner.request(Introduce(request_id=3, host=HOST))
+    assert isinstance(to_client, Introduction) and to_client.role is Role.CLIENT
+    assert len(sent) == 1 and sent[0][1] == HOST
+    found = hb.decode_introduction(secret, HOST, sent[0][0])
+    assert found is not None
+    intro_id, payload = found
+    to_host = decode(payload)
+    assert isinstance(to_host, Introduction) and to_host.role is Role.HOST
+    assert to_host.peer == Address(pub(2), 5000) and to_host.nonce == to_client.nonce
+    # Lost: sent again when due, the same datagram.
+    h.clock.advance(liveness.resend_interval)
+    liveness.resend(h.clock())
+    assert [d for d, _ in sent] == [sent[0][0]] * 2
+    # A forged acknowledgement does not stop it; the host's does.
+    forged = hb.encode_introduction_ack(b"\0" * 32, HOST, intro_id)
+    assert liveness.receive(forged, HOST) == []
+    assert h.sample("matchmaker_introduction_datagrams_total", result="bad_ack") == 1
+    assert liveness.receive(hb.encode_introduction_ack(secret, HOST, intro_id), HOST) == []
+    assert liveness.pending == 0
+    h.clock.advance(liveness.resend_interval)
+    liveness.resend(h.clock())
+    assert len(sent) == 2
+    deliveries = {
+        r: h.sample("matchmaker_introduction_datagrams_total", result=r)
+        for r in ("sent", "resent", "acked")
+    }
+    assert deliveries == {"sent": 1, "resent": 1, "acked": 1}
+
+
+async def test_an_unacknowledged_introduction_is_given_up_after_its_attempts() -> None:
+    h = Harness()
+    await registered(h)
+    sent: list[bytes] = []
+    liveness = h.service.liveness
+    liveness.send = lambda data, to: sent.append(data)
+    joiner = h.connect(pub(2), 5000)
+    await joiner.request(Introduce(request_id=3, host=HOST))
+    for _ in range(liveness.attempts + 3):
+        h.clock.advance(liveness.resend_interval)
+        liveness.resend(h.clock())
+    assert len(sent) == liveness.attempts
+    assert liveness.pending == 0
+    assert h.sample("matchmaker_introduction_datagrams_total", result="unacked") == 1
+
+
+class _Loading(MemoryRegistry):
+    """A shared registry before its first load: it does not know the shared key yet."""
+
+    loaded = False
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded
+
+
+async def test_no_secret_is_handed_out_before_the_registry_is_loaded() -> None:
+    registry = _Loading()
+    h = Harness(registry)
+    wire = h.connect(HOST.ip, HOST.port)
+    reply = await wire.request(Register(request_id=1, host=info()))
+    assert isinstance(reply, Error) and reply.reason is ErrorReason.UNAVAILABLE
+    assert h.registry.get(HOST) is None
+    registry.loaded = True
+    assert isinstance(await wire.request(Register(request_id=2, host=info())), Registered)
