@@ -63,9 +63,10 @@ from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket
 from rudp.config import Config
 from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
-from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
+from rudp.events import DisconnectReason, EndpointEvent, Event, QueryReceived
 from rudp.noise import NoiseError, ephemeral_key, private_key, public_bytes
 from rudp.opening import answer_connect, receive_accept, receive_challenge, receive_reject
+from rudp.queries import Queries
 from rudp.sink import EndpointSink
 from rudp.state import CONNECTED, CONNECTING
 from rudp.stats import EndpointStats
@@ -78,7 +79,6 @@ NO_STATIC_KEY: Final = "this server has no static key"
 HANDSHAKE_FAILED: Final = "handshake failed: the client expects another server key"
 V1_REFUSAL: Final = "this server speaks rudp protocol version 2; upgrade the client"
 SOURCE_FULL: Final = "too many connections from your address"
-QUERY_LIMIT: Final = 4096  # our own queries awaiting an answer
 
 
 class Endpoint:
@@ -112,7 +112,7 @@ class Endpoint:
             config.handshake_burst_per_source,
             config.source_limit_keys,
         )
-        self._queries: dict[int, tuple[Address, float]] = {}
+        self._queries = Queries(config.base_datagram_size)
         # Connect tokens (``rudp.tokens``): required when the config names issuers.
         self._tokens = (
             TokenVerifier(config.token_issuers, public_bytes(self._static), config.token_addresses)
@@ -273,36 +273,20 @@ class Endpoint:
         The request is padded so the reply may carry ``reply_room`` bytes
         (default: as much as one datagram holds).
         """
-        room = self.max_query_payload if reply_room is None else reply_room
-        if len(payload) > self.max_query_payload or not 0 <= room <= self.max_query_payload:
-            raise MessageTooLarge(
-                f"query payload and reply room must be <= {self.max_query_payload}"
-            )
-        if len(self._queries) >= QUERY_LIMIT:
-            oldest = next(iter(self._queries))
-            del self._queries[oldest]
         nonce = self._rng.getrandbits(32)
-        self._queries[nonce] = (address, now)
-        pad_to = wire.HEADER_SIZE + wire.QUERY_BODY.size + max(room, len(payload))
-        self._out.append((wire.encode_query(PacketType.QUERY, nonce, payload, pad_to), address))
+        self._out.append((self._queries.request(address, nonce, payload, now, reply_room), address))
         return nonce
 
     def cancel_query(self, nonce: int) -> None:
-        self._queries.pop(nonce, None)
+        self._queries.cancel(nonce)
 
     def reply_query(self, event: QueryReceived, payload: bytes) -> None:
         """Answer a ``QueryReceived``; the reply may not exceed ``event.max_reply``."""
-        if len(payload) > event.max_reply:
-            raise MessageTooLarge(
-                f"query reply of {len(payload)} bytes exceeds the {event.max_reply}"
-                " bytes the request allows"
-            )
-        datagram = wire.encode_query(PacketType.QUERY_REPLY, event.nonce, payload)
-        self._send_unvalidated(datagram, event.address)
+        self._send_unvalidated(Queries.reply(event, payload), event.address)
 
     @property
     def max_query_payload(self) -> int:
-        return self.config.base_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
+        return self._queries.max_payload
 
     # -- receive -----------------------------------------------------------------
 
@@ -388,9 +372,15 @@ class Endpoint:
         if ptype == PacketType.CONNECT:
             reason = self._receive_connect(conn, data, address, now)
         elif ptype == PacketType.QUERY:
-            reason = self._receive_query(data, address)
+            self._events.append((None, Queries.received(data, address)))
+            reason = None
         elif ptype == PacketType.QUERY_REPLY:
-            reason = self._receive_query_reply(data, address, now)
+            answered = self._queries.answered(data, address, now)
+            if isinstance(answered, DropReason):
+                reason = answered
+            else:
+                self._events.append((None, answered))
+                reason = None
         elif ptype == PacketType.DATA:
             reason = DropReason.TRUNCATED  # shorter than any sealed packet (decode_type)
         elif conn is None:
@@ -601,23 +591,6 @@ class Endpoint:
         )
         self._out.append((accept, conn.address))
         self._schedule(conn)
-
-    def _receive_query(self, data: bytes, address: Address) -> DropReason | None:
-        query = wire.decode_query(data)
-        room = len(data) - wire.HEADER_SIZE - wire.QUERY_BODY.size
-        self._events.append((None, QueryReceived(address, query.nonce, query.payload, room)))
-        return None
-
-    def _receive_query_reply(self, data: bytes, address: Address, now: float) -> DropReason | None:
-        reply = wire.decode_query(data)
-        pending = self._queries.get(reply.nonce)
-        if pending is None or pending[0] != address:
-            return DropReason.UNEXPECTED
-        del self._queries[reply.nonce]
-        self._events.append(
-            (None, QueryAnswered(address, reply.nonce, reply.payload, now - pending[1]))
-        )
-        return None
 
     # -- helpers -------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ CORE = [
     "rudp.connection",
     "rudp.sink",
     "rudp.admission",
+    "rudp.queries",
     "rudp.endpoint",
     "rudp.stats",
     "rudp.tokens",
