@@ -139,7 +139,7 @@ def run_sync_ticks(
     tick: Callable[[int], None],
     service: Callable[[], None],
     counters: Callable[[], Counters],
-    done: Callable[[], bool],
+    received: Inputs | Snapshots,
 ) -> None:
     """Play every tick on time (sleeping between them), then drain.
 
@@ -150,12 +150,12 @@ def run_sync_ticks(
         if delay > 0:
             time.sleep(delay)
         if k in (sched.warmup, sched.total):
-            sched.mark(counters())
+            sched.mark({**counters(), "received": received.total})
         if k == sched.total:
             break
         sched.started(k, time.monotonic())
         tick(k)
-    while not done() and time.monotonic() < sched.deadline:
+    while not received.done() and time.monotonic() < sched.deadline:
         service()
         time.sleep(sched.period)
     service()
@@ -165,19 +165,19 @@ async def run_async_ticks(
     sched: Schedule,
     tick: Callable[[int], None],
     counters: Callable[[], Counters],
-    done: Callable[[], bool],
+    received: Inputs | Snapshots,
 ) -> None:
     """The same on an asyncio loop: the transport works between the ticks by itself."""
     for k in range(sched.total + 1):
         # Late or not, yield: what tick k queued is flushed before tick k + 1 runs.
         await asyncio.sleep(max(0.0, sched.due(k) - time.monotonic()))
         if k in (sched.warmup, sched.total):
-            sched.mark(counters())
+            sched.mark({**counters(), "received": received.total})
         if k == sched.total:
             break
         sched.started(k, time.monotonic())
         tick(k)
-    while not done() and time.monotonic() < sched.deadline:
+    while not received.done() and time.monotonic() < sched.deadline:
         await asyncio.sleep(0.01)
 
 
@@ -315,7 +315,7 @@ async def rudp_server(p: dict[str, Any]) -> Result:
             **_sum_conn_stats(conns, names),
         }
 
-    await run_async_ticks(sched, tick, counters, inputs.done)
+    await run_async_ticks(sched, tick, counters, inputs)
     totals = _sum_conn_stats(conns, names)
     return {**sched.result(), **inputs.result(), "totals": totals, "build": _rudp_build()}
 
@@ -346,7 +346,7 @@ async def rudp_clients(p: dict[str, Any]) -> Result:
     def counters() -> Counters:
         return _sum_conn_stats(conns, names)
 
-    await run_async_ticks(sched, tick, counters, snaps.done)
+    await run_async_ticks(sched, tick, counters, snaps)
     totals = _sum_conn_stats(conns, names)
     return {**sched.result(), **snaps.result(), "totals": totals, "build": _rudp_build()}
 
@@ -438,7 +438,7 @@ def enet_server(p: dict[str, Any]) -> Result:
     def counters() -> Counters:
         return {"datagrams_in": host.totalReceivedPackets, "datagrams_out": host.totalSentPackets}
 
-    run_sync_ticks(sched, tick, service, counters, inputs.done)
+    run_sync_ticks(sched, tick, service, counters, inputs)
     return {**sched.result(), **inputs.result()}
 
 
@@ -489,7 +489,7 @@ def enet_clients(p: dict[str, Any]) -> Result:
             peer.send(0, packet(input_payload(cid, k, size), reliable))
             host.flush()
 
-    run_sync_ticks(sched, tick, service, dict, snaps.done)
+    run_sync_ticks(sched, tick, service, dict, snaps)
     return {**sched.result(), **snaps.result()}
 
 
@@ -550,7 +550,7 @@ def udp_server(p: dict[str, Any]) -> Result:
     def counters() -> Counters:
         return {"datagrams_in": received, "datagrams_out": sent}
 
-    run_sync_ticks(sched, tick, receive, counters, inputs.done)
+    run_sync_ticks(sched, tick, receive, counters, inputs)
     return {**sched.result(), **inputs.result()}
 
 
@@ -597,7 +597,7 @@ def udp_clients(p: dict[str, Any]) -> Result:
             drain(cid, sock)
             sock.sendto(input_payload(cid, k, size), server)
 
-    run_sync_ticks(sched, tick, service, dict, snaps.done)
+    run_sync_ticks(sched, tick, service, dict, snaps)
     return {**sched.result(), **snaps.result()}
 
 
@@ -717,7 +717,7 @@ def tcp_server(p: dict[str, Any]) -> Result:
             inn += i
         return {"datagrams_in": inn, "datagrams_out": out}
 
-    run_sync_ticks(sched, tick, receive, counters, inputs.done)
+    run_sync_ticks(sched, tick, receive, counters, inputs)
     return {**sched.result(), **inputs.result()}
 
 
@@ -746,7 +746,7 @@ def tcp_clients(p: dict[str, Any]) -> Result:
             drain(cid, stream)
             stream.write(LEN_PREFIX.pack(size) + input_payload(cid, k, size))
 
-    run_sync_ticks(sched, tick, service, dict, snaps.done)
+    run_sync_ticks(sched, tick, service, dict, snaps)
     return {**sched.result(), **snaps.result()}
 
 
