@@ -305,7 +305,8 @@ async def rudp_server(p: dict[str, Any]) -> Result:
     def tick(k: int) -> None:
         snapshot = snapshot_payload(k, size)
         for conn in conns:
-            conn.send(snapshot, reliable=False)
+            if not conn.closed:  # a client starved for idle_timeout is gone (counted below)
+                conn.send(snapshot, reliable=False)
 
     def counters() -> Counters:
         st = server.stats
@@ -317,7 +318,14 @@ async def rudp_server(p: dict[str, Any]) -> Result:
 
     await run_async_ticks(sched, tick, counters, inputs)
     totals = _sum_conn_stats(conns, names)
-    return {**sched.result(), **inputs.result(), "totals": totals, "build": _rudp_build()}
+    lost = sum(1 for conn in conns if conn.closed)
+    return {
+        **sched.result(),
+        **inputs.result(),
+        "connections_lost": lost,
+        "totals": totals,
+        "build": _rudp_build(),
+    }
 
 
 async def rudp_clients(p: dict[str, Any]) -> Result:
@@ -341,7 +349,8 @@ async def rudp_clients(p: dict[str, Any]) -> Result:
 
     def tick(k: int) -> None:
         for cid, conn in pairs:
-            conn.send(input_payload(cid, k, size))
+            if not conn.closed:
+                conn.send(input_payload(cid, k, size))
 
     def counters() -> Counters:
         return _sum_conn_stats(conns, names)
@@ -621,6 +630,8 @@ class _Stream:
             chunk = self.sock.recv(65536)
         except BlockingIOError:
             return []
+        except ConnectionResetError:  # a client that left with snapshots unread
+            chunk = b""
         if not chunk:  # the peer is done (a client leaves once it has every snapshot)
             self.closed = True
             return []
