@@ -28,6 +28,7 @@ imports rudp unless the role is a rudp one (the baselines run without it).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import select
@@ -335,10 +336,20 @@ async def rudp_clients(p: dict[str, Any]) -> Result:
     snaps = Snapshots(cids, p["warmup"] + p["measured"])
     config = _rudp_config(p)
     conns: list[Any] = []
+
+    async def connect() -> Any:
+        for attempt in range(5):
+            try:
+                return await rudp.connect(HOST, p["port"], config=config, local_addr=(HOST, 0))
+            except OSError as exc:  # EADDRINUSE: other jobs holding thousands of UDP ports
+                if exc.errno != errno.EADDRINUSE or attempt == 4:
+                    raise
+                await asyncio.sleep(0.1)
+        raise AssertionError("unreachable")
+
     for start in range(0, len(cids), 64):  # at most 64 handshakes in flight
         batch = cids[start : start + 64]
-        got = await asyncio.gather(*(rudp.connect(HOST, p["port"], config=config) for _ in batch))
-        conns.extend(got)
+        conns.extend(await asyncio.gather(*(connect() for _ in batch)))
     for cid, conn in zip(cids, conns, strict=True):
         conn.set_receiver(lambda msg, cid=cid: snaps.add(cid, msg.data))
     emit(event="connected")
