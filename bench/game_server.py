@@ -403,7 +403,7 @@ def tables(
                     max(r["client_late"] for r in got),
                     100 * _median(got, "server_core"),
                     100 * _median(got, "in_window"),
-                    f"{len(got)}/{len(every)}",
+                    f"{sum(r['kept_up'] for r in every)}/{len(every)}",
                 ]
             )
     main = format_table(
