@@ -35,8 +35,17 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.created
 # make runs the daemon as its child: SIGTERM or Ctrl-C stops the daemon cleanly, but
 # make itself then exits with the signal's status (143, 130), whatever the daemon's.
 # Under a supervisor, run .venv/bin/matchmaker directly: it exits 0 on SIGTERM.
+# The connect-token issuing key: made on the first `make run` (and its public half
+# printed), kept in $(ISSUER_KEY) and $(ISSUER_KEY).pub for the next ones. A key given
+# in the environment (MATCHMAKER_ISSUER_KEY_FILE, MATCHMAKER_ISSUER_KEY, or
+# MATCHMAKER_EPHEMERAL_ISSUER_KEY=1) takes its place.
+ISSUER_KEY ?= .matchmaker-issuer.key
+
 run: $(VENV)/.installed-run
-	$(PY) -m matchmaker
+	@if [ -z "$$MATCHMAKER_ISSUER_KEY_FILE$$MATCHMAKER_ISSUER_KEY$$MATCHMAKER_EPHEMERAL_ISSUER_KEY" ]; then \
+		$(PY) -m matchmaker keygen --out $(ISSUER_KEY) --if-absent || exit 2; \
+		export MATCHMAKER_ISSUER_KEY_FILE=$(ISSUER_KEY); \
+	fi; exec $(PY) -m matchmaker
 
 dev: $(VENV)/.installed-dev
 

@@ -3,7 +3,7 @@
 A client and a server ``rudp`` endpoint in one process and one event loop, talking
 over loopback, in one of two patterns:
 
-* ``stream``: the client sends N 64-byte reliable messages as ``bench/throughput.py``
+* ``stream``: the client sends N 64-byte (``--size``) reliable messages as ``bench/throughput.py``
   does (``await drain()`` every 256 sends), the server's handler takes them with
   ``recv()`` and ``recv_nowait()``;
 * ``pingpong``: N round trips of one 64-byte message, as ``bench/latency.py`` does;
@@ -101,7 +101,7 @@ async def pingpong_receiver(count: int) -> None:
         data = bytes(SIZE)
         waiter: asyncio.Future[None] | None = None
 
-        def receiver(msg: rudp.Message) -> None:
+        def receiver(msg: rudp.MessageReceived) -> None:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
@@ -119,7 +119,10 @@ def main() -> None:
     parser.add_argument("count", type=int)
     parser.add_argument("--uvloop", action="store_true")
     parser.add_argument("--receiver", action="store_true", help="pingpong with set_receiver")
+    parser.add_argument("--size", type=int, default=64, help="message size in bytes (64)")
     args = parser.parse_args()
+    global SIZE
+    SIZE = args.size
     run = pingpong_receiver if args.receiver else pingpong
     if args.pattern == "stream":
         run = stream

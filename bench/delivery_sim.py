@@ -59,9 +59,15 @@ class _TimedNetwork(Network):
 
 
 def run(
-    mode: str, redundancy: int, seed: int, count: int, warmup: int, clients: int = 1
+    mode: str,
+    redundancy: int,
+    seed: int,
+    count: int,
+    warmup: int,
+    clients: int = 1,
+    loss: float = 0.05,
 ) -> dict[str, Any]:
-    net = _TimedNetwork(seed, Link(loss=0.05, delay=0.020, jitter=0.005))
+    net = _TimedNetwork(seed, Link(loss=loss, delay=0.020, jitter=0.005))
     config = Config(redundancy=redundancy)
     net.add(SERVER, config, accept=True)
     conns: list[Connection] = []
@@ -98,6 +104,13 @@ def run(
         "p99": q(0.99),
         "max": latencies[-1],
         "kB": stats.bytes_sent / 1e3,
+        # What the sender put on the wire per message (all its packets, headers included).
+        "B/msg": stats.bytes_sent / (warmup + count),
+        "alone": stats.acks_alone,
+        "wakeups": stats.timer_wakeups,
+        "receiver acks alone": sum(
+            c.stats.acks_alone for c in net.nodes[SERVER].endpoint.connections
+        ),
         "lost": stats.packets_lost,
         "resent": stats.messages_resent,
         "spurious": stats.spurious_losses,
@@ -114,22 +127,26 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=5000)
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--clients", type=int, default=1, help="clients of the one server")
+    parser.add_argument("--loss", default="0.05", help="loss each way (a list: 0,0.01,0.05)")
     args = parser.parse_args()
     print(
-        "| mode | redundancy | seed | p50 ms | p99 ms | max ms | kB sent | packets lost "
-        "| resent | spurious | timeouts | SRTT ms |"
+        "| loss | mode | redundancy | seed | p50 ms | p99 ms | max ms | kB sent | B/msg "
+        "| packets lost | resent | spurious | timeouts | timer wake-ups | receiver's acks "
+        "alone | SRTT ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for mode in args.modes.split(","):
-        for redundancy in map(int, args.redundancy.split(",")):
-            for seed in map(int, args.seeds.split(",")):
-                r = run(mode, redundancy, seed, args.count, args.warmup, args.clients)
-                print(
-                    f"| {mode} | {redundancy} | {seed} | {r['p50']:.1f} | {r['p99']:.1f} "
-                    f"| {r['max']:.1f} | {r['kB']:.0f} | {r['lost']} | {r['resent']} "
-                    f"| {r['spurious']} | {r['timeouts']} | {r['srtt']:.1f} |",
-                    flush=True,
-                )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for loss in map(float, args.loss.split(",")):
+        for mode in args.modes.split(","):
+            for redundancy in map(int, args.redundancy.split(",")):
+                for seed in map(int, args.seeds.split(",")):
+                    r = run(mode, redundancy, seed, args.count, args.warmup, args.clients, loss)
+                    print(
+                        f"| {loss:g} | {mode} | {redundancy} | {seed} | {r['p50']:.1f} "
+                        f"| {r['p99']:.1f} | {r['max']:.1f} | {r['kB']:.0f} | {r['B/msg']:.0f} "
+                        f"| {r['lost']} | {r['resent']} | {r['spurious']} | {r['timeouts']} "
+                        f"| {r['wakeups']} | {r['receiver acks alone']} | {r['srtt']:.1f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

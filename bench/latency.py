@@ -114,7 +114,7 @@ async def rudp_cb_ping(ctx: RoleContext) -> Result:
     data = bytes(min(p["size"], conn.max_datagram_payload))
     waiter: asyncio.Future[None] = loop.create_future()
 
-    def receiver(msg: rudp.Message) -> None:
+    def receiver(msg: rudp.MessageReceived) -> None:
         if not waiter.done():
             waiter.set_result(None)
 

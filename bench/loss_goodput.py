@@ -133,7 +133,10 @@ async def run_rudp(args: argparse.Namespace, loss: float, seed: int) -> Result:
         stats = conn.stats
         extra = {
             "resent": stats.messages_resent,
+            "lost": stats.packets_lost,
+            "spurious": stats.spurious_losses,
             "rto_timeouts": stats.timeouts,
+            "timer_wakeups": stats.timer_wakeups,
             "srtt_ms": round(stats.srtt * 1e3, 1),
         }
         return Result(

@@ -5,13 +5,19 @@ process counts them and reports the rate from the first arrival to the last.
 
 * ``rudp``      -- ``conn.send()`` (reliable, channel 0) respecting back-pressure:
   ``await conn.drain()`` every 256 sends and on ``SendQueueFull``; the sender's
-  own clock stops when the last message is acknowledged. The "1200 B" case sends
-  ``conn.max_datagram_payload`` bytes, the largest payload that fits one datagram.
+  own clock stops when the last message is acknowledged. Every size is sent as
+  asked: a message larger than one datagram is fragmented (since path MTU
+  discovery, a 1200 B message is one datagram once the path has been probed).
 * ``udp-proto`` -- raw datagrams from a tight ``sendto`` loop, received by a plain
   ``asyncio.DatagramProtocol`` (CPython's selector loop reads one datagram per
   loop iteration). UDP drops: the *delivered* rate and the loss are reported.
 * ``udp-drain`` -- the same sender, received by an ``add_reader`` callback that
   drains up to 256 datagrams per readiness, as rudp's endpoint does.
+* ``enet``      -- ENet (pyenet, C; installed separately): reliable packets on
+  channel 0, the host serviced in a tight loop (``service(0)``) between batches of
+  64 sends, keeping about 256 KiB queued ahead of what ENet has sent (its queue
+  is unbounded); the sender stops adding at the cap and services until nothing
+  is in transit. ENet's default MTU is 1,400 bytes.
 * ``tcp``       -- asyncio streams-level TCP: 4-byte length prefix per message,
   TCP_NODELAY, ``transport.write()`` per message, honouring pause/resume_writing;
   the receiver parses every frame out into its own ``bytes``.
@@ -54,6 +60,7 @@ import rudp
 PROTOCOLS = ("udp-proto", "udp-drain", "tcp", "rudp")
 DRAIN_EVERY = 256
 MAX_DATAGRAMS_PER_READ = 256  # as rudp.Config.max_datagrams_per_read
+ENET_QUEUE = 256 * 1024  # bytes the ENet sender keeps queued ahead of its socket
 
 
 # -- rudp --------------------------------------------------------------------------------
@@ -96,7 +103,7 @@ async def rudp_receiver(ctx: RoleContext) -> Result:
 async def rudp_sender(ctx: RoleContext) -> Result:
     p = ctx.params
     conn = await rudp.connect(HOST, p["port"], config=rudp.Config(**p["rudp_config"]))
-    size = min(p["size"], conn.max_datagram_payload)
+    size = p["size"]
     data = bytes(size)
     n, send, drain = p["count"], conn.send, conn.drain
     sent = queue_full = 0
@@ -234,6 +241,81 @@ async def udp_drain_receiver(ctx: RoleContext) -> Result:
     return result
 
 
+# -- ENet (pyenet) -------------------------------------------------------------------------
+
+
+async def enet_receiver(ctx: RoleContext) -> Result:
+    import enet  # type: ignore[import-not-found]  # pyenet ships no types
+
+    p = ctx.params
+    counter = ArrivalCounter(p["count"], p["idle"], p["cap"] + 10.0)
+    host = enet.Host(enet.Address(HOST.encode(), 0), 1, 1, 0, 0)
+    none, receive = enet.EVENT_TYPE_NONE, enet.EVENT_TYPE_RECEIVE
+    ctx.ready(host.address.port)
+    watchdog = asyncio.ensure_future(counter.wait(ctx.stop))
+    add, service = counter.add, host.service
+    while not watchdog.done():
+        n = 0
+        event = service(1)
+        while event.type != none:
+            if event.type == receive:
+                n += 1
+            event = service(0)
+        if n:
+            add(n)
+        await asyncio.sleep(0)
+    for _ in range(200):  # acknowledge what is still arriving while the sender ends
+        service(1)
+    return counter.result(watchdog.result())
+
+
+async def enet_sender(ctx: RoleContext) -> Result:
+    import enet
+
+    p = ctx.params
+    host = enet.Host(None, 1, 1, 0, 0)
+    peer = host.connect(enet.Address(HOST.encode(), p["port"]), 1)
+    none, connect = enet.EVENT_TYPE_NONE, enet.EVENT_TYPE_CONNECT
+    deadline = time.perf_counter() + 5.0
+    while host.service(10).type != connect:
+        if time.perf_counter() > deadline:
+            raise CaseFailed("ENet did not connect")
+    data = bytes(p["size"])
+    packet, reliable, send, service = (
+        enet.Packet,
+        enet.PACKET_FLAG_RELIABLE,
+        peer.send,
+        host.service,
+    )
+    n = p["count"]
+    sent = 0
+    # ENet queues without limit, and its service call walks the queue: keep about
+    # ENET_QUEUE bytes of payload queued beyond the bytes it has sent (headers
+    # included, so the estimate only errs towards sending on).
+    per_message = p["size"]
+    start = time.perf_counter()
+    deadline = start + p["cap"]
+    while sent < n:
+        for _ in range(min(64, n - sent)):
+            send(0, packet(data, reliable))
+        sent += min(64, n - sent)
+        while service(0).type != none:
+            pass
+        while sent * per_message - host.totalSentData > ENET_QUEUE:
+            service(1)
+        if not sent % 1024 and time.perf_counter() > deadline:
+            break
+    quiet = 0
+    tail = time.perf_counter() + p["tail"]
+    while quiet < 20 and time.perf_counter() < tail:  # until nothing is left in transit
+        service(1)
+        quiet = quiet + 1 if peer.reliableDataInTransit == 0 else 0
+    elapsed = time.perf_counter() - start
+    peer.disconnect()
+    host.flush()
+    return {"sent": sent, "payload": p["size"], "sender_elapsed": elapsed}
+
+
 # -- TCP ---------------------------------------------------------------------------------
 
 
@@ -330,6 +412,7 @@ ROLES: dict[str, tuple[Role, Role]] = {
     "udp-drain": (udp_drain_receiver, udp_sender),
     "tcp": (tcp_receiver, tcp_sender),
     "rudp": (rudp_receiver, rudp_sender),
+    "enet": (enet_receiver, enet_sender),
 }
 
 

@@ -12,8 +12,13 @@ What it shows, in the order a real client does it:
 2. **The server list**: ``list_servers(game=..., version=..., not_full=True)``.
 3. **The server browser**: ``query_servers`` asks every listed host for its current info
    and measures the ping, all at once, straight to the hosts; the lowest ping wins.
-4. **The introduction** (``introduce``): the host is told our address and punches towards
-   it; our CONNECT, resent by rudp until it gets through, is our punch.
+4. **The introduction with a connect token** (``ticket``): the host is told our address
+   and punches towards it; we get the host's key and a token the matchmaker signed for
+   us and that host, with our player name as its user data. The client library checks
+   the signature with the matchmaker's public key it pinned (``issuer_keys``), then
+   ``ticket.connect()`` connects with Noise NK to the vouched key, presenting the token;
+   our CONNECT, resent by rudp until it gets through, is our punch. The host's welcome
+   echoes the user data it read from our token.
 5. **Playing**: a hello, then moves (reliable-ordered, channel 0) ten times a second and a
    chat line (channel 2) while snapshots of the world arrive unreliable-sequenced on
    channel 1, then a graceful ``close()``.
@@ -35,10 +40,36 @@ import msgpack
 import rudp
 from matchmaker.client import MatchmakerClient, MatchmakerError
 from matchmaker.serverinfo import query_servers
+from matchmaker.tickets import UntrustedIntroduction
 
 GAME = "arena"
 VERSION = "1"
 INPUT, SNAPSHOT, CHAT = 0, 1, 2  # channels
+
+
+ISSUER_KEY_FILE = ".matchmaker-issuer.key.pub"
+
+
+def add_issuer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The matchmaker's token-issuing public key, which the game ships: hex, or a file."""
+    parser.add_argument("--issuer-key", help="the matchmaker's issuing public key, in hex")
+    parser.add_argument(
+        "--issuer-key-file",
+        default=ISSUER_KEY_FILE,
+        help="file with that key in hex (make run writes it)",
+    )
+
+
+def issuer_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bytes:
+    try:
+        if args.issuer_key:
+            return bytes.fromhex(args.issuer_key)
+        with open(args.issuer_key_file, encoding="ascii") as f:
+            return bytes.fromhex(f.read().strip())
+    except (OSError, ValueError) as exc:
+        parser.error(
+            f"the matchmaker's issuing key: {exc} (give --issuer-key or --issuer-key-file)"
+        )
 
 
 def log(text: str) -> None:
@@ -51,6 +82,8 @@ class Play:
     def __init__(self, name: str) -> None:
         self.name = name
         self.id: int | None = None
+        self.token: bytes | None = None
+        """The user data the host read from our connect token (its welcome)."""
         self.welcomed = asyncio.Event()
         self.snapshots = 0
         self.last_tick = 0
@@ -58,11 +91,12 @@ class Play:
         self.chat_echoed = False
         self.stale = 0
 
-    def on_message(self, msg: rudp.Message) -> None:
+    def on_message(self, msg: rudp.MessageReceived) -> None:
         event = msgpack.unpackb(msg.data)
         kind = event.get("t")
         if kind == "welcome":
             self.id = event["id"]
+            self.token = event.get("token")
             self.welcomed.set()
         elif kind == "snap" and msg.channel == SNAPSHOT:
             # Unreliable-sequenced: ticks only go up; a lost one is simply skipped.
@@ -109,15 +143,18 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to play")
     parser.add_argument("--lan-ip", help="this machine's LAN address, for a host behind our NAT")
     parser.add_argument("--seed", type=int, help="seed of the random walk")
+    add_issuer_arguments(parser)
     args = parser.parse_args(argv)
+    issuer = issuer_key(parser, args)
     # The client library's own lines (reconnections, re-registrations) go where ours
     # do, in order, each prefixed by its logger's name.
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s: %(message)s")
     mm_host, _, mm_port = args.matchmaker.rpartition(":")
     walk = random.Random(args.seed)
+    user_data = f"name={args.name}".encode()  # what our connect token tells the host
 
     endpoint = await rudp.open_endpoint("0.0.0.0", 0)
-    mm = MatchmakerClient.to(mm_host, int(mm_port), via=endpoint)
+    mm = MatchmakerClient.to(mm_host, int(mm_port), via=endpoint, issuer_keys=[issuer])
     play = Play(args.name)
     try:
         try:
@@ -129,14 +166,15 @@ async def main(argv: list[str] | None = None) -> int:
             log(f"no {GAME} host answered")
             return 1
         lan = (args.lan_ip, endpoint.address[1]) if args.lan_ip else None
-        intro = await mm.introduce(host, lan=lan)
-        target = intro.peer_lan or intro.peer  # behind the host's own NAT, its LAN address
-        conn = await endpoint.connect(target.ip, target.port)
-        log(f"connected to {target.ip}:{target.port}")
+        ticket = await mm.ticket(host, lan=lan, user_data=user_data)
+        target = ticket.address  # behind the host's own NAT, its LAN address
+        conn = await ticket.connect(endpoint)
+        log(f"connected to {target.ip}:{target.port}, key {ticket.host_key.hex()[:16]}...")
 
         conn.set_receiver(play.on_message)  # handled as it arrives, no task per message
         conn.send(msgpack.packb({"t": "hello", "name": args.name}))
         await asyncio.wait_for(play.welcomed.wait(), 5.0)
+        log(f"joined with a token for user data {user_data!r}; the host read {play.token!r}")
         conn.send(msgpack.packb({"t": "chat", "text": f"hello from {args.name}"}), channel=CHAT)
         loop = asyncio.get_running_loop()
         end = loop.time() + args.seconds
@@ -151,7 +189,7 @@ async def main(argv: list[str] | None = None) -> int:
                 break
             await asyncio.sleep(0.05)
         await conn.drain()
-        ended = conn.close_reason
+        ended = conn.disconnected
         if ended is not None:
             log(f"the host ended the game: {ended.reason.value} {ended.text}")
         stats = conn.stats
@@ -159,8 +197,8 @@ async def main(argv: list[str] | None = None) -> int:
             f"played as #{play.id}: {play.snapshots} snapshots (last tick {play.last_tick}), "
             f"position {play.position}, rtt {stats.srtt * 1000:.1f} ms"
         )
-        await conn.close(code=1000, reason="bye")
-    except (MatchmakerError, rudp.RudpError, TimeoutError) as exc:
+        await conn.close(code=1000, text="bye")
+    except (MatchmakerError, UntrustedIntroduction, rudp.RudpError, TimeoutError) as exc:
         log(f"failed: {exc!r}")
         return 1
     finally:
@@ -168,7 +206,8 @@ async def main(argv: list[str] | None = None) -> int:
         await endpoint.close()
     if play.stale:
         log(f"{play.stale} stale snapshots were delivered")
-    return 0 if play.position is not None and play.chat_echoed and not play.stale else 1
+    joined = play.token == user_data  # the host admitted us on our token
+    return 0 if joined and play.position is not None and play.chat_echoed and not play.stale else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,17 @@ Run a matchmaker that lists loopback hosts, then a host, then clients::
 
 The game is a tiny arena: each player walks around a 100 x 100 field. What it shows:
 
+* **Only players the matchmaker sent.** The host requires a connect token
+  (``Config(token_issuers=...)``): the matchmaker signs one for every introduction, bound
+  to the client's handshake key and to this host's key, and the host checks it alone with
+  the matchmaker's public key (``--issuer-key-file``, by default the
+  ``.matchmaker-issuer.key.pub`` that ``make run`` wrote). A plain ``rudp.connect()`` is
+  refused with "this server requires a connect token". The token's user data (what the
+  client asked to be known as) arrives as ``conn.peer_identity``.
+* **A key clients can check.** The host registers its static public key
+  (``register(key=server.public_key)``); clients connect with Noise NK to the key the
+  matchmaker vouched for, so no one else can answer in the host's place.
+
 * **One UDP socket for everything.** Players connect to ``rudp.serve``'s socket, and the
   matchmaker client talks *through* it (``MatchmakerClient.to(..., via=server)``), so the
   address the matchmaker observes and lists is the game port, and a NAT in front of the
@@ -86,6 +97,31 @@ class Arena:
                 player.conn.send(data, channel=channel, delivery=delivery)
 
 
+ISSUER_KEY_FILE = ".matchmaker-issuer.key.pub"
+
+
+def add_issuer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The matchmaker's token-issuing public key: hex, or a file holding it."""
+    parser.add_argument("--issuer-key", help="the matchmaker's issuing public key, in hex")
+    parser.add_argument(
+        "--issuer-key-file",
+        default=ISSUER_KEY_FILE,
+        help="file with that key in hex (make run writes it)",
+    )
+
+
+def issuer_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bytes:
+    try:
+        if args.issuer_key:
+            return bytes.fromhex(args.issuer_key)
+        with open(args.issuer_key_file, encoding="ascii") as f:
+            return bytes.fromhex(f.read().strip())
+    except (OSError, ValueError) as exc:
+        parser.error(
+            f"the matchmaker's issuing key: {exc} (give --issuer-key or --issuer-key-file)"
+        )
+
+
 def log(text: str) -> None:
     print(text, flush=True)
 
@@ -94,17 +130,23 @@ async def play(arena: Arena, conn: rudp.Connection) -> None:
     """One player's connection, from its hello to its end."""
     hello = msgpack.unpackb((await conn.recv()).data)
     if hello.get("t") != "hello" or not isinstance(hello.get("name"), str):
-        await conn.close(code=4000, reason="expected hello")
+        await conn.close(code=4000, text="expected hello")
         return
     if len(arena.players) >= arena.max_players:
-        await conn.close(code=4001, reason="server full")
+        await conn.close(code=4001, text="server full")
         return
+    identity = conn.peer_identity  # the verified token: who the matchmaker sent us
+    assert identity is not None  # this host requires tokens: no connection without one
     player = Player(arena.next_id, hello["name"][:32], conn)
     arena.next_id += 1
     arena.players[player.id] = player
     arena.changed.set()
-    log(f"joined: {player.name} (#{player.id}) from {conn.remote_address[0]}")
-    conn.send(msgpack.packb({"t": "welcome", "id": player.id, "field": FIELD}))
+    log(
+        f"joined: {player.name} (#{player.id}) from {conn.remote_address[0]}, "
+        f"token client id {identity.client_id:#x}, user data {identity.user_data!r}"
+    )
+    welcome = {"t": "welcome", "id": player.id, "field": FIELD, "token": identity.user_data}
+    conn.send(msgpack.packb(welcome))
     arena.broadcast({"t": "chat", "from": "host", "text": f"{player.name} joined"}, channel=CHAT)
     try:
         async for msg in conn:  # ends when the player leaves or times out
@@ -117,12 +159,12 @@ async def play(arena: Arena, conn: rudp.Connection) -> None:
                 line = {"t": "chat", "from": player.name, "text": str(event["text"])[:200]}
                 arena.broadcast(line, channel=CHAT)
     except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-        await conn.close(code=4002, reason="bad message")  # a broken or hostile client
+        await conn.close(code=4002, text="bad message")  # a broken or hostile client
     finally:
         del arena.players[player.id]
         arena.left += 1
         arena.changed.set()
-        end = conn.close_reason
+        end = conn.disconnected
         log(f"left: {player.name} (#{player.id}): {end.reason.value if end else 'closing'}")
 
 
@@ -181,14 +223,19 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-players", type=int, default=8, help="listed player limit")
     parser.add_argument("--lan-ip", help="this machine's LAN address, for clients behind our NAT")
     parser.add_argument("--exit-after", type=int, help="stop after this many players left")
+    add_issuer_arguments(parser)
     args = parser.parse_args(argv)
+    issuer = issuer_key(parser, args)
     # The client library's own lines (reconnections, re-registrations) go where ours
     # do, in order, each prefixed by its logger's name.
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s: %(message)s")
     mm_host, _, mm_port = args.matchmaker.rpartition(":")
 
     arena = Arena(args.max_players)
-    server = await rudp.serve(lambda conn: play(arena, conn), args.bind, args.port)
+    # A static key clients authenticate us with, and the matchmaker's key whose tokens we
+    # require. A real host keeps its key across restarts (docs/security.md).
+    config = rudp.Config(static_key=rudp.generate_key(), token_issuers=(issuer,))
+    server = await rudp.serve(lambda conn: play(arena, conn), args.bind, args.port, config=config)
     port = server.address[1]
     mm = MatchmakerClient.to(mm_host, int(mm_port), via=server)
     tasks: list[asyncio.Task[None]] = []
@@ -200,6 +247,7 @@ async def main(argv: list[str] | None = None) -> int:
             max_players=args.max_players,
             map="field",
             lan=(args.lan_ip, port) if args.lan_ip else None,
+            key=server.public_key,
         )
         serve_info(server, lambda: mm.host_info)  # server browsers ask us directly
         serve_browsers(server, lambda: mm.host_info, players=lambda: a2s_players(arena))

@@ -1,5 +1,8 @@
 """``python -m matchmaker``: parse flags and environment, configure logging, run.
 
+``python -m matchmaker keygen`` creates a connect-token issuing key instead
+(``matchmaker.keys``).
+
 Exit status: 0 after a clean shutdown (SIGTERM or SIGINT), 1 if the daemon failed
 (logged as ``matchmaker_failed`` with its traceback), 2 for invalid settings (on
 stderr), 3 when one of its ports cannot be bound (in use, not permitted, or an
@@ -20,6 +23,7 @@ import structlog
 import rudp
 from matchmaker import logging as mm_logging
 from matchmaker.cli import parse_args
+from matchmaker.keys import keygen
 from matchmaker.server import Matchmaker
 from matchmaker.settings import Settings, SettingsError
 
@@ -36,8 +40,11 @@ BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL})
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     """Run the daemon; the exit status is one of the ``EXIT_*`` codes above."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["keygen"]:
+        return keygen(args[1:])
     try:
-        settings = Settings.from_sources(parse_args(argv), os.environ if env is None else env)
+        settings = Settings.from_sources(parse_args(args), os.environ if env is None else env)
     except SettingsError as exc:
         print(f"matchmaker: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS

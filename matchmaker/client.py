@@ -82,7 +82,9 @@ from matchmaker.messages import (
     encode,
     str_tuple,
 )
+from matchmaker.tickets import Ticket, check_introduction
 from matchmaker.transport import TRANSPORT_ERRORS, Connector, Peer, rudp_connector
+from rudp.errors import check_address, check_sequence
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,31 @@ _KEEPER_ERRORS: tuple[type[BaseException], ...] = (
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *TRANSPORT_ERRORS)
 
 
+class ServerList(list[HostEntry]):
+    """What `MatchmakerClient.list_servers` returns: a list of `HostEntry`, and
+    whether the answer reached its limit.
+
+    An answer is a random sample of at most `limit` matching hosts (the request's
+    ``limit``, 1,000 by default; the matchmaker refuses one above its ``--list-limit``).
+    At the limit there may be more: a narrower filter or a higher limit shows them.
+    """
+
+    limit: int
+    """The most hosts this answer could hold."""
+
+    def __init__(self, hosts: Iterable[HostEntry], *, limit: int) -> None:
+        super().__init__(hosts)
+        self.limit = limit
+
+    @property
+    def limit_reached(self) -> bool:
+        """True when the answer holds `limit` hosts: it may have left some out."""
+        return len(self) >= self.limit
+
+    def __repr__(self) -> str:
+        return f"ServerList({list.__repr__(self)}, limit={self.limit})"
+
+
 @dataclass(slots=True)
 class _PendingList:
     future: asyncio.Future[list[ListPage]]
@@ -156,12 +183,17 @@ class MatchmakerClient:
         limits: Limits = DEFAULT_LIMITS,
         max_introductions: int = 64,
         routes: Routes | None = None,
+        issuer_keys: Sequence[bytes] = (),
     ) -> None:
         """`connect` opens a connection to the matchmaker (several: one per replica);
-        `routes`, when given, replaces it with named addresses looked up per attempt."""
+        `routes`, when given, replaces it with named addresses looked up per attempt.
+        `issuer_keys` pins the matchmaker's token-issuing public key (two while it
+        rotates): `ticket` believes only introductions it signed."""
         if routes is None:
             if connect is None:
                 raise TypeError("MatchmakerClient needs connect or routes")
+            if not callable(connect):
+                check_sequence(connect, "connect")
             connectors = [connect] if callable(connect) else list(connect)
             routes = _fixed_routes([(f"replica {i + 1}", c) for i, c in enumerate(connectors)])
         self._routes = routes
@@ -182,6 +214,7 @@ class MatchmakerClient:
         self._reconnect_delay = reconnect_delay
         self._max_reconnect_delay = max_reconnect_delay
         self._limits = limits
+        self._issuer_keys = tuple(issuer_keys)
         self._conn: Peer | None = None
         self._reader: asyncio.Task[None] | None = None
         self._connecting = asyncio.Lock()
@@ -198,6 +231,8 @@ class MatchmakerClient:
         """Introductions for a registered host: clients that want to join."""
         self.registrations = 0
         """How many times `Register` succeeded (re-registrations included)."""
+        self._socket_of_its_own = False
+        """Made by `to()` without ``via``: its ephemeral socket is no game's address."""
 
     @classmethod
     def to(
@@ -213,16 +248,35 @@ class MatchmakerClient:
 
         `host` may be a name that resolves to several replicas (resolved again
         for every connection attempt), or a list of ``(host, port)`` replicas.
+
+        `via` is the rudp socket to talk through: a game host's own server
+        (``rudp.serve``), so that the address the matchmaker registers, lists and
+        introduces is the game port; a game client's ``rudp.open_endpoint()``, so
+        that the host is introduced to the address the client connects from.
+        Without it the client opens a socket of its own, which can list servers
+        and introduce, but `register` refuses (that socket is no game's address).
         """
         if isinstance(host, str):
             if port is None:
                 raise TypeError("to(host, port): the port is missing")
             replicas = [(host, port)]
         else:
-            replicas = [(h, int(p)) for h, p in host]
+            check_sequence(host, "to() host")
+            replicas = []
+            for replica in host:
+                check_address(replica, "each replica of to()")
+                replicas.append((replica[0], int(replica[1])))
             if not replicas:
                 raise ValueError("to([]): no matchmaker address")
-        return cls(routes=_resolving_routes(replicas, via, config), **kwargs)
+        client = cls(routes=_resolving_routes(replicas, via, config), **kwargs)
+        client._socket_of_its_own = via is None
+        return client
+
+    def __repr__(self) -> str:
+        route = self._route or "not connected"
+        if self._host is not None and self.address is not None:
+            return f"<MatchmakerClient {route}, registered as {self.address}>"
+        return f"<MatchmakerClient {route}>"
 
     @property
     def route(self) -> str | None:
@@ -251,15 +305,31 @@ class MatchmakerClient:
         region: str = "",
         info: bytes = b"",
         lan: tuple[str, int] | None = None,
+        key: bytes | None = None,
     ) -> Address:
         """Register this host and keep it registered until `unregister`/`close`.
+
+        `key` is the game server's static public key (``server.public_key``): the
+        matchmaker lists it and issues connect tokens for it.
 
         Returns the public address the matchmaker observed.  Raises
         MatchmakerError at once if the matchmaker refuses for good (bad field,
         per-IP cap, forbidden address).  Unreachable or stopping replicas, rate
         limits and outages are retried with backoff for ``register_timeout``
         seconds; then the last refusal is raised, or `MatchmakerUnreachable`.
+
+        The matchmaker lists the address this client's connection comes from, so a
+        client made by ``to()`` without ``via=`` (its own ephemeral socket, not the
+        game's) raises TypeError at once instead of listing the wrong port.
         """
+        if self._socket_of_its_own:
+            raise TypeError(
+                "register() lists the address the client talks from, and this client has "
+                "a socket of its own (MatchmakerClient.to() without via=): pass the game "
+                "server, MatchmakerClient.to(host, port, via=game_server)"
+            )
+        if lan is not None:
+            check_address(lan, "lan")
         host = HostInfo(
             name=name,
             game=game,
@@ -272,6 +342,7 @@ class MatchmakerClient:
             region=region,
             info=info,
             lan=make_address(*lan) if lan else None,
+            key=key or b"",
         )
         address = await self._register_first(host)
         self._host = host
@@ -418,9 +489,10 @@ class MatchmakerClient:
 
     # ------------------------------------------------------------------ clients
 
-    async def list_servers(self, *, game: str, **filters: Any) -> list[HostEntry]:
+    async def list_servers(self, *, game: str, **filters: Any) -> ServerList:
         """Hosts of `game` matching the filters (see ListFilter), in the matchmaker's
-        fair random order."""
+        fair random order: a `ServerList`, whose ``limit_reached`` says the answer
+        was cut at ``limit`` hosts (1,000 unless the filters say otherwise)."""
         for key in ("tags_all", "tags_any"):
             if key in filters:
                 filters[key] = str_tuple(filters[key], key)
@@ -435,15 +507,46 @@ class MatchmakerClient:
             pages = await asyncio.wait_for(pending.future, self._timeout)
         finally:
             self._lists.pop(rid, None)
-        return [entry for page in pages for entry in page.hosts]
+        hosts = (entry for page in pages for entry in page.hosts)
+        return ServerList(hosts, limit=request.filter.limit)
 
     async def introduce(
         self, host: Address | tuple[str, int], *, lan: tuple[str, int] | None = None
     ) -> Introduction:
         """Ask to join `host`; returns where to connect (and the shared nonce)."""
+        check_address(host, "introduce() host")
+        if lan is not None:
+            check_address(lan, "lan")
         target = make_address(*host)
         lan_address = make_address(*lan) if lan else None
         return await self._expect(Introduce(host=target, lan=lan_address), Introduction)
+
+    async def ticket(
+        self,
+        host: Address | tuple[str, int],
+        *,
+        lan: tuple[str, int] | None = None,
+        user_data: bytes = b"",
+    ) -> Ticket:
+        """Ask to join `host` with a connect token; `Ticket.connect` then joins it.
+
+        `user_data` (at most 256 bytes) goes into the token, which the host reads as
+        ``conn.peer_identity.user_data``. Raises UntrustedIntroduction when the
+        pinned issuer key does not vouch for the answer (see `matchmaker.tickets`).
+        """
+        if not self._issuer_keys:
+            raise ValueError(
+                "ticket() needs the pinned issuer key: MatchmakerClient(issuer_keys=...)"
+            )
+        handshake_key = rudp.generate_key()
+        request = Introduce(
+            host=make_address(*host),
+            lan=make_address(*lan) if lan else None,
+            client_key=rudp.public_key(handshake_key),
+            user_data=user_data,
+        )
+        intro = await self._expect(request, Introduction)
+        return check_introduction(intro, self._issuer_keys, handshake_key)
 
     async def info(self) -> InfoReply:
         return await self._expect(InfoRequest(), InfoReply)
@@ -618,7 +721,7 @@ def _describe(exc: BaseException) -> str:
 
 async def _close_quietly(conn: Peer, timeout: float) -> None:
     with contextlib.suppress(*_CONNECT_ERRORS):
-        await asyncio.wait_for(conn.close(reason="failover"), timeout)
+        await asyncio.wait_for(conn.close(text="failover"), timeout)
 
 
 def _fixed_routes(routes: list[Route]) -> Routes:
@@ -634,8 +737,13 @@ def _resolving_routes(
     """Every address each replica name resolves to, looked up per attempt (DNS
     round robin, a name whose records change as replicas come and go)."""
 
-    # An IPv4 game socket cannot reach the replicas' IPv6 addresses.
-    family = socket.AF_INET if via is not None and len(via.address) == 2 else socket.AF_UNSPEC
+    # An IPv4 game socket cannot reach the replicas' IPv6 addresses, nor an IPv6-only
+    # one their IPv4 addresses; a dual-stack one reaches both (IPv4 as v4-mapped).
+    family: int = socket.AF_UNSPEC
+    if via is not None:
+        sock_family, flags = via.endpoint.destination_family()
+        if not flags & socket.AI_V4MAPPED:
+            family = sock_family
 
     async def lookup() -> list[Route]:
         loop = asyncio.get_running_loop()

@@ -196,12 +196,14 @@ def _typed(key: str, value: str) -> object:
 
 
 def entry_json(fields: dict[str, Any]) -> dict[str, Any]:
-    """JSON-safe form of a wire list entry: the info blob as base64, the address as text."""
+    """JSON-safe form of a wire list entry: the info blob as base64, the host key as hex
+    (empty when the host gave none), the address as text."""
     out = dict(fields)
     ip, port = out.pop("addr")
     out["address"] = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
     out["ip"], out["port"] = ip, port
     out["info"] = base64.b64encode(out["info"]).decode()
+    out["key"] = out["key"].hex()
     return out
 
 

@@ -32,6 +32,7 @@ from matchmaker.registry import MemoryRegistry, Registry
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.service import MatchmakerService
 from matchmaker.settings import Settings
+from rudp.tokens import Issuer, generate_issuer_key
 
 log = structlog.get_logger("matchmaker.server")
 
@@ -54,6 +55,14 @@ def build_registry(settings: Settings, metrics: Metrics) -> Registry:
     )
 
 
+def build_issuer(settings: Settings) -> Issuer | None:
+    """The connect-token issuer of ``settings`` (``matchmaker.keys``), if any."""
+    private = settings.issuer_private_key()
+    if private is None and settings.ephemeral_issuer_key:
+        private = generate_issuer_key()
+    return None if private is None else Issuer(private)
+
+
 class Matchmaker:
     """The whole daemon: rudp port, HTTP port, registry and background loops."""
 
@@ -69,7 +78,10 @@ class Matchmaker:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.registry = registry or build_registry(settings, self.metrics)
-        self.service = MatchmakerService(settings, self.registry, self.metrics, rng=rng)
+        self.issuer = build_issuer(settings)
+        self.service = MatchmakerService(
+            settings, self.registry, self.metrics, rng=rng, issuer=self.issuer
+        )
         # rudp's idle timeout ends a silent host's connection (and so removes
         # it) no later than it would be hidden anyway.  Hosts keep talking
         # (heartbeats, their own rudp pings), so the daemon's own pings can be
@@ -125,6 +137,12 @@ class Matchmaker:
         assert self._http is not None, "not started"
         return self._http.address
 
+    def __repr__(self) -> str:
+        if self._udp is None or self._http is None:
+            return "<Matchmaker not started>"
+        udp, http = self.udp_address, self.http_address
+        return f"<Matchmaker udp {udp[0]}:{udp[1]} http {http[0]}:{http[1]}>"
+
     async def start(self) -> None:
         s = self.settings
         await self.registry.start()
@@ -152,7 +170,14 @@ class Matchmaker:
             udp=f"{self.udp_address[0]}:{self.udp_address[1]}",
             http=f"{self.http_address[0]}:{self.http_address[1]}",
             **s.startup_fields(),
+            issuer_public=self.issuer.public_key.hex() if self.issuer else "",
         )
+        if s.ephemeral_issuer_key:
+            log.warning(
+                "ephemeral_issuer_key",
+                note="development only: a new key every start, which every host and client "
+                "must be given again; production uses --issuer-key-file",
+            )
 
     async def _start_master(self) -> None:
         s = self.settings
@@ -230,11 +255,18 @@ class Matchmaker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             # Handlers only set the flag; the shutdown itself runs here.
             loop.add_signal_handler(sig, stop.set)
+        started = False
         try:
             await self.start()
+            started = True
             tune_gc()  # once started: see matchmaker/gctuning.py
             await stop.wait()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-            await self.shutdown()
+            if started:
+                await self.shutdown()
+            else:
+                # It never served: release what did open, without stopping/stopped
+                # lines for a daemon that never logged matchmaker_started.
+                await self._close_now()

@@ -43,6 +43,7 @@ from matchmaker.messages import (
     decode,
     encode,
 )
+from rudp.errors import check_address, check_sequence
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ class InfoResponder:
         self._limits = limits
         self.answered = 0
         """Queries answered."""
+
+    def __repr__(self) -> str:
+        return f"<InfoResponder answered={self.answered}>"
 
     def __call__(self, payload: bytes, address: Any) -> bytes | None:
         try:
@@ -131,6 +135,7 @@ async def query_server(
     limits: Limits = DEFAULT_LIMITS,
 ) -> ServerStatus:
     """Ask one host for its info and measure the ping (never raises for the host's sake)."""
+    check_address(address, "address")
     target = make_address(*address)
     room = endpoint.endpoint.core.max_query_payload
     payload = encode(ServerQuery(room=room))
@@ -161,6 +166,10 @@ async def query_servers(
     limits: Limits = DEFAULT_LIMITS,
 ) -> list[ServerStatus]:
     """`query_server` for many hosts at once, at most `concurrency` in flight; input order."""
+    check_sequence(addresses, "addresses")
+    addresses = list(addresses)
+    for address in addresses:
+        check_address(address, "each of addresses")  # before any query goes out
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     gate = asyncio.Semaphore(concurrency)

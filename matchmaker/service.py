@@ -33,7 +33,10 @@ floods a slow client.
 
 Introductions: the client and the host each get an `Introduction` with the
 other's public address, the LAN address too when both share a public IP, and
-the same random nonce.  When the host's connection lives on another replica
+the same random nonce.  The client's also carries the host's registered key
+and, when it sent its handshake key and the daemon has an issuing key, a
+connect token for that host (`rudp.tokens`, signed with the key of
+`matchmaker.keys`).  When the host's connection lives on another replica
 the registry relays the payload (`Registry.deliver`).
 """
 
@@ -104,6 +107,7 @@ from matchmaker.registry import (
 )
 from matchmaker.settings import Settings
 from matchmaker.transport import TRANSPORT_ERRORS, Peer
+from rudp.tokens import Issuer
 
 log = structlog.get_logger("matchmaker.service")
 
@@ -143,6 +147,8 @@ class MatchmakerService:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         nonce: Callable[[int], bytes] = secrets.token_bytes,
+        issuer: Issuer | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -151,6 +157,10 @@ class MatchmakerService:
         self._rng = rng or random.Random()
         self._clock = clock
         self._nonce = nonce
+        self._issuer = issuer
+        """Signs the connect token of every introduction (None: introductions carry none)."""
+        self._wall = wall
+        """UNIX time, for token expiry (hosts check it against their own clocks)."""
         keys = settings.rate_limit_keys
         self._register_limit = RateLimiter(settings.register_bucket, max_keys=keys, clock=clock)
         self._list_limit = RateLimiter(settings.list_bucket, max_keys=keys, clock=clock)
@@ -172,7 +182,7 @@ class MatchmakerService:
         session = _Session(peer=peer, address=address)
         if self.shutting_down:
             # A stopping replica takes no one new: the host goes to another replica.
-            await peer.close(reason=_STOPPING)
+            await peer.close(text=_STOPPING)
             return
         previous = self._sessions.get(address)
         self._sessions[address] = session
@@ -262,10 +272,10 @@ class MatchmakerService:
         except TRANSPORT_ERRORS as exc:
             self.metrics.dropped.labels("send_failed").inc()
             log.info("send_failed", error=type(exc).__name__)
-            self._spawn(session, session.peer.close(reason="send failed"))
+            self._spawn(session, session.peer.close(text="send failed"))
             return None
 
-    def _spawn(self, session: _Session, coro: Awaitable[None]) -> None:
+    def _spawn(self, session: _Session, coro: Awaitable[object]) -> None:
         async def run() -> None:
             try:
                 await coro
@@ -299,7 +309,9 @@ class MatchmakerService:
         if not self._listable(session.address, req.host):
             self.metrics.registrations.labels("rejected").inc()
             raise MessageError(ErrorReason.BAD_FIELD, _TOO_BIG, request_id=rid)
-        replacing = self.registry.get(session.address) is not None
+        previous = self.registry.get(session.address)
+        # A new key is a new host identity: a new registration, not a replacement.
+        replacing = previous is not None and previous.info.key == req.host.key
         try:
             record = await self.registry.upsert(
                 session.address, req.host, max_per_ip=self.settings.max_hosts_per_ip
@@ -539,11 +551,31 @@ class MatchmakerService:
             peer=target.address,
             peer_lan=target.info.lan if shared else None,
             nonce=nonce,
+            peer_key=target.info.key or None,
+            token=self._token(req, target, shared),
         )
         result = await self._reach_host(target, encode(to_host), rid)
         self.metrics.introductions.labels(result).inc()
         log.info("introduced", host=target.address.key, result=result)
         self._send(session, to_client)
+
+    def _token(self, req: Introduce, target: HostRecord, shared: bool) -> bytes | None:
+        """A connect token for this client and this host (``rudp.tokens``), when the
+        client asked for one, the host gave its key and we have an issuing key."""
+        if self._issuer is None or req.client_key is None or not target.info.key:
+            return None
+        addresses = [(target.address.ip, target.address.port)]
+        if shared and target.info.lan is not None:
+            addresses.append((target.info.lan.ip, target.info.lan.port))
+        return self._issuer.issue(
+            client_key=req.client_key,
+            host_key=target.info.key,
+            addresses=addresses,
+            client_id=int.from_bytes(self._nonce(8), "big"),
+            now=self._wall(),
+            lifetime=self.settings.token_lifetime,
+            user_data=req.user_data,
+        )
 
     async def _reach_host(self, target: HostRecord, payload: bytes, rid: int) -> str:
         if target.owner == self.registry.replica_id:
@@ -588,7 +620,7 @@ class MatchmakerService:
         self.stop_accepting()
         sessions = list(self._sessions.values())
         await asyncio.gather(
-            *(s.peer.close(reason=_STOPPING) for s in sessions),
+            *(s.peer.close(text=_STOPPING) for s in sessions),
             return_exceptions=True,
         )
 

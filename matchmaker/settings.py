@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from matchmaker.addresses import normalise_ip
+from matchmaker.keys import parse_key, read_key_file
 from matchmaker.messages import Limits
 from matchmaker.ratelimit import Rate
 from matchmaker.registry import REDIS_SCHEMES
@@ -89,6 +90,13 @@ class Settings:
     http_timeout: float = _s(5.0, "seconds to read one HTTP request")
     http_max_connections: int = _s(256, "concurrent HTTP connections")
     metrics_max_games: int = _s(20, "games with their own hosts-listed series; the rest: _other")
+    # -- connect tokens (matchmaker.keys)
+    issuer_key_file: str = _s("", "file of the Ed25519 key signing connect tokens (keygen --out)")
+    issuer_key: str = _s("", "the token-signing key in hex; prefer the env var or the file")
+    ephemeral_issuer_key: bool = _s(
+        False, "make a token-signing key in memory at start: development only, never production"
+    )
+    token_lifetime: float = _s(30.0, "seconds a connect token stays good")
     # -- process
     shutdown_timeout: float = _s(10.0, "seconds to close connections on SIGTERM before cancelling")
     log_format: str = _s("auto", "auto (console on a TTY, else JSON), json or console")
@@ -120,7 +128,25 @@ class Settings:
             "list_rate": f"{self.list_rate:g}/s burst {self.list_burst:g}",
             "introduce_rate": f"{self.introduce_rate:g}/s burst {self.introduce_burst:g}",
             "master": self.master_port if self.master else "off",
+            "issuer": self.issuer_source,
         }
+
+    @property
+    def issuer_source(self) -> str:
+        """Where the token-signing key comes from: file, env, ephemeral or none."""
+        if self.issuer_key_file:
+            return "file"
+        if self.issuer_key:
+            return "env"
+        return "ephemeral" if self.ephemeral_issuer_key else "none"
+
+    def issuer_private_key(self) -> bytes | None:
+        """The token-signing key from the file or the setting (None: ephemeral or none)."""
+        if self.issuer_key_file:
+            return read_key_file(self.issuer_key_file)
+        if self.issuer_key:
+            return parse_key(self.issuer_key)
+        return None
 
     @property
     def register_bucket(self) -> Rate:
@@ -277,10 +303,31 @@ _RULES: list[Check] = [
     ("http_timeout", lambda s: s.http_timeout > 0, "must be > 0"),
     ("http_max_connections", lambda s: s.http_max_connections >= 1, "must be >= 1"),
     ("metrics_max_games", lambda s: 0 <= s.metrics_max_games <= 1000, "must be 0..1000"),
+    (
+        "issuer_key_file",
+        lambda s: not s.issuer_key_file or _key_problem(s) is None,
+        "must be a key file written by 'python -m matchmaker keygen --out'",
+    ),
+    ("issuer_key", lambda s: not s.issuer_key or _key_problem(s) is None, "must be 64 hex digits"),
+    (
+        "ephemeral_issuer_key",
+        lambda s: not s.ephemeral_issuer_key or not (s.issuer_key or s.issuer_key_file),
+        "cannot be combined with a key (--issuer-key-file or --issuer-key)",
+    ),
+    ("issuer_key", lambda s: not (s.issuer_key and s.issuer_key_file), "or a file, not both"),
+    ("token_lifetime", lambda s: 1 <= s.token_lifetime <= 3600, "must be 1..3600"),
     ("shutdown_timeout", lambda s: s.shutdown_timeout > 0, "must be > 0"),
     ("log_format", lambda s: s.log_format in LOG_FORMATS, f"must be one of {LOG_FORMATS}"),
     ("log_level", lambda s: s.log_level in LOG_LEVELS, f"must be one of {LOG_LEVELS}"),
 ]
+
+
+def _key_problem(s: Settings) -> str | None:
+    try:
+        s.issuer_private_key()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _checks(s: Settings) -> list[tuple[str, str]]:

@@ -40,7 +40,12 @@ class Peer(Protocol):
         """Messages until the connection ends."""
         ...
 
-    async def close(self, code: int = 0, reason: str = "") -> None: ...
+    def close(
+        self, code: int = 0, text: str = "", *, reason: str | None = None
+    ) -> Awaitable[object]:
+        """Start closing at once; the awaitable completes when the connection ended.
+        (``reason=`` is the deprecated name of ``text``, as in ``rudp.Connection``.)"""
+        ...
 
 
 Connector = Callable[[], Awaitable[Peer]]

@@ -29,9 +29,21 @@ The submodules outside the import path of the API above (``rudp.metrics``,
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+import warnings
+from typing import Any
 
-from rudp.aio import Connection, Message, SendHandle, Server, connect, open_endpoint, run, serve
+from rudp.aio import (
+    DEPRECATED,
+    Connection,
+    Endpoint,
+    MessageReceived,
+    SendHandle,
+    Server,
+    connect,
+    open_endpoint,
+    run,
+    serve,
+)
 from rudp.config import Config, NetsimConfig
 from rudp.errors import (
     ConnectError,
@@ -56,8 +68,15 @@ _LAZY_SUBMODULES = ("lan", "lockstep", "metrics", "netsim")
 _EXTRAS = {"metrics": ("prometheus_client", "metrics")}
 
 
-def __getattr__(name: str) -> ModuleType:
-    """Import ``rudp.metrics``, ``rudp.lan``, ... on first use (PEP 562)."""
+def __getattr__(name: str) -> Any:
+    """Import ``rudp.metrics``, ``rudp.lan``, ... on first use (PEP 562); old
+    spellings (``rudp.MessageReceived``) warn, then give the object under its new name."""
+    if name in DEPRECATED:
+        value, instead = DEPRECATED[name]
+        warnings.warn(
+            f"rudp.{name} is deprecated: use rudp.{instead}", DeprecationWarning, stacklevel=2
+        )
+        return value
     if name not in _LAZY_SUBMODULES:
         raise AttributeError(f"module 'rudp' has no attribute {name!r}")
     try:
@@ -94,9 +113,10 @@ __all__ = [
     "DisconnectReason",
     "Disconnected",
     "DropReason",
+    "Endpoint",
     "EndpointStats",
     "LocalProtocolError",
-    "Message",
+    "MessageReceived",
     "MessageTooLarge",
     "NetsimConfig",
     "RudpError",

@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 # packets, so 1200 leaves room for tunnel headers (QUIC uses the same figure).
 MIN_DATAGRAM_SIZE: Final = 576
 MAX_DATAGRAM_SIZE: Final = 65507
+BASE_DATAGRAM_SIZE: Final = 1200
+"""Every connection starts at this datagram size and never goes below it (QUIC's
+figure, RFC 9000 section 14): path MTU discovery probes upward from here."""
+ETHERNET_DATAGRAM_SIZE: Final = 1472
+"""The largest UDP payload of a 1,500-byte Ethernet path over IPv4 (20-byte IP and
+8-byte UDP headers)."""
+IPV6_EXTRA_HEADER: Final = 20
+"""IPv6's header is 20 bytes longer than IPv4's: over IPv6 the ceiling of path MTU
+discovery is ``max_datagram_size`` less this (1,452 bytes by default)."""
 REDUNDANT_FRAME_MAX: Final = 256
 """Largest message frame (payload plus 3-6 header bytes) that ``redundancy`` repeats."""
 BUFFER_ENTRY_COST: Final = 64
@@ -48,8 +57,15 @@ class NetsimConfig:
 class Config:
     """Connection and endpoint settings. Times are in seconds."""
 
-    max_datagram_size: int = 1200
-    """Largest datagram we send. 1200 bytes is safe on IPv6 and tunnelled paths."""
+    max_datagram_size: int = ETHERNET_DATAGRAM_SIZE
+    """Largest datagram we send or take: the ceiling of path MTU discovery. Every
+    connection starts at 1200 bytes (safe on IPv6 and tunnelled paths) and probes
+    upward to the smaller of this and the peer's value, then packs its datagrams up to the size the
+    path confirmed. Messages are still split into fragments that fit 1200 bytes
+    (``base_datagram_size``), so a path whose MTU shrinks loses none of them.
+    The default is the largest UDP payload of a 1,500-byte Ethernet path over IPv4;
+    it counts as an IPv4 size, so over IPv6 (20 more bytes of IP header) the ceiling
+    is 20 bytes less (1,452 by default). 1200 or less turns the discovery off."""
 
     window: int = 256
     """Ack-eliciting packets in flight at most. 256 x 1200 B covers 30 MB/s at 10 ms RTT."""
@@ -101,15 +117,18 @@ class Config:
     fit is dropped unacknowledged and resent later, once others have completed."""
 
     redundancy: int = 2
-    """Repeat each small reliable message (frame of at most ``REDUNDANT_FRAME_MAX``
-    bytes) in up to this many later packets while it is unacknowledged, so that a
+    """At most this many later packets repeat each small reliable message (frame of
+    at most ``REDUNDANT_FRAME_MAX`` bytes) while it is unacknowledged, so that a
     lost packet is repaired by the next one instead of by a resend a round trip
     later (the "several frames per packet" trick; TCP's thin-stream redundant data
-    bundling is the same idea). Copies only fill room left in packets that go out
-    anyway, and only in thin streams (the send queue is empty): a bulk transfer
-    fills its packets and pays nothing; a stream of small messages pays in bytes
-    (up to ``1 + redundancy`` times its payload) for an ordered-channel p99 close
-    to the path's one-way delay under loss (see docs/performance.md). 0 turns it off."""
+    bundling is the same idea). How many follows the loss rate loss detection
+    measures: none below 0.5 % (a clean path pays nothing), one from 0.5 %, two from
+    3.2 % (see ``PacketBuilder.redundancy_level``). Copies only fill room left in
+    packets that go out anyway, and only in thin streams (the send queue is empty):
+    a bulk transfer fills its packets and pays nothing; a stream of small messages
+    on a lossy path pays in bytes (up to ``1 + redundancy`` times its payload) for
+    an ordered-channel p99 close to the path's one-way delay (see
+    docs/performance.md). 0 turns it off."""
 
     unreliable_max_age: float = 0.25
     """An unreliable message that waited longer than this in the send queue (while
@@ -149,8 +168,18 @@ class Config:
     reorder_threshold: int = 3
     """A packet is lost once this many later packets were acknowledged (fast resend)."""
 
+    max_ack_delay: float = 0.025
+    """How long an acknowledgment may wait for a packet that goes out anyway to carry
+    it, stated in the handshake so the peer's resend timer allows for it (QUIC's
+    ``max_ack_delay``, with its default). A gap in the packets received, every second
+    ack-eliciting packet, a PING and a DISCONNECT are acknowledged at once; so is
+    everything when the peer states no delay of its own (an earlier version-2 peer).
+    A 60 Hz game then answers each input in the next tick's packet instead of a
+    datagram of its own. 0 acknowledges at the end of every event-loop turn."""
+
     keepalive_interval: float = 1.0
-    """Send a PING after this long without sending anything ack-eliciting."""
+    """Send a PING after this long without sending anything, or without hearing from
+    the peer: a connection that carries traffic both ways never needs one."""
 
     idle_timeout: float = 10.0
     """End the connection with reason "timeout" after hearing nothing for this long."""
@@ -196,6 +225,16 @@ class Config:
     without it, NN: every packet is still sealed, but the server is not
     authenticated (an on-path attacker could sit in the middle)."""
 
+    token_issuers: tuple[bytes, ...] = ()
+    """Connect-token issuers' public keys (Ed25519, 32 bytes; two while a key rotates).
+    With any, this server admits only clients that present a token one of them signed
+    for this server's ``static_key`` (which it then needs); the verified client id and
+    user data are ``conn.peer_identity``. See docs/security.md, "Connect tokens"."""
+
+    token_addresses: tuple[tuple[str, int], ...] = ()
+    """This server's public addresses, when it knows them: a token must then name one.
+    Empty, the token's host key alone binds it to this server."""
+
     netsim: NetsimConfig | None = field(default=None)
     """In-process link conditioner for this endpoint (testing and demos). Off by default."""
 
@@ -204,6 +243,7 @@ class Config:
             key = getattr(self, name)
             if key is not None and (not isinstance(key, bytes) or len(key) != 32):
                 raise ValueError(f"Config.{name} must be 32 bytes (an X25519 key)")
+        _check_tokens(self)
         _check_range(
             "max_datagram_size", self.max_datagram_size, MIN_DATAGRAM_SIZE, MAX_DATAGRAM_SIZE
         )
@@ -229,7 +269,7 @@ class Config:
         if fragments > min(self.channel_window, MAX_FRAGMENTS):
             raise ValueError(
                 f"Config.max_message_size of {self.max_message_size} bytes needs up to "
-                f"{fragments} fragments of a {self.max_datagram_size}-byte datagram; at most "
+                f"{fragments} fragments of a {self.base_datagram_size}-byte datagram; at most "
                 f"min(channel_window, {MAX_FRAGMENTS}) = "
                 f"{min(self.channel_window, MAX_FRAGMENTS)} are allowed"
             )
@@ -249,6 +289,10 @@ class Config:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.max_ack_delay <= 16.383:
+            raise ValueError(
+                f"Config.max_ack_delay must be in [0, 16.383] seconds, got {self.max_ack_delay!r}"
+            )
         if not self.rto_min <= self.rto_initial <= self.rto_max:
             raise ValueError("Config needs rto_min <= rto_initial <= rto_max")
         if self.keepalive_interval >= self.idle_timeout:
@@ -261,10 +305,18 @@ class Config:
             raise ValueError("Config.socket_buffer_size must be >= 0")
 
     @property
+    def base_datagram_size(self) -> int:
+        """The datagram size every path is assumed to carry: what connections start
+        with, what fragments and unreliable messages are sized for, and what
+        CONNECTs and queries are padded to."""
+        return min(BASE_DATAGRAM_SIZE, self.max_datagram_size)
+
+    @property
     def fragment_payload(self) -> int:
         """Payload bytes of every fragment but the first (which also carries the
-        dependencies) and the last."""
-        return self.max_datagram_size - FRAGMENT_FRAME_OVERHEAD
+        dependencies) and the last. Sized for ``base_datagram_size``: a fragment in
+        flight must still fit if the path MTU falls back."""
+        return self.base_datagram_size - FRAGMENT_FRAME_OVERHEAD
 
     @property
     def max_fragments(self) -> int:
@@ -283,3 +335,15 @@ class Config:
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"Config.{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _check_tokens(config: Config) -> None:
+    issuers = config.token_issuers
+    if not isinstance(issuers, tuple) or len(issuers) > 2:
+        raise ValueError("Config.token_issuers must be a tuple of at most 2 keys")
+    if any(not isinstance(key, bytes) or len(key) != 32 for key in issuers):
+        raise ValueError("Config.token_issuers: each key is 32 bytes (an Ed25519 public key)")
+    if issuers and config.static_key is None:
+        raise ValueError(
+            "Config.token_issuers needs Config.static_key: a token names the server's key"
+        )

@@ -79,6 +79,7 @@ class CongestionController:
         "_max_datagram",
         "_max_window",
         "_min_window",
+        "_packet_window",
         "_rate_next",
         "_rates",
         "_round_acked",
@@ -97,9 +98,10 @@ class CongestionController:
     )
 
     def __init__(self, config: Config) -> None:
-        size = config.max_datagram_size
+        size = config.base_datagram_size
         self._max_datagram = size
         self._min_window = 2 * size
+        self._packet_window = config.window
         self._max_window = config.window * size
         self.enabled = config.congestion_control
         initial = min(10 * size, max(14720, 2 * size))
@@ -122,6 +124,18 @@ class CongestionController:
         self._undo_cwnd = 0
         self._undo_ssthresh = 0
         self._undo_recovery = 0
+
+    def set_datagram_size(self, size: int) -> None:
+        """Path MTU discovery changed the datagram size: the limits counted in datagrams
+        follow it (RFC 9002 counts its windows in the current maximum datagram size);
+        the window itself moves only by what is acknowledged and lost."""
+        self._max_datagram = size
+        self._min_window = 2 * size
+        self._max_window = self._packet_window * size
+        if not self.enabled:
+            self.cwnd = self._max_window
+        else:
+            self.cwnd = min(max(self.cwnd, self._min_window), self._max_window)
 
     def can_send(self) -> bool:
         """Whether another packet of reliable data may go out (it may overshoot the

@@ -17,25 +17,14 @@ message is acknowledged when any packet carrying it is. Duplicate and replayed
 packets are refused by the replay window (``protection.Opener``) before they are
 opened; duplicate messages by their sequence numbers (``receiving``).
 
-Sealing: the handshake (``rudp.handshake``, run by the endpoint) gives the
-connection its keys, the peer's connection id, reset token and limits
-(``_establish``). The packet builder produces the plaintext body and the
-connection seals it, the 9-byte cleartext header as associated data
-(``_seal``). A received packet is opened in ``_receive_sealed``: one that fails
-authentication changes nothing at all, not even the idle timer, so a forger can
-neither keep a dead connection alive nor disturb a live one.
-
-Judgement calls, as aioquic would make them: an ACCEPT that does not
-authenticate is dropped and the attempt goes on (an unauthenticated packet never
-ends anything), and the genuine answer can still complete it (the forgery was
-read into a copy of the Noise state). A message queued before the handshake is
-checked against our limits only; if it breaks the peer's
-(``_apply_peer_limits``), it could never be sent, so the connection ends at
-once with ``protocol error`` naming the limit rather than stall. A message on a
-channel we do not have, in an authenticated packet, ends the connection the same
-way: the peer knew the limit, and dropping it would stall the channel for good.
-(An announced message larger than our ``max_message_size`` stays a counted
-``malformed`` drop, as before the peer could know our limit.)
+Sealing: the handshake (``rudp.handshake``; the client's attempt is driven by
+``rudp.opening``, the server's by the endpoint) gives the connection its keys,
+the peer's connection id, reset token and limits (``_establish``). The packet
+builder produces the plaintext body and seals it, the 9-byte cleartext header
+as associated data; the packet reader opens what
+arrives, and a packet that fails authentication changes nothing at all, not even
+the idle timer, so a forger can neither keep a dead connection alive nor disturb
+a live one.
 
 The data path, one module per idea::
 
@@ -43,118 +32,64 @@ The data path, one module per idea::
             -> packet_builder           fills each datagram from the queues, acks, redundancy
             -> recovery.PacketRecovery  RTT, loss detection (tells us each packet's fate)
                congestion               how many bytes may be in flight
-    DATA    -> Connection._receive_data packet window, flow control, acknowledgments
+    DATA    -> packet_reader            opening, packet window, flow frames, acknowledgments
             -> receiving.Receiver       reorder buffers, sequenced modes, reassembly, delivery
                graph                    the dependency graph, both sides
     events, flush requests, our end     -> sink.EndpointSink (the endpoint's)
 
-This module keeps what belongs to the connection as a whole: the handshake,
-the lifecycle and its state machine, the timers, flow control and the
-packet-level receive window, and the glue that tells each part what happened.
+This module keeps what belongs to the connection as a whole: the handshake's
+outcome and the limits it negotiated, the lifecycle and its state machine, the
+timers, flow control, the peer's address and its migration (``rudp.migration``
+says when a connection moves), and the glue that tells each part what happened.
 
-Flow control: a receiver whose application is not keeping up calls
-``pause_receiving()``, which sends PAUSE; the peer then sends no new reliable
-messages (resends, unreliable messages, acks, PING and DISCONNECT still go)
-until RESUME. Both frames are ack-eliciting and, while they still describe the
-current state, resent when lost; a receiver applies one only from a packet
-newer than the last that carried one (even from a packet it refuses), so a
-late copy never undoes a newer state. Messages already on
-their way when the receiver paused are accepted, up to ``recv_buffer_bytes`` of
-datagrams; past that a paused receiver refuses packets carrying messages, so a
-peer that ignores PAUSE cannot make it hold more.
+Packet numbers: a sender that reached the last one (2**62 - 1,
+``protection.MAX_PACKET_NUMBER``) ends the connection
+(``DisconnectReason.EXHAUSTED``) rather than seal under a nonce again.
 
-All state transitions happen in ``_set_state``; the states are::
+Flow control (PAUSE / RESUME): see ``pause_receiving`` and ``packet_reader``.
 
-    CONNECTING -> CONNECTED -> CLOSING (our close: flush, DISCONNECT, its ack) -> CLOSED
-                           \\-> DRAINING (peer's DISCONNECT: linger to re-ack it) -> CLOSED
-    any -> CLOSED (timeout, NOCONN, refusal, abort)
+All state transitions happen in ``_set_state``; the states are in ``rudp.state``.
 
 Sequence numbers are unwrapped into unbounded ints on arrival (``seqnum``), so
 wraparound is handled in one place.
 
 Judgement call: the parts are separate objects that own their state, as in
-aioquic, and the connection holds one of each. A few of their counters and
-tables are also readable here under their historical names (the properties at
-the end): they are the invariants a test checks after a connection ends.
+aioquic, and the connection holds one of each.
 """
 
 from __future__ import annotations
 
-import enum
 import hmac
 import random
-from collections import deque
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any
 
 from rudp import wire
 from rudp.config import Config
 from rudp.congestion import CongestionController
 from rudp.errors import ConnectionClosed, LocalProtocolError
-from rudp.events import Connected, Disconnected, DisconnectReason
-from rudp.graph import Waiting
-from rudp.handshake import PATTERN_NK, ClientHandshake, Keys, TransportParams
-from rudp.noise import NoiseError, ephemeral_key
+from rudp.events import Disconnected, DisconnectReason
+from rudp.handshake import ClientHandshake, TransportParams
+from rudp.migration import Migration
+from rudp.noise import ephemeral_key, private_key
+from rudp.opening import Opening
 from rudp.packet_builder import PacketBuilder
-from rudp.protection import Opener, Sealer
+from rudp.packet_reader import PacketReader
+from rudp.pmtu import PathMtu
+from rudp.protection import PacketNumbersExhausted
 from rudp.receiving import NO_BUFFER as NO_BUFFER
-from rudp.receiving import Partial, Receiver, Whole
+from rudp.receiving import Receiver
 from rudp.recovery import PacketRecovery, RttEstimator, SentPacket
 from rudp.sending import OutMessage, Sender
 from rudp.sink import EndpointSink
+from rudp.state import CLOSED, CLOSING, CONNECTED, CONNECTING, DRAINING, TRANSITIONS, State
 from rudp.stats import ConnectionStats
-from rudp.wire import (
-    ACK_SPAN,
-    DEPENDENCY_ORDERED,
-    GRAPH,
-    RELIABLE_ORDERED,
-    RELIABLE_SEQUENCED,
-    UNRELIABLE,
-    UNRELIABLE_SEQUENCED,
-    Delivery,
-    DropReason,
-)
+from rudp.tokens import PeerIdentity
+from rudp.wire import Delivery, DropReason
 
-# The delivery modes as plain ints are the connection's vocabulary too.
-__all__ = [
-    "DEPENDENCY_ORDERED",
-    "GRAPH",
-    "NO_BUFFER",
-    "RELIABLE_ORDERED",
-    "RELIABLE_SEQUENCED",
-    "UNRELIABLE",
-    "UNRELIABLE_SEQUENCED",
-    "Address",
-    "Connection",
-    "State",
-]
+__all__ = ["NO_BUFFER", "Address", "Connection", "State"]
 
 Address = tuple[Any, ...]
-_U32: Final = 0xFFFFFFFF
-_PN_BITS: Final = 32  # the DATA header carries the packet number's low 32 bits
-
-
-class State(enum.Enum):
-    CONNECTING = "connecting"
-    CONNECTED = "connected"
-    CLOSING = "closing"
-    DRAINING = "draining"
-    CLOSED = "closed"
-
-
-CONNECTING: Final = State.CONNECTING
-CONNECTED: Final = State.CONNECTED
-CLOSING: Final = State.CLOSING
-DRAINING: Final = State.DRAINING
-CLOSED: Final = State.CLOSED
-
-_TRANSITIONS = {
-    CONNECTING: {CONNECTED, CLOSED},
-    CONNECTED: {CLOSING, DRAINING, CLOSED},
-    CLOSING: {DRAINING, CLOSED},
-    DRAINING: {CLOSED},
-    CLOSED: set(),
-}
 
 
 class Connection:
@@ -173,10 +108,14 @@ class Connection:
         cid: int = 1,
         reset_token: bytes = bytes(16),
         server_key: bytes | None = None,
+        token: bytes = b"",
+        token_key: bytes | None = None,
     ) -> None:
         self.config = config
         self.address = address
+        """The peer's address: where our packets go. It changes when the peer migrates."""
         self.client = client
+        self._rng = rng
         self.salt = salt
         self.cid = cid  # the connection id the peer puts on packets to us (ours to route)
         self.peer_cid = 0  # the one we put on packets to the peer, from its parameters
@@ -186,10 +125,9 @@ class Connection:
         """True when the handshake proved the server holds the key we expected (NK)."""
         self.handshake_hash = b""
         """The Noise handshake hash, identical on both sides (a channel binding)."""
-        self._sealer: Sealer | None = None
-        self._opener: Opener | None = None
+        self.peer_identity: PeerIdentity | None = None
+        """On a server that requires connect tokens: the client's verified token."""
         self._peer_reset_token = b""
-        self._bad_answers = 0  # ACCEPTs for our salt that failed authentication
         self._limits_error = ""  # why something queued before the handshake cannot go
         self.state = CONNECTING
         self.stats = ConnectionStats()
@@ -200,6 +138,8 @@ class Connection:
         self.stats.rtt = self._rtt
         self._cc = CongestionController(config)
         self.stats.cc = self._cc
+        self._pmtu = PathMtu(config.base_datagram_size, self.stats)
+        self.stats.pmtu = self._pmtu
         # Packet numbers start at 0 in each direction: with every packet sealed nothing is
         # guessable from them, so no random initial number is needed (it was version 1's
         # defence against blind injection).
@@ -215,29 +155,34 @@ class Connection:
         self._idle_timeout = config.idle_timeout
         self._keepalive_interval = config.keepalive_interval
         self._byte_window = config.recv_buffer_bytes
-        # -- the packet-level receive window
-        self._rx_largest = -1
-        self._rx_bits = 0  # bit i: packet (largest - i) was received
-        # Packets remembered for duplicate detection; older ones are dropped as
-        # stale (their reliable messages were resent anyway). Twice the window,
-        # so reordering within a full window is never mistaken for staleness.
-        self._rx_window = max(1024, 2 * config.window)
-        self._rx_mask = (1 << self._rx_window) - 1
+        self._reader = PacketReader(
+            self,
+            self._builder,
+            self._recovery,
+            self._sender,
+            self._receiver,
+            self._sink,
+            self.stats,
+            config,
+        )
         self._last_recv = now
         # -- handshake and close
-        self._cookie = b""
-        self._cookie_connects = 0  # CONNECTs sent with the current cookie
-        self._cookie_connect_at = now
-        self._send_connect = client
-        self._connect_deadline = now + config.connect_timeout
-        self._next_connect = now + config.connect_retry_interval
         self._accept_datagram = b""  # our ACCEPT, if we answered a CONNECT (see _answer_connect)
-        # The client's side of the Noise handshake: its first message goes in every CONNECT.
-        self._handshake = (
-            ClientHandshake(self.transport_params(), salt, server_key, ephemeral_key(rng))
+        # The client's side of the handshake, until it is answered (``rudp.opening``).
+        # A connect token is bound to the key it was issued for: then that key is ours.
+        ephemeral = ephemeral_key(rng) if token_key is None else private_key(token_key)
+        self._opening = (
+            Opening(
+                config,
+                ClientHandshake(self.transport_params(), salt, server_key, ephemeral, token),
+                salt,
+                now,
+            )
             if client
             else None
         )
+        # -- migration: the validation of a new peer address (``rudp.migration``)
+        self._migration = Migration(self)  # a new peer address being validated
         self._close_code = 0
         self._close_text = ""
         self._disconnect_queued = False
@@ -245,23 +190,12 @@ class Connection:
         # -- flow control (PAUSE / RESUME)
         self.receiving_paused = False  # we asked the peer to stop sending reliable messages
         self.peer_paused = False  # the peer asked us to
-        self._peer_flow_seq = -1  # the newest packet whose PAUSE or RESUME we applied
-        self._pause_budget = 0  # datagram bytes with messages still accepted while paused
 
     # -- public API -----------------------------------------------------------------
 
     def transport_params(self) -> TransportParams:
         """What this side tells the peer in the handshake (``rudp.handshake``)."""
-        cfg = self.config
-        return TransportParams(
-            connection_id=self.cid,
-            max_message_size=max(1, cfg.max_message_size),
-            channels=cfg.channels,
-            recv_buffer_bytes=min(cfg.recv_buffer_bytes, _U32),
-            max_datagram_size=cfg.max_datagram_size,
-            idle_timeout_ms=min(round(cfg.idle_timeout * 1000), _U32),
-            reset_token=self.reset_token,
-        )
+        return TransportParams.of(self.config, self.cid, self.reset_token)
 
     def seal_datagram(self, body: bytes) -> bytes:
         """``body`` (acknowledgment fields, then frames) sealed as our next DATA packet.
@@ -269,28 +203,12 @@ class Connection:
         The packet builder's last step; public for tests that play a peer and forge
         its packets with its real keys. Raises LocalProtocolError before the handshake.
         """
-        if self._sealer is None:
-            raise LocalProtocolError("no packet keys before the handshake completes")
-        builder = self._builder
-        pn = builder.tx_next
-        builder.tx_next = pn + 1
-        return self._seal(pn, body)
+        return self._builder.seal_next(body)
 
     def peek_datagram(self, data: bytes) -> bytes | None:
         """The opened body of a DATA packet sent to this connection, or None, without
         receiving it: nothing changes. For tools and tests that watch a link."""
-        opener = self._opener
-        if opener is None or len(data) < wire.DATA_HEADER_SIZE:
-            return None
-        pn = opener.full_number(wire.decode_data_prefix(data)[1], _PN_BITS)
-        cut = wire.DATA_PREFIX_SIZE
-        return opener.peek(pn, data[:cut], data[cut:])
-
-    def _seal(self, pn: int, body: bytes) -> bytes:
-        sealer = self._sealer
-        assert sealer is not None  # only established connections build packets
-        header = wire.data_prefix(self.peer_cid, pn)
-        return header + sealer.seal(pn, header, body)
+        return self._reader.peek(data)
 
     @property
     def queued(self) -> int:
@@ -366,7 +284,7 @@ class Connection:
         if self.receiving_paused:
             return
         self.receiving_paused = True
-        self._pause_budget = self._byte_window
+        self._reader.pause_budget = self._byte_window
         self.stats.receive_pauses += 1
         self._builder.flow_frame = wire.PAUSE_FRAME
         self._sink.dirty[self] = None
@@ -397,19 +315,27 @@ class Connection:
         if state is CLOSED:
             return None
         if state is CONNECTING:
-            return min(self._connect_deadline, self._next_connect)
+            assert self._opening is not None  # only a client connects
+            return self._opening.timer()
         if state is DRAINING:
             return self._deadline
         t = self._last_recv + self._idle_timeout
+        pmtu_at = self._pmtu.deadline
+        if pmtu_at < t:
+            t = pmtu_at
         recovery = self._recovery
         if recovery.sent:
             t = min(t, recovery.probe_deadline())
             if recovery.loss_time is not None:
                 t = min(t, recovery.loss_time)
         elif not self._builder.ping:  # a pending PING goes out with the next flush
-            t = min(t, self._builder.last_eliciting + self._keepalive_interval)
+            t = min(t, self._keepalive_due())
+        t = min(t, self._builder.ack_deadline)
         if self._deadline is not None:
             t = min(t, self._deadline)
+        path_at = self._migration.deadline()
+        if path_at is not None:
+            t = min(t, path_at)
         graph = self._receiver.graph
         if graph.nodes and not self.receiving_paused:
             t = min(t, graph.deadline(self.config.dependency_timeout))
@@ -424,6 +350,7 @@ class Connection:
             if self._deadline is not None and now >= self._deadline:
                 self._set_state(CLOSED)
         elif state is not CLOSED:
+            self.stats.timer_wakeups += 1
             self._connected_timer(now)
 
     def datagrams_to_send(self, now: float) -> list[bytes]:
@@ -435,19 +362,10 @@ class Connection:
             for msg in self._sender.unrel_queue:
                 if msg.queued_at is None:  # sent without a time: it ages from now
                     msg.queued_at = now
-            if self._send_connect:
-                self._send_connect = False
-                if self._cookie:
-                    self._cookie_connects += 1
-                    self._cookie_connect_at = now
-                cfg = self.config
-                hs = self._handshake
-                assert hs is not None  # a client sends CONNECT until it is answered
-                out.append(
-                    wire.encode_connect(
-                        self.salt, hs.pattern, self._cookie, hs.message, cfg.max_datagram_size
-                    )
-                )
+            assert self._opening is not None
+            connect = self._opening.connect_datagram(now)
+            if connect is not None:
+                out.append(connect)
             return out
         if state is CLOSED:
             return out
@@ -457,130 +375,40 @@ class Connection:
             builder.early_acks.clear()
         closing = state is CLOSING
         draining = state is DRAINING
-        while True:
-            datagram = builder.build(now, closing, draining)
-            if datagram is None:
-                break
-            out.append(datagram)
+        pmtu = self._pmtu
+        probe = 0
+        if now >= pmtu.next_probe:
+            probe = pmtu.due(now)
+            if probe:
+                builder.ping = True  # the probe's witness that the path is alive (rudp.pmtu)
+        try:
+            while True:
+                datagram = builder.build(now, closing, draining)
+                if datagram is None:
+                    break
+                out.append(datagram)
+            if probe:
+                out.append(builder.probe(probe))
+                pmtu.probe_sent(
+                    builder.tx_next - 1, probe, now, self._rtt.rto, self._recovery.largest_acked
+                )
+        except PacketNumbersExhausted:
+            self._numbers_exhausted()
         if out:
-            self.stats.packets_sent += len(out)
-            self.stats.bytes_sent += sum(map(len, out))
+            stats = self.stats
+            stats.packets_sent += len(out)
+            stats.bytes_sent += sum(map(len, out))
+            if now >= stats.sample_due:
+                stats.sample(now)
         return out
 
     # -- the endpoint's interface: handshake and DATA --------------------------------------
 
-    def _receive_challenge(self, challenge: wire.Challenge) -> DropReason | None:
-        if self.state is not CONNECTING or challenge.salt != self.salt:
-            return DropReason.UNEXPECTED
-        answered = bool(self._cookie)
-        self._cookie = challenge.cookie
-        self._cookie_connects = 0
-        if answered:
-            # Only the first CHALLENGE is answered at once; later ones (a duplicate, or
-            # a flood from an on-path spoofer who read our salt) wait for the retry
-            # timer, so no received packet turns into a 1,200-byte CONNECT.
-            return DropReason.DUPLICATE
-        self._send_connect = True
-        self._sink.dirty[self] = None
-        return None
-
-    def _receive_accept(self, accept: wire.Accept, now: float) -> DropReason | None:
-        if accept.salt != self.salt:
-            return DropReason.UNEXPECTED
-        hs = self._handshake
-        if self.state is not CONNECTING or hs is None:
-            return DropReason.DUPLICATE
-        try:
-            keys = hs.finish(accept.message)
-        except (NoiseError, ValueError):
-            self._bad_answers += 1
-            # Not an answer to our message (forged, tampered, from another key). Judgement
-            # call: the attempt goes on (it times out if no genuine answer comes) rather
-            # than ending on an unauthenticated packet; ``finish`` read it into a copy of
-            # the Noise state, so the genuine answer can still complete the handshake.
-            return DropReason.BAD_HANDSHAKE
-        if self._cookie_connects == 1:
-            # One CONNECT, one ACCEPT: an unambiguous first RTT sample (Karn's rule),
-            # so the first data packet does not wait on rto_initial.
-            self._rtt.on_sample(now - self._cookie_connect_at)
-        self.server_authenticated = hs.pattern == PATTERN_NK
-        self._handshake = None
-        self._establish(keys, now)
-        return None
-
-    def _receive_reject(self, reject: wire.Reject) -> DropReason | None:
-        if self.state is not CONNECTING or reject.salt != self.salt:
-            return DropReason.UNEXPECTED
-        self._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
-        return None
-
-    def _answer_connect(
-        self, salt: int, answer: bytes, keys: Keys, now: float, *, token_sealed: bool
-    ) -> bytes:
-        """The endpoint accepted the peer's CONNECT into this connection: a new one, or
-        ours in a simultaneous open that the peer's handshake won (our own CONNECTs and
-        our Noise state are dropped; the connection takes the peer's salt, so a duplicate
-        of its CONNECT gets the ACCEPT again). ``answer`` is our Noise message 2.
-        Returns the ACCEPT to send; ``_accept_datagram`` keeps it.
-
-        ``token_sealed`` is False under NN, where the peer's parameters, its reset token
-        among them, crossed the network in clear: anyone who saw the CONNECT could then
-        forge its NOCONN, so this side believes none (the peer that forgot us is noticed
-        at the idle timeout instead)."""
-        self._accept_datagram = wire.encode_accept(salt, answer)
-        self.salt = salt
-        self._send_connect = False
-        self._cookie = b""
-        self._handshake = None
-        self.server_authenticated = False
-        self._establish(keys, now)
-        if not token_sealed:
-            self._peer_reset_token = b""
-        return self._accept_datagram
-
     @property
     def expects_server_key(self) -> bool:
         """True while this connection's own handshake is NK: it names the server's key."""
-        hs = self._handshake
-        return hs is not None and hs.pattern == PATTERN_NK
-
-    def _establish(self, keys: Keys, now: float) -> None:
-        """Handshake done: packet keys, and the peer's connection id, token and limits."""
-        peer = keys.peer
-        self.peer_params = peer
-        self.peer_cid = peer.connection_id
-        self._peer_reset_token = peer.reset_token
-        self.handshake_hash = keys.handshake_hash
-        self._sealer = Sealer(keys.send_key)
-        self._opener = Opener(keys.recv_key)
-        self._apply_peer_limits(peer)
-        self._rx_largest = -1
-        self._last_recv = now
-        self._builder.last_eliciting = now
-        self._set_state(CONNECTED)
-        self._sink.events.append((self, Connected()))
-        self._sink.dirty[self] = None
-        if self._limits_error:
-            self._protocol_error(self._limits_error)
-
-    def _apply_peer_limits(self, peer: TransportParams) -> None:
-        """What the peer stated it accepts, from the handshake: its largest message and
-        channel count (``send()`` raises at once past them, naming the peer's limit),
-        its receive buffer (what we let sit in it), the smaller datagram size and the
-        smaller idle timeout of the two sides (either side's silence limit ends the
-        connection, so both keep it alive within the smaller).
-
-        A message queued before the handshake was checked against our limits only; if
-        it breaks the peer's, it can never be sent, and the connection ends at once
-        (protocol error, naming the limit) rather than stall.
-        """
-        idle = peer.idle_timeout_ms / 1000.0
-        if 0 < idle < self._idle_timeout:
-            self._idle_timeout = idle
-            self._keepalive_interval = min(self._keepalive_interval, idle / 2)
-        datagram = min(self.config.max_datagram_size, peer.max_datagram_size)
-        self._builder.apply_peer_limits(datagram, peer.recv_buffer_bytes)
-        self._limits_error = self._sender.apply_peer_limits(peer, datagram)
+        opening = self._opening
+        return opening is not None and opening.expects_server_key
 
     def _receive_noconn(self, noconn: wire.NoConn) -> DropReason | None:
         """The peer says it has no connection with us; believe it only if it carries
@@ -603,103 +431,68 @@ class Connection:
         return None
 
     def _receive_sealed(self, data: bytes, pn32: int, now: float) -> DropReason | None:
-        """Open one DATA packet routed here by its connection id, then process it.
-
-        A replay is refused before any decryption; a packet that fails authentication
-        changes nothing at all (no acknowledgment, RTT sample, timer or idle refresh).
-        """
-        opener = self._opener
-        if opener is None or self.state is CLOSED:
-            return DropReason.UNEXPECTED  # no keys yet: the ACCEPT was lost or overtaken
-        pn = opener.full_number(pn32, _PN_BITS)
-        if opener.window.seen(pn):
-            return DropReason.REPLAYED
-        body = opener.open(pn, data[: wire.DATA_PREFIX_SIZE], data[wire.DATA_PREFIX_SIZE :])
-        if body is None:
-            return DropReason.AUTH_FAILED
-        ack = (body[0] << 8) | body[1]
-        ack_bits = int.from_bytes(body[2:6], "big")
-        return self._receive_data(body, pn, ack, ack_bits, now, len(data))
-
-    def _receive_data(
-        self, data: bytes, seq: int, ack16: int, ack_bits: int, now: float, size: int
-    ) -> DropReason | None:
-        """Process the opened body of DATA packet number ``seq`` (``size`` bytes on the
-        wire). The replay window already refused duplicates and packets too old."""
-        state = self.state
-        delta = seq - self._rx_largest
-        frames = wire.decode_frames(data)  # DecodeError is counted by the endpoint
+        """A DATA packet routed here by its connection id (see ``packet_reader``)."""
+        if self.state is CLOSED:
+            return DropReason.UNEXPECTED
         self._clock = now
-        receiver = self._receiver
-        flow = frames.flow
-        if flow != wire.NO_FLOW and seq > self._peer_flow_seq and state is not DRAINING:
-            # Applied even from a packet refused below: a RESUME that travels with
-            # messages we cannot take yet must not be refused with them every time.
-            self._peer_flow_seq = seq
-            self._on_peer_flow(flow == 1, now)
-        if frames.messages:
-            violation = receiver.channel_violation(frames.messages)
-            if violation:
-                self._protocol_error(violation)
-                return None
-        if frames.special and state is not DRAINING:
-            reason = receiver.check_fragments(frames.messages)
-            if reason is not None:
-                return reason
-        if frames.messages:
-            if not receiver.can_buffer(frames.messages, size):
-                return DropReason.RECV_BUFFER_FULL
-            if self.receiving_paused and state is not DRAINING:
-                if size > self._pause_budget:
-                    return DropReason.RECV_QUEUE_FULL
-                self._pause_budget -= size
-        builder = self._builder
-        low = builder.ack_low
-        if low is not None and seq - low > ACK_SPAN:
-            # A header acknowledges its largest packet and the 32 before it. When more than
-            # that arrive between two flushes (one socket read drains up to 256 datagrams),
-            # acknowledge the older ones now, or the sender would declare them lost and resend.
-            builder.early_acks.append(builder.ack_only())
-        if delta > 0:
-            self._rx_bits = ((self._rx_bits << delta) | 1) & self._rx_mask
-            self._rx_largest = seq
-        elif -delta < self._rx_window:
-            self._rx_bits |= 1 << -delta
-        stats = self.stats
-        stats.packets_received += 1
-        stats.bytes_received += size
-        self._last_recv = now
-        if self._recovery.on_ack_received(ack16, ack_bits, now, builder.tx_next):
-            sender = self._sender
-            if sender.rel_queue or sender.retx:
-                # The ack opened the window: what waited for room can go out now, not at the
-                # next timer (an ack-only packet does not otherwise schedule a flush).
-                self._sink.dirty[self] = None
-            if self.state is CLOSING:
-                self._maybe_send_disconnect(now)
-        if self.state is CLOSED:  # that ack completed our close
+        try:
+            return self._reader.receive(data, pn32, now)
+        except PacketNumbersExhausted:  # an early ack-only packet had no number left
+            self._numbers_exhausted()
             return None
-        eliciting = frames.ping or frames.disconnect is not None or flow != wire.NO_FLOW
-        if frames.messages and state is not DRAINING:
-            eliciting = receiver.deliver(frames.messages, now) or eliciting
-            violation = receiver.graph.violation
-            if violation:  # the peer broke the protocol
-                self._protocol_error(violation)
-                return None
-        elif frames.messages:
-            eliciting = True
-        if eliciting:
-            builder.ack_pending = True
-            self._sink.dirty[self] = None
-            low = builder.ack_low
-            if seq >= self._rx_largest - ACK_SPAN:
-                if low is None or seq < low:
-                    builder.ack_low = seq
-            else:
-                builder.early_acks.append(builder.ack_only(about=seq))
-        if frames.disconnect is not None:
-            self._on_peer_disconnect(frames.disconnect, now)
-        return None
+
+    def _receive_moved(
+        self, data: bytes, pn32: int, address: Address, now: float, *, movable: bool
+    ) -> DropReason | None:
+        """A DATA packet for this connection from another address (``rudp.migration``);
+        ``movable`` is False when another connection of the endpoint has that address."""
+        return self._migration.receive(data, pn32, address, now, movable)
+
+    @property
+    def path_out(self) -> list[tuple[bytes, Address]]:
+        """Path challenges waiting to be sent, each to its own address."""
+        return self._migration.out
+
+    def take_path_datagrams(self) -> list[tuple[bytes, Address]]:
+        """The challenges to send, each with its own address (not ``address``)."""
+        return self._migration.take_datagrams()
+
+    def _numbers_exhausted(self) -> None:
+        """Our next packet would need number 2**62: end before a nonce could repeat."""
+        if self.state is not CLOSED:
+            self._end(
+                DisconnectReason.EXHAUSTED,
+                0,
+                "packet numbers exhausted: 2**62 packets sent on this connection",
+                by_peer=False,
+            )
+
+    def _on_probe_ack(self, ack16: int, bits: int, now: float) -> None:
+        """An acknowledgment arrived while a path MTU probe is in flight."""
+        pmtu = self._pmtu
+        if pmtu.on_ack(ack16, bits, self._builder.tx_next, now):
+            self._use_datagram_size(pmtu.current)
+            self._sink.dirty[self] = None  # the next probe may be due at once
+
+    def _use_datagram_size(self, size: int) -> None:
+        """Path MTU discovery moved the size datagrams are filled to."""
+        self._builder.set_datagram_size(size)
+        self._cc.set_datagram_size(size)
+
+    def _datagram_refused(self, size: int, now: float) -> None:
+        """The local interface refused to send one of our datagrams of ``size`` bytes
+        as too large (EMSGSIZE): a probe is lost at once; a packet of the current
+        size makes the size fall back (its messages are resent when it is declared
+        lost)."""
+        pmtu = self._pmtu
+        if pmtu.on_refused(size, now):
+            self._use_datagram_size(pmtu.current)
+        self._sink.dirty[self] = None
+
+    def _on_acks(self, now: float) -> None:
+        """The peer acknowledged new packets of ours: a close may now go on."""
+        if self.state is CLOSING:
+            self._maybe_send_disconnect(now)
 
     def _on_peer_flow(self, paused: bool, now: float) -> None:
         if paused == self.peer_paused:
@@ -723,12 +516,18 @@ class Connection:
 
     def _on_packet_acked(self, pkt: SentPacket) -> None:
         self._sender.on_acked(pkt)
+        pmtu = self._pmtu
+        if pkt.size > pmtu.base:
+            pmtu.big_losses = 0  # the path still carries large packets
         if pkt.disconnect and self.state is CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
 
     def _on_packet_lost(self, pkt: SentPacket) -> None:
         self._sender.on_lost(pkt)
         builder = self._builder
+        pmtu = self._pmtu
+        if pkt.size > pmtu.base and pmtu.on_big_lost(self._clock):
+            self._use_datagram_size(pmtu.current)  # a black hole: back to the base size
         if pkt.control and self.state is CLOSING:
             builder.control.extend(pkt.control)
         if pkt.seq == builder.flow_seq and not builder.flow_frame:
@@ -739,14 +538,12 @@ class Connection:
     # -- timers -----------------------------------------------------------------------------
 
     def _connecting_timer(self, now: float) -> None:
-        if now >= self._connect_deadline:
-            text = ""
-            if self._bad_answers:
-                text = "the server's answers failed authentication (not the expected server key?)"
-            self._end(DisconnectReason.CONNECT_TIMEOUT, 0, text, by_peer=False)
-        elif now >= self._next_connect:
-            self._next_connect = now + self.config.connect_retry_interval
-            self._send_connect = True
+        opening = self._opening
+        assert opening is not None  # only a client connects
+        timeout = opening.on_timer(now)
+        if timeout is not None:
+            self._end(DisconnectReason.CONNECT_TIMEOUT, 0, timeout, by_peer=False)
+        elif opening.send_connect:
             self._sink.dirty[self] = None
 
     def _connected_timer(self, now: float) -> None:
@@ -768,13 +565,30 @@ class Connection:
         ):
             self._protocol_error("a dependency never arrived")
             return
+        if self._migration.on_timer(now):
+            return  # the connection ended (packet numbers exhausted)
         builder = self._builder
         recovery = self._recovery
+        if now >= builder.ack_deadline:
+            builder.ack_pending = True  # nothing went out to carry it: it goes alone
+            self._sink.dirty[self] = None
+        pmtu = self._pmtu
+        if now >= pmtu.deadline:
+            if now >= pmtu.probe_deadline:
+                pmtu.on_timeout(now, recovery.largest_acked, self._rtt.backed_off_rto)
+            self._sink.dirty[self] = None  # a probe is due
         if recovery.on_timer(now, builder.tx_next):
             builder.ping = True  # a probe goes out even if nothing needed resending
-        elif not recovery.sent and now >= builder.last_eliciting + self._keepalive_interval:
+        elif not recovery.sent and now >= self._keepalive_due():
             builder.ping = True
             self._sink.dirty[self] = None
+
+    def _keepalive_due(self) -> float:
+        """When a PING is due: after ``keepalive_interval`` without sending anything (the
+        peer's idle timer needs our packets) or without hearing anything (ours needs the
+        peer's answer). Traffic both ways, even unreliable or acknowledgments only,
+        needs none."""
+        return min(self._last_recv, self._builder.last_sent) + self._keepalive_interval
 
     # -- closing ----------------------------------------------------------------------------
 
@@ -817,77 +631,13 @@ class Connection:
         self._receiver.clear()
 
     def _set_state(self, new: State) -> None:
-        if new not in _TRANSITIONS[self.state]:
+        if new not in TRANSITIONS[self.state]:
             raise LocalProtocolError(f"illegal transition {self.state.value} -> {new.value}")
         self.state = new
+        if new is not CONNECTED:
+            self._pmtu.stop()
         if new is CLOSED:
             self._sink.closed(self)
 
     def __repr__(self) -> str:
         return f"<Connection {self.address!r} {self.state.value}>"
-
-    # -- the parts' state under the names it had here (read-only) ---------------------------
-
-    @property
-    def _tx_next(self) -> int:
-        return self._builder.tx_next
-
-    @property
-    def _reorder_threshold(self) -> int:
-        return self._recovery.reorder_threshold
-
-    @property
-    def _retx(self) -> deque[OutMessage]:
-        return self._sender.retx
-
-    @property
-    def _unacked_reliable(self) -> int:
-        return self._sender.unacked_reliable
-
-    @property
-    def _unacked_bytes(self) -> int:
-        return self._sender.unacked_bytes
-
-    @property
-    def _tx_graph(self) -> deque[OutMessage]:
-        return self._sender.tx_graph
-
-    @property
-    def _tx_gid(self) -> int:
-        return self._sender.tx_gid
-
-    @property
-    def _tx_ch_unacked(self) -> list[deque[OutMessage] | None]:
-        return self._sender.tx_ch_unacked
-
-    @property
-    def _rx_ch_next(self) -> list[int]:
-        return self._receiver.ch_next
-
-    @property
-    def _rx_ch_buf(self) -> list[dict[int, bytes | Whole]]:
-        return self._receiver.ch_buf
-
-    @property
-    def _rx_buffered_bytes(self) -> int:
-        return self._receiver.buffered_bytes
-
-    @property
-    def _rx_parts(self) -> dict[tuple[int, int, int], Partial]:
-        return self._receiver.parts
-
-    @property
-    def _rx_reassembly_bytes(self) -> int:
-        return self._receiver.reserved_bytes
-
-    @property
-    def _rx_g_nodes(self) -> dict[int, Waiting]:
-        return self._receiver.graph.nodes
-
-    @property
-    def _rx_g_waiters(self) -> dict[int, list[int]]:
-        return self._receiver.graph.waiters
-
-    @property
-    def _rx_g_done(self) -> set[int]:
-        return self._receiver.graph.done

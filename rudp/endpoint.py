@@ -13,22 +13,29 @@ Noise handshake of ``rudp.handshake`` rides in the last two messages)::
     CONNECT(salt, pattern, cookie, msg1, padded)    ->                    cookie checked
                                           <- ACCEPT(salt, msg2)           connection made
 
-The client computes its Noise message once per connect() and sends the same
-CONNECT every time. The cookie is ``slot || HMAC-SHA256(key(slot), host, port,
-salt)[:16]`` where ``slot = floor(now / cookie_lifetime)`` and ``key(slot)`` is
-derived from a random master secret, so the secret rotates every period with no
-state and the previous period's cookies are still accepted. A cookie is used
-once: a replay cache (bounded, expiring with the cookies) refuses a second
-connection from it. Only after a valid cookie does the server spend a
+The client's side is ``rudp.opening``; the checks before any work is spent on
+a handshake (cookies, their replay cache, reset tokens, rates) are
+``rudp.admission``. Only after a valid, unused cookie does the server spend a
 Diffie-Hellman on the client's message (``handshake.answer``); a message that is
 not genuine is dropped as ``bad_handshake`` and answered with a short REJECT
 that names the likely cause (the client expects another server key).
 
+Connect tokens: a server with ``Config.token_issuers`` reads the client's Noise
+message after the cookie checks (``handshake.read_first``) and verifies the token
+its payload carries (``rudp.tokens``) before it makes a connection; a refusal is a
+REJECT naming the reason, counted in ``stats.tokens_refused``. The verified
+identity becomes the connection's ``peer_identity``. Expiry is in UNIX time:
+``wall_offset`` turns ``now`` into it.
+
 Routing: connections are indexed by address (handshake packets) and by the
-connection id each side chose for the packets it receives (DATA). A DATA for a
-known id from another address is dropped as ``wrong_address`` (connection
-migration is not supported). A DATA that does not authenticate is dropped as
-``auth_failed`` and changes nothing.
+connection id each side chose for the packets it receives (DATA). A DATA that
+does not authenticate is dropped as ``auth_failed`` and changes nothing. A DATA
+for a known id from another address goes to the connection's
+``_receive_moved``: if it authenticates and is the newest packet, the connection
+validates the new address and moves there once it answered (``rudp.migration``);
+the address index follows (``_moved``). The challenges go to the new address,
+never more bytes than authenticated packets brought from it, and are counted as
+unvalidated bytes.
 
 Amplification and reflection: the client pads CONNECT to its datagram size and
 the server ignores a CONNECT shorter than ``wire.MIN_CONNECT_SIZE``; every reply
@@ -39,66 +46,38 @@ only, so a spoofer cannot turn a client into a reflector.
 ``stats.unvalidated_bytes_*`` count both directions so tests can check it.
 
 NOCONN: a DATA for a connection id we do not know gets NOCONN(dcid, token),
-rate-limited by a token bucket, where ``token = HMAC-SHA256(reset secret,
-dcid)[:16]`` can be recomputed after the connection is forgotten. The peer
-believes it only if the token is the one we gave it in the handshake. The reset
-secret derives from ``Config.static_key`` when there is one, so a server that
-restarts with its key still ends its old clients' connections at once; without
-a static key it is random per endpoint, and clients of a restarted server learn
-by their idle timeout instead (see docs/security.md).
+rate-limited by a token bucket; the token (``admission.ResetTokens``) is the
+one we gave the peer in the handshake, so only we can end its connection, and
+a server that restarts with its static key still can (see docs/security.md).
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import hmac
 import itertools
 import random
-import struct
-from collections import OrderedDict
 from typing import Final
 
-from rudp import handshake, wire
+from rudp import handshake, wire, wire_v1
+from rudp.admission import CookieJar, ResetTokens, TokenBucket
 from rudp.config import Config
-from rudp.connection import CONNECTED, CONNECTING, Address, Connection
+from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason, EndpointEvent, Event, QueryAnswered, QueryReceived
 from rudp.noise import NoiseError, ephemeral_key, private_key, public_bytes
+from rudp.opening import answer_connect, receive_accept, receive_challenge, receive_reject
 from rudp.sink import EndpointSink
+from rudp.state import CONNECTED, CONNECTING
 from rudp.stats import EndpointStats
+from rudp.tokens import MAX_TOKEN_SIZE, PeerIdentity, TokenError, TokenRefusal, TokenVerifier
 from rudp.wire import DecodeError, DropReason, PacketType
 
-COOKIE_MAC: Final = 16
 _DATA_BYTE: Final = wire.DATA_BYTE
 _DATA_MIN: Final = wire.DATA_HEADER_SIZE
-_RESET_LABEL: Final = b"rudp reset secret"
 NO_STATIC_KEY: Final = "this server has no static key"
 HANDSHAKE_FAILED: Final = "handshake failed: the client expects another server key"
 V1_REFUSAL: Final = "this server speaks rudp protocol version 2; upgrade the client"
-_SLOT: Final = struct.Struct("!I")
-REPLAY_CACHE_LIMIT: Final = 65536
 QUERY_LIMIT: Final = 4096  # our own queries awaiting an answer
-
-
-class TokenBucket:
-    """Classic token bucket on an injected clock."""
-
-    __slots__ = ("burst", "rate", "stamp", "tokens")
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        self.rate = rate
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self.stamp = now
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
 
 
 class Endpoint:
@@ -122,19 +101,26 @@ class Endpoint:
         self._heap: list[tuple[float, int, Connection]] = []
         self._armed: dict[Connection, float] = {}
         self._ids = itertools.count()
-        self._master = rng.randbytes(32)
+        self._cookies = CookieJar(config.cookie_lifetime, rng)
         self._static = None if config.static_key is None else private_key(config.static_key)
-        if config.static_key is not None:
-            # Recomputable by the same server after a restart (see the module docstring).
-            self._reset_secret = hmac.digest(config.static_key, _RESET_LABEL, hashlib.sha256)
-        else:
-            self._reset_secret = rng.randbytes(32)
-        self._keys: dict[int, bytes] = {}
-        self._used: OrderedDict[tuple[Address, int], float] = OrderedDict()
+        self._reset_tokens = ResetTokens(config.static_key, rng)
         self._noconn = TokenBucket(config.noconn_rate, config.noconn_burst, now)
         self._queries: dict[int, tuple[Address, float]] = {}
+        # Connect tokens (``rudp.tokens``): required when the config names issuers.
+        self._tokens = (
+            TokenVerifier(config.token_issuers, public_bytes(self._static), config.token_addresses)
+            if config.token_issuers and self._static is not None
+            else None
+        )
+        self.wall_offset = 0.0
+        """UNIX time minus ``now``: tokens expire in wall-clock time, while the core's
+        clock may be any monotonic one (the asyncio layer sets it)."""
 
     # -- public API ------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        role = "accepting" if self.accept else "connecting out"
+        return f"<rudp.endpoint.Endpoint {role}, {len(self._conns)} connections>"
 
     @property
     def connections(self) -> list[Connection]:
@@ -143,20 +129,37 @@ class Endpoint:
     def connection(self, address: Address) -> Connection | None:
         return self._conns.get(address)
 
+    def datagram_refused(self, address: Address, size: int, now: float) -> None:
+        """The local interface refused to send a datagram of ``size`` bytes to
+        ``address`` as too large (EMSGSIZE): its connection learns it (a lost path
+        MTU probe, or a path that no longer carries its datagrams)."""
+        conn = self._conns.get(address)
+        if conn is not None:
+            conn._datagram_refused(size, now)
+
     @property
     def public_key(self) -> bytes | None:
         """Our static public key (what clients pass as ``server_key``), if we have one."""
         return None if self._static is None else public_bytes(self._static)
 
     def connect(
-        self, address: Address, now: float, *, server_key: bytes | None = None
+        self,
+        address: Address,
+        now: float,
+        *,
+        server_key: bytes | None = None,
+        token: bytes | None = None,
+        token_key: bytes | None = None,
     ) -> Connection:
         """Start a handshake to ``address``; the connection reports ``Connected``.
 
         ``server_key`` (default ``Config.server_key``) is the public key the peer must
         prove it holds (Noise NK); without one the handshake is NN: sealed, but the
-        peer is not authenticated.
+        peer is not authenticated. ``token`` is a connect token for a server that
+        requires one, and ``token_key`` the X25519 private key it was issued for,
+        which the handshake then uses as this side's ephemeral key.
         """
+        self._check_token(token, token_key)
         existing = self._conns.get(address)
         if existing is not None:
             if existing.client:
@@ -167,11 +170,29 @@ class Endpoint:
             )
         key = self.config.server_key if server_key is None else server_key
         conn = self._new_connection(
-            address, now, client=True, salt=self._rng.getrandbits(64), server_key=key
+            address,
+            now,
+            client=True,
+            salt=self._rng.getrandbits(64),
+            server_key=key,
+            token=token or b"",
+            token_key=token_key,
         )
         self._sink.dirty[conn] = None
         self._schedule(conn)
         return conn
+
+    def _check_token(self, token: bytes | None, token_key: bytes | None) -> None:
+        if (token is None) != (token_key is None):
+            raise LocalProtocolError("a connect token needs the key it was issued for: give both")
+        if token_key is not None and len(token_key) != 32:
+            raise LocalProtocolError("token_key is the 32-byte X25519 private key of the token")
+        room = self.config.max_datagram_size - wire.MIN_CONNECT_SIZE
+        if token is not None and len(token) > min(MAX_TOKEN_SIZE, room):
+            raise MessageTooLarge(
+                f"a connect token of {len(token)} bytes does not fit a CONNECT of "
+                f"{self.config.max_datagram_size} bytes (max_datagram_size)"
+            )
 
     @property
     def has_events(self) -> bool:
@@ -190,6 +211,10 @@ class Endpoint:
                 address = conn.address
                 for datagram in conn.datagrams_to_send(now):
                     out.append((datagram, address))
+                if conn.path_out:  # path challenges, each to the address it validates
+                    for item in conn.take_path_datagrams():
+                        self.stats.unvalidated_bytes_sent += len(item[0])
+                        out.append(item)
                 self._schedule(conn)
         if out:
             size = 0
@@ -270,7 +295,7 @@ class Endpoint:
 
     @property
     def max_query_payload(self) -> int:
-        return self.config.max_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
+        return self.config.base_datagram_size - wire.HEADER_SIZE - wire.QUERY_BODY.size
 
     # -- receive -----------------------------------------------------------------
 
@@ -308,11 +333,10 @@ class Endpoint:
             self._send_noconn(dcid, address, now)
             return None
         if conn.address != address:
-            # Not the connection's path: never answered (a NOCONN or anything else
-            # would make us a reflector), never a reason to move the connection.
+            # Not the connection's path: never answered but by a path challenge no
+            # larger than what authenticated from there (``rudp.migration``).
             stats.unvalidated_bytes_received += len(data)
-            stats.dropped[DropReason.WRONG_ADDRESS] += 1
-            return None
+            return self._receive_moved(conn, data, pn32, address, now)
         try:
             reason = conn._receive_sealed(data, pn32, now)
         except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
@@ -322,6 +346,30 @@ class Endpoint:
             conn.stats.packets_dropped += 1
         self._schedule(conn)
         return conn
+
+    def _receive_moved(
+        self, conn: Connection, data: bytes, pn32: int, address: Address, now: float
+    ) -> Connection:
+        old = conn.address
+        try:
+            reason = conn._receive_moved(
+                data, pn32, address, now, movable=address not in self._conns
+            )
+        except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
+            reason = exc.reason
+        if reason is not None:
+            self.stats.dropped[reason] += 1
+            conn.stats.packets_dropped += 1
+        if conn.address != old:
+            self._moved(conn, old)
+        self._schedule(conn)
+        return conn
+
+    def _moved(self, conn: Connection, old: Address) -> None:
+        """``conn`` migrated from ``old``: the address index follows it."""
+        if self._conns.get(old) is conn:
+            del self._conns[old]
+        self._conns[conn.address] = conn
 
     def _receive_other(
         self, ptype: PacketType, conn: Connection | None, data: bytes, address: Address, now: float
@@ -338,11 +386,11 @@ class Endpoint:
         elif conn is None:
             reason = DropReason.UNKNOWN_PEER
         elif ptype == PacketType.CHALLENGE:
-            reason = conn._receive_challenge(wire.decode_challenge(data))
+            reason = receive_challenge(conn, wire.decode_challenge(data))
         elif ptype == PacketType.ACCEPT:
-            reason = conn._receive_accept(wire.decode_accept(data), now)
+            reason = receive_accept(conn, wire.decode_accept(data), now)
         elif ptype == PacketType.REJECT:
-            reason = conn._receive_reject(wire.decode_reject(data))
+            reason = receive_reject(conn, wire.decode_reject(data))
         else:  # NOCONN
             reason = conn._receive_noconn(wire.decode_noconn(data))
         if reason is not None:
@@ -353,10 +401,10 @@ class Endpoint:
     def _refuse_v1(self, data: bytes, address: Address) -> None:
         """Tell a version-1 client why it gets no connection: its own REJECT format,
         smaller than its padded CONNECT."""
-        salt = wire.v1_connect_salt(data)
+        salt = wire_v1.v1_connect_salt(data)
         if salt is not None:
             self.stats.connections_refused += 1
-            self._send_unvalidated(wire.encode_v1_reject(salt, V1_REFUSAL), address)
+            self._send_unvalidated(wire_v1.encode_v1_reject(salt, V1_REFUSAL), address)
 
     def _receive_connect(
         self, conn: Connection | None, data: bytes, address: Address, now: float
@@ -402,13 +450,13 @@ class Endpoint:
             return None
         if not request.cookie:
             self._send_unvalidated(
-                wire.encode_challenge(request.salt, self._cookie(address, request.salt, now)),
+                wire.encode_challenge(request.salt, self._cookies.make(address, request.salt, now)),
                 address,
             )
             return None
-        if not self._cookie_valid(request.cookie, address, request.salt, now):
+        if not self._cookies.valid(request.cookie, address, request.salt, now):
             return DropReason.BAD_COOKIE
-        if (address, request.salt) in self._used:
+        if self._cookies.used(address, request.salt):
             return DropReason.REPLAYED_COOKIE
         if opening:
             assert conn is not None
@@ -417,9 +465,11 @@ class Endpoint:
             # connection answers it, as a server would, and is established.
             if request.salt <= conn.salt:
                 return DropReason.UNEXPECTED
-            if not self._answer(conn, request, address, now):
+            first = self._read_first(request, address)
+            if first is None:
                 return DropReason.BAD_HANDSHAKE
-            self._remember_cookie(address, request.salt, now)
+            self._answer(conn, request, first, now)
+            self._cookies.remember(address, request.salt, now)
             self.stats.simultaneous_opens += 1
             return None
         if late_loser and conn is not None:
@@ -434,20 +484,34 @@ class Endpoint:
                     self._message(request),
                     conn.transport_params(),
                     ephemeral_key(self._rng),
+                    request.token_size,
+                    request.extensions,
                 )[1]
             except (NoiseError, ValueError):
                 return DropReason.BAD_HANDSHAKE
             if keys.peer.connection_id == conn.peer_cid:
                 return DropReason.DUPLICATE
-        self._remember_cookie(address, request.salt, now)
         if len(self._conns) >= self.config.max_connections + (conn is not None):
+            # Before the cookie is spent: a client whose REJECT was lost gets it again
+            # for its resent CONNECT, and once there is room that same CONNECT gets its
+            # one connection (remembered below, so never a second).
             self.stats.connections_refused += 1
             self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
             return None
-        fresh = self._new_connection(address, now, client=False, salt=request.salt)
-        if not self._answer(fresh, request, address, now):
-            self._forget_unborn(fresh)
+        self._cookies.remember(address, request.salt, now)  # one DH per cookie, at most
+        first = self._read_first(request, address)
+        if first is None:
             return DropReason.BAD_HANDSHAKE
+        identity = None
+        if self._tokens is not None:
+            # After the cookie, before any per-connection state: a refused client
+            # costs the DH of its first message, as a wrong server key does.
+            identity = self._admit(first, request.salt, address, now)
+            if identity is None:
+                return None
+        fresh = self._new_connection(address, now, client=False, salt=request.salt)
+        fresh.peer_identity = identity
+        self._answer(fresh, request, first, now)
         if conn is not None:
             # The peer restarted: its old session is gone.
             conn.abort(DisconnectReason.NO_CONNECTION, by_peer=True)
@@ -456,35 +520,64 @@ class Endpoint:
         return None
 
     def _message(self, request: wire.Connect) -> bytes:
-        """The Noise message 1 of a CONNECT: its size follows from the pattern."""
-        return request.rest[: handshake.first_message_size(request.pattern)]
+        """The Noise message 1 of a CONNECT: its size follows from the pattern, the size
+        of the token it carries and that of the client's parameter extensions."""
+        size = handshake.first_message_size(request.pattern, request.token_size, request.extensions)
+        return request.rest[:size]
 
-    def _answer(
-        self, conn: Connection, request: wire.Connect, address: Address, now: float
-    ) -> bool:
-        """Run the server's side of the Noise handshake on ``request`` into ``conn`` and
-        send ACCEPT (kept for resending on a duplicate CONNECT); the connection is
-        established. False, with a REJECT sent, when the message is not genuine."""
+    def _read_first(self, request: wire.Connect, address: Address) -> handshake.FirstMessage | None:
+        """The client's Noise message 1, read; None, with a REJECT sent, when it is not
+        genuine."""
         try:
-            answer, keys = handshake.answer(
+            return handshake.read_first(
                 self._static,
                 request.pattern,
                 request.salt,
                 self._message(request),
-                conn.transport_params(),
                 ephemeral_key(self._rng),
+                request.token_size,
+                request.extensions,
             )
         except (NoiseError, ValueError):
             # The address is proven (valid cookie) and the REJECT is smaller than the
             # CONNECT. Under NK the usual cause is a client configured with another key.
             self._send_unvalidated(wire.encode_reject(request.salt, HANDSHAKE_FAILED), address)
-            return False
-        accept = conn._answer_connect(
-            request.salt, answer, keys, now, token_sealed=request.pattern == handshake.PATTERN_NK
+            return None
+
+    def _admit(
+        self, first: handshake.FirstMessage, salt: int, address: Address, now: float
+    ) -> PeerIdentity | None:
+        """The identity in the client's connect token; None, with a REJECT naming the
+        reason sent (smaller than the CONNECT) and the reason counted, when refused."""
+        assert self._tokens is not None
+        try:
+            if not first.token:
+                raise TokenError(TokenRefusal.MISSING)
+            identity = self._tokens.verify(first.token, first.client_key, now + self.wall_offset)
+        except TokenError as exc:
+            self.stats.tokens_refused[exc.refusal] += 1
+            self.stats.connections_refused += 1
+            self._send_unvalidated(wire.encode_reject(salt, str(exc)), address)
+            return None
+        self.stats.tokens_accepted += 1
+        return identity
+
+    def _answer(
+        self, conn: Connection, request: wire.Connect, first: handshake.FirstMessage, now: float
+    ) -> None:
+        """Answer the client's first message into ``conn`` and send ACCEPT (kept for
+        resending on a duplicate CONNECT); the connection is established."""
+        answer, keys = first.answer(conn.transport_params())
+        accept = answer_connect(
+            conn,
+            request.salt,
+            answer,
+            keys,
+            now,
+            token_sealed=request.pattern == handshake.PATTERN_NK,
         )
         self._out.append((accept, conn.address))
         self._schedule(conn)
-        return True
 
     def _receive_query(self, data: bytes, address: Address) -> DropReason | None:
         query = wire.decode_query(data)
@@ -513,6 +606,8 @@ class Endpoint:
         client: bool,
         salt: int,
         server_key: bytes | None = None,
+        token: bytes = b"",
+        token_key: bytes | None = None,
     ) -> Connection:
         cid = self._new_cid()
         conn = Connection(
@@ -524,8 +619,10 @@ class Endpoint:
             salt=salt,
             sink=self._sink,
             cid=cid,
-            reset_token=self._reset_token(cid),
+            reset_token=self._reset_tokens.token(cid),
             server_key=server_key,
+            token=token,
+            token_key=token_key,
         )
         self._by_cid[cid] = conn
         if address not in self._conns:
@@ -539,21 +636,12 @@ class Endpoint:
             if cid and cid not in self._by_cid:
                 return cid
 
-    def _reset_token(self, cid: int) -> bytes:
-        return hmac.digest(self._reset_secret, _SLOT.pack(cid), hashlib.sha256)[:16]
-
     def _forget(self, conn: Connection) -> None:
         if self._conns.get(conn.address) is conn:
             del self._conns[conn.address]
         if self._by_cid.get(conn.cid) is conn:
             del self._by_cid[conn.cid]
         self.stats.absorb(conn.stats)
-
-    def _forget_unborn(self, fresh: Connection) -> None:
-        """Undo ``_new_connection`` for a connection whose handshake failed."""
-        del self._by_cid[fresh.cid]
-        if self._conns.get(fresh.address) is fresh:
-            del self._conns[fresh.address]
 
     def _schedule(self, conn: Connection) -> None:
         """Keep one heap entry per connection at its earliest deadline.
@@ -575,41 +663,8 @@ class Endpoint:
 
     def _send_noconn(self, dcid: int, address: Address, now: float) -> None:
         if self._noconn.take(now):
-            self._send_unvalidated(wire.encode_noconn(dcid, self._reset_token(dcid)), address)
+            self._send_unvalidated(
+                wire.encode_noconn(dcid, self._reset_tokens.token(dcid)), address
+            )
         else:
             self.stats.noconn_suppressed += 1
-
-    def _key(self, slot: int) -> bytes:
-        key = self._keys.get(slot)
-        if key is None:
-            if len(self._keys) > 4:
-                self._keys.clear()
-            key = hmac.digest(self._master, _SLOT.pack(slot & 0xFFFFFFFF), hashlib.sha256)
-            self._keys[slot] = key
-        return key
-
-    def _mac(self, slot: int, address: Address, salt: int) -> bytes:
-        msg = f"{address[0]}|{address[1]}|{salt}".encode()
-        return hmac.digest(self._key(slot), msg, hashlib.sha256)[:COOKIE_MAC]
-
-    def _slot(self, now: float) -> int:
-        return int(now // self.config.cookie_lifetime) & 0xFFFFFFFF
-
-    def _cookie(self, address: Address, salt: int, now: float) -> bytes:
-        slot = self._slot(now)
-        return _SLOT.pack(slot) + self._mac(slot, address, salt)
-
-    def _cookie_valid(self, cookie: bytes, address: Address, salt: int, now: float) -> bool:
-        if len(cookie) != _SLOT.size + COOKIE_MAC:
-            return False
-        (slot,) = _SLOT.unpack_from(cookie)
-        current = self._slot(now)
-        if slot not in (current, (current - 1) & 0xFFFFFFFF):
-            return False
-        return hmac.compare_digest(cookie[_SLOT.size :], self._mac(slot, address, salt))
-
-    def _remember_cookie(self, address: Address, salt: int, now: float) -> None:
-        used = self._used
-        while used and (next(iter(used.values())) < now or len(used) >= REPLAY_CACHE_LIMIT):
-            used.popitem(last=False)
-        used[(address, salt)] = now + 2 * self.config.cookie_lifetime

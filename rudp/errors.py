@@ -79,6 +79,27 @@ class ConnectTimeout(ConnectError, TimeoutError):
         super().__init__(message)
 
 
+def check_sequence(value: object, name: str) -> None:
+    """Refuse a lone ``str`` or ``bytes`` where a sequence of items belongs.
+
+    Both are iterable, so without this ``"ctf"`` would silently become the items
+    ``'c'``, ``'t'``, ``'f'``. Raises TypeError naming the parameter and the fix.
+    """
+    if isinstance(value, str | bytes | bytearray | memoryview):
+        raise TypeError(
+            f"{name} takes a sequence (a list or tuple), not {type(value).__name__}: "
+            f"write [{value!r}]"
+        )
+
+
+def check_address(value: object, name: str) -> None:
+    """Refuse anything but a ``(host, port)`` pair (or a longer IPv6 socket address)
+    where an address belongs: ``"1.2.3.4:27960"`` is a TypeError naming the fix."""
+    if isinstance(value, tuple | list) and len(value) >= 2 and isinstance(value[0], str):
+        return
+    raise TypeError(f"{name} takes a (host, port) tuple, not {value!r}: write ('1.2.3.4', 27960)")
+
+
 def format_address(address: tuple[str, int]) -> str:
     """``host:port``, with an IPv6 host in brackets (``[::1]:27950``)."""
     host, port = address[0], address[1]

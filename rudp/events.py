@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
+from rudp.wire import RELIABLE_ORDERED, UNRELIABLE, Delivery
+
 
 class DisconnectReason(enum.StrEnum):
     """Why a connection ended. The string values appear in logs and exceptions."""
@@ -26,6 +28,8 @@ class DisconnectReason(enum.StrEnum):
     """The peer broke the protocol in a way that cannot be dropped and forgotten."""
     ABORTED = "aborted"
     """Ended locally without a handshake (the endpoint was shut down)."""
+    EXHAUSTED = "packet numbers exhausted"
+    """2**62 packets were sent: another would reuse a nonce. Connect again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +48,27 @@ class MessageReceived:
     compiled class out of the garbage collector's bookkeeping.
     """
 
-    __slots__ = ("channel", "data", "reliable")
-    __match_args__: ClassVar[tuple[str, ...]] = ("data", "channel", "reliable")
+    __slots__ = ("_mode", "channel", "data", "reliable")
+    __match_args__: ClassVar[tuple[str, ...]] = ("data", "channel", "reliable", "delivery")
 
-    def __init__(self, data: bytes, channel: int, reliable: bool) -> None:
+    def __init__(self, data: bytes, channel: int, reliable: bool, delivery: int = -1) -> None:
         self.data = data
         """The payload, exactly as sent."""
         self.channel = channel
         """The channel it was sent on."""
         self.reliable = reliable
         """Whether it was sent reliably."""
+        # The wire mode, kept as an int: the Delivery member is made when asked for.
+        if delivery < 0:
+            delivery = RELIABLE_ORDERED if reliable else UNRELIABLE
+        self._mode = delivery
+
+    @property
+    def delivery(self) -> Delivery:
+        """How it was sent (a ``rudp.Delivery``). A ``DEPENDENCY_ORDERED`` message
+        arrives as ``RELIABLE_UNORDERED``: both are the same on the wire, and a message
+        is delivered only once what it depended on was."""
+        return Delivery(self._mode)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MessageReceived):
@@ -62,18 +77,20 @@ class MessageReceived:
             self.data == other.data
             and self.channel == other.channel
             and self.reliable == other.reliable
+            and self._mode == other._mode
         )
 
     def __hash__(self) -> int:
-        return hash((self.data, self.channel, self.reliable))
+        return hash((self.data, self.channel, self.reliable, self._mode))
 
-    def __reduce__(self) -> tuple[type[MessageReceived], tuple[bytes, int, bool]]:
+    def __reduce__(self) -> tuple[type[MessageReceived], tuple[bytes, int, bool, int]]:
         # copy and pickle: a compiled (native) class cannot be rebuilt field by field.
-        return MessageReceived, (self.data, self.channel, self.reliable)
+        return MessageReceived, (self.data, self.channel, self.reliable, self._mode)
 
     def __repr__(self) -> str:
         return (
-            f"MessageReceived(data={self.data!r}, channel={self.channel}, reliable={self.reliable})"
+            f"MessageReceived(data={self.data!r}, channel={self.channel}, "
+            f"reliable={self.reliable}, delivery=Delivery.{self.delivery.name})"
         )
 
 
@@ -83,6 +100,17 @@ class MessageAcked:
 
     handle: Any
     """The object ``Connection.send`` returned."""
+
+
+@dataclass(frozen=True, slots=True)
+class PathChanged:
+    """The peer moved to another address (a NAT rebinding, another network), which
+    answered our path challenge; our packets go there from now on."""
+
+    old: tuple[Any, ...]
+    """The address it had."""
+    address: tuple[Any, ...]
+    """The address it has now (``Connection.address``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,5 +155,5 @@ class QueryAnswered:
     """Seconds from the request to the reply."""
 
 
-Event = Connected | MessageReceived | MessageAcked | Disconnected
+Event = Connected | MessageReceived | MessageAcked | PathChanged | Disconnected
 EndpointEvent = QueryReceived | QueryAnswered

@@ -255,7 +255,7 @@ class ReceiveGraph:
         n = 0
         while ready:
             gid, span, data, channel, reserved = ready.popleft()
-            events.append((conn, MessageReceived(data, channel, True)))
+            events.append((conn, MessageReceived(data, channel, True, GRAPH)))
             n += 1
             self.reserved -= reserved
             if span == 1:

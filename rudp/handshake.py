@@ -30,17 +30,26 @@ Both messages are encrypted and authenticated except the client's parameters
 under ``NN``: they travel in clear in the first message (there is no key yet),
 but they are hashed into the transcript, so a change by an attacker makes the
 server's answer fail to authenticate at the client.
+
+A client may append a connect token (``rudp.tokens``) to its parameters in the
+first message's payload: encrypted to the server's key under NK. The server reads
+the first message (``read_first``), checks the token against the client's
+ephemeral key, which the token names, and only then answers
+(``FirstMessage.answer``) and spends anything on a connection.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Final
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from rudp.noise import DHLEN, TAGLEN, HandshakeState, NoiseError
+
+if TYPE_CHECKING:
+    from rudp.config import Config
 
 PATTERN_NN: Final = 0
 PATTERN_NK: Final = 1
@@ -50,17 +59,24 @@ _PROTOCOL_NAMES: Final = {
 }
 _PROLOGUE: Final = b"rudp/2"
 RESET_TOKEN_SIZE: Final = 16
+_U32: Final = 0xFFFFFFFF
 
 # connection id u32, max message u32, channels u8, receive buffer u32,
 # max datagram u16, idle timeout ms u32, reset token (16 bytes).
 _PARAMS: Final = struct.Struct("!IIBIHI16s")
 PARAMS_SIZE: Final = _PARAMS.size
+# Extensions after the fixed part: id u8, length u8, value. A reader skips ids it does
+# not know, so a later release can add one without a new wire version.
+_EXTENSION: Final = struct.Struct("!BB")
+EXT_MAX_ACK_DELAY: Final = 1  # u16: milliseconds an acknowledgment may wait
+MAX_ACK_DELAY_LIMIT_MS: Final = 16383  # as QUIC's max_ack_delay (2^14 and above are invalid)
 
 
-def first_message_size(pattern: int) -> int:
-    """Bytes of the client's Noise message (ephemeral key, parameters, tags)."""
+def first_message_size(pattern: int, token_size: int = 0, extensions: int = 0) -> int:
+    """Bytes of the client's Noise message (ephemeral key, parameters with
+    ``extensions`` bytes of extensions, token, tags)."""
     tags = TAGLEN if pattern == PATTERN_NK else 0
-    return DHLEN + PARAMS_SIZE + tags
+    return DHLEN + PARAMS_SIZE + max(extensions, 0) + token_size + tags
 
 
 SECOND_MESSAGE_SIZE: Final = DHLEN + PARAMS_SIZE + TAGLEN
@@ -84,11 +100,20 @@ class TransportParams:
     """Silence after which this side ends the connection."""
     reset_token: bytes
     """A NOCONN about this connection must carry it to be believed."""
+    max_ack_delay_ms: int | None = None
+    """How long this side may hold an acknowledgment back, waiting for a packet to
+    carry it (the peer adds it to its resend timeout); None when the side states no
+    extensions (an earlier version-2 peer, which acknowledges at once)."""
+
+    @property
+    def extended(self) -> bool:
+        """Whether the encoding carries extensions (see ``wire.PARAMS_EXTENDED``)."""
+        return self.max_ack_delay_ms is not None
 
     def encode(self) -> bytes:
         if len(self.reset_token) != RESET_TOKEN_SIZE:
             raise ValueError(f"a reset token is {RESET_TOKEN_SIZE} bytes")
-        return _PARAMS.pack(
+        fixed = _PARAMS.pack(
             self.connection_id,
             self.max_message_size,
             self.channels,
@@ -97,16 +122,55 @@ class TransportParams:
             self.idle_timeout_ms,
             self.reset_token,
         )
+        if self.max_ack_delay_ms is None:
+            return fixed
+        delay = min(max(self.max_ack_delay_ms, 0), MAX_ACK_DELAY_LIMIT_MS)
+        return fixed + _EXTENSION.pack(EXT_MAX_ACK_DELAY, 2) + delay.to_bytes(2, "big")
 
     @classmethod
     def decode(cls, data: bytes) -> TransportParams:
         """The parameters in ``data``; ValueError when they are malformed."""
-        if len(data) != PARAMS_SIZE:
+        if len(data) < PARAMS_SIZE:
             raise ValueError("transport parameters have the wrong size")
-        cid, message, channels, buffer, datagram, idle, token = _PARAMS.unpack(data)
+        cid, message, channels, buffer, datagram, idle, token = _PARAMS.unpack_from(data)
         if channels == 0 or datagram < 576 or message == 0:
             raise ValueError("transport parameters out of range")
-        return cls(cid, message, channels, buffer, datagram, idle, token)
+        ack_delay: int | None = None
+        offset = PARAMS_SIZE
+        if len(data) > offset:
+            ack_delay = 0  # extensions without this one: the side acknowledges at once
+        while offset < len(data):
+            if offset + _EXTENSION.size > len(data):
+                raise ValueError("truncated transport parameter extension")
+            ext, size = _EXTENSION.unpack_from(data, offset)
+            offset += _EXTENSION.size
+            value = data[offset : offset + size]
+            if len(value) != size:
+                raise ValueError("truncated transport parameter extension")
+            offset += size
+            if ext == EXT_MAX_ACK_DELAY:
+                if size != 2 or int.from_bytes(value, "big") > MAX_ACK_DELAY_LIMIT_MS:
+                    raise ValueError("max_ack_delay out of range")
+                ack_delay = int.from_bytes(value, "big")
+        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay)
+
+    @classmethod
+    def of(cls, config: Config, connection_id: int, reset_token: bytes) -> TransportParams:
+        """What a side with ``config`` states, capped to the fields' sizes."""
+        return cls(
+            connection_id=connection_id,
+            max_message_size=max(1, config.max_message_size),
+            channels=config.channels,
+            recv_buffer_bytes=min(config.recv_buffer_bytes, _U32),
+            max_datagram_size=config.max_datagram_size,
+            idle_timeout_ms=min(round(config.idle_timeout * 1000), _U32),
+            reset_token=reset_token,
+            max_ack_delay_ms=round(config.max_ack_delay * 1000),
+        )
+
+    def plain(self) -> TransportParams:
+        """The same without extensions: what a server answers a client that stated none."""
+        return replace(self, max_ack_delay_ms=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +197,13 @@ class ClientHandshake:
         salt: int,
         server_key: bytes | None,
         ephemeral: X25519PrivateKey | None = None,
+        token: bytes = b"",
     ) -> None:
         if server_key is not None and len(server_key) != DHLEN:
             raise ValueError(f"a server key is {DHLEN} bytes (X25519 public key)")
+        self.token_size = len(token)
         self.pattern = PATTERN_NN if server_key is None else PATTERN_NK
+        self.extended = params.extended
         self._state = HandshakeState(
             _PROTOCOL_NAMES[self.pattern],
             initiator=True,
@@ -145,11 +212,15 @@ class ClientHandshake:
             ephemeral=ephemeral,
         )
         # Computed once: every CONNECT of this attempt carries the same message.
-        self.message = self._state.write_message(params.encode())
+        payload = params.encode()
+        self.extensions = len(payload) - PARAMS_SIZE if self.extended else -1
+        """Bytes of extensions in our parameters (the CONNECT says it), -1: none."""
+        self.message = self._state.write_message(payload + token)
 
     def finish(self, answer: bytes) -> Keys:
         """The keys, from the server's message; NoiseError or ValueError if it is not genuine."""
-        if len(answer) != SECOND_MESSAGE_SIZE:
+        size = len(answer)
+        if size != SECOND_MESSAGE_SIZE and not (self.extended and size > SECOND_MESSAGE_SIZE):
             raise NoiseError("handshake answer has the wrong size")
         # Read into a copy: a forged answer (from an on-path attacker who read the salt)
         # fails there and leaves the state able to take the genuine one.
@@ -160,25 +231,54 @@ class ClientHandshake:
         return Keys(peer, send_key, recv_key, state.handshake_hash)
 
 
-def answer(
+class FirstMessage:
+    """The server's side, half way: the client's first message read, not yet answered."""
+
+    def __init__(self, state: HandshakeState, payload: bytes, extensions: int = -1) -> None:
+        self._state = state
+        size = PARAMS_SIZE + max(extensions, 0)
+        self.peer = TransportParams.decode(payload[:size])
+        self.token = payload[size:]
+        """The connect token the client appended to its parameters (empty: none)."""
+        client_key = state.remote_ephemeral
+        assert client_key is not None  # every first message starts with "e"
+        self.client_key = client_key
+        """The client's ephemeral public key: what its token must name."""
+
+    def answer(self, params: TransportParams) -> tuple[bytes, Keys]:
+        """(the server's message 2, its keys)."""
+        state = self._state
+        if not self.peer.extended:
+            params = params.plain()  # an earlier version-2 client reads no extensions
+        reply = state.write_message(params.encode())
+        send_key, recv_key = state.split()
+        return reply, Keys(self.peer, send_key, recv_key, state.handshake_hash)
+
+
+def read_first(
     static: X25519PrivateKey | None,
     pattern: int,
     salt: int,
     message: bytes,
-    params: TransportParams,
     ephemeral: X25519PrivateKey | None = None,
-) -> tuple[bytes, Keys]:
-    """The server's side in one call: (its answer, its keys) for a client's first message.
+    token_size: int = 0,
+    extensions: int = -1,
+) -> FirstMessage:
+    """The client's first message, read and authenticated (under NK), not answered.
 
     Raises NoiseError or ValueError when the message is not a genuine first message
-    for this server (wrong size, wrong key, tampered), and ValueError when the
+    for this server (too short, wrong key, tampered), and ValueError when the
     client asks for NK and this server has no static key. ``ephemeral`` (default: a
     fresh key from the operating system) lets a caller draw it from its own
     cryptographically secure source; both sides' ``ephemeral`` exist for that.
+    ``token_size``: the bytes of connect token the CONNECT says the payload carries;
+    ``extensions``: the bytes of parameter extensions it says they have (-1: the
+    client states none, as an earlier version-2 client; it is then answered without
+    extensions of ours).
     """
     if pattern not in _PROTOCOL_NAMES:
         raise ValueError(f"unknown handshake pattern {pattern}")
-    if len(message) != first_message_size(pattern):
+    if len(message) != first_message_size(pattern, token_size, extensions):
         raise NoiseError("handshake message has the wrong size")
     if pattern == PATTERN_NK and static is None:
         raise ValueError("the client expects a server key and this server has none")
@@ -189,7 +289,20 @@ def answer(
         static=static if pattern == PATTERN_NK else None,
         ephemeral=ephemeral,
     )
-    peer = TransportParams.decode(state.read_message(message))
-    reply = state.write_message(params.encode())
-    send_key, recv_key = state.split()
-    return reply, Keys(peer, send_key, recv_key, state.handshake_hash)
+    return FirstMessage(state, state.read_message(message), extensions)
+
+
+def answer(
+    static: X25519PrivateKey | None,
+    pattern: int,
+    salt: int,
+    message: bytes,
+    params: TransportParams,
+    ephemeral: X25519PrivateKey | None = None,
+    token_size: int = 0,
+    extensions: int = -1,
+) -> tuple[bytes, Keys]:
+    """The server's side in one call: (its answer, its keys) for a client's first
+    message (``read_first``, then ``FirstMessage.answer``)."""
+    first = read_first(static, pattern, salt, message, ephemeral, token_size, extensions)
+    return first.answer(params)

@@ -28,7 +28,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from rudp.connection import State
+from rudp.errors import check_sequence
 from rudp.stats import COUNTER_TABLE, ENDPOINT_COUNTER_TABLE
+from rudp.tokens import TokenRefusal
 from rudp.wire import DropReason
 
 if TYPE_CHECKING:
@@ -58,12 +60,16 @@ class RudpCollector(Collector):
         # Server's asyncio endpoint (its core is read at scrape time), or a core
         # Endpoint added directly. The mypyc-compiled core's classes cannot be weakly
         # referenced, so there a core Endpoint added directly is held strongly.
+        check_sequence(endpoints, "endpoints")
         self._weak: WeakSet[Any] = WeakSet()
         self._strong: list[Endpoint] = []
         for endpoint in endpoints:
             self.add(endpoint)
         if registry is not None:
             registry.register(self)
+
+    def __repr__(self) -> str:
+        return f"<RudpCollector endpoints={len(self._cores())}>"
 
     def add(self, endpoint: object) -> None:
         """Track an endpoint: a ``rudp.Server`` or a core ``rudp.endpoint.Endpoint``."""
@@ -107,6 +113,12 @@ def _endpoint_counters(endpoints: Sequence[Endpoint]) -> Iterable[Metric]:
     for reason in DropReason:
         dropped.add_metric([reason.value], sum(e.stats.dropped[reason] for e in endpoints))
     yield dropped
+    refused = CounterMetricFamily(
+        "rudp_tokens_refused_total", "Connect tokens refused, by reason.", labels=["reason"]
+    )
+    for refusal in TokenRefusal:
+        refused.add_metric([refusal.value], sum(e.stats.tokens_refused[refusal] for e in endpoints))
+    yield refused
     open_states = (State.CONNECTED, State.CLOSING)
     yield GaugeMetricFamily(
         "rudp_connections",

@@ -29,8 +29,8 @@ Each packet takes the next packet number (``tx_next``); ack-eliciting ones go to
 loss detection (``recovery.PacketRecovery``), which reports their fate back.
 
 Judgement call: which packets we received (the acknowledgment every header
-carries) is the connection's state (``Connection._rx_largest`` and ``_rx_bits``,
-updated as each packet is accepted); the builder reads it there rather than
+carries) is the packet reader's state (``PacketReader.rx_largest`` and
+``rx_bits``, updated as each packet is accepted); the builder reads it there rather than
 keeping a copy that could disagree. Likewise it asks the connection to queue its
 DISCONNECT (``_maybe_send_disconnect``) when the last unreliable message before a
 close goes out, since when to say goodbye is a lifecycle decision.
@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Final
 
 from rudp import wire
 from rudp.config import BUFFER_ENTRY_COST, REDUNDANT_FRAME_MAX, Config
+from rudp.errors import LocalProtocolError
 from rudp.graph import refresh_deps
+from rudp.protection import Sealer
 from rudp.recovery import PacketRecovery, SentPacket
 from rudp.sending import FAILED, SENT, OutMessage, Sender, buffer_cost
 from rudp.seqnum import SEQ_MASK
@@ -55,6 +57,16 @@ if TYPE_CHECKING:
     from rudp.stats import ConnectionStats
 
 RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
+# Redundancy adds copies until a message is lost with every packet carrying it at most
+# this often (at the measured loss rate p, a message in 1 + n packets: p ** (1 + n)).
+REDUNDANCY_RESIDUAL: Final = 0.001
+# Below this measured loss rate no copies go at all: a lone loss (or a loss declared on
+# a reordering path before it proved spurious) is left to retransmission.
+REDUNDANCY_MIN_LOSS: Final = 0.005
+ACK_EVERY: Final = 2  # ack-eliciting packets received that are acknowledged at once (RFC 9000)
+NO_DEADLINE: Final = float("inf")
+ACK_DELAY_FRAME_SIZE: Final = 3
+_NO_CONTROL: Final[list[bytes]] = []  # a packet's control frames when it has none (never changed)
 
 
 class PacketBuilder:
@@ -64,21 +76,27 @@ class PacketBuilder:
         "_byte_window",
         "_cc",
         "_conn",
+        "_level",
         "_max_payload",
         "_packet_window",
+        "_peer_cid",
         "_recovery",
         "_redundancy",
+        "_sealer",
         "_sender",
         "_stats",
         "_unreliable_max_age",
         "_window",
+        "ack_deadline",
+        "ack_delay",
         "ack_low",
         "ack_pending",
+        "ack_unsent",
         "control",
         "early_acks",
         "flow_frame",
         "flow_seq",
-        "last_eliciting",
+        "last_sent",
         "ping",
         "recent",
         "tx_next",
@@ -100,26 +118,66 @@ class PacketBuilder:
         self._recovery = recovery
         self._cc = cc
         self._stats = stats
-        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
+        self._max_payload = config.base_datagram_size - wire.DATA_HEADER_SIZE
         # Config values read per packet, copied into native attributes (see RttEstimator).
         self._packet_window = config.window
         self._window = config.channel_window
         self._byte_window = config.recv_buffer_bytes
         self._unreliable_max_age = config.unreliable_max_age
         self._redundancy = config.redundancy
+        self._level = 0  # the redundancy level in use (see redundancy_level)
         self.tx_next = isn  # the number of our next packet
+        self._sealer: Sealer | None = None  # set when the handshake completes
+        self._peer_cid = 0
         self.control: list[bytes] = []  # DISCONNECT, to go out (again)
         self.flow_frame = b""  # PAUSE or RESUME waiting to go out
         self.flow_seq = -1  # the packet that carried our latest PAUSE or RESUME
         self.ping = False
-        self.ack_pending = False
+        self.ack_pending = False  # an acknowledgment must go now, alone if need be
+        # A delayed acknowledgment: it rides on the next packet that goes out anyway, or
+        # goes alone at ``ack_deadline`` (see ``packet_reader``). ``ack_delay`` is 0 until
+        # the peer states in the handshake that its resend timer allows for one.
+        self.ack_delay = 0.0
+        self.ack_deadline = NO_DEADLINE
+        self.ack_unsent = 0  # ack-eliciting packets received since our last acknowledgment
         # Oldest ack-eliciting packet received since our last packet reported the receive
         # window, and ack-only packets built early because it was about to leave the 33
-        # packets one header can acknowledge (see ``Connection._receive_data``).
+        # packets one header can acknowledge (see ``packet_reader``).
         self.ack_low: int | None = None
         self.early_acks: list[bytes] = []
         self.recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
-        self.last_eliciting = now  # when our last ack-eliciting packet went out
+        self.last_sent = now  # when our last packet of any kind went out
+
+    def set_keys(self, sealer: Sealer, peer_cid: int) -> None:
+        """The handshake is done: seal with ``sealer``, address packets to ``peer_cid``."""
+        self._sealer = sealer
+        self._peer_cid = peer_cid
+
+    def seal(self, pn: int, body: bytes) -> bytes:
+        """``body`` sealed as packet ``pn``: the cleartext header is associated data."""
+        sealer = self._sealer
+        if sealer is None:
+            raise LocalProtocolError("no packet keys before the handshake completes")
+        header = wire.data_prefix(self._peer_cid, pn)
+        return header + sealer.seal(pn, header, body)
+
+    def seal_next(self, body: bytes) -> bytes:
+        """``body`` (acknowledgment fields, then frames) sealed as our next packet."""
+        if self._sealer is None:
+            raise LocalProtocolError("no packet keys before the handshake completes")
+        pn = self.tx_next
+        self.tx_next = pn + 1
+        return self.seal(pn, body)
+
+    def path_packet(self, frame: bytes) -> bytes:
+        """A packet carrying our acknowledgment and ``frame`` (a PATH_CHALLENGE), for
+        another address than the peer's: not tracked by loss detection (the migration's
+        own timer resends it; see ``rudp.migration``)."""
+        reader = self._conn._reader
+        seq = self.tx_next
+        self.tx_next = seq + 1
+        ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        return self.seal(seq, ack + frame)
 
     def apply_peer_limits(self, datagram_size: int, recv_buffer_bytes: int) -> None:
         """Build datagrams of at most ``datagram_size`` bytes (the smaller of the two
@@ -128,10 +186,23 @@ class PacketBuilder:
         self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
         self._byte_window = recv_buffer_bytes
 
+    def set_datagram_size(self, size: int) -> None:
+        """Fill datagrams up to ``size`` bytes (the size path MTU discovery confirmed)."""
+        self._max_payload = size - wire.DATA_HEADER_SIZE
+
+    def probe(self, size: int) -> bytes:
+        """A path MTU probe of exactly ``size`` bytes: PING and PADDING, no message. It is
+        not loss detection's to track (``rudp.pmtu``): a lost probe loses nothing."""
+        reader = self._conn._reader
+        ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        return self.seal_next(ack + wire.probe_frames(size - wire.DATA_HEADER_SIZE))
+
     def build(self, now: float, closing: bool, draining: bool) -> bytes | None:
         """The next datagram due now, or None; ``closing`` and ``draining`` say
         whether the connection is in that state."""
         sender = self._sender
+        if now >= self.ack_deadline:
+            self.ack_pending = True  # the delayed acknowledgment waited long enough
         if not (
             self.ack_pending
             or self.ping
@@ -145,9 +216,14 @@ class PacketBuilder:
         conn = self._conn
         recovery = self._recovery
         budget = self._max_payload
-        parts: list[bytes] = []
+        # Room for an ACK_DELAY frame if this packet carries an acknowledgment that waited.
+        delayed = self.ack_unsent > 0 and self.ack_delay > 0.0
+        if delayed:
+            budget -= ACK_DELAY_FRAME_SIZE
+        # parts[0] is the acknowledgment, filled in last: one list per datagram, joined once.
+        parts: list[bytes] = [b""]
         messages: list[OutMessage] = []
-        control: list[bytes] = []
+        control = _NO_CONTROL  # shared and never changed: most packets carry none
         if self.control:
             control, self.control = self.control, []
             for frame in control:
@@ -174,32 +250,45 @@ class PacketBuilder:
                 if self.control and budget >= len(self.control[-1]):
                     frame = self.control.pop()
                     parts.append(frame)
-                    control.append(frame)
+                    control = [*control, frame]
                     budget -= len(frame)
         if room and not sender.retx and not conn.peer_paused:
             # A paused peer gets no new reliable messages; unreliable ones still go (they
             # expire rather than wait, and the peer bounds what it accepts while paused).
             budget = self._take_new_reliable(parts, messages, budget)
         if self._redundancy and messages:
-            budget = self._take_redundant(parts, messages, budget)
+            level = self.redundancy_level()
+            if level:
+                budget = self._take_redundant(parts, messages, budget, level)
         eliciting = bool(messages or control or flow)
         if self.ping and not eliciting and not draining:
             parts.append(wire.PING_FRAME)
             eliciting = True
-        if not parts and not self.ack_pending:
-            return None
+        elif messages and budget and sender.rel_queue and not conn.peer_paused:
+            queued = sender.rel_queue[0]
+            if not room or len(queued.frame) <= budget:
+                # A window holds the rest back until this packet is acknowledged: a PING
+                # asks the peer to do so at once rather than after its ack delay (as
+                # QUIC's IMMEDIATE_ACK does), or a window-limited sender would wait that
+                # long every round trip.
+                parts.append(wire.PING_FRAME)
+        if len(parts) == 1:
+            if not self.ack_pending:
+                return None
+            self._stats.acks_alone += 1
+        reader = conn._reader
+        if delayed:
+            # The peer takes it off its RTT sample (RFC 9002, section 5.3).
+            waited = now - reader.rx_largest_time
+            if waited >= wire.ACK_DELAY_UNIT:
+                parts.append(wire.ack_delay_frame(waited))
         self.ping = False
-        self.ack_pending = False
-        self.ack_low = None
+        self._acked()
+        self.last_sent = now
         seq = self.tx_next
         self.tx_next = seq + 1
-        body = b"".join(
-            [
-                wire.ack_fields(conn._rx_largest & SEQ_MASK, (conn._rx_bits >> 1) & 0xFFFFFFFF),
-                *parts,
-            ]
-        )
-        datagram = conn._seal(seq, body)
+        parts[0] = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        datagram = self.seal(seq, b"".join(parts))
         if eliciting:
             recovery.on_packet_sent(
                 SentPacket(
@@ -211,7 +300,6 @@ class PacketBuilder:
                     len(datagram),
                 )
             )
-            self.last_eliciting = now
             self._stats.eliciting_sent += 1
             if flow:
                 self.flow_seq = seq
@@ -228,14 +316,39 @@ class PacketBuilder:
         ack header, and without this the sender could never learn it arrived.
         """
         conn = self._conn
+        reader = conn._reader
         if about is None:
-            self.ack_low = None
-            ack, bits = conn._rx_largest, conn._rx_bits >> 1
+            self._acked()
+            ack, bits = reader.rx_largest, reader.rx_bits >> 1
         else:
-            ack, bits = about, conn._rx_bits >> (conn._rx_largest - about + 1)
+            ack, bits = about, reader.rx_bits >> (reader.rx_largest - about + 1)
         seq = self.tx_next
         self.tx_next = seq + 1
-        return conn._seal(seq, wire.ack_fields(ack & SEQ_MASK, bits & 0xFFFFFFFF))
+        self._stats.acks_alone += 1
+        return self.seal(seq, wire.ack_fields(ack & SEQ_MASK, bits & 0xFFFFFFFF))
+
+    def _acked(self) -> None:
+        """A packet carrying our acknowledgment of everything received is going out."""
+        self.ack_pending = False
+        self.ack_deadline = NO_DEADLINE
+        self.ack_unsent = 0
+        self.ack_low = None
+
+    def on_eliciting(self, now: float, at_once: bool) -> bool:
+        """An ack-eliciting packet arrived; ``at_once`` when its acknowledgment must not
+        wait (it shows a gap, carries a PING or DISCONNECT, or the peer did not state a
+        delay). Returns whether the acknowledgment is due now.
+
+        Otherwise it waits for a packet that goes out anyway, at most ``ack_delay``, as
+        QUIC's does (RFC 9000, section 13.2.1): every second ack-eliciting packet is
+        acknowledged at once, so a burst's sender sees its window move as before.
+        """
+        self.ack_unsent += 1
+        if at_once or self.ack_unsent >= ACK_EVERY or self.ack_delay <= 0.0:
+            self.ack_pending = True
+        elif self.ack_deadline == NO_DEADLINE:
+            self.ack_deadline = now + self.ack_delay
+        return self.ack_pending
 
     def _take_retransmissions(
         self, parts: list[bytes], messages: list[OutMessage], budget: int
@@ -340,7 +453,37 @@ class PacketBuilder:
         self._stats.messages_sent += sent
         return budget
 
-    def _take_redundant(self, parts: list[bytes], messages: list[OutMessage], budget: int) -> int:
+    def redundancy_level(self) -> int:
+        """How many later packets repeat each small message, from the loss rate loss
+        detection measures: none on a clean path (below ``REDUNDANCY_MIN_LOSS``), then
+        as many as keep a message lost with all its copies below ``REDUNDANCY_RESIDUAL``
+        (1 from 0.5 %, 2 from 3.2 %), at most ``Config.redundancy``.
+
+        With hysteresis: a level is left only once it would not be chosen at twice the
+        rate. The average wanders by about a fifth of the rate either way over its 256
+        packets, and a path losing 5 % would otherwise fall to one copy whenever it
+        dipped below 3.2 %, leaving 1 message in 400 to wait a round trip.
+        """
+        rate = self._recovery.loss_rate
+        level = self._level_for(rate)
+        if level < self._level and self._level_for(2 * rate) >= self._level:
+            level = self._level
+        self._level = level
+        return level
+
+    def _level_for(self, rate: float) -> int:
+        if rate < REDUNDANCY_MIN_LOSS:
+            return 0
+        level = 1
+        residual = rate * rate
+        while residual > REDUNDANCY_RESIDUAL and level < self._redundancy:
+            level += 1
+            residual *= rate
+        return min(level, self._redundancy)
+
+    def _take_redundant(
+        self, parts: list[bytes], messages: list[OutMessage], budget: int, limit: int
+    ) -> int:
         """Fill the rest of a packet with copies of recent unacknowledged small messages
         (newest first), then remember this packet's own small messages for later ones.
 
@@ -350,7 +493,6 @@ class PacketBuilder:
         recent = self.recent
         fresh = len(messages)
         if recent:
-            limit = self._redundancy
             while recent and (recent[0].state > SENT or recent[0].redundant >= limit):
                 recent.popleft()
             if recent and budget > 3:

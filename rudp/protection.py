@@ -45,10 +45,15 @@ TAG_SIZE: Final = 16
 # 16 packets per tick; a legitimate packet reordered by more than that is rare
 # enough to count as lost (it is resent under a new number if reliable).
 REPLAY_WINDOW: Final = 1024
-_WINDOW_MASK: Final = (1 << REPLAY_WINDOW) - 1
+_SLOT_MASK: Final = REPLAY_WINDOW - 1
 # The sender stops before the nonce space ends; the connection must end first
 # (2**62 packets: centuries at any real rate, but never a nonce reuse).
 MAX_PACKET_NUMBER: Final = (1 << 62) - 1
+
+
+class PacketNumbersExhausted(Exception):
+    """Internal: a packet would need a number past ``MAX_PACKET_NUMBER``. The
+    connection catches it and ends (``DisconnectReason.EXHAUSTED``)."""
 
 
 def decode_packet_number(expected: int, truncated: int, bits: int) -> int:
@@ -61,7 +66,9 @@ def decode_packet_number(expected: int, truncated: int, bits: int) -> int:
     half = window >> 1
     mask = window - 1
     candidate = (expected & ~mask) | truncated
-    if candidate <= expected - half and candidate < (1 << 62) - window:
+    # RFC 9000's ``candidate < 2**62 - window``, written so that no operand needs more
+    # than 62 bits: compiled, every number here stays a native integer.
+    if candidate <= expected - half and candidate + window <= MAX_PACKET_NUMBER:
         return candidate + window
     if candidate > expected + half and candidate >= window:
         return candidate - window
@@ -75,33 +82,49 @@ def _nonce(number: int) -> bytes:
 class ReplayWindow:
     """Which recent packet numbers were already accepted.
 
-    ``largest`` is the largest accepted number (-1 before the first); bit ``i``
-    of ``bits`` is set when ``largest - i`` was accepted.
+    ``largest`` is the largest accepted number (-1 before the first). Slot
+    ``n % REPLAY_WINDOW`` holds the last accepted number that fell in it: within the
+    window (``largest - n < REPLAY_WINDOW``) no other number shares a slot with
+    ``n``, so ``n`` was accepted exactly when its slot holds it. Nothing to shift or
+    clear as the window moves, and every number stays a native integer when
+    compiled (a 1,024-bit bitfield costs a big-integer shift per packet).
+    ``accepted`` counts the numbers accepted: with ``largest``, what arrived of what
+    the peer sent (its numbers start at 0 and count every packet), which
+    ``ConnectionStats`` reports.
     """
 
-    __slots__ = ("bits", "largest")
+    __slots__ = ("_slots", "accepted", "largest")
 
     def __init__(self) -> None:
         self.largest = -1
-        self.bits = 0
+        self._slots = [-1] * REPLAY_WINDOW
+        self.accepted = 0
 
     def seen(self, number: int) -> bool:
         """True when ``number`` must be refused: already accepted or too old to tell."""
-        if number > self.largest:
+        largest = self.largest
+        if number > largest:
             return False
-        offset = self.largest - number
-        if offset >= REPLAY_WINDOW:
+        if largest - number >= REPLAY_WINDOW:
             return True
-        return bool((self.bits >> offset) & 1)
+        return self._slots[number & _SLOT_MASK] == number
 
     def accept(self, number: int) -> None:
         """Record ``number`` as received (after it authenticated)."""
+        self.accepted += 1
         if number > self.largest:
-            shift = number - self.largest
-            self.bits = ((self.bits << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
             self.largest = number
-        else:
-            self.bits |= 1 << (self.largest - number)
+        self._slots[number & _SLOT_MASK] = number
+
+    @property
+    def bits(self) -> int:
+        """Bit ``i`` set when ``largest - i`` was accepted (for tests and tools)."""
+        largest = self.largest
+        out = 0
+        for i in range(min(REPLAY_WINDOW, largest + 1)):
+            if self._slots[(largest - i) & _SLOT_MASK] == largest - i:
+                out |= 1 << i
+        return out
 
 
 class Sealer:
@@ -116,7 +139,13 @@ class Sealer:
         self.next_number = 0
 
     def seal(self, number: int, header: bytes, payload: bytes) -> bytes:
-        """``payload`` sealed under packet ``number``, with ``header`` authenticated."""
+        """``payload`` sealed under packet ``number``, with ``header`` authenticated.
+
+        Raises ``PacketNumbersExhausted`` past ``MAX_PACKET_NUMBER``: every packet is
+        sealed here, whoever numbered it, so no nonce is ever used twice.
+        """
+        if number > MAX_PACKET_NUMBER:
+            raise PacketNumbersExhausted("packet numbers exhausted: the connection must end")
         sealed: bytes = self._aead.encrypt(_nonce(number), payload, header)
         return sealed
 
@@ -151,6 +180,10 @@ class Opener:
         """
         if self.window.seen(number) or len(sealed) < TAG_SIZE:
             return None
+        return self.open_unseen(number, header, sealed)
+
+    def open_unseen(self, number: int, header: bytes, sealed: bytes) -> bytes | None:
+        """``open`` for a caller that already refused replays (``window.seen``)."""
         try:
             payload: bytes = self._aead.decrypt(_nonce(number), sealed, header)
         except InvalidTag:

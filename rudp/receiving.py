@@ -252,11 +252,25 @@ class Receiver:
                 return f"message on channel {m[1]}; this side accepts {channels} channels"
         return ""
 
+    def size_violation(self, messages: list[wire.MessageFrame]) -> str:
+        """Why a fragment of the packet breaks the largest message we stated in the
+        handshake, or "". As for channels, the packet authenticated and its sender knew
+        the limit: the connection ends (the message could never be taken)."""
+        limit = self._max_message
+        for m in messages:
+            more = m[4]
+            if more is not None and more.parts and more.total > limit:
+                return (
+                    f"fragment of a {more.total}-byte message; this side accepts messages"
+                    f" of at most {limit} bytes (max_message_size)"
+                )
+        return ""
+
     def check_fragments(self, messages: list[wire.MessageFrame]) -> DropReason | None:
         """Check a packet's fragments before accepting it (all or nothing).
 
-        A fragment that disagrees with the rest of its message, or announces a
-        message larger than ``max_message_size``, is malformed. A fragment that
+        A fragment that disagrees with the rest of its message is malformed (one
+        larger than ``max_message_size`` is ``size_violation``'s). A fragment that
         starts a message reserves its whole size in the reassembly budget; if
         that does not fit, the packet is dropped unacknowledged and will be
         resent, once messages already started have completed and freed room
@@ -269,7 +283,7 @@ class Receiver:
         for mode, channel, seq16, payload, more in messages:
             if more is None or not more.parts or channel >= self._channels:
                 continue
-            if more.total > self._max_message or len(payload) > more.total:
+            if len(payload) > more.total:
                 self._stats.fragments_dropped += 1
                 return DropReason.MALFORMED
             key = self._fragment_key(mode, channel, seq16, more.part)
@@ -309,17 +323,23 @@ class Receiver:
         rx_next = self.ch_next
         delivered = 0
         reliable_seen = False
-        for mode, channel, seq16, payload, more in messages:
+        skip = 0
+        for i, (mode, channel, seq16, payload, more) in enumerate(messages):
+            if skip:  # taken whole with the first fragment of its message
+                skip -= 1
+                continue
             if more is None:
                 if mode == UNRELIABLE:
-                    events.append((conn, MessageReceived(payload, channel, False)))
+                    events.append((conn, MessageReceived(payload, channel, False, UNRELIABLE)))
                     delivered += 1
                     continue
                 if mode == RELIABLE_ORDERED:
                     reliable_seen = True
                     expected = rx_next[channel]
                     if seq16 == expected & SEQ_MASK:  # the common case: next in order
-                        events.append((conn, MessageReceived(payload, channel, True)))
+                        events.append(
+                            (conn, MessageReceived(payload, channel, True, RELIABLE_ORDERED))
+                        )
                         delivered += 1
                         expected += 1
                         buf = self.ch_buf[channel]
@@ -345,11 +365,59 @@ class Receiver:
                 if self.graph.violation:
                     break
             elif mode == RELIABLE_ORDERED:
-                delivered += self._ordered_fragment(channel, seq16, payload, more)  # type: ignore[arg-type]
+                assert more is not None
+                skip = self._whole_in_packet(messages, i, more)
+                if skip:
+                    delivered += self._deliver_in_order(channel, messages, i, skip + 1)
+                else:
+                    delivered += self._ordered_fragment(channel, seq16, payload, more)
             else:
                 delivered += self._sequenced(mode, channel, seq16, payload, more)
         self._stats.messages_received += delivered
         return reliable_seen
+
+    def _whole_in_packet(self, messages: list[wire.MessageFrame], i: int, more: FrameExtra) -> int:
+        """Whether the reliable-ordered fragment ``messages[i]`` starts a message whose
+        every fragment follows it in this packet and which is the next its channel
+        delivers, with nothing being reassembled: then it needs no reassembly (a path
+        MTU larger than the fragments packs them so). Returns how many fragments
+        follow it (``count - 1``), or 0 to take the general path."""
+        count = more.parts
+        if more.part or self.parts or i + count > len(messages):
+            return 0
+        channel = messages[i][1]
+        seq16 = messages[i][2]
+        if seq16 != self.ch_next[channel] & SEQ_MASK:
+            return 0
+        size = len(messages[i][3])
+        for j in range(1, count):
+            mode, ch, seq, payload, extra = messages[i + j]
+            if (
+                mode != RELIABLE_ORDERED
+                or ch != channel
+                or seq != (seq16 + j) & SEQ_MASK
+                or extra is None
+                or extra.parts != count
+                or extra.part != j
+                or extra.total != more.total
+            ):
+                return 0
+            size += len(payload)
+        return count - 1 if size == more.total else 0
+
+    def _deliver_in_order(
+        self, channel: int, messages: list[wire.MessageFrame], i: int, count: int
+    ) -> int:
+        """Deliver the message whose ``count`` fragments are ``messages[i:i + count]``
+        (see ``_whole_in_packet``); returns how many messages were delivered."""
+        data = b"".join([m[3] for m in messages[i : i + count]])
+        self._events.append((self._conn, MessageReceived(data, channel, True)))
+        expected = self.ch_next[channel] + count
+        buf = self.ch_buf[channel]
+        if buf:
+            return 1 + self._flush_buffered(channel, expected, buf)
+        self.ch_next[channel] = expected
+        return 1
 
     def _ahead(self, seq16: int, expected: int) -> int:
         """How far a reliable message is ahead of the next expected one; -1 if it is
@@ -371,11 +439,11 @@ class Receiver:
                 break
             if isinstance(early, bytes):
                 self.buffered -= len(early) + BUFFER_ENTRY_COST
-                events.append((conn, MessageReceived(early, channel, True)))
+                events.append((conn, MessageReceived(early, channel, True, RELIABLE_ORDERED)))
                 expected += 1
             else:
                 self.reassembly_bytes -= early.reserved
-                events.append((conn, MessageReceived(early.data, channel, True)))
+                events.append((conn, MessageReceived(early.data, channel, True, RELIABLE_ORDERED)))
                 expected += early.span
             n += 1
         self.ch_next[channel] = expected
@@ -393,7 +461,9 @@ class Receiver:
             buf[base] = whole  # complete, but earlier messages are still missing
             return 0
         self.reassembly_bytes -= whole.reserved
-        self._events.append((self._conn, MessageReceived(whole.data, channel, True)))
+        self._events.append(
+            (self._conn, MessageReceived(whole.data, channel, True, RELIABLE_ORDERED))
+        )
         return 1 + self._flush_buffered(channel, base + whole.span, buf)
 
     def _sequenced(
@@ -420,7 +490,7 @@ class Receiver:
         if self.parts and mode == RELIABLE_SEQUENCED:
             self._drop_superseded_parts(channel, newest)
         self._events.append(
-            (self._conn, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED))
+            (self._conn, MessageReceived(payload, channel, mode == RELIABLE_SEQUENCED, mode))
         )
         return 1
 

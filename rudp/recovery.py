@@ -27,7 +27,14 @@ Loss is detected three ways (as in QUIC, RFC 9002):
 - both thresholds widen when a loss proves spurious (a late packet's own ack
   arrives after it was declared lost), as RACK (RFC 8985) adapts to reordering;
 - the resend timeout, for the tail of a burst where nothing later is acked:
-  it declares only the oldest packet lost, and its resend probes the path.
+  it declares only the oldest packet lost, and its resend probes the path. It
+  runs from the newest ack-eliciting packet sent and allows for the peer's
+  ``max_ack_delay`` (RFC 9002's probe timeout); RTT samples have the delay the
+  peer reports (its ACK_DELAY frame) taken off.
+
+Loss detection also keeps ``loss_rate``, an exponential average of the share of
+ack-eliciting packets declared lost (spurious losses taken back), which the
+packet builder's redundancy follows.
 
 Every acknowledgment and loss is also reported to congestion control
 (``congestion``), which decides how many bytes may be in flight.
@@ -53,6 +60,7 @@ if TYPE_CHECKING:
     from rudp.connection import Connection
     from rudp.stats import ConnectionStats
 
+LOSS_WINDOW: Final = 256  # packet outcomes the loss rate averages over (an EWMA)
 LOST_MEMORY: Final = 1024  # packets declared lost that are remembered to detect spurious losses
 MAX_REORDER_THRESHOLD: Final = 256
 
@@ -73,6 +81,7 @@ class RttEstimator:
         "backoff",
         "latest",
         "min_rtt",
+        "peer_ack_delay",
         "reorder_factor",
         "rttvar",
         "samples",
@@ -93,16 +102,29 @@ class RttEstimator:
         self.samples = 0
         self.backoff = 0
         self.reorder_factor = 1.125  # RFC 9002's kTimeThreshold; widened on spurious losses
+        # How long the peer may delay an acknowledgment (its max_ack_delay, from the
+        # handshake): the resend timeout waits for it, as RFC 9002's PTO does.
+        self.peer_ack_delay = 0.0
 
-    def on_sample(self, rtt: float) -> None:
+    def on_sample(self, rtt: float, ack_delay: float = 0.0) -> None:
+        """One RTT sample; ``ack_delay`` is how long the peer says it held the ack back.
+
+        As RFC 9002 (section 5.3): the minimum RTT takes the raw sample; the rest take
+        it less the ack delay (at most the peer's ``max_ack_delay``), unless that would
+        go below the minimum RTT.
+        """
         rtt = max(rtt, 0.0)
-        self.latest = rtt
         if self.samples == 0:
+            self.latest = rtt
             self.srtt = rtt
             self.rttvar = rtt / 2
             self.min_rtt = rtt
         else:
             self.min_rtt = min(self.min_rtt, rtt)
+            ack_delay = min(ack_delay, self.peer_ack_delay)
+            if rtt - ack_delay >= self.min_rtt:
+                rtt -= ack_delay
+            self.latest = rtt
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
         self.samples += 1
@@ -117,7 +139,7 @@ class RttEstimator:
             # decays towards zero and an RTO equal to the RTT would fire just
             # before every ack (Linux keeps a similar floor under RTTVAR).
             base = self.srtt + max(GRANULARITY, 4 * self.rttvar, self.srtt / 8)
-        return min(max(base, self._rto_min), self._rto_max)
+        return min(max(base, self._rto_min) + self.peer_ack_delay, self._rto_max)
 
     @property
     def backed_off_rto(self) -> float:
@@ -169,7 +191,9 @@ class PacketRecovery:
         "_stats",
         "in_flight",
         "largest_acked",
+        "last_eliciting",
         "last_probe",
+        "loss_rate",
         "loss_time",
         "lost_max",
         "lost_recently",
@@ -197,20 +221,28 @@ class PacketRecovery:
         self.largest_acked = isn - 1
         self.loss_time: float | None = None  # when the time threshold next fires
         self.last_probe = 0.0  # when the resend timer last fired
+        self.last_eliciting = 0.0  # when the newest ack-eliciting packet went out
         self.probe_due = False  # a resend timeout's probe may exceed the congestion window
         self.reorder_threshold = config.reorder_threshold  # widened by spurious losses
         self.lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
         self.lost_max = -1  # the newest packet ever declared lost
+        # Share of recent ack-eliciting packets declared lost (not found spurious), an
+        # exponential average over about LOSS_WINDOW outcomes: what redundancy follows.
+        self.loss_rate = 0.0
 
     def on_packet_sent(self, pkt: SentPacket) -> None:
         self.sent[pkt.seq] = pkt
+        self.last_eliciting = pkt.time_sent
         self.in_flight += 1
         self._cc.on_sent(pkt.size)
         self.probe_due = False
 
-    def on_ack_received(self, ack16: int, bits: int, now: float, tx_next: int) -> bool:
+    def on_ack_received(
+        self, ack16: int, bits: int, now: float, tx_next: int, ack_delay: float = 0.0
+    ) -> bool:
         """Process a DATA header's acknowledgment; ``tx_next`` is the number our next
-        packet will get. Returns whether it acknowledged anything new."""
+        packet will get, ``ack_delay`` how long the peer held the acknowledgment back
+        (its ACK_DELAY frame). Returns whether it acknowledged anything new."""
         sent = self.sent
         largest = unwrap(ack16, tx_next - 1)
         if largest >= tx_next:
@@ -227,7 +259,7 @@ class PacketRecovery:
         rtt = self.rtt
         pkt = sent.pop(largest, None)
         if pkt is not None:
-            rtt.on_sample(now - pkt.time_sent)
+            rtt.on_sample(now - pkt.time_sent, ack_delay)
             self._on_acked(pkt, now)
             newly = True
         elif largest in lost:
@@ -245,7 +277,7 @@ class PacketRecovery:
                 seq = largest - i
                 if seq in sent:
                     pkt = sent.pop(seq)
-                    rtt.on_sample(now - pkt.time_sent)
+                    rtt.on_sample(now - pkt.time_sent, ack_delay)
                     self._on_acked(pkt, now)
                     newly = True
                 elif lost and seq in lost:
@@ -261,6 +293,7 @@ class PacketRecovery:
 
     def _on_acked(self, pkt: SentPacket, now: float) -> None:
         self.in_flight -= 1
+        self.loss_rate -= self.loss_rate / LOSS_WINDOW
         self._cc.on_acked(pkt.seq, pkt.size, now, self.rtt.srtt)
         self._conn._on_packet_acked(pkt)
 
@@ -292,6 +325,7 @@ class PacketRecovery:
         """
         del self.lost_recently[seq]
         self._stats.spurious_losses += 1
+        self.loss_rate = max(0.0, self.loss_rate - 1.0 / LOSS_WINDOW)
         if self._cc.on_spurious_loss(seq):
             self._stats.congestion_events_undone += 1
         depth = self.largest_acked - seq + 1
@@ -301,6 +335,7 @@ class PacketRecovery:
     def _on_lost(self, pkt: SentPacket, tx_next: int) -> None:
         self.in_flight -= 1
         self._stats.packets_lost += 1
+        self.loss_rate += (1.0 - self.loss_rate) / LOSS_WINDOW
         rtt = self.rtt
         if self._cc.on_lost(pkt.seq, pkt.size, tx_next, rtt.min_rtt, rtt.latest):
             self._stats.congestion_events += 1
@@ -313,12 +348,15 @@ class PacketRecovery:
         self._conn._on_packet_lost(pkt)
 
     def probe_deadline(self) -> float:
-        """When the resend timer fires: one backed-off RTO after the oldest packet in
-        flight was sent, or after the last probe if that was later. Without the
-        latter, once the backoff is capped every packet behind the first would be
-        overdue at once after an outage, and fire in one burst."""
-        first = next(iter(self.sent.values()))
-        return max(first.time_sent, self.last_probe) + self.rtt.backed_off_rto
+        """When the resend timer fires: one backed-off RTO after the newest ack-eliciting
+        packet was sent (RFC 9002's probe timeout, section 6.2.1), or after the last
+        probe if that was later (after an outage, one probe per backed-off RTO).
+
+        Armed from the newest packet, not the oldest: while packets keep going out,
+        the acknowledgments of later ones find a loss (the packet and time thresholds)
+        first. The backed-off RTO includes the peer's ``max_ack_delay``, so a delayed
+        acknowledgment does not fire it."""
+        return max(self.last_eliciting, self.last_probe) + self.rtt.backed_off_rto
 
     def on_timer(self, now: float, tx_next: int) -> bool:
         """The loss timers; returns whether the resend timer fired (a probe is due)."""

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from rudp import wire
 from rudp.config import BUFFER_ENTRY_COST, Config
-from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull
+from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull, check_sequence
 from rudp.events import MessageAcked
 from rudp.graph import GraphNode, mark_executed
 from rudp.wire import (
@@ -75,6 +75,7 @@ SENT: Final = 1
 ACKED: Final = 2
 FAILED: Final = 3
 SUPERSEDED: Final = 4  # reliable-sequenced: a newer message on its channel replaced it
+_STATE_NAMES: Final = ("queued", "sent", "acked", "failed", "superseded")
 
 
 class Waiter(Protocol):
@@ -153,6 +154,14 @@ class OutMessage:
         state = self.state
         return state >= ACKED or (self.mode in UNRELIABLE_MODES and state != QUEUED)
 
+    def __repr__(self) -> str:
+        state = _STATE_NAMES[self.state] if 0 <= self.state < len(_STATE_NAMES) else self.state
+        mode = Delivery(self.mode).name if 0 <= self.mode < len(Delivery) else self.mode
+        return (
+            f"<rudp.SendHandle {mode} channel={self.channel} seq={self.seq} "
+            f"{len(self.data)} bytes {state}>"
+        )
+
     def __await__(self) -> Generator[Any, None, None]:
         # One object per message instead of two: the asyncio layer returns the core's
         # handle itself and only sets ``waiter``; the core stays free of asyncio.
@@ -203,7 +212,9 @@ class Sender:
         self._sink = sink
         self._stats = stats
         self._config = config
-        self._max_payload = config.max_datagram_size - wire.DATA_HEADER_SIZE
+        # Sized for the base datagram, not the path MTU found later: every frame must
+        # still fit if the path falls back to it (``rudp.pmtu``).
+        self._max_payload = config.base_datagram_size - wire.DATA_HEADER_SIZE
         self.max_single = self._max_payload - wire.MESSAGE_OVERHEAD
         self._max_message = config.max_message_size
         self._fragment_payload = config.fragment_payload
@@ -292,9 +303,10 @@ class Sender:
         )
 
     def apply_peer_limits(self, peer: TransportParams, datagram_size: int) -> str:
-        """Take the peer's limits from the handshake; ``datagram_size`` is the smaller of
-        the two sides' datagram sizes. Returns why a message queued before the handshake
-        can never be sent (it was checked against our limits only), or "".
+        """Take the peer's limits from the handshake; ``datagram_size`` is the base size
+        both sides take (what every frame must fit, whatever the path MTU). Returns why
+        a message queued before the handshake can never be sent (it was checked against
+        our limits only), or "".
         """
         self._peer_channels = min(self._channels, peer.channels)
         self._peer_max_message = peer.max_message_size
@@ -344,6 +356,8 @@ class Sender:
         depends_on: Iterable[OutMessage] | None,
         now: float | None,
     ) -> OutMessage:
+        if depends_on is not None:
+            check_sequence(depends_on, "depends_on")  # a str would be its letters
         try:
             kind = Delivery.DEPENDENCY_ORDERED if delivery is None else Delivery(delivery)
         except ValueError:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from rudp.congestion import CongestionController
+    from rudp.packet_reader import PacketReader
+    from rudp.pmtu import PathMtu
     from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 # Prometheus counter that exports it or "" if none). ``metrics`` exports from this
 # table, and ended connections are folded into endpoint totals by it.
 COUNTER_TABLE: Final = (
+    ("acks_alone", "Packets sent carrying nothing but an acknowledgment.", ""),
     ("bad_acks", "Acknowledgments of packets never sent, ignored.", ""),
     ("bytes_received", "Bytes of DATA packets accepted.", ""),
     ("bytes_sent", "Bytes of DATA packets sent.", ""),
@@ -55,10 +58,33 @@ COUNTER_TABLE: Final = (
     ("messages_received", "Messages delivered.", "rudp_messages_received_total"),
     ("messages_resent", "Reliable messages sent again.", "rudp_retransmissions_total"),
     ("messages_sent", "Messages sent for the first time.", "rudp_messages_sent_total"),
+    (
+        "migrations",
+        "Times the peer moved to a new address that answered our path challenge.",
+        "rudp_migrations_total",
+    ),
+    (
+        "mtu_black_holes",
+        "Times the datagram size fell back to the base: larger packets stopped arriving.",
+        "",
+    ),
+    ("mtu_probes_lost", "Path MTU probes lost (or refused by the local interface).", ""),
+    ("mtu_probes_sent", "Path MTU probes sent (padded packets of the size tried).", ""),
     ("packets_dropped", "Datagrams from this peer dropped (duplicate, stale, bad...).", ""),
     ("packets_lost", "Ack-eliciting packets declared lost.", "rudp_packets_lost_total"),
     ("packets_received", "DATA packets accepted.", "rudp_packets_received_total"),
     ("packets_sent", "DATA packets sent.", "rudp_packets_sent_total"),
+    (
+        "path_challenges",
+        "PATH_CHALLENGEs sent to a peer's new address (first tries and resends).",
+        "rudp_path_challenges_total",
+    ),
+    ("path_responses", "PATH_RESPONSEs sent: challenges of the peer answered.", ""),
+    (
+        "path_validation_failures",
+        "New peer addresses given up on: challenges unanswered, or the peer stayed.",
+        "rudp_path_validation_failures_total",
+    ),
     (
         "peer_pauses",
         "Times the peer asked us to pause sending (its receive queue was full).",
@@ -71,9 +97,23 @@ COUNTER_TABLE: Final = (
     ),
     ("spurious_losses", "Losses disproved by a late acknowledgment.", ""),
     ("stale_messages", "Sequenced messages older than the newest delivered, dropped.", ""),
-    ("timeouts", "Resend timer expirations.", "rudp_resend_timeouts_total"),
+    ("timeouts", "Resend timer expirations (probe timeouts).", "rudp_resend_timeouts_total"),
+    (
+        "timer_wakeups",
+        "Times the connection's timer ran (resend, loss, delayed ack, keepalive, close).",
+        "",
+    ),
 )
 COUNTERS: Final = tuple(name for name, _, _ in COUNTER_TABLE)
+
+# The byte rates: when it sends or receives, the connection samples its byte counters
+# once SAMPLE_INTERVAL seconds have passed since the last sample; the rates are the
+# change over that interval (longer while the traffic is sparse: a silent connection
+# still pings every keepalive interval, so they come down within a few seconds).
+SAMPLE_INTERVAL: Final = 1.0
+# The recent inbound loss is read over this many of the peer's latest packet numbers
+# (at most the replay window's 1,024): a few seconds of a game's traffic.
+RECENT_PACKETS: Final = 256
 """The counters of ``ConnectionStats`` (not read from ``__slots__``, which compiled
 builds do not expose)."""
 
@@ -81,10 +121,23 @@ builds do not expose)."""
 class ConnectionStats:
     """Per-connection transport statistics (``Connection.stats``)."""
 
-    __slots__ = (*COUNTERS, "cc", "rtt")
+    __slots__ = (
+        *COUNTERS,
+        "_sampled_at",
+        "_sampled_received",
+        "_sampled_sent",
+        "cc",
+        "pmtu",
+        "reader",
+        "receive_rate",
+        "rtt",
+        "sample_due",
+        "send_rate",
+    )
 
     def __init__(self) -> None:
         # One per name in COUNTER_TABLE, which says what each counts.
+        self.acks_alone = 0
         self.bad_acks = 0
         self.bytes_received = 0
         self.bytes_sent = 0
@@ -99,17 +152,82 @@ class ConnectionStats:
         self.messages_received = 0
         self.messages_resent = 0
         self.messages_sent = 0
+        self.migrations = 0
+        self.mtu_black_holes = 0
+        self.mtu_probes_lost = 0
+        self.mtu_probes_sent = 0
         self.packets_dropped = 0
         self.packets_lost = 0
         self.packets_received = 0
         self.packets_sent = 0
+        self.path_challenges = 0
+        self.path_responses = 0
+        self.path_validation_failures = 0
         self.peer_pauses = 0
         self.receive_pauses = 0
         self.spurious_losses = 0
         self.stale_messages = 0
         self.timeouts = 0
+        self.timer_wakeups = 0
         self.rtt: RttEstimator | None = None
         self.cc: CongestionController | None = None
+        self.pmtu: PathMtu | None = None
+        self.reader: PacketReader | None = None
+        # The byte counters at the last sample, and the rates measured up to it.
+        self.sample_due = 0.0
+        self._sampled_at = -1.0
+        self._sampled_sent = 0
+        self._sampled_received = 0
+        self.send_rate = 0.0
+        """Bytes per second of DATA packets sent, over the last second or so."""
+        self.receive_rate = 0.0
+        """Bytes per second of DATA packets received, over the last second or so."""
+
+    def sample(self, now: float) -> None:
+        """Measure the byte rates since the last sample (the connection calls it, at
+        most every ``SAMPLE_INTERVAL`` seconds, when it sends or receives)."""
+        elapsed = now - self._sampled_at
+        if self._sampled_at >= 0 and elapsed > 0:
+            self.send_rate = (self.bytes_sent - self._sampled_sent) / elapsed
+            self.receive_rate = (self.bytes_received - self._sampled_received) / elapsed
+        self._sampled_at = now
+        self._sampled_sent = self.bytes_sent
+        self._sampled_received = self.bytes_received
+        self.sample_due = now + SAMPLE_INTERVAL
+
+    def _window(self) -> tuple[int, int, int]:
+        """(packets the peer sent us so far, of which arrived, the replay bits)."""
+        reader = self.reader
+        opener = reader.opener if reader is not None else None
+        if opener is None:
+            return 0, 0, 0
+        window = opener.window
+        return window.largest + 1, window.accepted, window.bits
+
+    @property
+    def packets_missing(self) -> int:
+        """The peer's packets that have not arrived: the gaps in its packet numbers up
+        to the newest received. Every packet counts, unreliable-only and ack-only ones
+        too; a packet reordered behind later ones counts until it arrives."""
+        sent, arrived, _ = self._window()
+        return max(0, sent - arrived)
+
+    @property
+    def inbound_loss(self) -> float:
+        """Fraction of the peer's packets that never arrived (``packets_missing`` over
+        the packets it sent us), since the connection opened."""
+        sent, arrived, _ = self._window()
+        return max(0, sent - arrived) / sent if sent else 0.0
+
+    @property
+    def recent_inbound_loss(self) -> float:
+        """``inbound_loss`` over the peer's latest ``RECENT_PACKETS`` (256) packet numbers."""
+        sent, _, bits = self._window()
+        span = min(sent, RECENT_PACKETS)
+        if span == 0:
+            return 0.0
+        arrived = (bits & ((1 << span) - 1)).bit_count()
+        return (span - arrived) / span
 
     @property
     def srtt(self) -> float:
@@ -147,8 +265,16 @@ class ConnectionStats:
         return self.cc.bytes_in_flight if self.cc else 0
 
     @property
+    def path_mtu(self) -> int:
+        """The datagram size the path is known to carry (path MTU discovery), in bytes
+        of UDP payload: what datagrams are filled to."""
+        return self.pmtu.current if self.pmtu else 0
+
+    @property
     def loss_estimate(self) -> float:
-        """Fraction of ack-eliciting packets declared lost."""
+        """Fraction of our ack-eliciting packets declared lost (the outbound path, as
+        the reliable traffic measures it; ``inbound_loss`` counts every packet the
+        peer sent us)."""
         return self.packets_lost / self.eliciting_sent if self.eliciting_sent else 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -161,6 +287,12 @@ class ConnectionStats:
             congestion_window=self.congestion_window,
             bytes_in_flight=self.bytes_in_flight,
             random_losses=self.random_losses,
+            packets_missing=self.packets_missing,
+            inbound_loss=self.inbound_loss,
+            recent_inbound_loss=self.recent_inbound_loss,
+            send_rate=self.send_rate,
+            receive_rate=self.receive_rate,
+            path_mtu=self.path_mtu,
         )
         return out
 
@@ -183,6 +315,7 @@ ENDPOINT_COUNTER_TABLE: Final = (
         "Handshakes that crossed our own CONNECT to the same peer and won the tie-break.",
         "rudp_simultaneous_opens_total",
     ),
+    ("tokens_accepted", "Connect tokens verified and spent.", "rudp_tokens_accepted_total"),
     (
         "noconn_suppressed",
         "NOCONN replies held back by the rate limit.",
@@ -215,6 +348,8 @@ class EndpointStats:
         "dropped",
         "noconn_suppressed",
         "simultaneous_opens",
+        "tokens_accepted",
+        "tokens_refused",
         "unvalidated_bytes_received",
         "unvalidated_bytes_sent",
     )
@@ -234,6 +369,10 @@ class EndpointStats:
         # NOCONN replies the token bucket held back (the datagram itself is counted
         # once, under its drop reason).
         self.noconn_suppressed = 0
+        # Connect tokens (``rudp.tokens``): accepted, and refused by reason (each refusal
+        # is answered with a REJECT naming it).
+        self.tokens_accepted = 0
+        self.tokens_refused: Counter[str] = Counter()
         # Counters of connections that have ended, so exported totals never go back.
         self.closed_totals: Counter[str] = Counter()
 
@@ -246,3 +385,10 @@ class EndpointStats:
     @property
     def datagrams_dropped(self) -> int:
         return sum(self.dropped.values())
+
+    def __repr__(self) -> str:
+        counters = ", ".join(
+            f"{name}={getattr(self, name)}" for name, _, _ in ENDPOINT_COUNTER_TABLE
+        )
+        dropped = {str(reason): n for reason, n in self.dropped.items()}
+        return f"EndpointStats({counters}, dropped={dropped!r})"

@@ -23,8 +23,10 @@ table below reads from byte 0 as written and one CRC covers every byte before it
 
     0xA0|type u8, version u8 (2), body..., crc32 u32
 
-    CONNECT      salt u64, pattern u8 (0 NN, 1 NK), cookie_len u8, cookie,
-                 Noise message 1, zero padding to the client's max datagram size
+    CONNECT      salt u64, pattern u8 (0 NN, 1 NK; 0x80: a token; 0x40: parameter
+                 extensions), cookie_len u8, cookie, [token_len u16 if 0x80],
+                 [extensions_len u8 if 0x40], Noise message 1, zero padding to
+                 the client's max datagram size
     CHALLENGE    salt u64, cookie_len u8, cookie
     ACCEPT       salt u64, Noise message 2 (``handshake.SECOND_MESSAGE_SIZE``)
     REJECT       salt u64, text_len u8, text (utf-8)
@@ -32,7 +34,9 @@ table below reads from byte 0 as written and one CRC covers every byte before it
     QUERY_REPLY  nonce u32, len u16, payload
 
 The Noise message 1 of a CONNECT runs to the padding; its size follows from the
-pattern (``handshake.first_message_size``), so the endpoint cuts it there.
+pattern, the size of the connect token its payload carries, if any, and that of
+the extensions of the client's parameters (``handshake.first_message_size``), so
+the endpoint cuts it there.
 
 Version 1 datagrams (CRC-32 first, byte 4 the version, 1) are recognised only to
 be dropped as ``wrong_version``; a version-1 CONNECT is answered with a
@@ -40,10 +44,16 @@ version-1 REJECT (``encode_v1_reject``) that tells the client why.
 
 DATA frames (inside the seal)::
 
+    0x00 PADDING                               the rest of the packet: zeros, not read
     0x01 PING                                  ack-eliciting, no body
     0x02 DISCONNECT  code u16, len u8, text    ack-eliciting
     0x03 PAUSE                                 ack-eliciting, no body: no new reliable messages
     0x04 RESUME                                ack-eliciting, no body: send them again
+    0x05 ACK_DELAY   delay u16 (units of 100 us)  how long the acknowledgment in this
+                                               header waited (only to a peer that
+                                               states max_ack_delay in the handshake)
+    0x1A PATH_CHALLENGE  data (8 bytes)        sent to a peer's new address (migration)
+    0x1B PATH_RESPONSE   data (8 bytes)        ack-eliciting: echoes a PATH_CHALLENGE
     0x80|flags MESSAGE                         flags: bits 0-2 wire mode,
          [channel u8]   if flag 0x08           bit 3 (0x08) channel byte present,
          [seq u16]      unless mode 0          bit 4 (0x10) dependencies present,
@@ -54,6 +64,10 @@ DATA frames (inside the seal)::
 
 PAUSE and RESUME are flow control: a receiver whose application falls behind
 asks its peer to stop sending reliable messages, then to go on (see docs/protocol.md).
+PATH_CHALLENGE and PATH_RESPONSE validate a peer's new address before the connection
+moves there (``rudp.migration``; RFC 9000's frames of the same numbers).
+PADDING fills path MTU probes (``rudp.pmtu``) to the size tried; it only ever
+follows PING there.
 
 Wire modes: 0 unreliable, 1 reliable-ordered, 2 unreliable-sequenced,
 3 reliable-unordered (the dependency graph's messages: with flag 0x10 they
@@ -66,6 +80,9 @@ import enum
 import struct
 import zlib
 from typing import Final, NamedTuple
+
+from rudp.drops import DropReason as DropReason
+from rudp.wire_v1 import is_v1
 
 PROTOCOL_ID: Final = 0x52554450  # "RUDP"
 PROTOCOL_VERSION: Final = 2
@@ -99,6 +116,8 @@ NOCONN_SIZE: Final = NOCONN.size
 MAX_REJECT_TEXT: Final = 96
 MAX_CLOSE_TEXT: Final = 200
 MAX_COOKIE: Final = 64
+CONNECT_TOKEN: Final = 0x80  # CONNECT pattern flag: a token_len u16 follows the cookie
+PARAMS_EXTENDED: Final = 0x40  # CONNECT pattern flag: an extensions_len u8 follows
 # The smallest CONNECT a server answers. Every handshake reply is smaller than
 # this, so no spoofed CONNECT can make us send more than we received.
 MIN_CONNECT_SIZE: Final = 256
@@ -120,6 +139,7 @@ FRAGMENT_OVERHEAD: Final = FRAGMENT.size
 FRAGMENT_FRAME_OVERHEAD: Final = DATA_HEADER_SIZE + MESSAGE_OVERHEAD + FRAGMENT_OVERHEAD
 MAX_DEPS: Final = 255  # pending dependencies one message can carry (n is a u8)
 MAX_FRAGMENTS: Final = 0xFFFF  # fragments of one message (the count is a u16)
+PATH_DATA_SIZE: Final = 8  # the random bytes of a PATH_CHALLENGE, echoed in PATH_RESPONSE
 ACK_SPAN: Final = 32  # a DATA header acknowledges its largest packet and this many before it
 
 
@@ -135,10 +155,14 @@ class PacketType(enum.IntEnum):
 
 
 class FrameType(enum.IntEnum):
+    PADDING = 0x00
     PING = 0x01
     DISCONNECT = 0x02
     PAUSE = 0x03
     RESUME = 0x04
+    ACK_DELAY = 0x05
+    PATH_CHALLENGE = 0x1A
+    PATH_RESPONSE = 0x1B
 
 
 # Plain-int twins of enum members used per message or per packet: compiled, a literal
@@ -181,40 +205,16 @@ class Delivery(enum.IntEnum):
 
 
 WIRE_MODES: Final = 5  # wire modes 0..4 are valid
+_PADDING: Final = 0x00
 _PING: Final = 0x01
 _DISCONNECT: Final = 0x02
 _PAUSE: Final = 0x03
 _RESUME: Final = 0x04
+_ACK_DELAY: Final = 0x05
+ACK_DELAY_UNIT: Final = 0.0001  # seconds per unit of an ACK_DELAY frame
+_PATH_CHALLENGE: Final = 0x1A
+_PATH_RESPONSE: Final = 0x1B
 _DATA: Final = 5
-
-
-class DropReason(enum.StrEnum):
-    """Why an incoming datagram was dropped; each has its own counter."""
-
-    TRUNCATED = "truncated"
-    BAD_CHECKSUM = "bad_checksum"
-    WRONG_VERSION = "wrong_version"
-    UNKNOWN_TYPE = "unknown_type"
-    MALFORMED = "malformed"
-    UNKNOWN_PEER = "unknown_peer"
-    BAD_TOKEN = "bad_token"
-    BAD_COOKIE = "bad_cookie"
-    REPLAYED_COOKIE = "replayed_cookie"
-    STALE = "stale"
-    DUPLICATE = "duplicate"
-    BAD_ACK = "bad_ack"
-    RECV_BUFFER_FULL = "recv_buffer_full"
-    RECV_QUEUE_FULL = "recv_queue_full"
-    UNEXPECTED = "unexpected"
-    REPLAYED = "replayed"
-    """A sealed packet whose number was already received, or is older than the replay window."""
-    AUTH_FAILED = "auth_failed"
-    """A sealed packet that does not authenticate under the connection's key (forged,
-    tampered, truncated, or reflected back at its sender)."""
-    WRONG_ADDRESS = "wrong_address"
-    """A sealed packet for a known connection id from another address than the connection's."""
-    BAD_HANDSHAKE = "bad_handshake"
-    """A CONNECT or ACCEPT whose Noise message is not genuine (wrong key, tampered)."""
 
 
 class DecodeError(Exception):
@@ -225,13 +225,37 @@ class DecodeError(Exception):
         self.reason = reason
 
 
-class FrameExtra(NamedTuple):
-    """The rarer parts of a MESSAGE frame: fragment header and dependencies."""
+class FrameExtra:
+    """The rarer parts of a MESSAGE frame: fragment header and dependencies.
 
-    parts: int  # fragments in the message, 0 when the frame is not a fragment
-    part: int  # this fragment's index
-    total: int  # the whole message's size in bytes
-    deps: tuple[int, ...]  # 16-bit ids of graph messages it depends on
+    A plain class with slots, not a NamedTuple: one is made per received fragment,
+    and compiled it is a native class, built for a fraction of a NamedTuple's
+    (interpreted) ``__new__``.
+    """
+
+    __slots__ = ("deps", "part", "parts", "total")
+
+    def __init__(self, parts: int, part: int, total: int, deps: tuple[int, ...]) -> None:
+        self.parts = parts  # fragments in the message, 0 when the frame is not a fragment
+        self.part = part  # this fragment's index
+        self.total = total  # the whole message's size in bytes
+        self.deps = deps  # 16-bit ids of graph messages it depends on
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FrameExtra):
+            return NotImplemented
+        return (self.parts, self.part, self.total, self.deps) == (
+            other.parts,
+            other.part,
+            other.total,
+            other.deps,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.parts, self.part, self.total, self.deps))
+
+    def __repr__(self) -> str:
+        return f"FrameExtra({self.parts}, {self.part}, {self.total}, {self.deps!r})"
 
 
 # (mode, channel, seq, payload, extra): a plain tuple, one is made per received message.
@@ -246,12 +270,41 @@ class DisconnectFrame(NamedTuple):
     text: str
 
 
-class DataFrames(NamedTuple):
-    messages: list[MessageFrame]
-    ping: bool
-    disconnect: DisconnectFrame | None
-    special: bool  # some message is a fragment, has dependencies or a mode other than 0/1
-    flow: int = NO_FLOW  # the packet's last PAUSE (1) or RESUME (0) frame, NO_FLOW if none
+class DataFrames:
+    """The frames of one DATA packet (a native class when compiled: one per packet)."""
+
+    __slots__ = (
+        "ack_delay",
+        "challenge",
+        "disconnect",
+        "flow",
+        "messages",
+        "ping",
+        "response",
+        "special",
+    )
+
+    def __init__(
+        self,
+        messages: list[MessageFrame],
+        ping: bool,
+        disconnect: DisconnectFrame | None,
+        special: bool,
+        flow: int = NO_FLOW,
+        challenge: bytes = b"",
+        response: bytes = b"",
+        ack_delay: float = 0.0,
+    ) -> None:
+        self.messages = messages
+        self.ping = ping
+        self.disconnect = disconnect
+        # some message is a fragment, has dependencies or a mode other than 0/1, or the
+        # packet carries a path frame: what the common packet needs no look at
+        self.special = special
+        self.flow = flow  # the packet's last PAUSE (1) or RESUME (0) frame, NO_FLOW if none
+        self.challenge = challenge  # the data of the packet's last PATH_CHALLENGE, if any
+        self.response = response  # the data of the packet's last PATH_RESPONSE, if any
+        self.ack_delay = ack_delay  # how long the header's acknowledgment waited (ACK_DELAY)
 
 
 class Connect(NamedTuple):
@@ -259,6 +312,8 @@ class Connect(NamedTuple):
     pattern: int
     cookie: bytes
     rest: bytes  # the Noise message 1, then the padding (the endpoint cuts it)
+    token_size: int = 0  # bytes of connect token at the end of the Noise payload
+    extensions: int = -1  # bytes of parameter extensions in the payload, -1: none stated
 
 
 class Challenge(NamedTuple):
@@ -342,8 +397,24 @@ def _v1_or(data: bytes, reason: DropReason) -> DropReason:
 # -- handshake -----------------------------------------------------------------
 
 
-def encode_connect(salt: int, pattern: int, cookie: bytes, message: bytes, pad_to: int) -> bytes:
-    body = CONNECT_BODY.pack(salt, pattern, len(cookie)) + cookie + message
+def encode_connect(
+    salt: int,
+    pattern: int,
+    cookie: bytes,
+    message: bytes,
+    pad_to: int,
+    token_size: int = 0,
+    extensions: int = -1,
+) -> bytes:
+    """A CONNECT; ``extensions`` (-1: none stated) is the length of the extensions of
+    the client's parameters, which tells the server where the Noise message ends."""
+    flags = (CONNECT_TOKEN if token_size else 0) | (PARAMS_EXTENDED if extensions >= 0 else 0)
+    body = CONNECT_BODY.pack(salt, pattern | flags, len(cookie)) + cookie
+    if token_size:
+        body += U16.pack(token_size)
+    if extensions >= 0:
+        body += bytes((extensions,))
+    body += message
     padding = max(0, pad_to - HEADER_SIZE - len(body))
     return _packet(PacketType.CONNECT, body + bytes(padding))
 
@@ -352,7 +423,23 @@ def decode_connect(data: bytes) -> Connect:
     salt, pattern, n = _unpack(CONNECT_BODY, data)
     offset = BODY_OFFSET + CONNECT_BODY.size
     cookie = _take(data, offset, n, MAX_COOKIE)
-    return Connect(salt, pattern, cookie, data[offset + n : len(data) - CRC_SIZE])
+    offset += n
+    token_size = 0
+    if pattern & CONNECT_TOKEN:
+        (token_size,) = U16.unpack(_take(data, offset, U16.size, U16.size))
+        offset += U16.size
+    extensions = -1
+    if pattern & PARAMS_EXTENDED:
+        extensions = _take(data, offset, 1, 1)[0]
+        offset += 1
+    return Connect(
+        salt,
+        pattern & ~(CONNECT_TOKEN | PARAMS_EXTENDED),
+        cookie,
+        data[offset : len(data) - CRC_SIZE],
+        token_size,
+        extensions,
+    )
 
 
 def encode_challenge(salt: int, cookie: bytes) -> bytes:
@@ -425,46 +512,6 @@ def _clip_utf8(text: str, limit: int) -> bytes:
     return text.encode("utf-8")[:limit].decode("utf-8", "ignore").encode("utf-8")
 
 
-# -- version 1, recognised to be refused -----------------------------------------
-
-V1_HEADER: Final = struct.Struct("!IBB")  # crc32 of bytes 4.., version, type
-V1_CONNECT_SIZE: Final = 256  # version 1's MIN_CONNECT_SIZE
-_V1_CONNECT: Final = 1
-_V1_REJECT: Final = 4
-_V1_SALT: Final = struct.Struct("!Q")
-
-
-def is_v1(data: bytes) -> bool:
-    """Whether ``data`` is a well-formed version-1 datagram (its CRC checks)."""
-    if len(data) < V1_HEADER.size or data[4] != 1:
-        return False
-    return bool(V1_HEADER.unpack_from(data)[0] == _crc(memoryview(data)[4:]))
-
-
-def v1_connect_salt(data: bytes) -> int | None:
-    """The salt of a version-1 CONNECT large enough to answer, else None."""
-    if len(data) < V1_CONNECT_SIZE or not is_v1(data) or data[5] != _V1_CONNECT:
-        return None
-    return int(_V1_SALT.unpack_from(data, V1_HEADER.size)[0])
-
-
-def _v1_packet(ptype: int, body: bytes) -> bytes:
-    rest = bytes((1, ptype)) + body
-    return CRC.pack(_crc(rest)) + rest
-
-
-def encode_v1_reject(salt: int, text: str) -> bytes:
-    """A version-1 REJECT: what a version-1 client understands as a refusal."""
-    raw = _clip_utf8(text, MAX_REJECT_TEXT)
-    return _v1_packet(_V1_REJECT, REJECT_BODY.pack(salt, len(raw)) + raw)
-
-
-def encode_v1_connect(salt: int, pad_to: int = 1200) -> bytes:
-    """A version-1 CONNECT without cookie (what a version-1 client sends first)."""
-    body = struct.pack("!QHB", salt, 0, 0)
-    return _v1_packet(_V1_CONNECT, body + bytes(max(0, pad_to - V1_HEADER.size - len(body))))
-
-
 # -- DATA packets ----------------------------------------------------------------
 
 
@@ -502,23 +549,31 @@ def message_frame(
             return unreliable_frame(channel, data)
         if mode == _ORDERED:
             return reliable_frame(channel, seq, data)
+    # The header as one int, written with one int.to_bytes (see reliable_frame).
     flags = FLAG_MESSAGE | mode
-    head = bytearray(1)
+    head = 0
+    size = 1
     if channel:
         flags |= FLAG_CHANNEL
-        head.append(channel)
+        head = channel
+        size = 2
     if mode != _UNRELIABLE:
-        head += U16.pack(seq & 0xFFFF)
+        head = (head << 16) | (seq & 0xFFFF)
+        size += 2
     if fragment is not None:
         flags |= FLAG_FRAGMENT
-        head += FRAGMENT.pack(*fragment)
+        index, count, total = fragment
+        head = (head << 64) | (index << 48) | (count << 32) | total
+        size += FRAGMENT_OVERHEAD
     if deps:
         flags |= FLAG_DEPS
-        head.append(len(deps))
-        head += struct.pack(f"!{len(deps)}H", *(d & 0xFFFF for d in deps))
-    head[0] = flags
-    head += U16.pack(len(data))
-    return bytes(head) + data
+        head = (head << 8) | len(deps)
+        size += 1 + 2 * len(deps)
+        for dep in deps:
+            head = (head << 16) | (dep & 0xFFFF)
+    head = (head << 16) | len(data)
+    size += 2
+    return ((flags << (8 * size - 8)) | head).to_bytes(size, "big") + data
 
 
 _REL_FLAGS: Final = FLAG_MESSAGE | _ORDERED
@@ -559,8 +614,35 @@ def message_frame_size(
 
 
 PING_FRAME: Final = bytes((FrameType.PING,))
+
+
+def ack_delay_frame(delay: float) -> bytes:
+    """An ACK_DELAY frame saying the header's acknowledgment waited ``delay`` seconds."""
+    units = min(int(delay / ACK_DELAY_UNIT), 0xFFFF)
+    return bytes((_ACK_DELAY, units >> 8, units & 0xFF))
+
+
 PAUSE_FRAME: Final = bytes((FrameType.PAUSE,))
 RESUME_FRAME: Final = bytes((FrameType.RESUME,))
+
+
+def path_challenge_frame(data: bytes) -> bytes:
+    """A PATH_CHALLENGE carrying ``data`` (``PATH_DATA_SIZE`` random bytes)."""
+    return bytes((_PATH_CHALLENGE,)) + data
+
+
+def path_response_frame(data: bytes) -> bytes:
+    """The PATH_RESPONSE that answers a PATH_CHALLENGE carrying ``data``."""
+    return bytes((_PATH_RESPONSE,)) + data
+
+
+def probe_frames(size: int) -> bytes:
+    """PING, then PADDING filling ``size`` bytes of frames in all (``size >= 2``): what
+    a path MTU probe carries."""
+    return _PING_PADDING + bytes(size - 2)
+
+
+_PING_PADDING: Final = bytes((FrameType.PING, FrameType.PADDING))
 
 
 def disconnect_frame(code: int, text: str) -> bytes:
@@ -581,7 +663,9 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
     ping = False
     special = False
     flow = NO_FLOW
+    challenge = response = b""
     disconnect: DisconnectFrame | None = None
+    ack_delay = 0.0
     end = len(data)
     while off < end:
         kind = data[off]
@@ -616,6 +700,8 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             off += n
         elif kind == _PING:
             ping = True
+        elif kind == _PADDING:
+            break  # the rest of the packet is padding
         elif kind == _DISCONNECT:
             code, n = U16.unpack_from(data, off)[0], data[off + 2]
             off += 3
@@ -627,9 +713,26 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             flow = 1
         elif kind == _RESUME:
             flow = 0
+        elif kind == _ACK_DELAY:
+            ack_delay = ((data[off] << 8) | data[off + 1]) * ACK_DELAY_UNIT
+            off += 2
+        elif kind == _PATH_CHALLENGE:
+            challenge = _path_data(data, off)
+            off += PATH_DATA_SIZE
+            special = True
+        elif kind == _PATH_RESPONSE:
+            response = _path_data(data, off)
+            off += PATH_DATA_SIZE
+            special = True
         else:
             raise DecodeError(DropReason.MALFORMED)
-    return DataFrames(messages, ping, disconnect, special, flow)
+    return DataFrames(messages, ping, disconnect, special, flow, challenge, response, ack_delay)
+
+
+def _path_data(data: bytes, off: int) -> bytes:
+    if off + PATH_DATA_SIZE > len(data):
+        raise DecodeError(DropReason.TRUNCATED)
+    return data[off : off + PATH_DATA_SIZE]
 
 
 _EXTRA_FLAGS: Final = FLAG_FRAGMENT | FLAG_DEPS
@@ -639,10 +742,12 @@ def _decode_extra(data: bytes, off: int, kind: int, mode: int) -> tuple[FrameExt
     """The fragment header and dependency list of a MESSAGE frame."""
     count = index = total = 0
     if kind & FLAG_FRAGMENT:
-        if mode not in _FRAGMENT_MODES:
+        if mode != _ORDERED and mode != _UNORDERED and mode != RELIABLE_SEQUENCED:
             raise DecodeError(DropReason.MALFORMED)
-        index, count, total = FRAGMENT.unpack_from(data, off)
-        off += FRAGMENT.size
+        index = (data[off] << 8) | data[off + 1]
+        count = (data[off + 2] << 8) | data[off + 3]
+        total = (data[off + 4] << 24) | (data[off + 5] << 16) | (data[off + 6] << 8) | data[off + 7]
+        off += FRAGMENT_OVERHEAD
         if count < 2 or index >= count or total < count:
             raise DecodeError(DropReason.MALFORMED)
     deps: tuple[int, ...] = ()
@@ -657,8 +762,3 @@ def _decode_extra(data: bytes, off: int, kind: int, mode: int) -> tuple[FrameExt
         deps = struct.unpack_from(f"!{n}H", data, off)
         off += 2 * n
     return FrameExtra(count, index, total, deps), off
-
-
-_FRAGMENT_MODES: Final = frozenset(
-    (Delivery.RELIABLE_ORDERED, Delivery.RELIABLE_UNORDERED, Delivery.RELIABLE_SEQUENCED)
-)

@@ -93,7 +93,8 @@ async def _until(what: str, timeout: float, attempt: Callable[[], Awaitable[T | 
 async def register_list(register_at: str, list_at: str, timeout: float) -> None:
     """A host registers at one matchmaker; a client lists it at another (or the same)."""
     name = f"podman-ci-{time.time_ns() % 1_000_000}"
-    host = MatchmakerClient.to(*_address(register_at), timeout=5.0)
+    game = await rudp.open_endpoint()  # the socket a game would serve on
+    host = MatchmakerClient.to(*_address(register_at), via=game, timeout=5.0)
     joiner = MatchmakerClient.to(*_address(list_at), timeout=5.0)
     try:
         address = await _until(
@@ -114,6 +115,7 @@ async def register_list(register_at: str, list_at: str, timeout: float) -> None:
     finally:
         await host.close()
         await joiner.close()
+        await game.close()
 
 
 def prometheus_up(url: str, job: str, targets: int, timeout: float) -> None:

@@ -54,6 +54,7 @@ from matchmaker.messages._types import (
     WrongVersion,
     WrongVersionError,
 )
+from rudp.tokens import KEY_SIZE, MAX_TOKEN_SIZE, MAX_USER_DATA
 
 __all__ = ["decode", "decode_request", "filter_from_mapping", "read_filter"]
 
@@ -186,7 +187,10 @@ def _read_host(r: _Reader) -> HostInfo:
         region=r.text("region", lim.ident_chars, default=""),
         info=r.blob("info", lim.info_bytes, default=b""),
         lan=r.address("lan", default=None),
+        key=r.blob("key", KEY_SIZE, default=b""),
     )
+    if len(host.key) not in (0, KEY_SIZE):
+        raise r.fail(ErrorReason.BAD_FIELD, f"key: empty or {KEY_SIZE} bytes")
     if not host.name.strip():
         raise r.fail(ErrorReason.BAD_FIELD, "name: empty")
     if host.region and not _IDENT.fullmatch(host.region):
@@ -254,6 +258,7 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
     top = raw["max_players"]
     m, players = raw.get("map", ""), raw.get("players", 0)
     tags, region, info = raw.get("tags", []), raw.get("region", ""), raw.get("info", b"")
+    key = raw.get("key", b"")
     ok = (
         type(addr) is list
         and len(addr) == 2
@@ -280,6 +285,8 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
         and (region == "" or _is_ident(region, lim))
         and type(info) is bytes
         and len(info) <= lim.info_bytes
+        and type(key) is bytes
+        and len(key) in (0, KEY_SIZE)
     )
     if not ok:
         return None
@@ -298,6 +305,7 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
         tags=tuple(dict.fromkeys(tags)),
         region=region,
         info=info,
+        key=key,
     )
     return HostEntry(address=address, info=host)
 
@@ -357,6 +365,8 @@ def _read_introduction(r: _Reader) -> Introduction:
         peer=r.address("peer"),
         peer_lan=r.address("peer_lan", default=None),
         nonce=r.blob("nonce", NONCE_BYTES, min_bytes=NONCE_BYTES),
+        peer_key=r.blob("peer_key", KEY_SIZE, min_bytes=KEY_SIZE) if r.has("peer_key") else None,
+        token=r.blob("token", MAX_TOKEN_SIZE, min_bytes=1) if r.has("token") else None,
     )
 
 
@@ -401,7 +411,13 @@ _READERS: dict[MsgType, Callable[[_Reader], Message]] = {
         keepalive=r.number("keepalive", 0, 3600),
     ),
     MsgType.INTRODUCE: lambda r: Introduce(
-        request_id=r.request_id, host=r.address("host"), lan=r.address("lan", default=None)
+        request_id=r.request_id,
+        host=r.address("host"),
+        lan=r.address("lan", default=None),
+        client_key=(
+            r.blob("client_key", KEY_SIZE, min_bytes=KEY_SIZE) if r.has("client_key") else None
+        ),
+        user_data=r.blob("user_data", MAX_USER_DATA, default=b""),
     ),
     MsgType.INTRODUCTION: _read_introduction,
     MsgType.ERROR: _read_error,

@@ -179,6 +179,10 @@ class HostInfo:
     info: bytes = b""
     lan: Address | None = None
     """The host's own LAN address; only ever shared with a client behind the same NAT."""
+    key: bytes = b""
+    """The host's static public key (``server.public_key``, 32 bytes), or empty: what
+    clients authenticate it with (Noise NK), and what connect tokens name. Not
+    updatable: a host with a new key registers anew."""
 
     def __post_init__(self) -> None:
         _normalize_tags(self, "tags")
@@ -356,6 +360,11 @@ class Introduce:
     host: Address
     lan: Address | None = None
     """The client's own LAN address, shared only if it is behind the host's NAT."""
+    client_key: bytes | None = None
+    """The public half of the key the client will handshake with (32 bytes): asks for
+    a connect token bound to it."""
+    user_data: bytes = b""
+    """Up to 256 bytes for the token's user data (what the client says it is)."""
 
 
 class Role(enum.StrEnum):
@@ -375,6 +384,11 @@ class Introduction:
     peer_lan: Address | None = None
     nonce: bytes
     """16 random bytes, the same on both sides, to match the punch packets."""
+    peer_key: bytes | None = None
+    """To the client: the host's registered static public key, if it gave one."""
+    token: bytes | None = None
+    """To the client: a connect token for this host, when it asked with ``client_key``
+    and the matchmaker has an issuing key (``rudp.tokens``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -434,4 +448,5 @@ ENTRY_DEFAULTS: tuple[tuple[str, object], ...] = (
     ("tags", []),
     ("region", ""),
     ("info", b""),
+    ("key", b""),
 )

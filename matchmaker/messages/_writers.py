@@ -58,6 +58,7 @@ def _host_fields(h: HostInfo, *, with_lan: bool) -> dict[str, object]:
         "tags": list(h.tags),
         "region": h.region,
         "info": h.info,
+        "key": h.key,
     }
     if with_lan and h.lan is not None:
         out["lan"] = _addr(h.lan)
@@ -144,11 +145,19 @@ def _fields(msg: Message) -> dict[str, object]:
             out: dict[str, object] = {"host": _addr(msg.host)}
             if msg.lan is not None:
                 out["lan"] = _addr(msg.lan)
+            if msg.client_key is not None:
+                out["client_key"] = msg.client_key
+            if msg.user_data:
+                out["user_data"] = msg.user_data
             return out
         case Introduction():
             out = {"role": msg.role.value, "peer": _addr(msg.peer), "nonce": msg.nonce}
             if msg.peer_lan is not None:
                 out["peer_lan"] = _addr(msg.peer_lan)
+            if msg.peer_key is not None:
+                out["peer_key"] = msg.peer_key
+            if msg.token is not None:
+                out["token"] = msg.token
             return out
         case Error():
             return {"reason": msg.reason.value, "detail": msg.detail}

@@ -33,7 +33,7 @@ def serve_a2s(
         players=players,
         rules=rules,
         challenge_period=challenge_period,
-        max_datagram=server.endpoint.config.max_datagram_size,
+        max_datagram=server.endpoint.config.base_datagram_size,
     )
 
     def handle(data: bytes, address: Any) -> list[bytes]:

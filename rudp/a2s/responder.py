@@ -86,6 +86,12 @@ class Responder:
         self.dropped = 0
         """Datagrams that were no A2S request, or too short to answer at all."""
 
+    def __repr__(self) -> str:
+        return (
+            f"<rudp.a2s Responder answered={self.answered} challenged={self.challenged} "
+            f"dropped={self.dropped}>"
+        )
+
     def datagram_received(self, data: bytes, address: Any, now: float) -> list[bytes]:
         """The datagrams to send back to `address` (often none)."""
         request = decode_request(data)

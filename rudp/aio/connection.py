@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable
 from time import monotonic
@@ -28,15 +29,13 @@ from rudp.errors import (
 from rudp.events import Disconnected, DisconnectReason, MessageReceived
 from rudp.sending import ACKED, FAILED, SUPERSEDED, OutMessage
 from rudp.stats import ConnectionStats
+from rudp.tokens import PeerIdentity
 from rudp.wire import UNRELIABLE_MODES, Delivery
 
 if TYPE_CHECKING:
     from rudp.aio.link import EndpointLink
 
 log = logging.getLogger(__name__)
-
-Message = MessageReceived
-"""A received message: ``.data`` (bytes), ``.channel`` (int), ``.reliable`` (bool)."""
 
 Receiver = Callable[[MessageReceived], object]
 """What ``Connection.set_receiver`` takes: called with each message as it arrives."""
@@ -113,7 +112,20 @@ class Connection:
         return self._closed_future.done() or self._core.state.value in ("closing", "closed")
 
     @property
+    def disconnected(self) -> Disconnected | None:
+        """How the connection ended (``.reason``, ``.code``, ``.text``, ``.by_peer``),
+        or None while it has not: what ``wait_closed()`` returns, without waiting."""
+        return self._core.close_reason
+
+    @property
     def close_reason(self) -> Disconnected | None:
+        """Deprecated: ``disconnected`` (it was never a reason, but the whole event)."""
+        warnings.warn(
+            "Connection.close_reason is deprecated: use Connection.disconnected "
+            "(a Disconnected: .reason, .code, .text, .by_peer)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self._core.close_reason
 
     @property
@@ -125,6 +137,13 @@ class Connection:
         """True when the handshake proved the server holds the key we expected
         (``server_key``, Noise NK); False under NN and on the accepting side."""
         return self._core.server_authenticated
+
+    @property
+    def peer_identity(self) -> PeerIdentity | None:
+        """On a server that requires connect tokens (``Config.token_issuers``): the
+        client id and user data of the token this client was admitted with, verified
+        against the issuer's key. None on a server that requires none, and on clients."""
+        return self._core.peer_identity
 
     @property
     def handshake_hash(self) -> bytes:
@@ -321,15 +340,35 @@ class Connection:
 
     # -- closing ------------------------------------------------------------------------
 
-    async def close(self, code: int = 0, reason: str = "") -> None:
-        """Deliver what is queued, send DISCONNECT, wait for its ack (bounded)."""
-        if not self._closed_future.done():
-            self._core.close(monotonic(), code, reason)
-            self._endpoint.after_core_call()
-        await self.wait_closed()
+    def close(
+        self, code: int = 0, text: str = "", *, reason: str | None = None
+    ) -> asyncio.Future[Disconnected]:
+        """Start a graceful close at once: deliver what is queued, send DISCONNECT with
+        ``code`` and ``text``, wait for its ack (bounded by ``Config.close_timeout``).
 
-    async def wait_closed(self) -> Disconnected:
-        return await asyncio.shield(self._closed_future)
+        The closing has begun when this returns, awaited or not; awaiting the result
+        waits until the connection has ended and gives its ``Disconnected`` (as
+        ``wait_closed()`` does). ``reason=`` is the deprecated name of ``text``.
+        """
+        if reason is not None:
+            warnings.warn(
+                "close(reason=...) is deprecated: the text is close(code, text=...), as "
+                "Disconnected.text and ConnectionClosed.text report it",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            text = reason
+        if not self._closed_future.done():
+            self._core.close(monotonic(), code, text)
+            self._endpoint.after_core_call()
+        return self.wait_closed()
+
+    def wait_closed(self) -> asyncio.Future[Disconnected]:
+        """An awaitable for the connection's end, giving its ``Disconnected``.
+
+        Cancelling a wait (``asyncio.wait_for``) leaves the connection as it is.
+        """
+        return asyncio.shield(self._closed_future)
 
     # -- called by the endpoint ---------------------------------------------------------
     # Public names so that the endpoint need not reach into privates; they are not part
@@ -413,7 +452,7 @@ class Connection:
         return ConnectionClosed(event.reason.value, event.code, event.text)
 
     def __repr__(self) -> str:
-        return f"<rudp.Connection {self.remote_address!r} {self._core.state.value}>"
+        return f"<rudp.Connection {format_address(self.remote_address)} {self._core.state.value}>"
 
 
 def connect_error(event: Disconnected, address: Address, timeout: float) -> Exception:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
+import inspect
 import logging
 import random
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from time import monotonic
+from time import monotonic, time
 from typing import Any
 
 from mypy_extensions import mypyc_attr
@@ -43,6 +45,7 @@ from rudp.events import (
     Disconnected,
     MessageAcked,
     MessageReceived,
+    PathChanged,
     QueryAnswered,
     QueryReceived,
 )
@@ -57,6 +60,36 @@ Receive = Callable[[bytes, Address, float], object]
 FOREIGN_PREFIX = b"\xff\xff\xff\xff"
 """What starts a datagram of another protocol sharing the socket (A2S, Quake)."""
 SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
+# The close text of a connection its serve handler ended (what the peer's
+# ConnectionClosed and Disconnected say): returned, raised, or was no coroutine.
+HANDLER_RETURNED = "server handler returned"
+HANDLER_FAILED = "server handler failed"
+HANDLER_NOT_AWAITABLE = "server handler is not a coroutine function"
+
+
+def check_handler(handler: object) -> None:
+    """Refuse at ``serve()`` time a handler that cannot be awaited.
+
+    A plain ``def`` (or a method, or an object whose ``__call__`` is one) is a
+    TypeError at once instead of a failure on every connection. A lambda is let
+    through: it may return a coroutine (``lambda conn: play(world, conn)``), and
+    what it returns is checked on the first connection (``handler_not_awaitable``).
+    """
+    if not callable(handler):
+        raise TypeError(f"serve() takes an async def handler, got {handler!r}")
+    target = handler if inspect.isroutine(handler) else type(handler).__call__
+    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(target):
+        return
+    if isinstance(handler, functools.partial):
+        check_handler(handler.func)
+        return
+    if getattr(target, "__name__", "") == "<lambda>":
+        return
+    name = getattr(handler, "__qualname__", None) or repr(handler)
+    raise TypeError(
+        f"serve() runs `await handler(conn)` for each connection, and {name} is a plain "
+        "function: define it with `async def`"
+    )
 
 
 # Compiled (RUDP_COMPILE=1), this stays an ordinary Python class whose methods are
@@ -91,6 +124,8 @@ class AioEndpoint:
         self._sock = sock
         self.config = config
         self.core = CoreEndpoint(config, now=monotonic(), rng=random.SystemRandom(), accept=accept)
+        # Connect tokens expire in UNIX time; the core's clock is the monotonic one.
+        self.core.wall_offset = time() - monotonic()
         self._handler = handler
         self.on_query: QueryHandler | None = None
         self._foreign: ForeignHandler | None = None  # see set_foreign_handler()
@@ -108,6 +143,7 @@ class AioEndpoint:
         self._close_after_flush = False
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
         self.send_errors = 0
+        self.datagrams_too_large = 0  # sends refused with EMSGSIZE
         self.queries_unanswered = 0  # replies withheld because they exceeded the request
         self.send_buffer_drops = 0
         self._closed = False
@@ -239,7 +275,7 @@ class AioEndpoint:
             self._buffer(data, address)
             self.loop.add_writer(self._sock.fileno(), self._write_ready)
         except OSError as exc:
-            self._send_failed(exc, address)
+            self._send_failed(exc, data, address)
 
     def _buffer(self, data: bytes, address: Address) -> None:
         if len(self._send_buffer) >= SEND_BUFFER_LIMIT:
@@ -257,11 +293,19 @@ class AioEndpoint:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self._send_failed(exc, address)
+                self._send_failed(exc, data, address)
             buffer.popleft()
         self.loop.remove_writer(self._sock.fileno())
 
-    def _send_failed(self, exc: OSError, address: Address) -> None:
+    def _send_failed(self, exc: OSError, data: bytes, address: Address) -> None:
+        if exc.errno == errno.EMSGSIZE:
+            # Larger than the interface (or the kernel's path MTU) allows: the socket
+            # never fragments (see rudp.aio.server). Expected of path MTU probes, so
+            # the connection is told, and nothing is logged or raised.
+            self.datagrams_too_large += 1
+            self.core.datagram_refused(address, len(data), monotonic())
+            self._schedule_flush()
+            return
         self.send_errors += 1
         if exc.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
             log.warning("send_error peer=%s error=%r", format_address(address), str(exc))
@@ -312,6 +356,13 @@ class AioEndpoint:
             elif type(event) is Disconnected:
                 del conns[core_conn]
                 conn.connection_ended(event)
+            elif type(event) is PathChanged:
+                # ``conn.remote_address`` is the core's address: it has followed already.
+                log.info(
+                    "path_changed peer=%s old=%s",
+                    format_address(event.address),
+                    format_address(event.old),
+                )
         if self.draining:
             for conn in list(self.draining):
                 conn.check_drain()
@@ -326,8 +377,21 @@ class AioEndpoint:
         return conn
 
     async def _run_handler(self, conn: Connection, handler: Handler) -> None:
+        # The connection lives as long as its handler (asyncio's start_server differs:
+        # there the handler may return and leave the stream open). The close text says
+        # so to the peer, and to whoever reads the Disconnected on this side.
+        text = HANDLER_RETURNED
         try:
-            await handler(conn)
+            running = handler(conn)
+            if not inspect.isawaitable(running):
+                text = HANDLER_NOT_AWAITABLE
+                log.error(
+                    "handler_not_awaitable peer=%s type=%s",
+                    format_address(conn.remote_address),
+                    type(running).__name__,
+                )
+            else:
+                await running
         except asyncio.CancelledError:
             raise
         except RudpError as exc:
@@ -335,10 +399,11 @@ class AioEndpoint:
                 "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
             )
         except Exception:
+            text = HANDLER_FAILED
             log.exception("handler_failed peer=%s", format_address(conn.remote_address))
         if not conn.closed:
             with contextlib.suppress(RudpError):
-                await conn.close()
+                await conn.close(text=text)
 
     def _endpoint_event(self, event: object) -> None:
         if isinstance(event, QueryReceived):
@@ -376,14 +441,23 @@ class AioEndpoint:
         self._schedule_flush()
 
     async def connect(
-        self, address: Address, *, owns_endpoint: bool = False, server_key: bytes | None = None
+        self,
+        address: Address,
+        *,
+        owns_endpoint: bool = False,
+        server_key: bytes | None = None,
+        token: bytes | None = None,
+        token_key: bytes | None = None,
     ) -> Connection:
         """Connect out; with ``owns_endpoint`` the connection closes this endpoint when it
         ends (set before the handshake: the server may close it in the same datagram).
-        ``server_key`` overrides ``Config.server_key`` for this connection."""
+        ``server_key`` overrides ``Config.server_key`` for this connection; ``token``
+        and ``token_key`` present a connect token (see ``rudp.connect``)."""
         if self._closed:
             raise LocalProtocolError("endpoint is closed")
-        core_conn = self.core.connect(address, monotonic(), server_key=server_key)
+        core_conn = self.core.connect(
+            address, monotonic(), server_key=server_key, token=token, token_key=token_key
+        )
         conn = Connection(self, core_conn)
         conn.owns_endpoint = owns_endpoint
         self._conns[core_conn] = conn
@@ -412,13 +486,17 @@ class AioEndpoint:
     def connections(self) -> list[Connection]:
         return [c for core, c in self._conns.items() if core.client is False]
 
-    async def close(self, timeout: float | None = None) -> None:
+    async def close(
+        self, timeout: float | None = None, *, exclude: asyncio.Task[Any] | None = None
+    ) -> None:
         """Close every connection gracefully, then the socket.
 
         Connections get ``timeout`` (default ``Config.close_timeout`` plus a second) to
         finish their close handshake; handlers still running then are cancelled and
         get one more second for their cleanup. It may be called from a handler: that
-        handler is not waited for (it is the one waiting).
+        handler is not waited for (it is the one waiting). ``exclude`` names that
+        handler's task when the close runs in a task of its own (default: the current
+        task).
         """
         if self._closed:
             await self._closed_event.wait()
@@ -434,7 +512,7 @@ class AioEndpoint:
                 await asyncio.wait(closing, timeout=limit)
             self.core.abort()
             self._dispatch_events()
-            current = asyncio.current_task()
+            current = exclude or asyncio.current_task()
             tasks = [t for t in self._tasks if t is not current]
             if tasks:
                 _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
@@ -479,6 +557,11 @@ class AioEndpoint:
         ):
             return sock.family, socket.AI_V4MAPPED
         return sock.family, 0
+
+    @property
+    def accepting(self) -> bool:
+        """True when it accepts connections (it has a handler)."""
+        return self._handler is not None
 
     @property
     def is_closed(self) -> bool:

@@ -1,4 +1,4 @@
-"""``serve()``, ``connect()`` and the ``Server`` they share the socket code with."""
+"""``serve()``, ``connect()`` and the ``Endpoint`` they share the socket code with."""
 
 from __future__ import annotations
 
@@ -6,14 +6,16 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
+import sys
 from types import TracebackType
 from typing import Any
 
 from rudp.aio.connection import Connection
-from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler
+from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler, check_handler
 from rudp.aio.protocol import DatagramLink, open_protocol_endpoint, reads_with_add_reader
 from rudp.config import Config
 from rudp.connection import Address
+from rudp.errors import check_address, format_address
 from rudp.stats import EndpointStats
 
 
@@ -24,6 +26,37 @@ def _set_buffers(sock: socket.socket, size: int) -> None:
         # The kernel clamps to its maximum; a smaller buffer still works.
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, size)
+
+
+def _forbid_fragmentation(sock: socket.socket) -> None:
+    """Set Don't Fragment on every datagram: path MTU discovery (``rudp.pmtu``) needs a
+    datagram too large for the path to be lost, not cut into IP fragments; one too
+    large for the interface then fails with EMSGSIZE, which the endpoint takes for a
+    lost probe. Linux: IP_MTU_DISCOVER / IPV6_MTU_DISCOVER = PMTUDISC_DO; macOS and
+    BSD: IP_DONTFRAG / IPV6_DONTFRAG; Windows: IP_DONTFRAGMENT. Where none exists the
+    kernel may fragment, and probes only ever succeed up to the ceiling."""
+    options: list[tuple[int, int, int]] = []
+    v4 = sock.family == socket.AF_INET or (
+        sock.family == socket.AF_INET6
+        and not sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+    )
+    if sys.platform.startswith("linux"):
+        # Python names these only from 3.12 on: <linux/in.h> and <linux/in6.h> values.
+        do = getattr(socket, "IP_PMTUDISC_DO", 2)
+        if sock.family == socket.AF_INET6:
+            options.append((socket.IPPROTO_IPV6, getattr(socket, "IPV6_MTU_DISCOVER", 23), do))
+        if v4:
+            options.append((socket.IPPROTO_IP, getattr(socket, "IP_MTU_DISCOVER", 10), do))
+    else:
+        if sock.family == socket.AF_INET6 and hasattr(socket, "IPV6_DONTFRAG"):
+            options.append((socket.IPPROTO_IPV6, socket.IPV6_DONTFRAG, 1))
+        if v4:
+            name = getattr(socket, "IP_DONTFRAG", getattr(socket, "IP_DONTFRAGMENT", None))
+            if name is not None:
+                options.append((socket.IPPROTO_IP, name, 1))
+    for level, option, value in options:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, option, value)
 
 
 async def _resolve(host: str, port: int, family: int = 0, flags: int = 0) -> tuple[int, Address]:
@@ -69,6 +102,7 @@ async def _open_socket(host: str | None, port: int, family: int, config: Config)
         if fam == socket.AF_INET6 and sockaddr[0] == "::":
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         _set_buffers(sock, config.socket_buffer_size)
+        _forbid_fragmentation(sock)
         sock.bind(sockaddr)
     except BaseException:
         sock.close()
@@ -76,15 +110,18 @@ async def _open_socket(host: str | None, port: int, family: int, config: Config)
     return sock
 
 
-class Server:
-    """A UDP socket accepting rudp connections; also connects out from the same socket.
+class Endpoint:
+    """One UDP socket: it connects out, and with a handler it accepts connections.
 
-    An async context manager: leaving the block closes every connection gracefully.
+    What ``open_endpoint()`` and ``serve()`` return (``rudp.Server`` is the same
+    class, the name a ``serve()`` caller may prefer). An async context manager:
+    leaving the block closes every connection gracefully.
     """
 
     def __init__(self, endpoint: AioEndpoint, link: DatagramLink | None = None) -> None:
         self._endpoint = endpoint
         self._link = link
+        self._closing: asyncio.Task[None] | None = None
 
     @property
     def datagram_protocol(self) -> bool:
@@ -143,29 +180,50 @@ class Server:
     def on_foreign(self, handler: ForeignHandler | None) -> None:
         self._endpoint.set_foreign_handler(handler)
 
-    async def connect(self, host: str, port: int, *, server_key: bytes | None = None) -> Connection:
+    async def connect(
+        self,
+        host: str,
+        port: int,
+        *,
+        server_key: bytes | None = None,
+        token: bytes | None = None,
+        token_key: bytes | None = None,
+    ) -> Connection:
         """Open an outgoing connection from this server's socket (NAT traversal).
 
-        ``server_key`` (default ``Config.server_key``): the peer's public key to expect.
+        ``server_key`` (default ``Config.server_key``): the peer's public key to expect;
+        ``token`` and ``token_key``: a connect token, as for ``rudp.connect``.
         """
         _, address = await _resolve(host, port, *self._endpoint.destination_family())
-        return await self._endpoint.connect(address, server_key=server_key)
+        return await self._endpoint.connect(
+            address, server_key=server_key, token=token, token_key=token_key
+        )
 
     async def query(
         self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
     ) -> tuple[bytes, float]:
         """Send an unconnected query; returns (reply, round-trip seconds)."""
+        check_address(address, "query() address")
         _, resolved = await _resolve(address[0], address[1], *self._endpoint.destination_family())
         return await self._endpoint.query(resolved, payload, timeout)
 
-    async def close(self) -> None:
+    def close(self) -> asyncio.Task[None]:
         """Close every connection gracefully, then the socket.
 
-        Bounded: connections and handlers get ``Config.close_timeout`` plus a second;
-        handlers still running then are cancelled (and get a second for their cleanup).
-        A handler may call it; it is not waited for.
+        The closing starts at once, awaited or not (a task of its own; calling it again
+        gives the same task); await the result to wait until it is done. Bounded:
+        connections and handlers get ``Config.close_timeout`` plus a second; handlers
+        still running then are cancelled (and get a second for their cleanup). A
+        handler may call it: that handler is not waited for.
         """
-        await self._endpoint.close()
+        if self._closing is None:
+            caller = asyncio.current_task()
+            closing = asyncio.get_running_loop().create_task(self._close(caller))
+            self._closing = closing
+        return self._closing
+
+    async def _close(self, caller: asyncio.Task[Any] | None) -> None:
+        await self._endpoint.close(exclude=caller)
         if self._link is not None:
             await self._link.released()
 
@@ -174,7 +232,17 @@ class Server:
         if self._link is not None:
             await self._link.released()
 
-    async def __aenter__(self) -> Server:
+    def __repr__(self) -> str:
+        endpoint = self._endpoint
+        if endpoint.is_closed:
+            state = "closed"
+        elif endpoint.accepting:
+            state = f"accepting, {len(endpoint.connections())} connections"
+        else:
+            state = "connecting out"
+        return f"<rudp.Endpoint {format_address(self.address)} {state}>"
+
+    async def __aenter__(self) -> Endpoint:
         return self
 
     async def __aexit__(
@@ -186,6 +254,10 @@ class Server:
         await self.close()
 
 
+Server = Endpoint
+"""The same class as ``Endpoint``: what ``serve()`` returns reads as a server."""
+
+
 async def open_endpoint(
     host: str | None = None,
     port: int = 0,
@@ -193,15 +265,21 @@ async def open_endpoint(
     handler: Handler | None = None,
     config: Config | None = None,
     family: int = 0,
-) -> Server:
-    """Bind a UDP socket; with ``handler`` it accepts connections, else it only connects out."""
+) -> Endpoint:
+    """Bind a UDP socket; with ``handler`` it accepts connections, else it only connects out.
+
+    ``handler`` must be an ``async def`` (``await handler(conn)`` runs per connection;
+    a plain ``def`` is a TypeError at once). Its connection is closed when it returns.
+    """
+    if handler is not None:
+        check_handler(handler)
     loop = asyncio.get_running_loop()
     cfg = config or Config()
     sock = await _open_socket(host, port, family, cfg)
     accept = handler is not None
     try:
         if reads_with_add_reader(loop, sock):
-            return Server(AioEndpoint(loop, sock, cfg, accept=accept, handler=handler))
+            return Endpoint(AioEndpoint(loop, sock, cfg, accept=accept, handler=handler))
         # Windows' Proactor loop
         endpoint, link = await open_protocol_endpoint(
             loop, sock, cfg, accept=accept, handler=handler
@@ -209,15 +287,19 @@ async def open_endpoint(
     except BaseException:
         sock.close()
         raise
-    return Server(endpoint, link)
+    return Endpoint(endpoint, link)
 
 
 async def serve(
     handler: Handler, host: str | None, port: int, *, config: Config | None = None
-) -> Server:
+) -> Endpoint:
     """Accept rudp connections on ``host:port``; run ``await handler(conn)`` for each.
 
-    When the handler returns, its connection is closed gracefully.
+    The connection lives as long as its handler: when the handler returns (or
+    raises), its connection is closed gracefully, and the peer sees the text
+    "server handler returned" (or "server handler failed"). A handler that hands
+    the connection to a task of its own must wait for it (``await conn.wait_closed()``).
+    A plain ``def`` handler is a TypeError at once.
     """
     return await open_endpoint(host, port, handler=handler, config=config)
 
@@ -229,6 +311,8 @@ async def connect(
     config: Config | None = None,
     local_addr: tuple[str, int] | None = None,
     server_key: bytes | None = None,
+    token: bytes | None = None,
+    token_key: bytes | None = None,
 ) -> Connection:
     """Connect to a rudp server. Raises ``ConnectRefused`` or ``ConnectTimeout``.
 
@@ -236,7 +320,16 @@ async def connect(
     handshake then proves the server holds its private half (Noise NK), and
     ``conn.server_authenticated`` is True. Without it the connection is sealed all
     the same, but the server is not authenticated (Noise NN).
+
+    ``token`` is a connect token (``rudp.tokens``) for a server that requires one,
+    and ``token_key`` the private X25519 key it was issued for (its public half is
+    the token's client key): the handshake uses it as this side's ephemeral key,
+    which binds the token to this handshake. A server that requires a token refuses
+    a client without one, or with one it does not accept, with ``ConnectRefused``
+    naming why.
     """
+    if local_addr is not None:
+        check_address(local_addr, "local_addr")
     cfg = config or Config()
     family, address = await _resolve(host, port)
     local_host = local_addr[0] if local_addr else ("::" if family == socket.AF_INET6 else "0.0.0.0")
@@ -244,7 +337,9 @@ async def connect(
         local_host, local_addr[1] if local_addr else 0, config=cfg, family=family
     )
     try:
-        return await server.endpoint.connect(address, owns_endpoint=True, server_key=server_key)
+        return await server.endpoint.connect(
+            address, owns_endpoint=True, server_key=server_key, token=token, token_key=token_key
+        )
     except BaseException:
         server.endpoint.close_now()
         raise

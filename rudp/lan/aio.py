@@ -34,6 +34,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
+from rudp.errors import check_address, check_sequence
 from rudp.lan.interfaces import format_address, list_interfaces
 from rudp.lan.messages import (
     DEFAULT_DISCOVERY_PORT,
@@ -106,6 +107,10 @@ class DiscoveryResponder:
     def port(self) -> int:
         """The bound port (useful with ``port=0``); 0 before binding."""
         return self._port
+
+    def __repr__(self) -> str:
+        where = " ".join(f"{a[0]}:{a[1]}" for a in self.addresses) or "closed"
+        return f"<DiscoveryResponder game={self.game!r} {where}>"
 
     def close(self) -> None:
         """Stop answering. Idempotent."""
@@ -345,8 +350,11 @@ def _destinations(
     ipv6: bool,
     group: str,
 ) -> list[Destination]:
+    check_sequence(targets, "targets")
     result: list[Destination] = []
-    for host, target_port in targets:
+    for target in targets:
+        check_address(target, "each of targets")
+        host, target_port = target[0], target[1]
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         result.append((family, _resolve(family, host, target_port)))
     interfaces = list_interfaces() if broadcast or ipv6 else []

@@ -83,6 +83,9 @@ class Responder:
         self.stats = DiscoveryStats()
         self._info = info
 
+    def __repr__(self) -> str:
+        return f"<rudp.lan Responder game={self.game!r} instance={self.instance_id.hex()}>"
+
     def answer_for(self, data: bytes, addr: object = None) -> bytes | None:
         """The answer to send back for ``data``, or ``None`` (and a counter bumped).
 

@@ -131,6 +131,10 @@ class LockstepServer:
         self._server = await rudp.serve(self.handle, address, port, config=rudp_config)
         return self
 
+    def __repr__(self) -> str:
+        where = "not serving" if self._server is None else format_address(self.address)
+        return f"<LockstepServer {where} {self.host!r}>"
+
     @property
     def address(self) -> tuple[str, int]:
         assert self._server is not None
@@ -209,6 +213,9 @@ class LockstepSession:
     ) -> LockstepSession:
         conn = await rudp.connect(host, port, config=rudp_config)
         return cls(conn, LockstepClient(name=name, config=config), channel=channel)
+
+    def __repr__(self) -> str:
+        return f"<LockstepSession {self.conn!r} {self.client!r}>"
 
     def events(self) -> AsyncIterator[Event]:
         """Events until the connection ends."""

@@ -114,6 +114,12 @@ class LockstepClient:
         self._events: deque[Event] = deque()
         self._send(m.Join(PROTOCOL_VERSION, self.config.game_version, name))
 
+    def __repr__(self) -> str:
+        return (
+            f"<LockstepClient {self.name!r} {self.state.name.lower()} id={self.client_id} "
+            f"executed_turn={self.executed_turn}>"
+        )
+
     # ------------------------------------------------------------------ pulled outputs
 
     @property

@@ -145,6 +145,12 @@ class LockstepHost(Generic[P]):
         self._to_close: list[P] = []
         self._events: deque[Event] = deque()
 
+    def __repr__(self) -> str:
+        return (
+            f"<LockstepHost {self.state.name.lower()} next_turn={self.next_turn} "
+            f"clients={len(self._clients)}>"
+        )
+
     # ------------------------------------------------------------------ pulled outputs
 
     @property

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--corrupt", type=float, default=0.0, metavar="P", help="bit-flip probability")
     add("--bandwidth-kbps", type=float, default=None, metavar="KBPS", help="kilobits/second")
     add("--queue-limit", type=int, default=256 * 1024, metavar="BYTES", help="bottleneck queue")
+    add("--mtu", type=int, default=None, metavar="BYTES", help="drop longer datagrams (path MTU)")
     add("--burst-loss", type=float, default=None, metavar="RATE", help="Gilbert-Elliott mean loss")
     add("--burst-len", type=float, default=None, metavar="N", help="mean burst length (def. 3)")
     add("--seed", type=int, default=0, help="random seed (default 0)")
@@ -79,6 +80,7 @@ def profile_from_args(args: argparse.Namespace) -> LinkProfile:
         bandwidth=bandwidth,
         queue_limit=args.queue_limit,
         burst=burst,
+        mtu=args.mtu,
     )
 
 

@@ -12,6 +12,9 @@ stepped fake clock reproduce a run exactly. :mod:`rudp.netsim.aio` drives it fro
 
 Each submitted datagram goes through this pipeline, in this order:
 
+0. **Path MTU.** With ``mtu`` set, a datagram longer than ``mtu`` bytes (of UDP payload) is
+   dropped, as a path with Don't Fragment set drops it (no ICMP error is modelled: a black
+   hole). Setting a new profile mid-run changes the path's MTU from then on.
 1. **Loss.** Uniform (``loss``), or bursty when ``burst`` holds a :class:`GilbertElliott` chain,
    which then *replaces* ``loss``. Lost datagrams never reach the queue (like netem).
 2. **Duplication.** With probability ``duplicate`` a second copy is made. Every copy goes through
@@ -34,8 +37,9 @@ ones (as after a route change).
 A perfect profile (every default) takes a fast path that draws no random numbers and makes each
 datagram due at ``now`` itself, so ``poll(now)`` returns it straight away.
 
-Accounting: ``sent + duplicated == delivered + dropped_loss + dropped_queue + pending`` holds at
-all times (:meth:`LinkConditioner.clear` removes datagrams from ``pending`` without counting them).
+Accounting: ``sent + duplicated == delivered + dropped_mtu + dropped_loss + dropped_queue +
+pending`` holds at all times (:meth:`LinkConditioner.clear` removes datagrams from ``pending``
+without counting them).
 """
 
 from __future__ import annotations
@@ -147,6 +151,7 @@ class LinkProfile:
     bandwidth: float | None = None
     queue_limit: int = 256 * 1024
     burst: GilbertElliott | None = None
+    mtu: int | None = None  # larger datagrams are dropped (bytes of UDP payload); None: no limit
 
     def __post_init__(self) -> None:
         for name in ("loss", "duplicate", "reorder", "corrupt"):
@@ -160,6 +165,8 @@ class LinkProfile:
                 f"LinkProfile.bandwidth must be None (unlimited) or a finite number of"
                 f" bytes/second > 0, got {self.bandwidth!r}"
             )
+        if self.mtu is not None and self.mtu < 1:
+            raise ValueError(f"LinkProfile.mtu must be None or >= 1 bytes, got {self.mtu!r}")
         if self.queue_limit < 0:
             raise ValueError(
                 f"LinkProfile.queue_limit must be >= 0 bytes, got {self.queue_limit!r}"
@@ -177,6 +184,7 @@ class LinkProfile:
             and self.corrupt == 0.0
             and self.bandwidth is None
             and self.burst is None
+            and self.mtu is None
         )
 
 
@@ -189,6 +197,7 @@ class LinkStats:
 
     sent: int = 0  # datagrams submitted to send()
     delivered: int = 0  # datagrams (copies included) handed out by poll()
+    dropped_mtu: int = 0  # longer than the path MTU
     dropped_loss: int = 0  # dropped by random or burst loss
     dropped_queue: int = 0  # dropped because the bottleneck queue was full (drop-tail)
     duplicated: int = 0  # extra copies made
@@ -248,6 +257,10 @@ class LinkConditioner(Generic[T]):
         self.stats.sent += 1
         if self._perfect:
             self._schedule(now, data, meta)
+            return
+        mtu = self._profile.mtu
+        if mtu is not None and len(data) > mtu:
+            self.stats.dropped_mtu += 1
             return
         if self._lose():
             self.stats.dropped_loss += 1

@@ -32,6 +32,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rudp.errors import check_address
 from rudp.netsim.aio import ConditionedPipe
 from rudp.netsim.conditioner import LinkProfile, LinkStats
 
@@ -188,6 +189,13 @@ class Proxy:
     def address(self) -> tuple[str, int]:
         """The (host, port) the proxy listens on; the real port when 0 was asked."""
         return self._address
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (
+            f"<rudp.netsim Proxy {format_address(self.address)} -> "
+            f"{format_address(self.target)}{state}>"
+        )
 
     @property
     def target(self) -> tuple[str, int]:
@@ -378,6 +386,8 @@ async def start_proxy(
     dropped and counted in ``stats.clients_rejected``. Raises OSError when binding or resolving
     fails.
     """
+    check_address(listen, "listen")
+    check_address(target, "target")
     if not (idle_timeout > 0.0 and math.isfinite(idle_timeout)):
         raise ValueError(
             f"idle_timeout must be a finite number of seconds > 0, got {idle_timeout!r}"

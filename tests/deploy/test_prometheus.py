@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import rudp
 from matchmaker.client import MatchmakerClient
 from tests.deploy.conftest import ROOT, Container, free_port, http_get, wait_until
 
@@ -130,7 +131,8 @@ def prometheus(deploy_tools: None, container: Container, tmp_path: Path) -> Iter
 @pytest.fixture
 async def three_hosts(container: Container) -> AsyncIterator[list[MatchmakerClient]]:
     """Three registered game hosts (each its own rudp socket, so its own address)."""
-    hosts = [MatchmakerClient.to("127.0.0.1", container.udp_port) for _ in range(3)]
+    games = [await rudp.open_endpoint("127.0.0.1") for _ in range(3)]
+    hosts = [MatchmakerClient.to("127.0.0.1", container.udp_port, via=g) for g in games]
     try:
         for i, host in enumerate(hosts):
             await host.register(name=f"host {i}", game="q3", version="1.32c", max_players=8)
@@ -138,6 +140,8 @@ async def three_hosts(container: Container) -> AsyncIterator[list[MatchmakerClie
     finally:
         for host in hosts:
             await host.close()
+        for game in games:
+            await game.close()
 
 
 def dashboard() -> dict[str, Any]:

@@ -69,7 +69,7 @@ class FakeConnection:
                 return
             yield Received(data)
 
-    async def close(self, code: int = 0, reason: str = "") -> None:
+    async def close(self, code: int = 0, text: str = "", *, reason: str | None = None) -> None:
         self.abort()
 
     def abort(self) -> None:

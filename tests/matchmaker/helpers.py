@@ -205,6 +205,10 @@ def info(name: str = "srv", **kw: Any) -> HostInfo:
 NONCE = b"N" * 16
 
 
+WALL_CLOCK = 1_800_000_000.0
+"""The UNIX time the service's tokens are issued at."""
+
+
 class Harness:
     def __init__(self, registry: Registry | None = None, **overrides: Any) -> None:
         self.clock = FakeClock()
@@ -212,6 +216,7 @@ class Harness:
         self.metrics = Metrics(CollectorRegistry())
         options: dict[str, Any] = {"register_burst": 100.0, "list_burst": 100.0}
         options["introduce_burst"] = 100.0
+        issuer = overrides.pop("issuer", None)
         options.update(overrides)
         self.settings = Settings(**options)
         self.service = MatchmakerService(
@@ -221,6 +226,8 @@ class Harness:
             rng=random.Random(1),
             clock=self.clock,
             nonce=lambda n: NONCE[:n],
+            issuer=issuer,
+            wall=lambda: WALL_CLOCK,
         )
 
     def connect(self, ip: str, port: int = 27960) -> Wire:

@@ -14,6 +14,7 @@ import rudp
 from matchmaker.browsers import a2s_info, listing_rules, serve_browsers
 from matchmaker.server import Matchmaker
 from rudp.a2s import Player
+from rudp.tokens import generate_issuer_key, issuer_public_key
 from tests.matchmaker.helpers import info
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -53,6 +54,7 @@ async def test_the_example_host_as_server_browsers_see_it(daemon: Matchmaker) ->
     host = await asyncio.create_subprocess_exec(
         sys.executable, str(EXAMPLES / "game_host.py"), "--bind", "127.0.0.1", "--port", "0",
         "--matchmaker", mm, "--name", "Browsed arena",
+        "--issuer-key", issuer_public_key(generate_issuer_key()).hex(),  # (it requires tokens)
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     try:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import ast
 import asyncio
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import rudp
 from matchmaker.server import Matchmaker
-from tests.matchmaker.helpers import eventually
+from tests.matchmaker.helpers import eventually, settings
 
 DOC = (Path(__file__).parents[2] / "docs" / "matchmaker.md").read_text()
 DEADLINE = 10.0
@@ -41,13 +44,29 @@ async def run(source: str, namespace: dict[str, Any]) -> None:
         await result
 
 
+@pytest.fixture
+async def daemon() -> AsyncIterator[Matchmaker]:
+    """A matchmaker on loopback that signs connect tokens."""
+    mm = Matchmaker(settings(ephemeral_issuer_key=True))
+    await mm.start()
+    yield mm
+    await mm.shutdown()
+
+
 async def test_host_and_client_snippets_join_through_the_serve_handler(
-    daemon: Matchmaker,
+    daemon: Matchmaker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = daemon.udp_address[1]
     players: asyncio.Queue[rudp.Connection] = asyncio.Queue()
+    # The files the snippets read: the matchmaker's public key and the host's key.
+    assert daemon.issuer is not None
+    (tmp_path / "issuer.key.pub").write_text(daemon.issuer.public_key.hex() + "\n")
+    (tmp_path / "host.key").write_bytes(rudp.generate_key())
+    monkeypatch.chdir(tmp_path)
 
     async def handle_player(conn: rudp.Connection) -> None:
+        identity = conn.peer_identity
+        assert identity is not None and identity.user_data == b"player=ada"
         await players.put(conn)
         async for msg in conn:
             conn.send(b"echo:" + msg.data)
@@ -75,7 +94,12 @@ async def test_host_and_client_snippets_join_through_the_serve_handler(
         reply = await asyncio.wait_for(conn.recv(), DEADLINE)
         assert reply.data == b"echo:hi"
         await eventually(lambda: "intro" in host)  # the host was told, and punched
-        assert host["intro"].nonce == client["intro"].nonce
+        assert host["intro"].nonce == client["ticket"].introduction.nonce
+        assert conn.server_authenticated  # NK to the key the matchmaker vouched for
+        assert client["ticket"].host_key == host["game"].public_key
+        # A plain connect() to the host is refused: it requires a token.
+        with pytest.raises(rudp.ConnectRefused, match="requires a connect token"):
+            await rudp.connect(*host["game"].address[:2])
 
         # "Server info from the hosts themselves": its two halves, host and client.
         browser = host | {k: client[k] for k in ("endpoint", "servers")}
@@ -83,6 +107,7 @@ async def test_host_and_client_snippets_join_through_the_serve_handler(
         (status,) = browser["statuses"]
         assert status.info is not None and status.info.name == "Friday night"
         assert status.info.players == 3 and status.ping is not None
+        assert status.info.key == host["game"].public_key  # server info carries the key
         await conn.close()
         await client["mm"].close()
         await client["endpoint"].close()

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import rudp
 from matchmaker.addresses import Address
 from matchmaker.client import MatchmakerClient, MatchmakerUnreachable
 from matchmaker.server import Matchmaker
@@ -86,8 +87,9 @@ async def test_a_replica_that_closes_sends_its_hosts_to_the_other() -> None:
 
 async def test_first_register_waits_for_a_matchmaker_that_comes_up_later() -> None:
     port = free_udp_port()
-    client = MatchmakerClient.to("127.0.0.1", port, timeout=0.5, reconnect_delay=0.1)
-    async with client:
+    game = await rudp.open_endpoint("127.0.0.1")
+    client = MatchmakerClient.to("127.0.0.1", port, via=game, timeout=0.5, reconnect_delay=0.1)
+    async with game, client:
         registering = asyncio.create_task(client.register(**HOST))
         await asyncio.sleep(1.5)
         assert not registering.done(), registering
@@ -105,7 +107,9 @@ async def test_first_register_waits_for_a_matchmaker_that_comes_up_later() -> No
 async def test_first_register_gives_up_naming_every_address_tried() -> None:
     ports = [free_udp_port(), free_udp_port()]
     replicas = [("127.0.0.1", p) for p in ports]
-    async with MatchmakerClient.to(replicas, timeout=0.2, register_timeout=1.0) as client:
+    game = await rudp.open_endpoint("127.0.0.1")
+    client = MatchmakerClient.to(replicas, via=game, timeout=0.2, register_timeout=1.0)
+    async with game, client:
         started = asyncio.get_running_loop().time()
         with pytest.raises(MatchmakerUnreachable) as gave_up:
             await client.register(**HOST)

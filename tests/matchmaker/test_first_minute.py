@@ -18,6 +18,7 @@ import rudp
 from matchmaker.client import MatchmakerClient
 from matchmaker.messages import HostInfo, HostUpdate, ListFilter, str_tuple
 from matchmaker.server import Matchmaker
+from matchmaker.serverinfo import query_server, query_servers
 from matchmaker.settings import Settings
 from tests.matchmaker.helpers import accepting_endpoint
 
@@ -49,6 +50,67 @@ def test_any_sequence_of_tags_becomes_a_tuple() -> None:
     assert str_tuple(("x",), "tags") == ("x",)
     with pytest.raises(TypeError, match="tags_any"):
         str_tuple("x", "tags_any")
+
+
+async def test_the_client_refuses_a_str_where_an_address_or_a_list_belongs() -> None:
+    with pytest.raises(TypeError, match=r"\(host, port\) tuple, not 'mm:27950'"):
+        MatchmakerClient.to(["mm:27950"])
+    with pytest.raises(TypeError, match="to\\(\\) host"):
+        MatchmakerClient.to(b"mm")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="connect takes a sequence"):
+        MatchmakerClient("replica")  # type: ignore[arg-type]
+    endpoint = await rudp.open_endpoint("127.0.0.1")
+    async with endpoint, MatchmakerClient.to("127.0.0.1", 9, via=endpoint) as mm:
+        with pytest.raises(TypeError, match="introduce\\(\\) host"):
+            await mm.introduce("192.0.2.1:27960")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="lan takes a"):
+            await mm.register(**HOST, lan="192.168.1.5:27960")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="addresses takes a sequence"):
+            await query_servers(endpoint, "192.0.2.1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="each of addresses"):
+            await query_servers(endpoint, ["192.0.2.1:27960"])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="address takes a"):
+            await query_server(endpoint, "192.0.2.1:27960")  # type: ignore[arg-type]
+        assert mm.route is None  # nothing was sent anywhere
+
+
+# -- registering from the wrong socket ------------------------------------------------------
+
+
+async def test_register_without_the_game_socket_is_refused_before_anything_is_sent(
+    daemon: Matchmaker,
+) -> None:
+    async with MatchmakerClient.to(*daemon.udp_address) as mm:
+        with pytest.raises(TypeError, match=r"via=game_server"):
+            await mm.register(**HOST)
+        assert mm.registrations == 0 and mm.route is None  # not even connected
+        # Listing from a socket of its own is fine.
+        assert await mm.list_servers(game="q3") == []
+    assert daemon.registry.count_by_game() == {}
+
+
+async def test_register_through_the_game_socket_lists_the_game_port(daemon: Matchmaker) -> None:
+    game, _ = await accepting_endpoint()
+    try:
+        async with MatchmakerClient.to(*daemon.udp_address, via=game) as mm:
+            address = await mm.register(**HOST)
+            assert (address.ip, address.port) == game.address
+    finally:
+        await game.close()
+
+
+async def test_the_client_and_the_daemon_print_where_they_are(daemon: Matchmaker) -> None:
+    udp_host, udp_port = daemon.udp_address
+    assert repr(daemon).startswith(f"<Matchmaker udp {udp_host}:{udp_port} http ")
+    assert repr(Matchmaker(Settings())) == "<Matchmaker not started>"
+    game, _ = await accepting_endpoint()
+    try:
+        async with MatchmakerClient.to(udp_host, udp_port, via=game) as mm:
+            assert repr(mm) == "<MatchmakerClient not connected>"
+            address = await mm.register(**HOST)
+            assert repr(mm) == f"<MatchmakerClient {udp_host}:{udp_port}, registered as {address}>"
+    finally:
+        await game.close()
 
 
 # -- connect errors name the address and the timeout ----------------------------------------
@@ -113,6 +175,10 @@ def test_a_busy_port_is_one_line_naming_it_and_exit_status_3(kind: str) -> None:
     assert failed[0]["port"] == f"{kind} 127.0.0.1:{port} ({flag})"
     assert "in use" in failed[0]["error"].lower()
     assert "Traceback" not in done.stderr
+    # It never started, so it does not say it is stopping either.
+    events = [r["event"] for r in lines]
+    assert "matchmaker_started" not in events and "matchmaker_stopping" not in events
+    assert "matchmaker_stopped" not in events
 
 
 def test_startup_fields_are_what_an_operator_checks() -> None:
@@ -158,6 +224,12 @@ async def test_servers_says_when_the_answer_reached_its_limit(daemon: Matchmaker
         assert whole["total"] == 3 and whole["limit"] == 1000 and whole["limit_reached"] is False
         every = await http_get(daemon.http_address, "/servers")
         assert every["total"] == 3 and every["limit_reached"] is False
+        lister = hosts[0][1]
+        cut = await lister.list_servers(game="q3", limit=2)
+        assert len(cut) == 2 and cut.limit == 2 and cut.limit_reached is True
+        full = await lister.list_servers(game="q3")
+        assert len(full) == 3 and full.limit == 1000 and full.limit_reached is False
+        assert "limit=1000" in repr(full)
     finally:
         for game, mm in hosts:
             await mm.close()
@@ -192,3 +264,57 @@ def test_make_names_the_package_when_python_has_no_venv(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "apt-get install python3-venv" in done.stderr
     assert not venv.exists()
+
+
+# -- addresses: IPv6 ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bind", "families"),
+    [
+        ("127.0.0.1", {socket.AF_INET}),
+        ("::1", {socket.AF_INET6}),
+        ("::", {socket.AF_UNSPEC}),
+        (None, {socket.AF_UNSPEC}),  # no via: the client's own socket follows the address
+    ],
+)
+async def test_replica_names_are_resolved_for_what_the_game_socket_reaches(
+    bind: str | None, families: set[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: set[int] = set()
+    loop = asyncio.get_running_loop()
+
+    async def getaddrinfo(host: str, port: int, *, family: int = 0, **kw: Any) -> Any:
+        asked.add(family)
+        v4 = (socket.AF_INET, socket.SOCK_DGRAM, 0, "", ("192.0.2.1", port))
+        v6 = (socket.AF_INET6, socket.SOCK_DGRAM, 0, "", ("2001:db8::1", port, 0, 0))
+        return {socket.AF_INET: [v4], socket.AF_INET6: [v6]}.get(family, [v6, v4])
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    game = await rudp.open_endpoint(bind) if bind is not None else None
+    try:
+        mm = MatchmakerClient.to("mm.example.net", 27950, via=game)
+        routes = [label for label, _ in await mm._routes()]
+        assert asked == families
+        want = {
+            socket.AF_INET: ["192.0.2.1:27950"],
+            socket.AF_INET6: ["[2001:db8::1]:27950"],
+            socket.AF_UNSPEC: ["[2001:db8::1]:27950", "192.0.2.1:27950"],
+        }[next(iter(families))]
+        assert routes == want
+    finally:
+        if game is not None:
+            await game.close()
+
+
+async def test_ipv6_addresses_are_socket_addresses_and_address_is_host_and_port() -> None:
+    async def hold(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    async with await rudp.serve(hold, "::1", 0) as server:
+        assert server.address == ("::1", server.address[1])
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        host, port, flowinfo, scope_id = conn.remote_address  # what the socket module gives
+        assert (host, port) == server.address and conn.remote_address[:2] == server.address
+        assert len(conn.local_address) == 4
+        await asyncio.wait_for(conn.close(), 5)

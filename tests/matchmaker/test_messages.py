@@ -62,6 +62,7 @@ HOST = HostInfo(
     region="eu-west",
     info=b"\x00\x01opaque",
     lan=Address("192.168.1.5", 27960),
+    key=b"k" * 32,
 )
 A = Address("198.51.100.7", 27960)
 B = Address("2001:db8::1", 27961)
@@ -110,6 +111,10 @@ ALL_MESSAGES: list[Message] = [
     Introduce(request_id=7, host=B, lan=Address("10.0.0.2", 5000)),
     Introduction(request_id=7, role=Role.CLIENT, peer=A, nonce=bytes(16)),
     Introduction(role=Role.HOST, peer=B, peer_lan=Address("10.0.0.2", 1), nonce=b"n" * 16),
+    Introduce(request_id=8, host=A, client_key=b"c" * 32, user_data=b"team=red"),
+    Introduction(
+        request_id=8, role=Role.CLIENT, peer=A, nonce=b"n" * 16, peer_key=b"k" * 32, token=b"t"
+    ),
     Error(request_id=8, reason=ErrorReason.RATE_LIMITED, detail="slow down"),
     WrongVersion(request_id=9),
     ServerQuery(request_id=10, room=1170),
@@ -189,6 +194,11 @@ def reason_of(data: bytes, limits: Limits = DEFAULT_LIMITS) -> ErrorReason:
         (reg(lan=["10.0.0.1", 65536]), ErrorReason.BAD_FIELD),
         (reg(lan=["not-an-ip", 1]), ErrorReason.BAD_FIELD),
         (reg(lan=["10.0.0.1", True]), ErrorReason.BAD_FIELD),
+        (reg(key=b"k" * 31), ErrorReason.BAD_FIELD),
+        (reg(key=b"k" * 33), ErrorReason.BAD_FIELD),
+        (reg(key="k" * 32), ErrorReason.BAD_FIELD),
+        (raw(MsgType.INTRODUCE, host=["1.2.3.4", 1], client_key=b"c" * 31), ErrorReason.BAD_FIELD),
+        (raw(MsgType.INTRODUCE, host=["1.2.3.4", 1], user_data=b"u" * 257), ErrorReason.BAD_FIELD),
         (raw(MsgType.UPDATE, players=2000), ErrorReason.BAD_FIELD),
         (raw(MsgType.UPDATE, game="other"), ErrorReason.UNKNOWN_FIELD),  # not updatable
         (raw(MsgType.UPDATE, name=""), ErrorReason.BAD_FIELD),
@@ -390,6 +400,7 @@ FULL = HostInfo(
     tags=("ctf",),
     region="eu",
     info=b"x",
+    key=bytes(range(32)),
 )
 BARE = HostInfo(name="bare", game="q3", version="1", max_players=8)
 

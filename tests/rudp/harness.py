@@ -40,6 +40,8 @@ class Link:
     # through a drop-tail queue of ``queue_limit`` bytes (None: no bottleneck).
     bandwidth: float | None = None
     queue_limit: int = 64 * 1024
+    # The path MTU: a longer datagram is dropped (a black hole, no ICMP). None: no limit.
+    mtu: int | None = None
 
 
 @dataclass
@@ -72,9 +74,12 @@ class Network:
         self._ids = itertools.count()
         self.sent: list[tuple[bytes, Address, Address]] = []  # everything put on the wire
         self.tap: Callable[[bytes, Address, Address], None] | None = None
+        # Datagrams for which this returns True are lost on the wire (a targeted loss).
+        self.drop: Callable[[bytes, Address, Address], bool] | None = None
         self._idle_steps = 0
         self._busy_until: dict[tuple[Address, Address], float] = {}  # bottleneck per direction
         self.queue_drops = 0  # datagrams the bottleneck's full queue dropped
+        self.mtu_drops = 0  # datagrams longer than the link's MTU
 
     def add(self, address: Address, config: Config | None = None, *, accept: bool = False) -> Node:
         ep = Endpoint(
@@ -90,6 +95,11 @@ class Network:
     def remove(self, address: Address) -> None:
         del self.nodes[address]
 
+    def move(self, old: Address, new: Address) -> None:
+        """The node at ``old`` is reached at ``new`` from now on (a NAT rebinding):
+        what it sends comes from ``new``; what is sent to ``old`` is lost."""
+        self.nodes[new] = self.nodes.pop(old)
+
     def inject(self, data: bytes, src: Address, dst: Address) -> None:
         """Put a datagram on the wire as if ``src`` sent it (spoofing included)."""
         heapq.heappush(self._wire, (self.now, next(self._ids), data, src, dst))
@@ -99,6 +109,11 @@ class Network:
         if self.tap is not None:
             self.tap(data, src, dst)
         link, rng = self.link, self.rng
+        if self.drop is not None and self.drop(data, src, dst):
+            return
+        if link.mtu is not None and len(data) > link.mtu:
+            self.mtu_drops += 1
+            return
         if link.blackout or rng.random() < link.loss:
             return
         copies = 2 if rng.random() < link.duplicate else 1
@@ -196,7 +211,17 @@ def pair(
     client = net.add(CLIENT, config)
     conn = client.endpoint.connect(SERVER, net.now)
     net.run_until(lambda: conn.state is State.CONNECTED, timeout=30)
+    # Tests that count packets or step event by event start once path MTU discovery
+    # has settled on both sides (its probes are then over).
+    net.run_until(lambda: searched(conn) and all(searched(c) for c in server.endpoint.connections))
     return net, server, client, conn
+
+
+def searched(conn: Connection) -> bool:
+    """True when the connection's path MTU search is over (no probe in flight or due
+    before the raise timer)."""
+    pmtu = conn._pmtu
+    return pmtu.probe_pn < 0 and pmtu.next_probe > conn._clock + 1.0
 
 
 def server_conn(server: Node) -> Connection:
@@ -243,7 +268,7 @@ def inject_frames(net: Network, server: Node, *frames: bytes) -> DropReason | No
     conn = server_conn(server)
     peer = net.nodes[CLIENT].endpoint.connection(SERVER)
     assert peer is not None, "the client's connection is gone: nothing can seal for it"
-    ack = (conn._tx_next - 1) & 0xFFFF
+    ack = (conn._builder.tx_next - 1) & 0xFFFF
     packet = peer.seal_datagram(wire.ack_fields(ack, 0) + b"".join(frames))
     before = server.endpoint.stats.dropped.copy()
     server.endpoint.receive_datagram(packet, CLIENT, net.now)

@@ -88,7 +88,7 @@ async def test_graceful_close_reaches_both_sides_with_the_same_reason() -> None:
         await conn.close(4000, "match over")
         exc = await asyncio.wait_for(seen, 5)
         assert (exc.reason, exc.code, exc.text) == ("closed", 4000, "match over")
-        reason = conn.close_reason
+        reason = conn.disconnected
         assert reason is not None and (reason.code, reason.text) == (4000, "match over")
         with pytest.raises(rudp.ConnectionClosed):
             conn.send(b"late")
@@ -404,7 +404,7 @@ async def test_a_receiver_gets_every_message_in_order_and_recv_says_so() -> None
         while len(conn._inbox) < 2:  # two more are queued before the receiver is set
             await asyncio.sleep(0.01)
 
-        def receiver(msg: rudp.Message) -> None:
+        def receiver(msg: rudp.MessageReceived) -> None:
             got.append(msg.data)
             if len(got) == 12:
                 arrived.set()
@@ -470,7 +470,7 @@ async def test_a_failing_receiver_closes_its_connection_gracefully(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def handler(conn: rudp.Connection) -> None:
-        def receiver(msg: rudp.Message) -> None:
+        def receiver(msg: rudp.MessageReceived) -> None:
             raise RuntimeError("receiver bug")
 
         conn.set_receiver(receiver)
@@ -576,7 +576,7 @@ async def test_drain_returns_once_unreliable_messages_have_left() -> None:
 async def test_send_while_closing_raises_connection_closed(server: rudp.Server) -> None:
     conn = await rudp.connect(*server.address)
     conn.send(b"queued")
-    closing = asyncio.create_task(conn.close(9, "done"))
+    closing = conn.close(9, "done")  # closing from here on
     await asyncio.sleep(0)
     with pytest.raises(rudp.ConnectionClosed) as info:
         conn.send(b"too late")
@@ -683,7 +683,7 @@ async def test_two_peers_connecting_to_each_other_at_once_share_one_connection(
         assert (await asyncio.wait_for(to_b.recv(), 5)).data == b"from b"
         assert a.stats.simultaneous_opens + b.stats.simultaneous_opens == 1
         assert handled == [] and a.connections == [] and b.connections == []
-        await to_b.close(code=7, reason="done")
+        await to_b.close(code=7, text="done")
         ended = await asyncio.wait_for(to_a.wait_closed(), 5)
         assert (ended.reason, ended.code, ended.by_peer) == (rudp.DisconnectReason.CLOSED, 7, True)
     finally:

@@ -81,7 +81,7 @@ def test_a_loss_on_one_channel_does_not_hold_up_another() -> None:
     net.step(net.now + 1)
     # After one delay: channel 1 is delivered; a1 waits for a0's retransmission.
     assert server.received() == [b"b0"]
-    buffers = server_conn(server)._rx_ch_buf
+    buffers = server_conn(server)._receiver.ch_buf
     assert list(buffers[0].values()) == [b"a1"]  # channel 0 got a reorder buffer of its own
     assert buffers[1] is NO_BUFFER and NO_BUFFER == {}  # the others share the empty one
     net.run_until(lambda: len(server.received()) == 3)
@@ -125,10 +125,10 @@ def test_packet_and_channel_sequences_wrap_around() -> None:
     cfg = Config(max_datagram_size=600)
     net, server, client, conn = pair(Link(loss=0.05, duplicate=0.02, delay=0.001), config=cfg)
     payloads = [i.to_bytes(4, "big") * 100 for i in range(70_000)]  # one message per packet
-    start_seq = conn._tx_next
+    start_seq = conn._builder.tx_next
     pump(net, conn, payloads)
-    assert conn._tx_next - start_seq > 65536 + 1000  # the packet sequence wrapped
-    assert server_conn(server)._rx_ch_next[0] == 70_000  # and so did channel 0's
+    assert conn._builder.tx_next - start_seq > 65536 + 1000  # the packet sequence wrapped
+    assert server_conn(server)._receiver.ch_next[0] == 70_000  # and so did channel 0's
     assert server.received() == payloads
 
 
@@ -166,7 +166,11 @@ def test_rtt_estimate_tracks_the_path() -> None:
         conn.send(b"x")
         net.run(0.1)
     assert conn.stats.srtt == pytest.approx(0.06, abs=0.005)
-    assert conn.stats.rto == pytest.approx(0.06 + max(4 * conn.stats.rttvar, 0.06 / 8), abs=0.01)
+    # The resend timeout also waits for the peer's stated acknowledgment delay (RFC 9002).
+    delay = Config().max_ack_delay
+    assert conn.stats.rto == pytest.approx(
+        0.06 + max(4 * conn.stats.rttvar, 0.06 / 8) + delay, abs=0.01
+    )
 
 
 def test_jittery_path_gives_an_unbiased_rtt_and_few_spurious_timeouts() -> None:
@@ -205,12 +209,12 @@ def test_a_late_ack_of_a_packet_declared_lost_is_a_spurious_loss() -> None:
     net.tap = None
     net.run(0.03)  # the held packet is declared lost (packet and time thresholds)
     assert conn.stats.packets_lost == 1
-    threshold = conn._reorder_threshold
+    threshold = conn._recovery.reorder_threshold
     net.inject(held[0], CLIENT, SERVER)  # ... but it was only late
     conn.send(b"after")
     net.run(0.1)
     assert conn.stats.spurious_losses == 1
-    assert conn._reorder_threshold > threshold
+    assert conn._recovery.reorder_threshold > threshold
 
 
 def test_resend_timeout_backs_off_and_is_clamped() -> None:
@@ -257,7 +261,7 @@ def test_deep_reordering_is_learned_instead_of_resent() -> None:
     assert server.received() == payloads
     stats = conn.stats
     assert stats.spurious_losses > 0
-    assert conn._reorder_threshold > Config().reorder_threshold
+    assert conn._recovery.reorder_threshold > Config().reorder_threshold
     # Without this, the same transfer resent every message about 7 times over.
     assert stats.messages_resent < 0.5 * stats.messages_sent
     assert net.now - start < 1.0

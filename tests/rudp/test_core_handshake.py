@@ -19,8 +19,13 @@ from tests.rudp.harness import CLIENT, SERVER, Address, Link, Network, Node, pai
 
 
 def test_handshake_takes_two_round_trips_and_reports_connected() -> None:
-    net, server, client, conn = pair()
+    net = Network()
+    server = net.add(SERVER, accept=True)
+    client = net.add(CLIENT)
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: conn.state is State.CONNECTED)
     assert net.now == pytest.approx(1000.04)  # CONNECT, CHALLENGE, CONNECT, ACCEPT at 10 ms each
+    net.run(0.1)  # path MTU discovery's probes: no event
     assert [type(e) for _, e in client.events] == [Connected]
     assert [type(e) for _, e in server.events] == [Connected]
     sconn = server_conn(server)  # each side routes by the connection id it chose
@@ -56,6 +61,43 @@ def test_server_full_refuses_with_a_reason() -> None:
     assert second_node.disconnects() == [
         Disconnected(DisconnectReason.REFUSED, 0, "server full", by_peer=True)
     ]
+
+
+def test_a_client_refused_as_full_gets_the_refusal_again_and_one_connection_per_cookie() -> None:
+    # The cookie is spent only when a connection is made: a resent CONNECT (its REJECT
+    # was lost) is refused again, not dropped as a replay, and once there is room the
+    # same CONNECT opens exactly one connection.
+    net = Network()
+    server = net.add(SERVER, Config(max_connections=1), accept=True)
+    first = net.add(CLIENT).endpoint.connect(SERVER, net.now)
+    late = ("10.0.0.3", 5000)
+    net.add(late).endpoint.connect(SERVER, net.now)
+    net.run(1)
+    assert first.state is State.CONNECTED
+    (request,) = [
+        d
+        for d, s, _ in net.sent
+        if s == late and wire.decode_type(d) is PacketType.CONNECT and wire.decode_connect(d).cookie
+    ]
+    stats = server.endpoint.stats
+
+    def rejects() -> int:
+        return sum(1 for d, s, dst in net.sent if dst == late and d[0] == 0xA0 | PacketType.REJECT)
+
+    assert rejects() == 1 and stats.connections_refused == 1
+    net.inject(request, late, SERVER)  # its REJECT was lost: the same CONNECT again
+    net.run(0.1)
+    assert rejects() == 2 and stats.connections_refused == 2
+    assert stats.dropped[DropReason.REPLAYED_COOKIE] == 0
+    first.close(net.now)
+    net.run_until(lambda: not server.endpoint.connections)
+    net.inject(request, late, SERVER)  # room now: the cookie opens one connection
+    net.run(0.1)
+    assert stats.connections_accepted == 2
+    assert [c.address for c in server.endpoint.connections] == [late]
+    net.inject(request, late, SERVER)  # and never a second one
+    net.run(0.1)
+    assert stats.connections_accepted == 2 and len(server.endpoint.connections) == 1
 
 
 def test_short_connect_gets_no_answer() -> None:

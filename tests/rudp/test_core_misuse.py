@@ -56,7 +56,7 @@ def test_receive_buffer_is_bounded_and_drops_whole_packets() -> None:
         frame = wire.message_frame(1, 0, i * 10, bytes(1000))
         packet = conn.seal_datagram(wire.ack_fields(0, 0) + frame)  # the client's real keys
         server.endpoint.receive_datagram(packet, CLIENT, net.now)
-    assert sconn._rx_buffered_bytes <= 4000
+    assert sconn._receiver.buffered_bytes <= 4000
     assert server.endpoint.stats.dropped[DropReason.RECV_BUFFER_FULL] > 0
 
 

@@ -253,4 +253,4 @@ def test_fragments_entering_the_window_mid_packet_respect_the_budget() -> None:
     mem = tracemalloc.get_traced_memory()[0] - base_mem
     tracemalloc.stop()
     assert mem < 10_000_000  # it was ~100 MB: a 65535-slot partial per packet
-    assert sconn._rx_reassembly_bytes <= sconn.config.max_reassembly_bytes
+    assert sconn._receiver.reserved_bytes <= sconn.config.max_reassembly_bytes

@@ -235,7 +235,7 @@ def test_a_resume_travelling_with_refused_messages_still_arrives() -> None:
             continue  # it moved (an ack arrived): try again
         net.now = max(net.now, due)
         server.endpoint.handle_timer(net.now)
-        if sconn._retx:
+        if sconn._sender.retx:
             sconn.resume_receiving()
             net.flush()
             break
@@ -267,7 +267,7 @@ def test_a_dependency_refused_while_paused_does_not_time_out() -> None:
             if (
                 src == CLIENT
                 and any(m[3] == b"A" for m in frames.messages)
-                and sconn._pause_budget > 1300
+                and sconn._reader.pause_budget > 1300
             ):
                 return
         real(data, src, dst)

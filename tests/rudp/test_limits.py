@@ -124,7 +124,11 @@ def test_a_message_larger_than_the_peers_whole_buffer_still_goes() -> None:
     payload = to_a.max_datagram_payload
     for i in range(5):
         to_a.send(bytes([i]) * payload)
-    net.run_until(lambda: len(a.received()) == 5, timeout=6 * RTT)
+    # One message in flight at a time, and each acknowledgment of a lone packet may wait
+    # for the peer's ack delay (a packet that leaves the window blocked asks for it at
+    # once, but this one fills its datagram and the next is held by the buffer).
+    delay = Config().max_ack_delay
+    net.run_until(lambda: len(a.received()) == 5, timeout=6 * RTT + 5 * delay)
 
 
 def test_the_smaller_idle_timeout_ends_both_sides() -> None:
@@ -153,6 +157,42 @@ def test_a_peer_that_breaks_the_channel_limit_ends_the_connection_naming_it() ->
     start = net.now
     net.run_until(lambda: to_b.state is State.CLOSED, timeout=1)
     assert net.now - start <= RTT + 1e-9
+
+
+def test_a_fragment_of_a_message_past_our_largest_ends_the_connection_naming_it() -> None:
+    # The peer knew our limit from the handshake: a counted drop would leave the rest of
+    # that message, and its channel, stalled for good.
+    net, a, b, to_a, to_b = _pair(keyed=True)
+    fragment = wire.message_frame(1, 0, 0, b"z" * 100, fragment=(0, 2, 5001))
+    rogue = to_a.seal_datagram(wire.ack_fields(0, 0) + fragment)
+    a.endpoint.receive_datagram(rogue, CLIENT, net.now)
+    assert to_b.state is State.CLOSED
+    assert to_b.close_reason is not None
+    assert to_b.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
+    assert "5001-byte message" in to_b.close_reason.text
+    assert "at most 5000 bytes" in to_b.close_reason.text
+    assert a.endpoint.stats.dropped[DropReason.MALFORMED] == 0
+    assert to_b._receiver.parts == {} and to_b._receiver.reserved_bytes == 0
+    # The client learns within a round trip of its next packet (NOCONN, believed: NK).
+    to_a.send(b"still there?")
+    start = net.now
+    net.run_until(lambda: to_a.state is State.CLOSED, timeout=1)
+    assert net.now - start <= RTT + 1e-9
+    assert to_a.close_reason is not None
+    assert to_a.close_reason.reason is DisconnectReason.NO_CONNECTION
+
+
+def test_a_fragment_within_our_largest_message_is_taken() -> None:
+    net, a, b, to_a, to_b = _pair()
+    first = wire.message_frame(1, 0, 0, b"y" * 2500, fragment=(0, 2, 5000))
+    second = wire.message_frame(1, 0, 1, b"z" * 2500, fragment=(1, 2, 5000))
+    for frame in (first, second):
+        a.endpoint.receive_datagram(
+            to_a.seal_datagram(wire.ack_fields(0, 0) + frame), CLIENT, net.now
+        )
+    net.run(RTT)
+    assert a.received() == [b"y" * 2500 + b"z" * 2500]
+    assert to_b.state is State.CONNECTED
 
 
 def test_a_message_queued_before_the_handshake_past_the_peers_limit_ends_it_at_once() -> None:

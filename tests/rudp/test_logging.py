@@ -86,7 +86,7 @@ async def test_records_reach_stdlib_logging(caplog: pytest.LogCaptureFixture) ->
     caplog.set_level(logging.DEBUG, logger="rudp")
 
     async def handler(conn: rudp.Connection) -> None:
-        def receiver(msg: rudp.Message) -> None:
+        def receiver(msg: rudp.MessageReceived) -> None:
             raise RuntimeError("receiver bug")
 
         conn.set_receiver(receiver)

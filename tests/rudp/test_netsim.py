@@ -70,7 +70,9 @@ def payload(i: int) -> bytes:
 
 def balanced(stats: LinkStats, pending: int = 0) -> bool:
     produced = stats.sent + stats.duplicated
-    consumed = stats.delivered + stats.dropped_loss + stats.dropped_queue + pending
+    consumed = (
+        stats.delivered + stats.dropped_mtu + stats.dropped_loss + stats.dropped_queue + pending
+    )
     return produced == consumed
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 from rudp.config import Config
 from rudp.connection import Connection, State
+from rudp.events import Disconnected, MessageReceived
 from rudp.wire import Delivery
 
 from .harness import Link, Network
@@ -86,3 +88,77 @@ def test_a_seeded_run_replays_with_another_hash_seed() -> None:
         check=True,
     )
     assert result.stdout.strip() == here
+
+
+# -- one transcript, one constant: the pure and the compiled build alike -------------------
+
+# The sha256 of ``transcript_digest()``. The compiled build (``make compiled-test``) runs
+# this same test against the mypyc-compiled core, so both builds put byte-identical
+# datagrams on the wire and report identical events. A change that alters what goes on
+# the wire on purpose changes it: the failure message prints the new value.
+TRANSCRIPT = "e8a0818340c992d1201ce1f3e922f946ff8d2dc0569f3a962a1b19fea0817cb4"
+
+
+def _event_line(address: tuple[object, ...], event: object) -> bytes:
+    if isinstance(event, MessageReceived):
+        fields = f"{event.channel} {event.reliable} {len(event.data)}"
+        return f"{address!r} MessageReceived {fields} ".encode() + event.data
+    if isinstance(event, Disconnected):
+        fields = f"{event.reason.value} {event.code} {event.text!r} {event.by_peer}"
+        return f"{address!r} Disconnected {fields}".encode()
+    return f"{address!r} {type(event).__name__}".encode()
+
+
+def transcript_digest(seed: int = 11) -> str:
+    """Every delivery mode both ways under loss, duplication, reordering and jitter, a
+    channel's 16-bit sequence numbers wrapping around, fragmented and path-sized
+    messages, a path MTU black hole, then closes: the sha256 of every datagram (time,
+    addresses, bytes) and of every event each endpoint reported, in order."""
+    link = Link(loss=0.05, duplicate=0.03, reorder=0.1, delay=0.01, jitter=0.003)
+    net = Network(seed=seed, link=link)
+    digest = hashlib.sha256()
+
+    def tap(data: bytes, src: tuple[object, ...], dst: tuple[object, ...]) -> None:
+        digest.update(f"{net.now!r} {src!r} {dst!r} {len(data)} ".encode())
+        digest.update(data)
+
+    net.tap = tap
+    config = Config(redundancy=1, send_queue_limit=1 << 20)
+    server = net.add(SERVER, config, accept=True)
+    clients = [net.add((f"10.0.0.{10 + i}", 5000 + i), config) for i in range(2)]
+    conns = [c.endpoint.connect(SERVER, net.now) for c in clients]
+    net.run_until(lambda: all(c.state is State.CONNECTED for c in conns))
+    rng = random.Random(seed)
+    for tick in range(80):
+        if tick == 50:
+            link.mtu = 1300  # a black hole: datagrams above 1300 bytes vanish from now on
+        for i, conn in enumerate(conns):
+            blob = rng.randbytes(3000 if tick % 10 == 0 else 1200 if tick % 3 == 0 else 40)
+            conn.send(blob, channel=i)
+            conn.send(rng.randbytes(60), reliable=False, channel=1, now=net.now)
+            conn.send(rng.randbytes(30), delivery=Delivery.UNRELIABLE_SEQUENCED, channel=2)
+            first = conn.send(rng.randbytes(50), delivery=Delivery.RELIABLE_UNORDERED)
+            conn.send(rng.randbytes(70), delivery=Delivery.RELIABLE_SEQUENCED, channel=3)
+            conn.send(rng.randbytes(20), depends_on=[first])
+        for sconn in server.endpoint.connections:
+            if sconn.state is State.CONNECTED:
+                sconn.send(rng.randbytes(100), channel=5)
+        net.run(0.005)
+    # Channel 7's sequence numbers wrap around 65,536 (they travel as 16 bits).
+    wrapping = conns[0]
+    for batch in range(33):
+        for k in range(2000):
+            wrapping.send((batch * 2000 + k).to_bytes(3, "big"), channel=7)
+        net.run(0.05)
+    net.run(3.0)
+    for conn in conns:
+        conn.close(net.now)
+    net.run(5.0)
+    for address, node in net.nodes.items():
+        for _, event in node.events:
+            digest.update(_event_line(address, event))
+    return digest.hexdigest()
+
+
+def test_the_transcript_is_the_same_constant_in_every_build() -> None:
+    assert transcript_digest() == TRANSCRIPT, "the transcript changed"

@@ -1,0 +1,227 @@
+"""What a newcomer gets wrong in the public API is refused at once, with a message
+that names the fix: a str where a sequence or an address belongs."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import warnings
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+import rudp
+from rudp.errors import check_address, check_sequence
+from rudp.lan.aio import discover
+from rudp.netsim.conditioner import LinkProfile
+from rudp.netsim.proxy import start_proxy
+
+
+async def hold(conn: rudp.Connection) -> None:
+    await conn.wait_closed()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[rudp.Server, rudp.Connection]]:
+    async with await rudp.serve(hold, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        yield server, conn
+        await asyncio.wait_for(conn.close(), 5)
+
+
+# -- a str where a sequence belongs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("deps", ["spawn", b"spawn", bytearray(b"spawn")])
+@pytest.mark.parametrize("delivery", [None, rudp.Delivery.DEPENDENCY_ORDERED])
+async def test_depends_on_a_str_is_a_type_error_and_sends_nothing(
+    pair: tuple[rudp.Server, rudp.Connection], deps: Any, delivery: Any
+) -> None:
+    _, conn = pair
+    with pytest.raises(TypeError, match=r"depends_on takes a sequence .*write \["):
+        conn.send(b"kill", depends_on=deps, delivery=delivery)
+    assert conn.queued == 0 and conn.stats.messages_sent == 0
+
+
+async def test_depends_on_a_str_is_a_type_error_even_with_another_mode(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    _, conn = pair
+    with pytest.raises(TypeError, match="depends_on"):
+        conn.send(b"x", depends_on="x", delivery=rudp.Delivery.RELIABLE_ORDERED)  # type: ignore[arg-type]
+
+
+async def test_depends_on_a_list_of_handles_still_works(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    _, conn = pair
+    spawn = conn.send(b"spawn", delivery=rudp.Delivery.RELIABLE_UNORDERED)
+    kill = conn.send(b"kill", depends_on=(spawn,))
+    await asyncio.wait_for(kill, 5)
+    assert kill.acked
+
+
+def test_metrics_collector_refuses_a_str() -> None:
+    from rudp.metrics import RudpCollector
+
+    with pytest.raises(TypeError, match="endpoints"):
+        RudpCollector("server", registry=None)  # type: ignore[arg-type]
+
+
+async def test_discover_refuses_a_str_for_targets_and_for_one_target() -> None:
+    with pytest.raises(TypeError, match="targets takes a sequence"):
+        await discover(targets="127.0.0.1", broadcast=False, ipv6=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"targets takes a \(host, port\) tuple"):
+        await discover(targets=["127.0.0.1:27961"], broadcast=False, ipv6=False)  # type: ignore[list-item]
+
+
+# -- a str where an address belongs ---------------------------------------------------------
+
+
+async def test_query_refuses_an_address_written_as_one_string(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, _ = pair
+    with pytest.raises(TypeError, match=r"\(host, port\) tuple, not '127.0.0.1:9'"):
+        await server.query("127.0.0.1:9", b"ping")  # type: ignore[arg-type]
+
+
+async def test_connect_refuses_a_local_addr_written_as_one_string() -> None:
+    with pytest.raises(TypeError, match="local_addr"):
+        await rudp.connect("127.0.0.1", 9, local_addr="127.0.0.1")  # type: ignore[arg-type]
+
+
+async def test_proxy_refuses_an_address_written_as_one_string() -> None:
+    link = LinkProfile()
+    with pytest.raises(TypeError, match="listen"):
+        await start_proxy("127.0.0.1:0", ("127.0.0.1", 9), upstream=link, downstream=link)  # type: ignore[arg-type]
+
+
+def test_the_checks_accept_what_the_api_documents() -> None:
+    check_sequence([], "x")
+    check_sequence((), "x")
+    check_sequence(iter([1]), "x")
+    check_address(("127.0.0.1", 1), "x")
+    check_address(("::1", 1, 0, 0), "x")
+    check_address(["127.0.0.1", 1], "x")
+    for wrong in ("127.0.0.1", ("127.0.0.1",), (1, 2), None):
+        with pytest.raises(TypeError):
+            check_address(wrong, "x")
+
+
+# -- asyncio habits: handlers and close() ---------------------------------------------------
+
+
+def plain_handler(conn: rudp.Connection) -> None:
+    conn.send(b"hi")
+
+
+class PlainCallable:
+    def __call__(self, conn: rudp.Connection) -> None:
+        pass
+
+
+class AsyncCallable:
+    async def __call__(self, conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+
+async def takes_world(world: object, conn: rudp.Connection) -> None:
+    await conn.wait_closed()
+
+
+@pytest.mark.parametrize("handler", [plain_handler, PlainCallable(), functools.partial(print)])
+async def test_serve_refuses_a_plain_function_at_once(handler: Any) -> None:
+    with pytest.raises(TypeError, match="async def"):
+        await rudp.serve(handler, "127.0.0.1", 0)
+    with pytest.raises(TypeError, match="async def"):
+        await rudp.open_endpoint("127.0.0.1", handler=handler)
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        hold,
+        AsyncCallable(),
+        functools.partial(takes_world, None),
+        lambda conn: takes_world(None, conn),
+    ],
+)
+async def test_serve_takes_what_can_be_awaited(handler: Any) -> None:
+    async with await rudp.serve(handler, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        await asyncio.wait_for(conn.close(), 5)
+
+
+async def closed_by_the_server(handler: Any) -> rudp.Disconnected:
+    async with await rudp.serve(handler, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        with pytest.raises(rudp.ConnectionClosed) as info:
+            await asyncio.wait_for(conn.recv(), 5)
+        ended = await asyncio.wait_for(conn.wait_closed(), 5)
+        assert info.value.text == ended.text
+        return ended
+
+
+async def test_a_handler_that_returns_closes_its_connection_and_the_client_is_told() -> None:
+    tasks: list[asyncio.Task[None]] = []
+
+    async def spawn_and_return(conn: rudp.Connection) -> None:
+        tasks.append(asyncio.create_task(hold(conn)))  # the asyncio.start_server habit
+
+    ended = await closed_by_the_server(spawn_and_return)
+    assert ended.reason is rudp.DisconnectReason.CLOSED and ended.by_peer
+    assert ended.text == "server handler returned"
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+
+async def test_a_handler_that_raises_or_returns_no_awaitable_says_so() -> None:
+    async def fail(conn: rudp.Connection) -> None:
+        raise ValueError("bug")
+
+    assert (await closed_by_the_server(fail)).text == "server handler failed"
+    not_awaitable = await closed_by_the_server(lambda conn: None)
+    assert not_awaitable.text == "server handler is not a coroutine function"
+
+
+async def test_close_starts_at_once_even_when_not_awaited(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, conn = pair
+    [accepted] = server.connections
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine was never awaited"
+        conn.close(4000, "bye")  # not awaited
+        assert conn.closed
+    ended = await asyncio.wait_for(accepted.wait_closed(), 5)
+    assert (ended.reason, ended.code, ended.text) == (rudp.DisconnectReason.CLOSED, 4000, "bye")
+    mine = await asyncio.wait_for(conn.close(), 5)  # awaiting gives the Disconnected
+    assert mine == conn.disconnected and mine.code == 4000
+
+
+async def test_the_old_spellings_of_close_still_work_with_a_deprecation_warning(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, conn = pair
+    [accepted] = server.connections
+    with pytest.warns(DeprecationWarning, match="text="):
+        closing = conn.close(7, reason="old")
+    await asyncio.wait_for(closing, 5)
+    with pytest.warns(DeprecationWarning, match="disconnected"):
+        old = conn.close_reason
+    assert old == conn.disconnected and old is not None and old.text == "old"
+    assert (await asyncio.wait_for(accepted.wait_closed(), 5)).text == "old"
+
+
+async def test_endpoint_close_starts_at_once_even_when_not_awaited() -> None:
+    server = await rudp.serve(hold, "127.0.0.1", 0)
+    conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine was never awaited"
+        closing = server.close()  # not awaited
+        assert server.close() is closing
+    ended = await asyncio.wait_for(conn.wait_closed(), 5)
+    assert ended.by_peer and ended.reason is rudp.DisconnectReason.CLOSED
+    await asyncio.wait_for(server.wait_closed(), 5)
+    assert server.endpoint.is_closed and closing.done()
