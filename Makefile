@@ -80,5 +80,12 @@ compiled-test: $(VENV)/.installed-dev
 	cp -R pyproject.toml tests examples $(COMPILED_DIR)/run/
 	cd $(COMPILED_DIR)/run && RUDP_EXPECT_COMPILED=1 ../venv/bin/python -m pytest -q -p no:cacheprovider tests/rudp
 
+# The game-server benchmark (bench/game_server.py, docs/performance.md): rudp, both
+# builds and both loops, against ENet (pyenet, installed here), raw UDP and TCP.
+# Options through BENCH_ARGS, e.g. make bench BENCH_ARGS="--quick".
+bench: $(VENV)/.installed-dev
+	$(PY) -m pip install --quiet pyenet
+	$(PY) bench/game_server.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build .compiled-test
