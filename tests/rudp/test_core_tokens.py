@@ -140,7 +140,7 @@ def test_each_bad_token_is_refused_under_its_own_reason(case: str, refusal: Toke
     key = rudp.generate_key()
     good = _token(key)
     token = {
-        "forged": good[:30] + bytes([good[30] ^ 1]) + good[31:],
+        "forged": good[:15] + bytes([good[15] ^ 1]) + good[16:],  # in client_id
         "expired": _token(key, now=WALL - 31),
         "other client": _token(rudp.generate_key()),
         "other host": _token(key, host_key=rudp.public_key(rudp.generate_key())),
