@@ -24,8 +24,10 @@ Connect tokens: a server with ``Config.token_issuers`` reads the client's Noise
 message after the cookie checks (``handshake.read_first``) and verifies the token
 its payload carries (``rudp.tokens``) before it makes a connection; a refusal is a
 REJECT naming the reason, counted in ``stats.tokens_refused``. The verified
-identity becomes the connection's ``peer_identity``. Expiry is in UNIX time:
-``wall_offset`` turns ``now`` into it.
+identity becomes the connection's ``peer_identity``. Expiry is in UNIX time: the
+``wall_clock`` callable, when set (the asyncio layer gives ``time.time``), is read
+once per token checked, so a stepped system clock counts at once; without it,
+``wall_offset`` turns ``now`` into UNIX time.
 
 Routing: connections are indexed by address (handshake packets) and by the
 connection id each side chose for the packets it receives (DATA). A DATA that
@@ -56,6 +58,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections.abc import Callable
 from typing import Final
 
 from rudp import handshake, wire, wire_v1
@@ -120,8 +123,12 @@ class Endpoint:
             else None
         )
         self.wall_offset = 0.0
-        """UNIX time minus ``now``: tokens expire in wall-clock time, while the core's
-        clock may be any monotonic one (the asyncio layer sets it)."""
+        """UNIX time minus ``now``, used when ``wall_clock`` is None: tokens expire in
+        wall-clock time, while the core's clock may be any monotonic one."""
+        self.wall_clock: Callable[[], float] | None = None
+        """The current UNIX time, read once per token checked (the asyncio layer sets
+        it to ``time.time``): an offset taken once would keep a stepped clock's error
+        for the life of the process."""
 
     # -- public API ------------------------------------------------------------
 
@@ -566,7 +573,8 @@ class Endpoint:
         try:
             if not first.token:
                 raise TokenError(TokenRefusal.MISSING)
-            identity = self._tokens.verify(first.token, first.client_key, now + self.wall_offset)
+            wall = self.wall_clock() if self.wall_clock is not None else now + self.wall_offset
+            identity = self._tokens.verify(first.token, first.client_key, wall)
         except TokenError as exc:
             self.stats.tokens_refused[exc.refusal] += 1
             self.stats.connections_refused += 1

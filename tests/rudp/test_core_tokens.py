@@ -205,3 +205,20 @@ def test_misuse_raises_at_once() -> None:
     small = Endpoint(Config(max_datagram_size=576), now=0.0, rng=random.Random(1))
     with pytest.raises(MessageTooLarge, match="max_datagram_size"):
         small.connect(SERVER, 0.0, token=bytes(400), token_key=key)
+
+
+def test_expiry_follows_a_stepped_wall_clock() -> None:
+    # NTP steps the system clock while the monotonic one runs on: the expiry check
+    # reads the wall clock each time, not an offset taken when the server started.
+    server = Endpoint(_server_config(), now=0.0, rng=random.Random(3), accept=True)
+    wall = [WALL - 3600.0]  # the clock was an hour slow when the server started
+    server.wall_offset = wall[0]  # an offset frozen then would stay an hour slow
+    server.wall_clock = lambda: wall[0]
+    wall[0] = WALL + 31.0  # stepped: the token below expired a second ago
+    key = rudp.generate_key()
+    text = _refusal(server, _token(key), key, 1.0, salt=30)
+    assert text == REFUSAL_TEXT[TokenRefusal.EXPIRED]
+    wall[0] = WALL + 10.0  # stepped back: a fresh token is good
+    key = rudp.generate_key()
+    _, replies = _connect(server, _token(key), key, 2.0, salt=31, src=("10.9.0.2", 1))
+    assert [wire.decode_type(r) for r in replies] == [PacketType.ACCEPT]
