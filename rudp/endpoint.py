@@ -62,7 +62,7 @@ from collections.abc import Callable
 from typing import Final
 
 from rudp import handshake, wire, wire_v1
-from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket
+from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket, source_of
 from rudp.config import Config
 from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
@@ -351,7 +351,7 @@ class Endpoint:
         old = conn.address
         try:
             reason = conn._receive_moved(
-                data, pn32, address, now, movable=address not in self._conns
+                data, pn32, address, now, movable=self._movable(conn, address)
             )
         except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
             reason = exc.reason
@@ -362,6 +362,14 @@ class Endpoint:
             self._moved(conn, old)
         self._schedule(conn)
         return conn
+
+    def _movable(self, conn: Connection, address: Address) -> bool:
+        """Whether ``conn`` may move to ``address``: no other connection has it, and
+        its source may hold one more connection (``max_connections_per_source``),
+        unless it is the source ``conn`` already counts against (a new port)."""
+        if address in self._conns:
+            return False
+        return self._sources.may_hold(address) or source_of(address) == source_of(conn.address)
 
     def _moved(self, conn: Connection, old: Address) -> None:
         """``conn`` migrated from ``old``: the address index follows it."""
