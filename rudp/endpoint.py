@@ -472,7 +472,15 @@ class Endpoint:
         if not self._cookies.valid(request.cookie, address, request.salt, now):
             return DropReason.BAD_COOKIE
         if self._cookies.used(address, request.salt):
-            return DropReason.REPLAYED_COOKIE
+            refusal = self._cookies.refusal(address, request.salt)
+            if refusal is None:
+                return DropReason.REPLAYED_COOKIE
+            # Its connect token was refused and the client resends: the REJECT was
+            # lost. The same answer again (smaller than the CONNECT), with no DH and
+            # no connection: the cookie stays spent.
+            self.stats.connections_refused += 1
+            self._send_unvalidated(wire.encode_reject(request.salt, refusal), address)
+            return None
         if opening:
             assert conn is not None
             # Both handshakes are valid; both sides keep the one with the larger salt.
@@ -586,6 +594,7 @@ class Endpoint:
         except TokenError as exc:
             self.stats.tokens_refused[exc.refusal] += 1
             self.stats.connections_refused += 1
+            self._cookies.refused(address, salt, str(exc))  # for a resent CONNECT
             self._send_unvalidated(wire.encode_reject(salt, str(exc)), address)
             return None
         self.stats.tokens_accepted += 1

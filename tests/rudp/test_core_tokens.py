@@ -222,3 +222,24 @@ def test_expiry_follows_a_stepped_wall_clock() -> None:
     key = rudp.generate_key()
     _, replies = _connect(server, _token(key), key, 2.0, salt=31, src=("10.9.0.2", 1))
     assert [wire.decode_type(r) for r in replies] == [PacketType.ACCEPT]
+
+
+def test_a_refused_token_is_refused_again_when_the_connect_is_resent() -> None:
+    # The REJECT was lost: the client resends its CONNECT (same cookie) and gets the
+    # same REJECT again, not silence until its timeout; still no connection, and the
+    # token is checked (and counted) once.
+    server = Endpoint(_server_config(), now=0.0, rng=random.Random(3), accept=True)
+    server.wall_offset = WALL
+    key = rudp.generate_key()
+    request, replies = _connect(server, _token(key, now=WALL - 31), key, 0.0, salt=40)
+    assert [wire.decode_type(r) for r in replies] == [PacketType.REJECT]
+    for _ in range(2):
+        server.receive_datagram(request, CLIENT, 0.5)
+        assert server.datagrams_to_send(0.5) == [(replies[0], CLIENT)]
+    assert server.stats.tokens_refused == {TokenRefusal.EXPIRED: 1}
+    assert not server.connections and server.stats.connections_accepted == 0
+    # Another client with a good token still gets in.
+    good = rudp.generate_key()
+    request, replies = _connect(server, _token(good), good, 1.0, salt=41)
+    assert [wire.decode_type(r) for r in replies] == [PacketType.ACCEPT]
+    assert len(server.connections) == 1
