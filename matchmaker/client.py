@@ -296,6 +296,7 @@ class MatchmakerClient:
         *,
         via: rudp.Server | None = None,
         config: rudp.Config | None = None,
+        matchmaker_key: bytes | None = None,
         **kwargs: Any,
     ) -> MatchmakerClient:
         """A client for the matchmaker at host:port over rudp.
@@ -309,6 +310,12 @@ class MatchmakerClient:
         that the host is introduced to the address the client connects from.
         Without it the client opens a socket of its own, which can list servers
         and introduce, but `register` refuses (that socket is no game's address).
+
+        `matchmaker_key` is the matchmaker's rudp static public key (the daemon's
+        ``--static-key-file``; its startup line says ``static_public=``): with it
+        every connection authenticates the matchmaker (Noise NK), so no one on the
+        path can read the heartbeat secret `Registered` hands out.  Without it the
+        connections are Noise NN (docs/security.md).
         """
         if isinstance(host, str):
             if port is None:
@@ -324,7 +331,8 @@ class MatchmakerClient:
                 raise ValueError("to([]): no matchmaker address")
         if via is not None:
             kwargs.setdefault("datagrams", via)
-        client = cls(routes=_resolving_routes(replicas, via, config), **kwargs)
+        routes = _resolving_routes(replicas, via, config, matchmaker_key)
+        client = cls(routes=routes, **kwargs)
         client._socket_of_its_own = via is None
         return client
 
@@ -950,7 +958,10 @@ def _fixed_routes(routes: list[Route]) -> Routes:
 
 
 def _resolving_routes(
-    replicas: list[tuple[str, int]], via: rudp.Server | None, config: rudp.Config | None
+    replicas: list[tuple[str, int]],
+    via: rudp.Server | None,
+    config: rudp.Config | None,
+    server_key: bytes | None = None,
 ) -> Routes:
     """Every address each replica name resolves to, looked up per attempt (DNS
     round robin, a name whose records change as replicas come and go)."""
@@ -978,7 +989,8 @@ def _resolving_routes(
                     continue
                 seen.add((ip, port))
                 label = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-                routes.append((label, rudp_connector(ip, port, via=via, config=config)))
+                connector = rudp_connector(ip, port, via=via, config=config, server_key=server_key)
+                routes.append((label, connector))
         return routes
 
     return lookup
