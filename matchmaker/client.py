@@ -21,7 +21,12 @@ is acknowledged.  Without a socket the client keeps the connection and sends
 `Heartbeat` messages over it.  A fresh `Register` with the latest info is sent
 whenever the matchmaker says ``not_registered`` (the entry expired, or the
 replica is stopping) or the connection (connection mode) ends, retrying with
-exponential backoff.  `update(...)` changes what is listed and what a
+exponential backoff; until one succeeds, a heartbeating host keeps
+heartbeating the registration it has.  The host believes a NOT_REGISTERED
+datagram only from the replica it heartbeats to, and only when it carries the
+registration's MAC or echoes a counter of a heartbeat still waiting for an
+answer: each registration's counter starts at a random 62-bit value, so no
+one off the path can guess it.  `update(...)` changes what is listed and what a
 re-registration sends; it opens a connection for the time of the request.
 
 Failover: the client knows one or more matchmaker addresses (`to` takes a
@@ -55,7 +60,7 @@ import itertools
 import logging
 import random
 import socket
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -189,8 +194,10 @@ class _Beats:
     """Our address as the matchmaker observed (and lists) it."""
     replica: tuple[Any, ...]
     """Where heartbeats go: the replica that took the registration."""
-    counter: int = 0
-    round_start: int = 1
+    counter: int = field(default_factory=hb.first_counter)
+    """The last counter sent; starts at random so that no one off the path can
+    guess the counters a NOT_REGISTERED must echo."""
+    round_start: int = 0
     """The first counter of the heartbeats now waiting for an answer."""
     acked: int = 0
     answered: asyncio.Event = field(default_factory=asyncio.Event)
@@ -274,6 +281,10 @@ class MatchmakerClient:
         """Introductions for a registered host: clients that want to join."""
         self.registrations = 0
         """How many times `Register` succeeded (re-registrations included)."""
+        self.dropped: Counter[str] = Counter()
+        """Datagrams on the host's socket dropped, by reason: ``wrong_source`` (not
+        from the replica we heartbeat to), ``bad_mac``, ``stale`` (answers no
+        heartbeat we sent)."""
         self._socket_of_its_own = False
         """Made by `to()` without ``via``: its ephemeral socket is no game's address."""
 
@@ -285,6 +296,7 @@ class MatchmakerClient:
         *,
         via: rudp.Server | None = None,
         config: rudp.Config | None = None,
+        matchmaker_key: bytes | None = None,
         **kwargs: Any,
     ) -> MatchmakerClient:
         """A client for the matchmaker at host:port over rudp.
@@ -298,6 +310,12 @@ class MatchmakerClient:
         that the host is introduced to the address the client connects from.
         Without it the client opens a socket of its own, which can list servers
         and introduce, but `register` refuses (that socket is no game's address).
+
+        `matchmaker_key` is the matchmaker's rudp static public key (the daemon's
+        ``--static-key-file``; its startup line says ``static_public=``): with it
+        every connection authenticates the matchmaker (Noise NK), so no one on the
+        path can read the heartbeat secret `Registered` hands out.  Without it the
+        connections are Noise NN (docs/security.md).
         """
         if isinstance(host, str):
             if port is None:
@@ -313,7 +331,8 @@ class MatchmakerClient:
                 raise ValueError("to([]): no matchmaker address")
         if via is not None:
             kwargs.setdefault("datagrams", via)
-        client = cls(routes=_resolving_routes(replicas, via, config), **kwargs)
+        routes = _resolving_routes(replicas, via, config, matchmaker_key)
+        client = cls(routes=routes, **kwargs)
         client._socket_of_its_own = via is None
         return client
 
@@ -492,8 +511,27 @@ class MatchmakerClient:
                     str(exc),
                     delay,
                 )
-                await asyncio.sleep(delay)
+                await self._pause(delay)
                 delay = min(delay * 2, self._max_reconnect_delay)
+
+    async def _pause(self, delay: float) -> None:
+        """Wait `delay` seconds before registering again.  A heartbeating host keeps
+        heartbeating its old registration meanwhile (one datagram per keepalive,
+        answered or not): until a new registration succeeds, the old one is all
+        the listing there is."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + delay
+        beats, port = self._beats, self._port
+        while True:
+            if beats is not None and port is not None and beats is self._beats:
+                beats.counter += 1
+                data = hb.encode_beat(beats.secret, beats.address, beats.counter)
+                with contextlib.suppress(*TRANSPORT_ERRORS):
+                    port.send_datagram(data, beats.replica)
+            left = end - loop.time()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(self._keepalive, left))
 
     def _moves_on(self, exc: BaseException) -> bool:
         """Whether to retry at once: the failure is one another replica may not
@@ -577,17 +615,30 @@ class MatchmakerClient:
         beats = self._beats
         if beats is None or not data:
             return []
+        if not _same_place(source, beats.replica):
+            # Only the replica we heartbeat to speaks for the registration.
+            self.dropped["wrong_source"] += 1
+            return []
         if data[0] == hb.Kind.HEARTBEAT_ACK:
             acked = hb.decode_ack(beats.secret, beats.address, data)
-            if acked is not None and acked <= beats.counter:
+            if acked is None:
+                self.dropped["bad_mac"] += 1
+            elif acked > beats.counter:
+                self.dropped["stale"] += 1
+            else:
                 beats.acked = max(beats.acked, acked)
                 beats.answered.set()
         elif data[0] == hb.Kind.NOT_REGISTERED:
-            # Only an answer to a heartbeat still waiting counts (the counter
-            # echo is what an off-path forger cannot know).
-            counter = hb.decode_not_registered(data)
-            if counter is not None and beats.round_start <= counter <= beats.counter:
-                log.info("heartbeat_not_registered")
+            # Only an answer to a heartbeat still waiting counts.  Without a MAC
+            # (the replica does not list us) the echoed counter is the proof:
+            # it started at random, so no one off the path can know it.
+            found = hb.decode_not_registered(beats.secret, beats.address, data)
+            if found is None:
+                self.dropped["bad_mac"] += 1
+            elif not beats.round_start <= found[0] <= beats.counter:
+                self.dropped["stale"] += 1
+            else:
+                log.info("heartbeat_not_registered authenticated=%s", found[1])
                 self._needs_register.set()
                 beats.answered.set()
         elif data[0] == hb.Kind.INTRODUCTION:
@@ -597,6 +648,7 @@ class MatchmakerClient:
     def _on_introduction_datagram(self, beats: _Beats, data: bytes) -> list[bytes]:
         found = hb.decode_introduction(beats.secret, beats.address, data)
         if found is None:
+            self.dropped["bad_mac"] += 1
             return []
         intro_id, payload = found
         ack = hb.encode_introduction_ack(beats.secret, beats.address, intro_id)
@@ -876,6 +928,14 @@ class MatchmakerClient:
                 future.set_exception(exc)
 
 
+def _same_place(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two socket addresses name the same IP and port."""
+    try:
+        return make_address(str(a[0]), int(a[1])) == make_address(str(b[0]), int(b[1]))
+    except (ValueError, IndexError, TypeError):
+        return False
+
+
 def _with_id(msg: Message, rid: int) -> Message:
     return replace(msg, request_id=rid)
 
@@ -898,7 +958,10 @@ def _fixed_routes(routes: list[Route]) -> Routes:
 
 
 def _resolving_routes(
-    replicas: list[tuple[str, int]], via: rudp.Server | None, config: rudp.Config | None
+    replicas: list[tuple[str, int]],
+    via: rudp.Server | None,
+    config: rudp.Config | None,
+    server_key: bytes | None = None,
 ) -> Routes:
     """Every address each replica name resolves to, looked up per attempt (DNS
     round robin, a name whose records change as replicas come and go)."""
@@ -926,7 +989,8 @@ def _resolving_routes(
                     continue
                 seen.add((ip, port))
                 label = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-                routes.append((label, rudp_connector(ip, port, via=via, config=config)))
+                connector = rudp_connector(ip, port, via=via, config=config, server_key=server_key)
+                routes.append((label, connector))
         return routes
 
     return lookup

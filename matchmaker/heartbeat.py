@@ -26,7 +26,8 @@ byte  name                layout after the first byte
 ====  ==================  ========================================================
 B1    HEARTBEAT           counter (8), address (7 or 19), mac (16): 32 or 44 bytes
 B2    HEARTBEAT_ACK       counter (8), mac (16): 25 bytes
-B3    NOT_REGISTERED      counter (8): 9 bytes
+B3    NOT_REGISTERED      counter (8), and mac (16) when the matchmaker lists the
+                          address: 9 or 25 bytes
 B4    LEAVE               as HEARTBEAT; the host leaves the list
 B5    INTRODUCTION        id (8), payload (an `Introduction` message), mac (16)
 B6    INTRODUCTION_ACK    id (8), mac (16): 25 bytes
@@ -37,10 +38,17 @@ B6    INTRODUCTION_ACK    id (8), mac (16): 25 bytes
 the first 16 bytes of HMAC-SHA256(secret, first byte + the fields before the
 mac + address), so a MAC made for one kind, one address or one host is
 worthless for another.  Replies to a heartbeat are never larger than it (no
-amplification towards a spoofed source): an ACK is 25 bytes, NOT_REGISTERED 9.
-NOT_REGISTERED carries no MAC (the matchmaker knows no secret for an address it
-does not list); it only echoes the counter, which an off-path forger does not
-know.
+amplification towards a spoofed source): an ACK is 25 bytes, NOT_REGISTERED 9
+or 25.  NOT_REGISTERED carries a MAC when the matchmaker lists the address (the
+heartbeat came from elsewhere, or the replica is stopping); for an address it
+does not list it knows no secret, and the reply only echoes the counter.  That
+echo is no proof by itself: anyone can send the matchmaker a heartbeat naming
+an unlisted address with a chosen counter from a spoofed source.  What makes
+it hard to forge is that each registration's counter starts at a random
+62-bit value (`first_counter`), so a host takes an unauthenticated
+NOT_REGISTERED only when it echoes one of the counters it just sent, and only
+from the replica it heartbeats to.  An on-path attacker who sees the
+heartbeats can still forge it; all it wins is a re-registration.
 
 No I/O here: pure encoders and decoders.
 """
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import secrets
 import socket
 import struct
 from dataclasses import dataclass
@@ -77,6 +86,14 @@ FIRST_BYTES: tuple[int, ...] = tuple(int(k) for k in Kind)
 """Every first byte this module uses (what a socket routes here)."""
 ACK_BYTES = 1 + _COUNTER.size + MAC_BYTES
 """Size of HEARTBEAT_ACK and INTRODUCTION_ACK."""
+COUNTER_START_BITS = 62
+"""A registration's first counter is random below 2**62: not guessable, and
+2**62 heartbeats from the ceiling."""
+
+
+def first_counter() -> int:
+    """Where a new registration's heartbeat counter starts (random, never 0)."""
+    return secrets.randbits(COUNTER_START_BITS) + 1
 
 
 class BeatError(ValueError):
@@ -198,14 +215,31 @@ def decode_ack(secret: bytes, address: Address, data: bytes) -> int | None:
     return int(_COUNTER.unpack_from(data, 1)[0])
 
 
-def encode_not_registered(counter: int) -> bytes:
-    return bytes((Kind.NOT_REGISTERED,)) + _COUNTER.pack(counter)
+def encode_not_registered(
+    counter: int, secret: bytes | None = None, address: Address | None = None
+) -> bytes:
+    """A NOT_REGISTERED; with the registration's `secret` and `address`, authenticated."""
+    head = bytes((Kind.NOT_REGISTERED,)) + _COUNTER.pack(counter)
+    if secret is None or address is None:
+        return head
+    return head + mac(secret, head + pack_address(address))
 
 
-def decode_not_registered(data: bytes) -> int | None:
-    if len(data) != 1 + _COUNTER.size or data[0] != Kind.NOT_REGISTERED:
+def decode_not_registered(secret: bytes, address: Address, data: bytes) -> tuple[int, bool] | None:
+    """(counter, authenticated) of a NOT_REGISTERED for the host at `address`; None
+    for anything else, a MAC that is wrong included."""
+    head_size = 1 + _COUNTER.size
+    if not data or data[0] != Kind.NOT_REGISTERED:
         return None
-    return int(_COUNTER.unpack_from(data, 1)[0])
+    counter = int(_COUNTER.unpack_from(data, 1)[0]) if len(data) >= head_size else 0
+    if len(data) == head_size:
+        return counter, False
+    if len(data) != ACK_BYTES:
+        return None
+    head = data[:head_size]
+    if not mac_ok(secret, head + pack_address(address), data[head_size:]):
+        return None
+    return counter, True
 
 
 def encode_introduction(secret: bytes, address: Address, intro_id: int, payload: bytes) -> bytes:

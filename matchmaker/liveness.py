@@ -8,14 +8,23 @@ is counted in ``matchmaker_heartbeats_total`` under its reason:
 
 1. it decodes (``truncated``, ``malformed``, ``unknown_type``);
 2. the address it names is listed (``not_registered``: answered with a
-   9-byte NOT_REGISTERED, so the host registers again at once);
+   9-byte NOT_REGISTERED echoing the counter, so the host registers again at
+   once);
 3. its MAC is right for that registration's secret (``bad_mac``: a forgery,
    or a heartbeat of an older registration; no answer);
 4. it comes from the address it names (``wrong_address``: a copy sent from
-   elsewhere, or the host's NAT moved it; answered with NOT_REGISTERED, which
-   a genuine host takes as "register again from where you are now");
+   elsewhere, or the host's NAT moved it; answered with a NOT_REGISTERED
+   authenticated with the registration's secret, which a genuine host takes
+   as "register again from where you are now");
 5. its counter is above the last one accepted for this registration
    (``replayed``; no answer).
+
+A stopping replica answers a genuine heartbeat with an authenticated
+NOT_REGISTERED too (``stopping``).  NOT_REGISTERED replies are rate limited per
+source (`reply_limiter`, keyed like every other per-source limit by
+`addresses.rate_key`): they go to wherever a datagram claims to come from, so
+the matchmaker does not become a reflector of them.  A heartbeat that would
+have had one beyond the limit is counted as ``unanswered`` instead.
 
 Then the host is marked seen (written to the registry in one batch per
 sweep, as before) and gets a HEARTBEAT_ACK, no larger than the heartbeat.  The
@@ -43,12 +52,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from matchmaker import heartbeat as hb
-from matchmaker.addresses import Address, from_sockaddr
+from matchmaker.addresses import Address, from_sockaddr, rate_key
 from matchmaker.metrics import Metrics
+from matchmaker.ratelimit import Rate, RateLimiter
 from matchmaker.registry import HostRecord, Registry
 
 Send = Callable[[bytes, Address], None]
 """Sends one datagram from the daemon's rudp socket."""
+REPLY_RATE = Rate(rate=2.0, burst=8.0)
+"""NOT_REGISTERED replies per source: a genuine host needs one per re-registration."""
 
 
 @dataclass(slots=True)
@@ -70,6 +82,7 @@ class Liveness:
         resend_interval: float = 0.5,
         attempts: int = 8,
         max_pending: int = 10_000,
+        reply_limiter: RateLimiter | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
@@ -77,6 +90,8 @@ class Liveness:
         self.resend_interval = resend_interval
         self.attempts = attempts
         self.max_pending = max_pending
+        self.reply_limiter = reply_limiter or RateLimiter(REPLY_RATE)
+        """NOT_REGISTERED replies per source (module doc)."""
         self.send: Send | None = None
         """Set once the socket exists; until then introductions are not sent."""
         self._seen: set[Address] = set()
@@ -117,22 +132,19 @@ class Liveness:
     def _beat(self, beat: hb.Beat, sockaddr: tuple[Any, ...]) -> list[bytes]:
         record = self.registry.get(beat.address)
         if record is None:
-            self._count("not_registered").inc()
-            return [hb.encode_not_registered(beat.counter)]
+            return self._not_registered("not_registered", sockaddr, beat.counter)
         secret = self.secret(record)
         if not hb.mac_ok(secret, beat.signed, beat.mac):
             self._count("bad_mac").inc()
             return []
         if _source(sockaddr) != beat.address:
-            self._count("wrong_address").inc()
-            return [hb.encode_not_registered(beat.counter)]
+            return self._not_registered("wrong_address", sockaddr, beat.counter, secret, record)
         if beat.counter <= record.beat:
             self._count("replayed").inc()
             return []
         record.beat = beat.counter
         if self.stopping and beat.kind is hb.Kind.HEARTBEAT:
-            self._count("stopping").inc()
-            return [hb.encode_not_registered(beat.counter)]
+            return self._not_registered("stopping", sockaddr, beat.counter, secret, record)
         if beat.kind is hb.Kind.LEAVE:
             self._count("left").inc()
             self._on_leave(record)
@@ -140,6 +152,23 @@ class Liveness:
             self._count("ok").inc()
             self._seen.add(record.address)
         return [hb.encode_ack(secret, record.address, beat.counter)]
+
+    def _not_registered(
+        self,
+        reason: str,
+        sockaddr: tuple[Any, ...],
+        counter: int,
+        secret: bytes | None = None,
+        record: HostRecord | None = None,
+    ) -> list[bytes]:
+        """A NOT_REGISTERED for `sockaddr`, unless that source had its share."""
+        source = _source(sockaddr)
+        if source is None or not self.reply_limiter.allow(rate_key(source.ip)):
+            self._count("unanswered").inc()
+            return []
+        self._count(reason).inc()
+        address = record.address if record is not None else None
+        return [hb.encode_not_registered(counter, secret, address)]
 
     def _introduction_ack(self, data: bytes) -> None:
         try:

@@ -101,6 +101,7 @@ class Matchmaker:
             handshake_burst_per_source=settings.handshake_burst,
             source_limit_keys=settings.rate_limit_keys,
             channels=1,
+            static_key=settings.static_private_key(),
         )
         self._udp: rudp.Server | None = None
         self._http: HttpServer | None = None
@@ -181,6 +182,7 @@ class Matchmaker:
             http=f"{self.http_address[0]}:{self.http_address[1]}",
             **s.startup_fields(),
             issuer_public=self.issuer.public_key.hex() if self.issuer else "",
+            static_public=(self.static_public_key or b"").hex(),
         )
         if s.ephemeral_issuer_key:
             log.warning(
@@ -188,6 +190,12 @@ class Matchmaker:
                 note="development only: a new key every start, which every host and client "
                 "must be given again; production uses --issuer-key-file",
             )
+
+    @property
+    def static_public_key(self) -> bytes | None:
+        """The rudp static public key (``--static-key-file``) clients authenticate
+        the matchmaker with, once started; None without a static key."""
+        return self._udp.public_key if self._udp is not None else None
 
     def _send_datagram(self, data: bytes, address: Address) -> None:
         """Send a heartbeat-protocol datagram (an introduction) from the rudp port."""

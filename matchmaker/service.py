@@ -12,7 +12,10 @@ Per message: decode and validate (`messages.decode_request`; a bad message
 gets an `Error` with the reason code, a foreign protocol version gets
 `WrongVersion`), apply the per-source rate limit, then one handler per type.
 A host is keyed by the connection's *observed* address, so a host can only
-register itself, and a restarted host replaces its own old entry.
+register itself, and a restarted host replaces its own old entry.  That is
+the address the connection has at each request: a rudp connection can move
+(a NAT rebinding, validated by rudp), and its requests then act at its new
+address.
 
 Liveness: a host registers over a connection, gets a heartbeat secret in
 `Registered`, and may then close the connection: it stays listed with
@@ -72,7 +75,7 @@ from matchmaker.addresses import (
     source_key,
 )
 from matchmaker.listing import paginate, size_cuts
-from matchmaker.liveness import Liveness
+from matchmaker.liveness import REPLY_RATE, Liveness
 from matchmaker.messages import (
     DEFAULT_LIMITS,
     NONCE_BYTES,
@@ -175,7 +178,12 @@ class MatchmakerService:
         self._sessions: dict[Address, _Session] = {}
         self._beats: set[Address] = set()
         """Hosts that sent a `Heartbeat` message since the last flush."""
-        self.liveness = Liveness(registry, metrics, on_leave=self._leave)
+        self.liveness = Liveness(
+            registry,
+            metrics,
+            on_leave=self._leave,
+            reply_limiter=RateLimiter(REPLY_RATE, max_keys=keys, clock=clock),
+        )
         """The connectionless heartbeats and introductions (the socket's handler)."""
         self._background: set[asyncio.Task[None]] = set()
         self._intro_due = asyncio.Event()
@@ -202,9 +210,25 @@ class MatchmakerService:
             log.debug("connection_opened", replaced=previous is not None)
             try:
                 async for received in peer:
+                    self._follow(session)
                     await self._on_data(session, received.data)
             finally:
                 await self._end(session)
+
+    def _follow(self, session: _Session) -> None:
+        """Take the peer's current address: a rudp connection can migrate (a NAT
+        rebinding), and a request speaks for where it comes from now."""
+        try:
+            current = from_sockaddr(session.peer.remote_address)
+        except ValueError:
+            return
+        if current == session.address:
+            return
+        if self._sessions.get(session.address) is session:
+            del self._sessions[session.address]
+        log.info("connection_moved", to=current.key)
+        session.address = current
+        self._sessions[current] = session
 
     async def _end(self, session: _Session) -> None:
         # The host's entry stays: it lives on heartbeat datagrams (module doc).

@@ -102,6 +102,11 @@ class Settings:
         False, "make a token-signing key in memory at start: development only, never production"
     )
     token_lifetime: float = _s(30.0, "seconds a connect token stays good")
+    static_key_file: str = _s(
+        "",
+        "file of the rudp static key (64 hex digits): clients given its public half "
+        "authenticate the matchmaker (Noise NK)",
+    )
     # -- process
     shutdown_timeout: float = _s(10.0, "seconds to close connections on SIGTERM before cancelling")
     log_format: str = _s("auto", "auto (console on a TTY, else JSON), json or console")
@@ -154,6 +159,10 @@ class Settings:
         if self.issuer_key:
             return parse_key(self.issuer_key)
         return None
+
+    def static_private_key(self) -> bytes | None:
+        """The rudp static key from ``static_key_file`` (None: Noise NN only)."""
+        return read_key_file(self.static_key_file) if self.static_key_file else None
 
     @property
     def register_bucket(self) -> Rate:
@@ -330,6 +339,11 @@ _RULES: list[Check] = [
     ),
     ("issuer_key", lambda s: not (s.issuer_key and s.issuer_key_file), "or a file, not both"),
     ("token_lifetime", lambda s: 1 <= s.token_lifetime <= 3600, "must be 1..3600"),
+    (
+        "static_key_file",
+        lambda s: not s.static_key_file or _static_key_problem(s) is None,
+        "must be a file with one line of 64 hex digits (a random 32-byte key)",
+    ),
     ("shutdown_timeout", lambda s: s.shutdown_timeout > 0, "must be > 0"),
     ("log_format", lambda s: s.log_format in LOG_FORMATS, f"must be one of {LOG_FORMATS}"),
     ("log_level", lambda s: s.log_level in LOG_LEVELS, f"must be one of {LOG_LEVELS}"),
@@ -339,6 +353,14 @@ _RULES: list[Check] = [
 def _key_problem(s: Settings) -> str | None:
     try:
         s.issuer_private_key()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _static_key_problem(s: Settings) -> str | None:
+    try:
+        s.static_private_key()
     except ValueError as exc:
         return str(exc)
     return None

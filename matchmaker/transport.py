@@ -66,14 +66,20 @@ Connector = Callable[[], Awaitable[Peer]]
 
 
 def rudp_connector(
-    host: str, port: int, *, via: rudp.Server | None = None, config: rudp.Config | None = None
+    host: str,
+    port: int,
+    *,
+    via: rudp.Server | None = None,
+    config: rudp.Config | None = None,
+    server_key: bytes | None = None,
 ) -> Connector:
     """Connect with rudp; `via` a game server's own socket, so the matchmaker
-    observes (and lists, and introduces) the game port itself."""
+    observes (and lists, and introduces) the game port itself.  `server_key`,
+    the matchmaker's rudp static public key, authenticates it (Noise NK)."""
 
     async def connect() -> Peer:
         if via is not None:
-            return await via.connect(host, port)
-        return await rudp.connect(host, port, config=config)
+            return await via.connect(host, port, server_key=server_key)
+        return await rudp.connect(host, port, config=config, server_key=server_key)
 
     return connect

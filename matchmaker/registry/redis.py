@@ -759,6 +759,7 @@ class RedisRegistry(Registry):
         # What Redis holds of ours, before our own records are merged in.
         stored = {a: fresh.get(a) for a in self._owned}
         self._merge(fresh, lost)
+        _carry_beats(self._index, fresh)
         self._index = fresh
         self._ahead.clear()
         done: set[Address] = set()
@@ -944,6 +945,16 @@ class RedisRegistry(Registry):
             self._owned.pop(address)  # re-registered elsewhere: not ours any more
         self._index.put(rec)
         self._publish(Change(kind=ChangeKind.UPSERT, address=address, record=rec))
+
+
+def _carry_beats(old: LocalIndex, fresh: LocalIndex) -> None:
+    """Give `fresh`'s records the heartbeat counters `old` accepted for the same
+    registrations: Redis does not store them, and a counter back at its start
+    would take a recorded heartbeat again."""
+    for rec in fresh:
+        before = old.get(rec.address)
+        if before is not None and before.token == rec.token:
+            rec.beat = max(rec.beat, before.beat)
 
 
 def _record(key: str, row: dict[bytes, bytes], seen: float, limits: Limits) -> HostRecord | None:

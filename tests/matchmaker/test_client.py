@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
+from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address
 from matchmaker.client import ConnectionLost, MatchmakerClient, MatchmakerError
 from matchmaker.messages import ErrorReason, Role
 from matchmaker.registry import RemovalReason
-from tests.matchmaker.fakes import DatagramNet, FakeConnection, pipe
+from tests.matchmaker.fakes import SERVER_ADDRESS, DatagramNet, FakeConnection, pipe
 from tests.matchmaker.helpers import Harness, eventually, info, pub
 
 MODES = ["datagrams", "connection"]
@@ -220,3 +221,69 @@ async def test_a_lone_string_for_tags_is_refused_not_split_into_letters() -> Non
         assert [e.info.tags for e in await host.list_servers(game="q3", tags_any=["ctf"])] == [
             ("ctf",)
         ]
+
+
+async def test_forged_not_registered_leaves_the_host_registered_and_heartbeating() -> None:
+    board = Switchboard(Harness(keepalive=0.02))
+    async with client(board, pub(1)) as host:
+        await host.register(**HOST)
+        port = board.net.port((pub(1), 27960))
+        beats = host._beats
+        assert beats is not None
+
+        def acked() -> float:
+            return board.harness.sample("matchmaker_heartbeats_total", result="ok")
+
+        await eventually(lambda: acked() >= 1)
+        # From another source, even echoing the counter the host sent last.
+        port.deliver(hb.encode_not_registered(beats.counter), ("198.51.100.66", 27950))
+        assert host.dropped["wrong_source"] == 1
+        # From the replica's address, with counters a forger would guess (a
+        # registration's first ones) ...
+        for guess in range(1, 9):
+            port.deliver(hb.encode_not_registered(guess), SERVER_ADDRESS)
+        # ... or signed with a key that is not the registration's.
+        port.deliver(
+            hb.encode_not_registered(beats.counter, b"x" * 32, beats.address), SERVER_ADDRESS
+        )
+        # Or made by the matchmaker itself: a heartbeat naming an unlisted
+        # address, sent from the host's address with a guessed counter.
+        stranger = hb.encode_beat(b"k" * 32, Address(pub(7), 27960), 1)
+        board.net.send_to_server(stranger, (pub(1), 27960))
+        await eventually(lambda: host.dropped["stale"] == 9)
+        assert host.dropped["bad_mac"] == 1
+        seen = acked()
+        await eventually(lambda: acked() >= seen + 2)
+        assert host.registrations == 1 and host._beats is beats
+        assert board.harness.registry.get(Address(pub(1), 27960)) is not None
+
+
+async def test_an_authenticated_not_registered_from_the_replica_is_believed() -> None:
+    board = Switchboard(Harness(keepalive=0.02))
+    async with client(board, pub(1)) as host:
+        await host.register(**HOST)
+        port = board.net.port((pub(1), 27960))
+        beats = host._beats
+        assert beats is not None
+        beats.round_start = 0  # whatever the counter, this one answers a heartbeat of ours
+        port.deliver(
+            hb.encode_not_registered(beats.counter, beats.secret, beats.address), SERVER_ADDRESS
+        )
+        await eventually(lambda: host.registrations >= 2)
+
+
+async def test_the_old_registration_keeps_heartbeating_while_registering_again_fails() -> None:
+    board = Switchboard(Harness(keepalive=0.02))
+    async with client(board, pub(1), reconnect_delay=0.05) as host:
+        await host.register(**HOST)
+        beats = host._beats
+        assert beats is not None
+        board.harness.service.stop_accepting()  # registrations are refused from now on
+        board.harness.service.liveness.stopping = False  # but heartbeats are still taken
+        host._needs_register.set()
+        start = beats.counter
+        # Registering again fails (shutting_down), and meanwhile the old
+        # registration's heartbeats go on.
+        await eventually(lambda: beats.counter >= start + 3)
+        assert host._beats is beats and host.registrations == 1
+        assert board.harness.registry.get(Address(pub(1), 27960)) is not None

@@ -6,16 +6,19 @@ import asyncio
 import json
 import os
 import platform
+import secrets
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rudp
 from matchmaker import __version__
 from matchmaker.addresses import Address
-from matchmaker.client import MatchmakerClient
+from matchmaker.client import MatchmakerClient, MatchmakerUnreachable
 from matchmaker.server import Matchmaker
 from tests.matchmaker.helpers import (
     HOST,
@@ -229,3 +232,28 @@ async def test_one_source_filling_the_slots_is_capped_and_a_host_still_gets_in()
         for e in greedy:
             await e.close()
         await daemon.shutdown()
+
+
+async def test_a_client_given_the_matchmaker_key_authenticates_it(tmp_path: Path) -> None:
+    key_file = tmp_path / "static.key"
+    key_file.write_text("# rudp static key\n" + secrets.token_hex(32) + "\n")
+    mm = Matchmaker(settings(static_key_file=str(key_file)))
+    await mm.start()
+    game, _ = await accepting_endpoint()
+    try:
+        public = mm.static_public_key
+        assert public is not None and len(public) == 32
+        mm_host, mm_port = mm.udp_address
+        async with MatchmakerClient.to(mm_host, mm_port, via=game, matchmaker_key=public) as host:
+            address = await host.register(**HOST)
+            assert mm.registry.get(address) is not None
+        # A key that is not the matchmaker's: no connection completes.
+        wrong = bytes(31) + b"\x09"
+        async with MatchmakerClient.to(
+            mm_host, mm_port, matchmaker_key=wrong, timeout=1.0
+        ) as stranger:
+            with pytest.raises(MatchmakerUnreachable):
+                await stranger.list_servers(game="q3")
+    finally:
+        await game.close()
+        await mm.shutdown()

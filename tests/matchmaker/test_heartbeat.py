@@ -70,7 +70,19 @@ def test_acks_and_introductions_are_bound_to_the_secret_and_address() -> None:
     assert hb.decode_introduction_ack(intro_ack)[0] == 9
     assert hb.introduction_ack_ok(SECRET, HOST, intro_ack)
     assert not hb.introduction_ack_ok(SECRET, V6, intro_ack)
-    assert hb.decode_not_registered(hb.encode_not_registered(3)) == 3
+    assert hb.decode_not_registered(SECRET, HOST, hb.encode_not_registered(3)) == (3, False)
+    signed = hb.encode_not_registered(3, SECRET, HOST)
+    assert len(signed) == hb.ACK_BYTES
+    assert hb.decode_not_registered(SECRET, HOST, signed) == (3, True)
+    assert hb.decode_not_registered(SECRET, V6, signed) is None
+    assert hb.decode_not_registered(b"x" * 32, HOST, signed) is None
+    assert hb.decode_not_registered(SECRET, HOST, signed[:-1]) is None
+
+
+def test_counters_start_at_random() -> None:
+    starts = {hb.first_counter() for _ in range(64)}
+    assert len(starts) == 64
+    assert all(0 < c <= 1 << hb.COUNTER_START_BITS for c in starts)
 
 
 def test_first_bytes_are_free_of_rudp_a2s_and_master_queries() -> None:
@@ -165,7 +177,8 @@ async def test_a_heartbeat_from_another_address_is_refused_and_counted() -> None
     copied = hb.encode_beat(secret, HOST, 1)
     elsewhere = (pub(2), 27960)  # another listed host's address
     replies = h.service.liveness.receive(copied, elsewhere)
-    assert replies == [hb.encode_not_registered(1)]
+    # Authenticated: the matchmaker lists the address, so it knows the secret.
+    assert replies == [hb.encode_not_registered(1, secret, HOST)]
     assert len(replies[0]) < len(copied)
     assert result(h, "wrong_address") == 1
     # The copy did not use up the genuine host's counter.
@@ -202,9 +215,26 @@ async def test_a_stopping_replica_sends_heartbeaters_to_register_elsewhere() -> 
     secret = await registered(h)
     h.service.stop_accepting()
     assert h.service.liveness.receive(hb.encode_beat(secret, HOST, 1), HOST) == [
-        hb.encode_not_registered(1)
+        hb.encode_not_registered(1, secret, HOST)
     ]
     assert result(h, "stopping") == 1
+
+
+async def test_not_registered_replies_are_rate_limited_per_source() -> None:
+    h = Harness()
+    liveness = h.service.liveness
+    burst = int(liveness.reply_limiter.rate.burst)
+    victim = (pub(9), 5000)
+    for counter in range(1, burst + 1):
+        stranger = hb.encode_beat(SECRET, HOST, counter)
+        assert liveness.receive(stranger, victim) == [hb.encode_not_registered(counter)]
+    # Beyond the burst the spoofed source gets nothing more.
+    assert liveness.receive(hb.encode_beat(SECRET, HOST, 99), victim) == []
+    assert result(h, "not_registered") == burst
+    assert result(h, "unanswered") == 1
+    # Another source has its own share.
+    other = (pub(8), 5000)
+    assert liveness.receive(hb.encode_beat(SECRET, HOST, 1), other) != []
 
 
 async def test_the_secret_comes_from_the_shared_key() -> None:

@@ -604,3 +604,27 @@ async def test_every_replica_derives_the_same_heartbeat_secrets(
     await asyncio.wait_for(asyncio.gather(a.wait_synced(), b.wait_synced()), 10)
     c = await replica(replica_id="c")
     assert a.heartbeat_key == b.heartbeat_key == c.heartbeat_key == key
+
+
+async def test_a_reload_keeps_the_heartbeat_counters(replica: Factory) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    theirs = await b.upsert(addr(2), host(), max_per_ip=10)
+    await eventually(lambda: a.get(addr(2)) is not None)
+    for address in (addr(1), addr(2)):
+        record = a.get(address)
+        assert record is not None
+        record.beat = 1000 + address.port
+    # A reload builds a fresh index from Redis, which does not store counters.
+    await a._resync()
+    for address in (addr(1), addr(2)):
+        record = a.get(address)
+        assert record is not None and record.beat == 1000 + address.port
+    # A new registration at the same address starts its counter afresh.
+    assert await b.remove(addr(2), RemovalReason.UNREGISTERED, token=theirs.token)
+    await b.upsert(addr(2), host("again"), max_per_ip=10)
+    await eventually(lambda: (r := a.get(addr(2))) is not None and r.info.name == "again")
+    await a._resync()
+    again = a.get(addr(2))
+    assert again is not None and again.beat == 0

@@ -508,3 +508,21 @@ async def test_a_failing_sweep_does_not_end_the_sweeper(monkeypatch: pytest.Monk
         sweeper.cancel()
         with pytest.raises(asyncio.CancelledError):
             await sweeper
+
+
+async def test_requests_follow_a_migrated_connection() -> None:
+    h = Harness()
+    wire = h.connect(pub(1), 4000)
+    assert isinstance(await wire.request(Register(host=info())), Registered)
+    # The connection moves (a NAT rebinding): the server side's peer address follows.
+    assert wire.conn.other is not None
+    wire.conn.other.remote_address = (pub(1), 5000)
+    assert isinstance(await wire.request(Register(request_id=2, host=info("moved"))), Registered)
+    moved = h.registry.get(Address(pub(1), 5000))
+    assert moved is not None and moved.info.name == "moved"
+    assert isinstance(await wire.request(Update(changes=HostUpdate(players=2))), Ok)
+    moved = h.registry.get(Address(pub(1), 5000))
+    assert moved is not None and moved.info.players == 2
+    assert h.service.connections == 1
+    await wire.close()
+    assert h.service.connections == 0

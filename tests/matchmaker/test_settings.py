@@ -61,6 +61,7 @@ def test_conversion_errors_name_their_source() -> None:
             "--page-bytes (MATCHMAKER_PAGE_BYTES): must be 256..1150",
         ),
         ({"MATCHMAKER_REGISTER_BURST": "0.5"}, "--register-burst"),
+        ({"MATCHMAKER_STATIC_KEY_FILE": "/nonexistent/static.key"}, "--static-key-file"),
     ],
 )
 def test_validation(env: dict[str, str], needle: str) -> None:
