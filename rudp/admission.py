@@ -141,6 +141,9 @@ class CookieJar:
         self._master = rng.randbytes(32)
         self._keys: dict[int, bytes] = {}
         self._used: OrderedDict[tuple[Address, int], float] = OrderedDict()
+        # The REJECT text of the cookies whose connection was refused (a connect
+        # token's refusal), to answer a resent CONNECT again: a subset of _used.
+        self._refusals: dict[tuple[Address, int], str] = {}
 
     def make(self, address: Address, salt: int, now: float) -> bytes:
         slot = self._slot(now)
@@ -164,8 +167,18 @@ class CookieJar:
         """A connection was made from this cookie: refuse it from now on (until it expires)."""
         used = self._used
         while used and (next(iter(used.values())) < now or len(used) >= REPLAY_CACHE_LIMIT):
-            used.popitem(last=False)
+            self._refusals.pop(used.popitem(last=False)[0], None)
         used[(address, salt)] = now + 2 * self._lifetime
+
+    def refused(self, address: Address, salt: int, text: str) -> None:
+        """The connection of this (remembered) cookie was refused with ``text``."""
+        if (address, salt) in self._used:
+            self._refusals[(address, salt)] = text
+
+    def refusal(self, address: Address, salt: int) -> str | None:
+        """The REJECT text this used cookie was refused with; None if it made a
+        connection (or was not used)."""
+        return self._refusals.get((address, salt))
 
     def _key(self, slot: int) -> bytes:
         key = self._keys.get(slot)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from rudp.frames import FRAGMENT_FRAME_OVERHEAD, MAX_FRAGMENTS
+from rudp.tokens import normal_address
 
 if TYPE_CHECKING:
     from rudp.netsim.conditioner import LinkProfile
@@ -370,3 +371,10 @@ def _check_tokens(config: Config) -> None:
         raise ValueError(
             "Config.token_issuers needs Config.static_key: a token names the server's key"
         )
+    for address in config.token_addresses:
+        try:
+            normal_address(address)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Config.token_addresses: each is (IP address, port in 1..65535), got {address!r}"
+            ) from None

@@ -76,6 +76,8 @@ class CongestionController:
         "_acc",
         "_flight_peak",
         "_flight_peak_prev",
+        "_initial",
+        "_initial_datagram",
         "_max_datagram",
         "_max_window",
         "_min_window",
@@ -99,15 +101,23 @@ class CongestionController:
 
     def __init__(self, config: Config) -> None:
         size = config.base_datagram_size
-        self._max_datagram = size
-        self._min_window = 2 * size
+        self._initial_datagram = size
         self._packet_window = config.window
-        self._max_window = config.window * size
         self.enabled = config.congestion_control
-        initial = min(10 * size, max(14720, 2 * size))
-        self.cwnd = min(initial, self._max_window) if self.enabled else self._max_window
-        self.ssthresh = NO_SSTHRESH
+        self._initial = min(10 * size, max(14720, 2 * size))
         self.bytes_in_flight = 0
+        self.random_losses = 0  # losses taken for random, not congestion
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the state of a new connection, but for what is in flight: the peer
+        moved to another network path (RFC 9000, section 9.4), whose capacity nothing
+        measured yet tells."""
+        self._max_datagram = self._initial_datagram
+        self._min_window = 2 * self._initial_datagram
+        self._max_window = self._packet_window * self._initial_datagram
+        self.cwnd = min(self._initial, self._max_window) if self.enabled else self._max_window
+        self.ssthresh = NO_SSTHRESH
         # The most in flight this sample round and the last: the window was in use
         # (worth growing) if either reached half of it.
         self._flight_peak = 0
@@ -117,7 +127,6 @@ class CongestionController:
         self._round_start = -1.0  # when the current delivery-rate sample began
         self._round_acked = 0
         self._round_lost = 0  # bytes lost during the current rate sample
-        self.random_losses = 0  # losses taken for random, not congestion
         self._rates = [0.0] * RATE_SAMPLES  # the last delivery-rate samples, bytes/s
         self._rate_next = 0
         self._undo_seq = -1  # the packet whose loss began the current recovery

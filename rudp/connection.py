@@ -445,7 +445,8 @@ class Connection:
         self, data: bytes, pn32: int, address: Address, now: float, *, movable: bool
     ) -> DropReason | None:
         """A DATA packet for this connection from another address (``rudp.migration``);
-        ``movable`` is False when another connection of the endpoint has that address."""
+        ``movable`` is False when another connection of the endpoint has that address,
+        or its source holds as many connections as it may."""
         return self._migration.receive(data, pn32, address, now, movable)
 
     @property

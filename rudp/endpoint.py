@@ -24,8 +24,10 @@ Connect tokens: a server with ``Config.token_issuers`` reads the client's Noise
 message after the cookie checks (``handshake.read_first``) and verifies the token
 its payload carries (``rudp.tokens``) before it makes a connection; a refusal is a
 REJECT naming the reason, counted in ``stats.tokens_refused``. The verified
-identity becomes the connection's ``peer_identity``. Expiry is in UNIX time:
-``wall_offset`` turns ``now`` into it.
+identity becomes the connection's ``peer_identity``. Expiry is in UNIX time: the
+``wall_clock`` callable, when set (the asyncio layer gives ``time.time``), is read
+once per token checked, so a stepped system clock counts at once; without it,
+``wall_offset`` turns ``now`` into UNIX time.
 
 Routing: connections are indexed by address (handshake packets) and by the
 connection id each side chose for the packets it receives (DATA). A DATA that
@@ -56,10 +58,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections.abc import Callable
 from typing import Final
 
 from rudp import handshake, wire, wire_v1
-from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket
+from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket, source_of
 from rudp.config import Config
 from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
@@ -120,8 +123,12 @@ class Endpoint:
             else None
         )
         self.wall_offset = 0.0
-        """UNIX time minus ``now``: tokens expire in wall-clock time, while the core's
-        clock may be any monotonic one (the asyncio layer sets it)."""
+        """UNIX time minus ``now``, used when ``wall_clock`` is None: tokens expire in
+        wall-clock time, while the core's clock may be any monotonic one."""
+        self.wall_clock: Callable[[], float] | None = None
+        """The current UNIX time, read once per token checked (the asyncio layer sets
+        it to ``time.time``): an offset taken once would keep a stepped clock's error
+        for the life of the process."""
 
     # -- public API ------------------------------------------------------------
 
@@ -344,7 +351,7 @@ class Endpoint:
         old = conn.address
         try:
             reason = conn._receive_moved(
-                data, pn32, address, now, movable=address not in self._conns
+                data, pn32, address, now, movable=self._movable(conn, address)
             )
         except DecodeError as exc:  # authenticated, yet malformed: the peer's bug
             reason = exc.reason
@@ -355,6 +362,14 @@ class Endpoint:
             self._moved(conn, old)
         self._schedule(conn)
         return conn
+
+    def _movable(self, conn: Connection, address: Address) -> bool:
+        """Whether ``conn`` may move to ``address``: no other connection has it, and
+        its source may hold one more connection (``max_connections_per_source``),
+        unless it is the source ``conn`` already counts against (a new port)."""
+        if address in self._conns:
+            return False
+        return self._sources.may_hold(address) or source_of(address) == source_of(conn.address)
 
     def _moved(self, conn: Connection, old: Address) -> None:
         """``conn`` migrated from ``old``: the address index follows it."""
@@ -457,7 +472,15 @@ class Endpoint:
         if not self._cookies.valid(request.cookie, address, request.salt, now):
             return DropReason.BAD_COOKIE
         if self._cookies.used(address, request.salt):
-            return DropReason.REPLAYED_COOKIE
+            refusal = self._cookies.refusal(address, request.salt)
+            if refusal is None:
+                return DropReason.REPLAYED_COOKIE
+            # Its connect token was refused and the client resends: the REJECT was
+            # lost. The same answer again (smaller than the CONNECT), with no DH and
+            # no connection: the cookie stays spent.
+            self.stats.connections_refused += 1
+            self._send_unvalidated(wire.encode_reject(request.salt, refusal), address)
+            return None
         if opening:
             assert conn is not None
             # Both handshakes are valid; both sides keep the one with the larger salt.
@@ -566,10 +589,12 @@ class Endpoint:
         try:
             if not first.token:
                 raise TokenError(TokenRefusal.MISSING)
-            identity = self._tokens.verify(first.token, first.client_key, now + self.wall_offset)
+            wall = self.wall_clock() if self.wall_clock is not None else now + self.wall_offset
+            identity = self._tokens.verify(first.token, first.client_key, wall)
         except TokenError as exc:
             self.stats.tokens_refused[exc.refusal] += 1
             self.stats.connections_refused += 1
+            self._cookies.refused(address, salt, str(exc))  # for a resent CONNECT
             self._send_unvalidated(wire.encode_reject(salt, str(exc)), address)
             return None
         self.stats.tokens_accepted += 1

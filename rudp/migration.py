@@ -19,7 +19,10 @@ receives our packets:
    bytes, in its next packet.
 3. The connection moves (``Connection.address``, the endpoint's address index,
    a ``PathChanged`` event) when that response authenticates from the new address,
-   on a packet from there that is the highest-numbered received so far.
+   on a packet from there that is the highest-numbered received so far. When the
+   IP address changed (not only the port, as a NAT rebinding does), the path is
+   another: the RTT estimate, the congestion controller and path MTU discovery
+   start over (RFC 9000, section 9.4).
 
 Until then the old path keeps carrying everything: our data, acknowledgments and
 keepalives go to the old address; the new one gets nothing but challenges, and no
@@ -53,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Final
 from rudp import frames, wire
 from rudp.drops import DropReason
 from rudp.events import PathChanged
+from rudp.pmtu import ceiling_for
 from rudp.protection import PacketNumbersExhausted
 from rudp.state import CLOSED, CLOSING, CONNECTED
 
@@ -164,7 +168,7 @@ class Migration:
             self.rx_path = None
         if path is not None and path is self.path and conn.state in (CONNECTED, CLOSING):
             if path.answered and newest and movable:
-                self._migrate(path)
+                self._migrate(path, now)
             elif path.deadline is None:
                 self._send_challenge(path, now)
         return reason
@@ -217,12 +221,34 @@ class Migration:
         conn.stats.path_challenges += 1
         conn._sink.dirty[conn] = None
 
-    def _migrate(self, path: PathValidation) -> None:
+    def _migrate(self, path: PathValidation, now: float) -> None:
         """The new address answered: everything goes there from now on."""
         conn = self._conn
         old = conn.address
         conn.address = path.address
         self.path = None
+        if old[0] != path.address[0]:
+            _new_path(conn, now)
         conn.stats.migrations += 1
         conn._sink.events.append((conn, PathChanged(old, path.address)))
         conn._sink.dirty[conn] = None
+
+
+def _new_path(conn: Connection, now: float) -> None:
+    """The peer's IP address changed: another network path, whose round-trip time,
+    capacity and MTU nothing measured on the old one tells. As RFC 9000 (section 9.4)
+    asks, the RTT estimate and the congestion controller start over, and path MTU
+    discovery starts again at the base size, up to the new path's ceiling (an IPv6
+    path carries 20 bytes less than an IPv4 one). A port-only change is a NAT
+    rebinding on the same path, and keeps them all."""
+    conn._rtt.reset()
+    conn._cc.reset()
+    pmtu = conn._pmtu
+    ceiling = ceiling_for(conn.address, conn.config.max_datagram_size)
+    peer = conn.peer_params
+    if peer is not None:
+        ceiling = min(ceiling, peer.max_datagram_size)
+    pmtu.restart(ceiling, now)
+    if conn.state is not CONNECTED:
+        pmtu.stop()  # closing: no probes
+    conn._use_datagram_size(pmtu.current)

@@ -113,6 +113,16 @@ class PathMtu:
         self.optimistic = True
         self._schedule(now if self.high > self.low else NEVER)
 
+    def restart(self, ceiling: int, now: float) -> None:
+        """The peer moved to another network path: what was learned of the old one
+        says nothing of it; back to the base size, a probe in flight forgotten, and
+        search again up to the new path's ``ceiling``."""
+        self.failures = self.big_losses = 0
+        self.probe_pn = -1
+        self.probe_size = 0
+        self.probe_deadline = NEVER
+        self.start(self.base, ceiling, now)
+
     def stop(self) -> None:
         """The connection is closing: no more probes."""
         self.probe_pn = -1

@@ -95,6 +95,14 @@ class RttEstimator:
         self._rto_min = config.rto_min
         self._rto_max = config.rto_max
         self._max_backoff = config.max_backoff
+        # How long the peer may delay an acknowledgment (its max_ack_delay, from the
+        # handshake): the resend timeout waits for it, as RFC 9002's PTO does.
+        self.peer_ack_delay = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """No sample yet: a new connection, or the peer moved to another network path
+        (RFC 9000, section 9.4); the peer's ack delay stays, it is the peer's."""
         self.srtt = 0.0
         self.rttvar = 0.0
         self.latest = 0.0
@@ -102,9 +110,6 @@ class RttEstimator:
         self.samples = 0
         self.backoff = 0
         self.reorder_factor = 1.125  # RFC 9002's kTimeThreshold; widened on spurious losses
-        # How long the peer may delay an acknowledgment (its max_ack_delay, from the
-        # handshake): the resend timeout waits for it, as RFC 9002's PTO does.
-        self.peer_ack_delay = 0.0
 
     def on_sample(self, rtt: float, ack_delay: float = 0.0) -> None:
         """One RTT sample; ``ack_delay`` is how long the peer says it held the ack back.

@@ -187,6 +187,19 @@ def _private(raw: bytes) -> Ed25519PrivateKey:
     return Ed25519PrivateKey.from_private_bytes(raw)
 
 
+def normal_address(address: Address) -> Address:
+    """``address`` with its host written one way: ``ipaddress``'s compressed lower-case
+    form, an IPv4-mapped IPv6 address as the IPv4 address it maps. ValueError if the
+    host is not an IP address or the port is out of range."""
+    host, port = address
+    ip = ipaddress.ip_address(host)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port out of range in {address!r}")
+    return (str(ip), port)
+
+
 def _encode_address(address: Address) -> bytes:
     ip = ipaddress.ip_address(address[0])
     port = address[1]
@@ -351,7 +364,9 @@ class TokenVerifier:
             raise ValueError("a token verifier needs at least one issuer key")
         self._keys = _issuer_keys(issuers)
         self._host_key = host_key
-        self._addresses = frozenset(addresses)
+        # Written one way, as the token's are when compared: "2001:DB8::1" and
+        # "::ffff:192.0.2.1" name the same hosts as "2001:db8::1" and "192.0.2.1".
+        self._addresses = frozenset(normal_address(address) for address in addresses)
         self._cache_size = cache_size
         # digest -> expiry; insertion order, so the oldest entries go first.
         self._seen: OrderedDict[bytes, float] = OrderedDict()
@@ -361,15 +376,20 @@ class TokenVerifier:
     def verify(self, data: bytes, client_key: bytes, now: float) -> PeerIdentity:
         """The identity in ``data``, presented by the handshake key ``client_key`` at
         UNIX time ``now``; the token is then spent. TokenError says why not."""
-        token = _signed(decode_token(data), self._keys)
+        token = decode_token(data)
+        if token.key_id not in self._keys:
+            raise TokenError(TokenRefusal.UNKNOWN_ISSUER)
+        # The cheap checks before the signature's, so junk costs no Ed25519
+        # verification; none of them accepts anything, the signature still decides.
         if now > token.expires:
             raise TokenError(TokenRefusal.EXPIRED)
         if token.client_key != client_key:
             raise TokenError(TokenRefusal.WRONG_CLIENT)
         if token.host_key != self._host_key:
             raise TokenError(TokenRefusal.WRONG_HOST)
-        if self._addresses and self._addresses.isdisjoint(token.addresses):
+        if self._addresses and self._addresses.isdisjoint(map(normal_address, token.addresses)):
             raise TokenError(TokenRefusal.WRONG_HOST)
+        _signed(token, self._keys)
         digest = hashlib.blake2s(token.body, digest_size=16).digest()
         self._prune(now)
         if digest in self._seen:

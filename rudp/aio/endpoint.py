@@ -130,7 +130,8 @@ class AioEndpoint:
         self.config = config
         self.core = CoreEndpoint(config, now=monotonic(), rng=random.SystemRandom(), accept=accept)
         # Connect tokens expire in UNIX time; the core's clock is the monotonic one.
-        self.core.wall_offset = time() - monotonic()
+        # Read per token checked, so an NTP step counts at once.
+        self.core.wall_clock = time
         self._handler = handler
         self.on_query: QueryHandler | None = None
         # Handlers of other protocols by first byte (0xFF: FF FF FF FF), see

@@ -101,3 +101,27 @@ def test_limits_are_off_by_default_and_checked() -> None:
     ):
         with pytest.raises(ValueError):
             Config(**bad)  # type: ignore[arg-type]
+
+
+def test_a_connection_never_moves_into_a_source_at_its_limit() -> None:
+    net = Network()
+    server = net.add(SERVER, Config(max_connections_per_source=2), accept=True)
+    full = connect_from(net, [("10.0.0.66", 5000), ("10.0.0.66", 5001)])
+    ((mover_node, mover),) = connect_from(net, [("10.0.0.7", 27960)])
+    net.run(1)
+    assert all(c.state is State.CONNECTED for _, c in [*full, (mover_node, mover)])
+    sconn = server.endpoint.connection(("10.0.0.7", 27960))
+    assert sconn is not None
+    # The mover's NAT maps it into the full source: the server does not follow it.
+    net.move(("10.0.0.7", 27960), ("10.0.0.66", 5002))
+    mover.send(b"hello")
+    net.run(2)
+    assert sconn.address == ("10.0.0.7", 27960) and sconn.stats.path_challenges == 0
+    assert sconn.stats.migrations == 0
+    assert server.endpoint.connection(("10.0.0.66", 5002)) is None
+    # A new port within the source it already counts against is a move it may make.
+    net.move(("10.0.0.66", 5000), ("10.0.0.66", 5003))
+    full[0][1].send(b"hello")
+    net.run(2)
+    moved = server.endpoint.connection(("10.0.0.66", 5003))
+    assert moved is not None and moved.stats.migrations == 1

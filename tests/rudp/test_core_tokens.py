@@ -140,7 +140,7 @@ def test_each_bad_token_is_refused_under_its_own_reason(case: str, refusal: Toke
     key = rudp.generate_key()
     good = _token(key)
     token = {
-        "forged": good[:30] + bytes([good[30] ^ 1]) + good[31:],
+        "forged": good[:15] + bytes([good[15] ^ 1]) + good[16:],  # in client_id
         "expired": _token(key, now=WALL - 31),
         "other client": _token(rudp.generate_key()),
         "other host": _token(key, host_key=rudp.public_key(rudp.generate_key())),
@@ -205,3 +205,41 @@ def test_misuse_raises_at_once() -> None:
     small = Endpoint(Config(max_datagram_size=576), now=0.0, rng=random.Random(1))
     with pytest.raises(MessageTooLarge, match="max_datagram_size"):
         small.connect(SERVER, 0.0, token=bytes(400), token_key=key)
+
+
+def test_expiry_follows_a_stepped_wall_clock() -> None:
+    # NTP steps the system clock while the monotonic one runs on: the expiry check
+    # reads the wall clock each time, not an offset taken when the server started.
+    server = Endpoint(_server_config(), now=0.0, rng=random.Random(3), accept=True)
+    wall = [WALL - 3600.0]  # the clock was an hour slow when the server started
+    server.wall_offset = wall[0]  # an offset frozen then would stay an hour slow
+    server.wall_clock = lambda: wall[0]
+    wall[0] = WALL + 31.0  # stepped: the token below expired a second ago
+    key = rudp.generate_key()
+    text = _refusal(server, _token(key), key, 1.0, salt=30)
+    assert text == REFUSAL_TEXT[TokenRefusal.EXPIRED]
+    wall[0] = WALL + 10.0  # stepped back: a fresh token is good
+    key = rudp.generate_key()
+    _, replies = _connect(server, _token(key), key, 2.0, salt=31, src=("10.9.0.2", 1))
+    assert [wire.decode_type(r) for r in replies] == [PacketType.ACCEPT]
+
+
+def test_a_refused_token_is_refused_again_when_the_connect_is_resent() -> None:
+    # The REJECT was lost: the client resends its CONNECT (same cookie) and gets the
+    # same REJECT again, not silence until its timeout; still no connection, and the
+    # token is checked (and counted) once.
+    server = Endpoint(_server_config(), now=0.0, rng=random.Random(3), accept=True)
+    server.wall_offset = WALL
+    key = rudp.generate_key()
+    request, replies = _connect(server, _token(key, now=WALL - 31), key, 0.0, salt=40)
+    assert [wire.decode_type(r) for r in replies] == [PacketType.REJECT]
+    for _ in range(2):
+        server.receive_datagram(request, CLIENT, 0.5)
+        assert server.datagrams_to_send(0.5) == [(replies[0], CLIENT)]
+    assert server.stats.tokens_refused == {TokenRefusal.EXPIRED: 1}
+    assert not server.connections and server.stats.connections_accepted == 0
+    # Another client with a good token still gets in.
+    good = rudp.generate_key()
+    request, replies = _connect(server, _token(good), good, 1.0, salt=41)
+    assert [wire.decode_type(r) for r in replies] == [PacketType.ACCEPT]
+    assert len(server.connections) == 1

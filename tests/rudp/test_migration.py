@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from rudp import frames, wire
+from rudp.config import Config
+from rudp.congestion import CongestionController
 from rudp.connection import Connection, State
 from rudp.events import PathChanged
 from rudp.migration import CHALLENGE_TRIES
@@ -221,3 +223,64 @@ def test_a_new_address_held_by_another_connection_is_never_taken() -> None:
     assert sconn.stats.path_challenges == 0
     assert server.endpoint.connection(NEW) is not sconn
     assert _node_of(net, other) is net.nodes[NEW]
+
+
+def _bulk(net: Network, sender: Connection) -> None:
+    """Enough data from ``sender`` to open its congestion window."""
+    for _ in range(40):
+        sender.send(bytes(20_000))
+        net.run(0.005)
+
+
+@pytest.mark.parametrize(
+    ("new", "path_mtu"),
+    [(("2001:db8::2", 5000, 0, 0), 1452), (("10.0.0.77", 5000), 1472)],
+    ids=["ipv4-to-ipv6", "another-ipv4"],
+)
+def test_a_move_to_another_ip_starts_the_path_over(new: tuple[Any, ...], path_mtu: int) -> None:
+    # Another IP is another network path (RFC 9000, section 9.4): the RTT estimate,
+    # the congestion window and the path MTU learned on the old one are dropped.
+    config = Config(congestion_control=True)
+    initial = CongestionController(config).cwnd
+    net, server, client, conn = pair(config=config)
+    sconn = server_conn(server)
+    _stream(net, conn, sconn, 200)
+    _bulk(net, sconn)
+    settle(net, conn)
+    settle(net, sconn)
+    assert sconn.stats.path_mtu == 1472 and sconn._rtt.samples > 10
+    assert sconn._cc.cwnd > initial
+    net.move(CLIENT, new)
+    conn.send(tagged(200))
+    net.run_until(lambda: sconn.stats.migrations == 1)
+    assert sconn.address == new
+    assert sconn.stats.path_mtu == 1200  # back to the base size
+    assert sconn._rtt.samples <= 1 and sconn._cc.cwnd == initial
+    _stream(net, conn, sconn, 100, start=201)
+    settle(net, conn)
+    settle(net, sconn)
+    assert tags(server) == list(range(301))
+    assert sconn.stats.path_mtu == path_mtu  # searched again, up to the new path's ceiling
+
+
+def test_a_port_only_move_keeps_the_path() -> None:
+    # A NAT rebinding: same IP, another port, the same network path.
+    config = Config(congestion_control=True)
+    net, server, client, conn = pair(config=config)
+    sconn = server_conn(server)
+    _stream(net, conn, sconn, 200)
+    _bulk(net, sconn)
+    settle(net, conn)
+    settle(net, sconn)
+    assert sconn._cc.cwnd > CongestionController(config).cwnd
+    samples, cwnd, srtt = sconn._rtt.samples, sconn._cc.cwnd, sconn._rtt.srtt
+    probes = sconn.stats.mtu_probes_sent
+    net.move(CLIENT, (CLIENT[0], 40001))
+    conn.send(tagged(200))
+    net.run_until(lambda: sconn.stats.migrations == 1)
+    assert sconn.address == (CLIENT[0], 40001)
+    assert sconn._rtt.samples >= samples and sconn._rtt.srtt > 0
+    assert sconn._cc.cwnd >= cwnd and sconn.stats.path_mtu == 1472
+    settle(net, sconn)
+    assert sconn.stats.mtu_probes_sent == probes  # nothing searched again
+    assert abs(sconn._rtt.srtt - srtt) < srtt

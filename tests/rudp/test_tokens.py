@@ -68,7 +68,7 @@ def test_a_valid_token_gives_the_identity_and_round_trips() -> None:
 def test_forged_token_is_refused() -> None:
     issuer = _issuer()
     token = bytearray(_token(issuer))
-    token[30] ^= 1  # inside client_id... any signed byte
+    token[15] ^= 1  # inside client_id: a byte only the signature vouches for
     verifier = TokenVerifier([issuer.public_key], HOST)
     assert _refusal(verifier, bytes(token)) is TokenRefusal.FORGED
     # Signed by a stranger's key that claims the issuer's key id.
@@ -112,6 +112,50 @@ def test_token_for_another_host_is_refused() -> None:
     assert _refusal(elsewhere, _token(issuer)) is TokenRefusal.WRONG_HOST
     here = TokenVerifier([issuer.public_key], HOST, [("2001:db8::7", 9000)])
     here.verify(_token(issuer), CLIENT, NOW)
+
+
+@pytest.mark.parametrize(
+    ("configured", "named"),
+    [
+        (("2001:DB8::7", 9000), ("2001:db8::7", 9000)),
+        (("2001:0db8:0:0::7", 9000), ("2001:db8::7", 9000)),
+        (("::ffff:203.0.113.7", 9000), ("203.0.113.7", 9000)),
+        (("203.0.113.7", 9000), ("::ffff:203.0.113.7", 9000)),
+    ],
+)
+def test_host_addresses_are_compared_written_one_way(
+    configured: tuple[str, int], named: tuple[str, int]
+) -> None:
+    issuer = _issuer()
+    token = _token(issuer, addresses=(named,))
+    TokenVerifier([issuer.public_key], HOST, [configured]).verify(token, CLIENT, NOW)
+    # Another port is still another address.
+    elsewhere = TokenVerifier([issuer.public_key], HOST, [(configured[0], 9001)])
+    assert _refusal(elsewhere, token) is TokenRefusal.WRONG_HOST
+
+
+def test_verifier_refuses_addresses_that_are_not_ip_addresses() -> None:
+    with pytest.raises(ValueError):
+        TokenVerifier([_issuer().public_key], HOST, [("game.example", 9000)])
+
+
+def test_cheap_checks_refuse_before_the_signature_is_checked() -> None:
+    # A token with a bad signature that is also expired, or for another client or
+    # host, is refused for that, without the Ed25519 check; it is never accepted.
+    issuer = _issuer()
+    verifier = TokenVerifier([issuer.public_key], HOST, [("203.0.113.7", 9000)])
+
+    def junk(**overrides: object) -> bytes:
+        token = _token(issuer, **overrides)
+        return token[:-1] + bytes((token[-1] ^ 1,))
+
+    other = public_key(generate_key())
+    assert _refusal(verifier, junk(), now=NOW + 31) is TokenRefusal.EXPIRED
+    assert _refusal(verifier, junk(), client=other) is TokenRefusal.WRONG_CLIENT
+    assert _refusal(verifier, junk(host_key=other)) is TokenRefusal.WRONG_HOST
+    assert _refusal(verifier, junk(addresses=(("198.51.100.1", 9000),))) is TokenRefusal.WRONG_HOST
+    assert _refusal(verifier, junk()) is TokenRefusal.FORGED
+    verifier.verify(_token(issuer), CLIENT, NOW)  # the forgeries spent nothing
 
 
 def test_rotated_key_is_accepted_and_retired_key_refused() -> None:
@@ -197,3 +241,12 @@ def test_garbage_never_raises_anything_but_token_error(data: bytes) -> None:
     verifier = TokenVerifier([issuer_public_key(bytes(32))], HOST)
     with pytest.raises(TokenError):
         verifier.verify(data, CLIENT, NOW)
+
+
+def test_config_refuses_token_addresses_that_are_not_ip_addresses() -> None:
+    from rudp.config import Config
+
+    Config(token_addresses=(("2001:DB8::7", 9000), ("::ffff:203.0.113.7", 9000)))
+    for bad in (("game.example", 9000), ("203.0.113.7", 0), ("203.0.113.7",)):
+        with pytest.raises(ValueError, match="token_addresses"):
+            Config(token_addresses=(bad,))  # type: ignore[arg-type]
