@@ -41,6 +41,7 @@ COMPILED_MODULES = [
     "rudp/connection.py",
     "rudp/sink.py",
     "rudp/admission.py",
+    "rudp/accepting.py",
     "rudp/queries.py",
     "rudp/endpoint.py",
     "rudp/stats.py",

@@ -13,10 +13,11 @@ Noise handshake of ``rudp.handshake`` rides in the last two messages)::
     CONNECT(salt, pattern, cookie, msg1, padded)    ->                    cookie checked
                                           <- ACCEPT(salt, msg2)           connection made
 
-The client's side is ``rudp.opening``; the checks before any work is spent on
-a handshake (cookies, their replay cache, reset tokens, rates) are
-``rudp.admission``. Only after a valid, unused cookie does the server spend a
-Diffie-Hellman on the client's message (``handshake.answer``); a message that is
+The client's side is ``rudp.opening``; the server's is ``rudp.accepting``
+(``receive_connect``), and the checks before any work is spent on a handshake
+(cookies, their replay cache, reset tokens, rates) are ``rudp.admission``. Only
+after a valid, unused cookie does the server spend a Diffie-Hellman on the
+client's message (``handshake.answer``); a message that is
 not genuine is dropped as ``bad_handshake`` and answered with a short REJECT
 that names the likely cause (the client expects another server key).
 
@@ -61,27 +62,23 @@ import random
 from collections.abc import Callable
 from typing import Final
 
-from rudp import handshake, wire, wire_v1
+from rudp import wire
+from rudp.accepting import receive_connect, refuse_v1
 from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket, source_of
 from rudp.config import Config
 from rudp.connection import Address, Connection
 from rudp.errors import LocalProtocolError, MessageTooLarge
-from rudp.events import DisconnectReason, EndpointEvent, Event, QueryReceived
-from rudp.noise import NoiseError, ephemeral_key, private_key, public_bytes
-from rudp.opening import answer_connect, receive_accept, receive_challenge, receive_reject
+from rudp.events import EndpointEvent, Event, QueryReceived
+from rudp.noise import private_key, public_bytes
+from rudp.opening import receive_accept, receive_challenge, receive_reject
 from rudp.queries import Queries
 from rudp.sink import EndpointSink
-from rudp.state import CONNECTED, CONNECTING
 from rudp.stats import EndpointStats
-from rudp.tokens import MAX_TOKEN_SIZE, PeerIdentity, TokenError, TokenRefusal, TokenVerifier
+from rudp.tokens import MAX_TOKEN_SIZE, TokenVerifier
 from rudp.wire import DecodeError, DropReason, PacketType
 
 _DATA_BYTE: Final = wire.DATA_BYTE
 _DATA_MIN: Final = wire.DATA_HEADER_SIZE
-NO_STATIC_KEY: Final = "this server has no static key"
-HANDSHAKE_FAILED: Final = "handshake failed: the client expects another server key"
-V1_REFUSAL: Final = "this server speaks rudp protocol version 2; upgrade the client"
-SOURCE_FULL: Final = "too many connections from your address"
 
 
 class Endpoint:
@@ -318,7 +315,7 @@ class Endpoint:
             if conn is not None:
                 conn.stats.packets_dropped += 1
             elif exc.reason is DropReason.WRONG_VERSION and self.accept:
-                self._refuse_v1(data, address)
+                refuse_v1(self, data, address)
         return conn
 
     def _receive_data(self, data: bytes, address: Address, now: float) -> Connection | None:
@@ -385,7 +382,7 @@ class Endpoint:
     ) -> None:
         reason: DropReason | None
         if ptype == PacketType.CONNECT:
-            reason = self._receive_connect(conn, data, address, now)
+            reason = receive_connect(self, conn, data, address, now)
         elif ptype == PacketType.QUERY:
             self._events.append((None, Queries.received(data, address)))
             reason = None
@@ -412,212 +409,6 @@ class Endpoint:
             self.stats.dropped[reason] += 1
         if conn is not None:
             self._schedule(conn)
-
-    def _refuse_v1(self, data: bytes, address: Address) -> None:
-        """Tell a version-1 client why it gets no connection: its own REJECT format,
-        smaller than its padded CONNECT."""
-        salt = wire_v1.v1_connect_salt(data)
-        if salt is not None:
-            self.stats.connections_refused += 1
-            self._send_unvalidated(wire_v1.encode_v1_reject(salt, V1_REFUSAL), address)
-
-    def _receive_connect(
-        self, conn: Connection | None, data: bytes, address: Address, now: float
-    ) -> DropReason | None:
-        # A CONNECT from the very peer we are connecting to is a simultaneous open (two
-        # peers introduced to each other both connect): answered even by an endpoint
-        # that accepts no one else, and so are its duplicates once it was answered.
-        answered = conn is not None and bool(conn._accept_datagram)
-        # A connection that names the server's key (NK) never answers in place: the
-        # side that answers cannot authenticate the other, so an attacker on the path
-        # could otherwise win the tie-break with a spoofed CONNECT of his own and be
-        # taken for the server. Its CONNECT from that address is not a simultaneous
-        # open; the handshake completes only with the key holder's ACCEPT.
-        opening = (
-            conn is not None
-            and conn.state is CONNECTING
-            and not answered
-            and not conn.expects_server_key
-        )
-        if not self.accept and not opening and not answered:
-            return DropReason.UNEXPECTED
-        if len(data) < wire.MIN_CONNECT_SIZE:
-            return DropReason.MALFORMED
-        request = wire.decode_connect(data)
-        if answered and conn is not None and conn.salt == request.salt:
-            if conn.state is CONNECTED:
-                self._out.append((conn._accept_datagram, address))  # our ACCEPT was lost
-                return None
-            return DropReason.DUPLICATE
-        late_loser = conn is not None and conn.client and not opening and request.salt < conn.salt
-        if late_loser and not self.accept:
-            # The losing handshake of a simultaneous open we won, late or duplicated (no
-            # other handshake is ours to take: we accept no one).
-            return DropReason.DUPLICATE
-        if not self.accept and not opening:
-            return DropReason.UNEXPECTED  # a new handshake: not ours to accept
-        if request.pattern not in (handshake.PATTERN_NN, handshake.PATTERN_NK):
-            return DropReason.MALFORMED
-        if request.pattern == handshake.PATTERN_NK and self._static is None and not opening:
-            # (In a simultaneous open our own handshake may win: decided after the cookie.)
-            self.stats.connections_refused += 1
-            self._send_unvalidated(wire.encode_reject(request.salt, NO_STATIC_KEY), address)
-            return None
-        if not request.cookie:
-            self._send_unvalidated(
-                wire.encode_challenge(request.salt, self._cookies.make(address, request.salt, now)),
-                address,
-            )
-            return None
-        if not self._cookies.valid(request.cookie, address, request.salt, now):
-            return DropReason.BAD_COOKIE
-        if self._cookies.used(address, request.salt):
-            refusal = self._cookies.refusal(address, request.salt)
-            if refusal is None:
-                return DropReason.REPLAYED_COOKIE
-            # Its connect token was refused and the client resends: the REJECT was
-            # lost. The same answer again (smaller than the CONNECT), with no DH and
-            # no connection: the cookie stays spent.
-            self.stats.connections_refused += 1
-            self._send_unvalidated(wire.encode_reject(request.salt, refusal), address)
-            return None
-        if opening:
-            assert conn is not None
-            # Both handshakes are valid; both sides keep the one with the larger salt.
-            # Ours: the peer, seeing our CONNECT, answers it the same way. Theirs: our
-            # connection answers it, as a server would, and is established.
-            if request.salt <= conn.salt:
-                return DropReason.UNEXPECTED
-            first = self._read_first(request, address)
-            if first is None:
-                return DropReason.BAD_HANDSHAKE
-            self._answer(conn, request, first, now)
-            self._cookies.remember(address, request.salt, now)
-            self.stats.simultaneous_opens += 1
-            return None
-        if late_loser and conn is not None:
-            # From a peer we opened a connection to: the late losing handshake of a
-            # simultaneous open (its parameters name the very connection id the peer's
-            # ACCEPT gave us), or the peer restarted (a new id): worth one DH to tell.
-            try:
-                keys = handshake.answer(
-                    self._static,
-                    request.pattern,
-                    request.salt,
-                    self._message(request),
-                    conn.transport_params(),
-                    ephemeral_key(self._rng),
-                    request.token_size,
-                    request.extensions,
-                )[1]
-            except (NoiseError, ValueError):
-                return DropReason.BAD_HANDSHAKE
-            if keys.peer.connection_id == conn.peer_cid:
-                return DropReason.DUPLICATE
-        if conn is None and not self._sources.may_start(address, now):
-            # Unanswered, and the cookie stays unused: the client's next resend
-            # of this CONNECT tries again once the source's bucket has refilled.
-            self.stats.source_handshakes_limited += 1
-            return None
-        if len(self._conns) >= self.config.max_connections + (conn is not None):
-            # Before the cookie is spent: a client whose REJECT was lost gets it again
-            # for its resent CONNECT, and once there is room that same CONNECT gets its
-            # one connection (remembered below, so never a second).
-            self.stats.connections_refused += 1
-            self._send_unvalidated(wire.encode_reject(request.salt, "server full"), address)
-            return None
-        if conn is None and not self._sources.may_hold(address):
-            # Before the cookie is spent too, as "server full" above.
-            self.stats.connections_refused += 1
-            self.stats.source_connections_refused += 1
-            self._send_unvalidated(wire.encode_reject(request.salt, SOURCE_FULL), address)
-            return None
-        self._cookies.remember(address, request.salt, now)  # one DH per cookie, at most
-        first = self._read_first(request, address)
-        if first is None:
-            return DropReason.BAD_HANDSHAKE
-        identity = None
-        if self._tokens is not None:
-            # After the cookie, before any per-connection state: a refused client
-            # costs the DH of its first message, as a wrong server key does.
-            identity = self._admit(first, request.salt, address, now)
-            if identity is None:
-                return None
-        fresh = self._new_connection(address, now, client=False, salt=request.salt)
-        fresh.peer_identity = identity
-        self._answer(fresh, request, first, now)
-        if conn is not None:
-            # The peer restarted: its old session is gone.
-            conn.abort(DisconnectReason.NO_CONNECTION, by_peer=True)
-            if address not in self._conns:  # (forgotten by the abort)
-                self._sources.opened(address)
-            self._conns[address] = fresh
-        self.stats.connections_accepted += 1
-        return None
-
-    def _message(self, request: wire.Connect) -> bytes:
-        """The Noise message 1 of a CONNECT: its size follows from the pattern, the size
-        of the token it carries and that of the client's parameter extensions."""
-        size = handshake.first_message_size(request.pattern, request.token_size, request.extensions)
-        return request.rest[:size]
-
-    def _read_first(self, request: wire.Connect, address: Address) -> handshake.FirstMessage | None:
-        """The client's Noise message 1, read; None, with a REJECT sent, when it is not
-        genuine."""
-        try:
-            return handshake.read_first(
-                self._static,
-                request.pattern,
-                request.salt,
-                self._message(request),
-                ephemeral_key(self._rng),
-                request.token_size,
-                request.extensions,
-            )
-        except (NoiseError, ValueError):
-            # The address is proven (valid cookie) and the REJECT is smaller than the
-            # CONNECT. Under NK the usual cause is a client configured with another key.
-            self._send_unvalidated(wire.encode_reject(request.salt, HANDSHAKE_FAILED), address)
-            return None
-
-    def _admit(
-        self, first: handshake.FirstMessage, salt: int, address: Address, now: float
-    ) -> PeerIdentity | None:
-        """The identity in the client's connect token; None, with a REJECT naming the
-        reason sent (smaller than the CONNECT) and the reason counted, when refused."""
-        assert self._tokens is not None
-        try:
-            if not first.token:
-                raise TokenError(TokenRefusal.MISSING)
-            wall = self.wall_clock() if self.wall_clock is not None else now + self.wall_offset
-            identity = self._tokens.verify(first.token, first.client_key, wall)
-        except TokenError as exc:
-            self.stats.tokens_refused[exc.refusal] += 1
-            self.stats.connections_refused += 1
-            self._cookies.refused(address, salt, str(exc))  # for a resent CONNECT
-            self._send_unvalidated(wire.encode_reject(salt, str(exc)), address)
-            return None
-        self.stats.tokens_accepted += 1
-        return identity
-
-    def _answer(
-        self, conn: Connection, request: wire.Connect, first: handshake.FirstMessage, now: float
-    ) -> None:
-        """Answer the client's first message into ``conn`` and send ACCEPT (kept for
-        resending on a duplicate CONNECT); the connection is established."""
-        answer, keys = first.answer(conn.transport_params())
-        accept = answer_connect(
-            conn,
-            request.salt,
-            answer,
-            keys,
-            now,
-            token_sealed=request.pattern == handshake.PATTERN_NK,
-        )
-        self._out.append((accept, conn.address))
-        self._schedule(conn)
-
-    # -- helpers -------------------------------------------------------------------
 
     def _new_connection(
         self,

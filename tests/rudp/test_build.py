@@ -38,6 +38,7 @@ CORE = [
     "rudp.connection",
     "rudp.sink",
     "rudp.admission",
+    "rudp.accepting",
     "rudp.queries",
     "rudp.endpoint",
     "rudp.stats",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from rudp.accepting import SOURCE_FULL
 from rudp.admission import source_of
 from rudp.config import Config
 from rudp.connection import Connection, State
-from rudp.endpoint import SOURCE_FULL
 from rudp.events import Disconnected, DisconnectReason
 from tests.rudp.harness import SERVER, Address, Network, Node
 

@@ -17,9 +17,9 @@ import pytest
 
 import rudp
 from rudp import frames, handshake, protection, wire, wire_v1
+from rudp.accepting import HANDSHAKE_FAILED, NO_STATIC_KEY, V1_REFUSAL
 from rudp.config import Config
 from rudp.connection import Connection, State
-from rudp.endpoint import HANDSHAKE_FAILED, NO_STATIC_KEY, V1_REFUSAL
 from rudp.events import Disconnected, DisconnectReason
 from rudp.wire import DropReason, PacketType
 from tests.rudp.harness import CLIENT, SERVER, Link, Network, Node, pair, server_conn, tagged, tags
