@@ -39,6 +39,7 @@ import msgpack
 
 import rudp
 from matchmaker.client import MatchmakerClient, MatchmakerError
+from matchmaker.keys import read_public_key
 from matchmaker.serverinfo import query_servers
 from matchmaker.tickets import UntrustedIntroduction
 
@@ -64,9 +65,8 @@ def issuer_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> byt
     try:
         if args.issuer_key:
             return bytes.fromhex(args.issuer_key)
-        with open(args.issuer_key_file, encoding="ascii") as f:
-            return bytes.fromhex(f.read().strip())
-    except (OSError, ValueError) as exc:
+        return read_public_key(args.issuer_key_file)
+    except ValueError as exc:
         parser.error(
             f"the matchmaker's issuing key: {exc} (give --issuer-key or --issuer-key-file)"
         )
