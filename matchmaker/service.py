@@ -636,10 +636,11 @@ class MatchmakerService:
 
     def _deliver(self, target: HostRecord, payload: bytes) -> None:
         """Send an introduction to the host's heartbeat address, until it acknowledges;
-        over the host's connection instead while it holds one."""
+        over the host's connection instead while it holds one, unless that connection
+        has just ended (a host that updated its entry and released it): then by
+        datagram all the same, never lost."""
         session = self._sessions.get(target.address)
-        if session is not None:
-            self._send_bytes(session, payload)
+        if session is not None and self._send_bytes(session, payload) is not None:
             return
         self.liveness.introduce(target, payload, self._clock())
         self._intro_due.set()

@@ -362,6 +362,18 @@ async def test_introduction_sends_both_sides_the_other_address() -> None:
     assert h.sample("matchmaker_introductions_total", result="local") == 1
 
 
+async def test_introduction_goes_by_datagram_when_the_hosts_connection_just_ended() -> None:
+    h = Harness()
+    host = await h.host(pub(1))
+    server_side = host.conn.other
+    assert server_side is not None
+    server_side.fail_sends = True  # the host released this connection a moment ago
+    client = h.connect(pub(2), 5555)
+    reply = await client.request(Introduce(request_id=3, host=Address(pub(1), 27960)))
+    assert isinstance(reply, Introduction) and reply.role is Role.CLIENT
+    assert h.service.liveness.pending == 1  # sent to the heartbeat address, resent until acked
+
+
 async def test_introduction_behind_the_same_nat_includes_lan_addresses() -> None:
     h = Harness()
     host = await h.host(pub(1), lan=Address("192.168.0.10", 27960))
