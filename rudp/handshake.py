@@ -69,6 +69,7 @@ PARAMS_SIZE: Final = _PARAMS.size
 # not know, so a later release can add one without a new wire version.
 _EXTENSION: Final = struct.Struct("!BB")
 EXT_MAX_ACK_DELAY: Final = 1  # u16: milliseconds an acknowledgment may wait
+EXT_PARITY: Final = 2  # empty: this side reads REPAIR and RECOVERED frames (``rudp.parity``)
 MAX_ACK_DELAY_LIMIT_MS: Final = 16383  # as QUIC's max_ack_delay (2^14 and above are invalid)
 
 
@@ -104,6 +105,9 @@ class TransportParams:
     """How long this side may hold an acknowledgment back, waiting for a packet to
     carry it (the peer adds it to its resend timeout); None when the side states no
     extensions (an earlier version-2 peer, which acknowledges at once)."""
+    parity: bool = False
+    """This side reads REPAIR and RECOVERED frames (``rudp.parity``): the peer may
+    protect its packets with parity instead of copies."""
 
     @property
     def extended(self) -> bool:
@@ -125,7 +129,10 @@ class TransportParams:
         if self.max_ack_delay_ms is None:
             return fixed
         delay = min(max(self.max_ack_delay_ms, 0), MAX_ACK_DELAY_LIMIT_MS)
-        return fixed + _EXTENSION.pack(EXT_MAX_ACK_DELAY, 2) + delay.to_bytes(2, "big")
+        out = fixed + _EXTENSION.pack(EXT_MAX_ACK_DELAY, 2) + delay.to_bytes(2, "big")
+        if self.parity:
+            out += _EXTENSION.pack(EXT_PARITY, 0)
+        return out
 
     @classmethod
     def decode(cls, data: bytes) -> TransportParams:
@@ -136,6 +143,7 @@ class TransportParams:
         if channels == 0 or datagram < 576 or message == 0:
             raise ValueError("transport parameters out of range")
         ack_delay: int | None = None
+        parity = False
         offset = PARAMS_SIZE
         if len(data) > offset:
             ack_delay = 0  # extensions without this one: the side acknowledges at once
@@ -152,7 +160,9 @@ class TransportParams:
                 if size != 2 or int.from_bytes(value, "big") > MAX_ACK_DELAY_LIMIT_MS:
                     raise ValueError("max_ack_delay out of range")
                 ack_delay = int.from_bytes(value, "big")
-        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay)
+            elif ext == EXT_PARITY:
+                parity = True
+        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay, parity)
 
     @classmethod
     def of(cls, config: Config, connection_id: int, reset_token: bytes) -> TransportParams:
@@ -166,11 +176,12 @@ class TransportParams:
             idle_timeout_ms=min(round(config.idle_timeout * 1000), _U32),
             reset_token=reset_token,
             max_ack_delay_ms=round(config.max_ack_delay * 1000),
+            parity=config.parity,
         )
 
     def plain(self) -> TransportParams:
         """The same without extensions: what a server answers a client that stated none."""
-        return replace(self, max_ack_delay_ms=None)
+        return replace(self, max_ack_delay_ms=None, parity=False)
 
 
 @dataclass(frozen=True, slots=True)

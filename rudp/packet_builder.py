@@ -54,6 +54,7 @@ from rudp.wire import GRAPH, RELIABLE_ORDERED, UNRELIABLE_SEQUENCED
 if TYPE_CHECKING:
     from rudp.congestion import CongestionController
     from rudp.connection import Connection
+    from rudp.parity import Parity
     from rudp.stats import ConnectionStats
 
 RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
@@ -97,6 +98,7 @@ class PacketBuilder:
         "flow_frame",
         "flow_seq",
         "last_sent",
+        "parity",
         "ping",
         "recent",
         "tx_next",
@@ -147,6 +149,7 @@ class PacketBuilder:
         self.early_acks: list[bytes] = []
         self.recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
         self.last_sent = now  # when our last packet of any kind went out
+        self.parity: Parity | None = None  # REPAIR frames instead of copies (rudp.parity)
 
     def set_keys(self, sealer: Sealer, peer_cid: int) -> None:
         """The handshake is done: seal with ``sealer``, address packets to ``peer_cid``."""
@@ -220,6 +223,9 @@ class PacketBuilder:
         delayed = self.ack_unsent > 0 and self.ack_delay > 0.0
         if delayed:
             budget -= ACK_DELAY_FRAME_SIZE
+        parity = self.parity
+        if parity is not None and parity.report_due:
+            budget -= frames.RECOVERED_SIZE
         # parts[0] is the acknowledgment, filled in last: one list per datagram, joined once.
         parts: list[bytes] = [b""]
         messages: list[OutMessage] = []
@@ -277,17 +283,22 @@ class PacketBuilder:
                 return None
             self._stats.acks_alone += 1
         reader = conn._reader
+        protected = len(parts)  # what a REPAIR covers: the frames before the tail frames
         if delayed:
             # The peer takes it off its RTT sample (RFC 9002, section 5.3).
             waited = now - reader.rx_largest_time
             if waited >= frames.ACK_DELAY_UNIT:
                 parts.append(frames.ack_delay_frame(waited))
+        if parity is not None and parity.report_due:
+            parts.append(parity.report())
         self.ping = False
         self._acked()
         self.last_sent = now
         seq = self.tx_next
         self.tx_next = seq + 1
         parts[0] = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        if parity is not None and eliciting and not sender.rel_queue:
+            parity.on_build(seq, parts, protected, budget)  # a thin stream's packet
         datagram = self.seal(seq, b"".join(parts))
         if eliciting:
             recovery.on_packet_sent(
@@ -519,6 +530,11 @@ class PacketBuilder:
             while len(recent) > RECENT_MAX:
                 recent.popleft()
         return budget
+
+    def use_parity(self, parity: Parity) -> None:
+        """The peer reads REPAIR frames: protect thin streams with them, not copies."""
+        self.parity = parity
+        self._redundancy = 0
 
     def clear(self) -> None:
         """The connection ended: nothing more to send."""

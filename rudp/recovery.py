@@ -337,6 +337,12 @@ class PacketRecovery:
         self.reorder_threshold = min(max(self.reorder_threshold, depth), MAX_REORDER_THRESHOLD)
         self.rtt.widen_reorder_window()
 
+    def on_recovered(self, count: int) -> None:
+        """The peer rebuilt ``count`` more of our packets from parity (``rudp.parity``):
+        they were acknowledged, but they were lost, and parity is sized to the loss."""
+        for _ in range(min(count, LOSS_WINDOW)):
+            self.loss_rate += (1.0 - self.loss_rate) / LOSS_WINDOW
+
     def _on_lost(self, pkt: SentPacket, tx_next: int) -> None:
         self.in_flight -= 1
         self._stats.packets_lost += 1
