@@ -16,7 +16,7 @@ from rudp.connection import Connection
 from rudp.events import MessageReceived
 from rudp.handshake import TransportParams
 from rudp.protection import ReplayWindow
-from rudp.recovery import PacketRecovery
+from rudp.recovery import LOSS_WINDOW, PacketRecovery
 from rudp.stats import ConnectionStats
 from rudp.wire import DecodeError, Delivery
 
@@ -134,15 +134,17 @@ def test_repair_and_recovered_frames_decode_as_tail_frames() -> None:
             frames.decode_frames(data[:cut])
 
 
-class _Recovery:
-    loss_rate = 0.05
-
-    def on_recovered(self, count: int) -> None:
-        self.loss_rate += count
+def _recovery(loss_rate: float = 0.05) -> PacketRecovery:
+    """A real connection's loss detection (the compiled build checks types), its loss
+    rate set."""
+    _, _, _, conn = pair()
+    recovery: PacketRecovery = conn._recovery
+    recovery.loss_rate = loss_rate
+    return recovery
 
 
 def _parity() -> parity.Parity:
-    return parity.Parity(_Recovery(), ConnectionStats())  # type: ignore[arg-type]
+    return parity.Parity(_recovery(), ConnectionStats())
 
 
 def _sources(sender: parity.Parity, bodies: dict[int, bytes], upto: int) -> dict[int, bytes]:
@@ -197,24 +199,26 @@ def test_a_rebuilt_packet_whose_original_comes_late_is_not_reported_lost() -> No
 
 
 def test_a_report_counts_each_rebuilt_packet_once_as_a_loss() -> None:
-    recovery = _Recovery()
-    p = parity.Parity(recovery, ConnectionStats())  # type: ignore[arg-type]
+    recovery = _recovery(0.0)
+    p = parity.Parity(recovery, ConnectionStats())
     p.on_report(3)
     p.on_report(2)  # an older report, overtaken: ignored
     p.on_report(3)
-    assert recovery.loss_rate == pytest.approx(0.05 + 3)
+    expected = 0.0
+    for _ in range(3):
+        expected += (1.0 - expected) / LOSS_WINDOW
+    assert recovery.loss_rate == pytest.approx(expected)
 
 
 def test_interval_follows_the_loss_rate_with_hysteresis() -> None:
-    recovery = _Recovery()
-    p = parity.Parity(recovery, ConnectionStats())  # type: ignore[arg-type]
+    recovery = _recovery()
+    p = parity.Parity(recovery, ConnectionStats())
     for rate, k in ((0.0, 0), (0.004, 0), (0.05, 4), (0.01, 8), (0.003, 8), (0.0005, 0)):
         recovery.loss_rate = rate
         assert p.interval() == k
 
 
 def test_the_recovery_hook_raises_the_loss_rate() -> None:
-    rec = PacketRecovery.__new__(PacketRecovery)
-    rec.loss_rate = 0.0
-    rec.on_recovered(10)
-    assert 0.03 < rec.loss_rate < 0.04
+    recovery = _recovery(0.0)
+    recovery.on_recovered(10)
+    assert 0.03 < recovery.loss_rate < 0.04
