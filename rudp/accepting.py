@@ -215,6 +215,9 @@ def read_first(
     except (NoiseError, ValueError):
         # The address is proven (valid cookie) and the REJECT is smaller than the
         # CONNECT. Under NK the usual cause is a client configured with another key.
+        # Remembered with the spent cookie: if this REJECT is lost, the client's
+        # resent CONNECT gets it again (no second DH) instead of timing out.
+        ep._cookies.refused(address, request.salt, HANDSHAKE_FAILED)
         ep._send_unvalidated(wire.encode_reject(request.salt, HANDSHAKE_FAILED), address)
         return None
 
