@@ -9,11 +9,20 @@ Every attack is counted under its own drop reason and leaves the connection work
 
 from __future__ import annotations
 
+import dataclasses
+import random
+import struct
 import tracemalloc
+import zlib
+from typing import Any
+
+import pytest
 
 from rudp import frames, wire
-from rudp.connection import State
-from tests.rudp.harness import CLIENT, pair, server_conn
+from rudp.connection import Connection, State
+from rudp.events import QueryReceived
+from rudp.wire import DropReason, PacketType
+from tests.rudp.harness import CLIENT, SERVER, Address, Network, Node, pair, server_conn
 
 # -- a malicious peer ----------------------------------------------------------------------
 
@@ -46,3 +55,223 @@ def test_a_peer_that_skips_packet_numbers_costs_no_memory() -> None:
     assert b"down after the jumps" in client.received()
     assert conn.state is State.CONNECTED and sconn.state is State.CONNECTED
     assert conn.queued == 0 and sconn.queued == 0
+
+
+# -- every packet type: replayed, reflected, tampered, truncated, injected ------------------
+
+STRANGER = ("10.6.6.6", 6666)
+ALL_TYPES = {PacketType(t) for t in range(1, 9)}
+
+
+def _snapshot(node: Node) -> tuple[Any, ...]:
+    """What a datagram that is refused must leave as it was: every connection of the node,
+    its packet-level state, its timer."""
+    out: list[Any] = [len(node.endpoint.connections)]
+    for conn in node.endpoint.connections:
+        opener = conn._reader.opener
+        out += [
+            conn.state,
+            conn.address,
+            conn.salt,
+            conn.cid,
+            conn.peer_cid,
+            conn.handshake_hash,
+            None if opener is None else (opener.window.largest, opener.window.accepted),
+            conn._reader.rx_largest,
+            conn._reader.rx_bits,
+            conn._last_recv,
+            conn.get_timer(),
+            conn.stats.packets_received,
+            conn.stats.srtt,
+            conn._builder.ack_pending,
+            conn._migration.path,
+        ]
+    return tuple(out)
+
+
+def _hit(
+    net: Network, node: Node, data: bytes, src: Address
+) -> tuple[DropReason | None, list[bytes]]:
+    """Deliver ``data`` to ``node`` as if ``src`` sent it: the one reason it was dropped
+    (None: taken or answered), and what the node answered ``src`` at once."""
+    ep = node.endpoint
+    before = ep.stats.dropped.copy()
+    queued = len(ep._out)
+    assert ep.receive_datagram(data, src, net.now) in (None, *ep.connections)
+    after = ep.stats.dropped
+    changed = [r for r in after if after[r] != before.get(r, 0)]
+    assert len(changed) <= 1 and sum(after.values()) - sum(before.values()) <= 1
+    answers = [d for d, dst in ep._out[queued:] if dst == src]
+    return (changed[0] if changed else None), answers
+
+
+def _still_flows(net: Network, server: Node, client: Node, conn: Connection) -> None:
+    sconn = server_conn(server)
+    assert conn.state is State.CONNECTED and sconn.state is State.CONNECTED
+    assert sconn.address == CLIENT and conn.address == SERVER
+    conn.send(b"up after the attack")
+    sconn.send(b"down after the attack")
+    net.run(1)
+    assert b"up after the attack" in server.received()
+    assert b"down after the attack" in client.received()
+    assert not client.disconnects() and not server.disconnects()
+    assert len(server.endpoint.connections) == 1 and len(client.endpoint.connections) == 1
+
+
+Sent = tuple[bytes, Address, Address]
+
+
+def _captured() -> tuple[Network, Node, Node, Connection, dict[PacketType, list[Sent]]]:
+    """A connected pair, and a genuine packet of every type as it crossed the wire with
+    its source and destination: the handshake, DATA both ways, a query and its reply,
+    and the NOCONN and REJECT the server sent the same client's previous attempts."""
+    net = Network(seed=31)
+    server = net.add(SERVER, accept=True)
+    client = net.add(CLIENT)
+    # A first connection the server forgets: the client's next packet draws a NOCONN.
+    first = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: first.state is State.CONNECTED)
+    server_conn(server).abort()
+    first.send(b"to a forgotten connection")
+    net.run_until(lambda: first.state is State.CLOSED)
+    # A refused attempt: the server is full for a moment.
+    server.endpoint.config = dataclasses.replace(server.endpoint.config, max_connections=0)
+    refused = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: refused.state is State.CLOSED)
+    server.endpoint.config = dataclasses.replace(server.endpoint.config, max_connections=64)
+    start = len(net.sent)
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: conn.state is State.CONNECTED)
+    conn.send(b"up")
+    server_conn(server).send(b"down")
+    nonce = client.endpoint.query(SERVER, b"info?", net.now, reply_room=64)
+    net.run_until(lambda: any(isinstance(e, QueryReceived) for _, e in server.events))
+    (event,) = [e for _, e in server.events if isinstance(e, QueryReceived)]
+    assert event.nonce == nonce
+    server.endpoint.reply_query(event, b"info!")
+    net.run(1)
+    end = len(net.sent)
+    net.run(0.1)  # what was still on its way has arrived
+    seen: dict[PacketType, list[Sent]] = {}
+    for i, (data, src, dst) in enumerate(net.sent[:end]):
+        ptype = PacketType(data[0] & 0x0F)
+        if i >= start or ptype in (PacketType.NOCONN, PacketType.REJECT):
+            seen.setdefault(ptype, []).append((data, src, dst))
+    assert set(seen) == ALL_TYPES
+    client.events.clear()  # the first two attempts' ends: not the attacks'
+    server.events.clear()
+    return net, server, client, conn, seen
+
+
+def _node(net: Network, address: Address) -> Node:
+    return net.nodes[address]
+
+
+# What each genuine packet draws when it is sent again, as it was (a replay), and when it
+# is sent back to its sender from its receiver's address (a reflection). None: taken or
+# answered, never with more bytes than it carried.
+REPLAYED = {
+    PacketType.CONNECT: None,  # CHALLENGE or the lost ACCEPT again, both smaller
+    PacketType.CHALLENGE: DropReason.UNEXPECTED,
+    PacketType.ACCEPT: DropReason.DUPLICATE,
+    PacketType.REJECT: DropReason.UNEXPECTED,
+    PacketType.DATA: DropReason.REPLAYED,
+    PacketType.NOCONN: DropReason.BAD_TOKEN,  # about the connection it ended
+    PacketType.QUERY: None,  # a new QueryReceived: the application answers, no larger
+    PacketType.QUERY_REPLY: DropReason.UNEXPECTED,
+}
+REFLECTED = {
+    PacketType.CONNECT: DropReason.UNEXPECTED,
+    PacketType.CHALLENGE: DropReason.UNEXPECTED,
+    PacketType.ACCEPT: DropReason.DUPLICATE,
+    PacketType.REJECT: DropReason.UNEXPECTED,
+    PacketType.DATA: DropReason.UNKNOWN_PEER,  # the peer's connection id, not ours
+    PacketType.NOCONN: DropReason.UNEXPECTED,  # under NN the server believes none
+    PacketType.QUERY: None,
+    PacketType.QUERY_REPLY: DropReason.UNEXPECTED,
+}
+
+
+@pytest.mark.parametrize("attack", ["replayed", "reflected"])
+def test_every_packet_type_replayed_or_reflected_is_counted_and_harmless(attack: str) -> None:
+    net, server, client, conn, seen = _captured()
+    expected = REPLAYED if attack == "replayed" else REFLECTED
+    for ptype, packets in seen.items():
+        for data, src, dst in packets[:20]:
+            if attack == "reflected":
+                src, dst = dst, src
+            node = _node(net, dst)
+            others = _snapshot(_node(net, src))
+            before = _snapshot(node)
+            reason, answers = _hit(net, node, data, src)
+            assert reason is expected[ptype], (ptype, reason)
+            assert sum(map(len, answers)) <= len(data), ptype
+            assert _snapshot(node) == before and _snapshot(_node(net, src)) == others, ptype
+    _still_flows(net, server, client, conn)
+
+
+def test_every_packet_type_tampered_or_truncated_is_dropped_and_counted() -> None:
+    net, server, client, conn, seen = _captured()
+    for ptype, packets in seen.items():
+        data, src, dst = packets[-1]
+        node = _node(net, dst)
+        before = _snapshot(node)
+        for i in range(len(data)):
+            flipped = bytearray(data)
+            flipped[i] ^= 0x5A
+            reason, answers = _hit(net, node, bytes(flipped), src)
+            assert reason is not None and sum(map(len, answers)) <= len(data), (ptype, i)
+        for n in range(len(data)):
+            reason, answers = _hit(net, node, data[:n], src)
+            assert reason is not None and sum(map(len, answers)) <= n, (ptype, n)
+        assert _snapshot(node) == before, ptype
+    _still_flows(net, server, client, conn)
+
+
+def _rewritten(data: bytes, offset: int, value: bytes) -> bytes:
+    """``data`` with ``value`` at ``offset`` and its CRC made right again: what an
+    attacker on the path can do to any unsealed packet."""
+    body = data[:offset] + value + data[offset + len(value) : -4]
+    return body + struct.pack("!I", zlib.crc32(body, wire.PROTOCOL_ID))
+
+
+U, T, A = DropReason.UNEXPECTED, DropReason.BAD_TOKEN, DropReason.AUTH_FAILED
+
+
+def test_every_packet_type_forged_or_rewritten_on_the_path_is_counted_and_harmless() -> None:
+    net, server, client, conn, seen = _captured()
+    sconn = server_conn(server)
+    rng = random.Random(32)
+    salt = rng.getrandbits(64).to_bytes(8, "big")
+    connect = seen[PacketType.CONNECT][-1][0]
+    # (datagram, its claimed source, the node it goes to, the reason from that source)
+    forged: list[tuple[bytes, Address, Node, DropReason | None]] = [
+        # The CONNECT with another salt (CRC made right): not this attempt's cookie.
+        (_rewritten(connect, 2, salt), CLIENT, server, DropReason.BAD_COOKIE),
+        # Same salt, another cookie: the attempt is answered, so the ACCEPT again (it may
+        # have been lost), to the connection's own address and smaller than the CONNECT.
+        (_rewritten(connect, 12, rng.randbytes(20)), CLIENT, server, None),
+        (wire.encode_challenge(rng.getrandbits(64), bytes(20)), SERVER, client, U),
+        (wire.encode_accept(conn.salt, rng.randbytes(83)), SERVER, client, DropReason.DUPLICATE),
+        (wire.encode_reject(conn.salt, "go away"), SERVER, client, U),
+        (wire.encode_noconn(conn.peer_cid, rng.randbytes(16)), SERVER, client, T),
+        (wire.encode_noconn(sconn.peer_cid, rng.randbytes(16)), CLIENT, server, U),  # NN
+        (wire.encode_query(PacketType.QUERY_REPLY, 7, b"?"), SERVER, client, U),
+        (wire.data_prefix(sconn.cid, 1 << 20) + rng.randbytes(60), CLIENT, server, A),
+        (wire.data_prefix(conn.cid, 1 << 20) + rng.randbytes(60), SERVER, client, A),
+    ]
+    for data, src, node, want in forged:
+        for source in (src, STRANGER):
+            before = _snapshot(node)
+            reason, answers = _hit(net, node, data, source)
+            if source == STRANGER and data[0] not in (0xA1, 0xA5):
+                # Not from the connection's peer: nothing to match it with, or the
+                # query it would answer was never sent to that address.
+                assert reason in (DropReason.UNKNOWN_PEER, DropReason.UNEXPECTED), data[0]
+            elif source == STRANGER and data[0] == 0xA1:
+                assert reason is DropReason.BAD_COOKIE  # bound to the client's address
+            else:
+                assert reason is want, (hex(data[0]), reason)
+            assert sum(map(len, answers)) <= len(data)
+            assert _snapshot(node) == before
+    _still_flows(net, server, client, conn)
