@@ -275,3 +275,98 @@ def test_every_packet_type_forged_or_rewritten_on_the_path_is_counted_and_harmle
             assert sum(map(len, answers)) <= len(data)
             assert _snapshot(node) == before
     _still_flows(net, server, client, conn)
+
+
+# -- amplification through the whole handshake ---------------------------------------------
+
+VICTIM = ("10.9.9.9", 999)
+PEERS = ((CLIENT, SERVER), (SERVER, CLIENT))
+
+
+def _flood_handshake(flood: bool) -> tuple[Network, Connection, dict[tuple[Address, Address], int]]:
+    """A client connects and exchanges a message while (if ``flood``) a spoofer sends, every
+    5 ms from before the first CONNECT until a second after the connection is up, the
+    victim's address on every packet type to both sides, and, as an attacker on the path
+    who read the salt and the connection ids, right-salt handshake packets and DATA as
+    the server to the client and copies of the client's CONNECTs as the client to the
+    server. Returns the network, the connection, and the bytes spoofed per (src, dst)."""
+    net = Network(seed=33)
+    server = net.add(SERVER, accept=True)
+    client = net.add(CLIENT)
+    conn = client.endpoint.connect(SERVER, net.now)
+    rng = random.Random(34)
+    spoofed: dict[tuple[Address, Address], int] = {}
+
+    def spoof(data: bytes, src: Address, dst: Address) -> None:
+        net.inject(data, src, dst)
+        spoofed[(src, dst)] = spoofed.get((src, dst), 0) + len(data)
+
+    def junk(cid: int) -> list[bytes]:
+        salt = rng.getrandbits(64)
+        message = rng.randbytes(67)
+        return [
+            wire.encode_connect(salt, 0, b"", message, 1200),
+            wire.encode_connect(salt, 0, b"", message, 200),
+            wire.encode_connect(salt, 0, rng.randbytes(20), message, 1200),
+            wire.encode_challenge(salt, rng.randbytes(20)),
+            wire.encode_accept(salt, rng.randbytes(83)),
+            wire.encode_reject(salt, "no"),
+            wire.encode_noconn(rng.getrandbits(32), rng.randbytes(16)),
+            wire.data_prefix(cid, rng.getrandbits(32)) + rng.randbytes(rng.randint(22, 300)),
+            wire.data_prefix(rng.getrandbits(32), 0) + rng.randbytes(rng.randint(22, 300)),
+            wire.encode_query(PacketType.QUERY_REPLY, rng.getrandbits(32), b"x"),
+        ]
+
+    end: float | None = None
+    while end is None or net.now < end:
+        if flood:
+            sconns = server.endpoint.connections
+            scid = sconns[0].cid if sconns else rng.getrandbits(32)
+            for data in junk(scid):
+                spoof(data, VICTIM, SERVER)
+            for data in junk(conn.cid):
+                spoof(data, VICTIM, CLIENT)
+            # On the path: the attempt's salt and the client's connection id are known, and
+            # every handshake packet so far is copied back at its receiver. (Right-salt
+            # CHALLENGEs with a cookie of the attacker's would make the attempt fail, as
+            # dropping its packets would: docs/security.md. test_security.py floods a
+            # client with those.)
+            spoof(wire.encode_accept(conn.salt, rng.randbytes(83)), SERVER, CLIENT)
+            data = wire.data_prefix(conn.cid, rng.getrandbits(32)) + rng.randbytes(60)
+            spoof(data, SERVER, CLIENT)
+            for data, src, dst in list(net.sent):
+                if data[0] in (0xA1, 0xA2, 0xA3) and (src, dst) in PEERS:
+                    spoof(data, src, dst)
+        net.run(0.005)
+        if end is None and conn.state is State.CONNECTED:
+            conn.send(b"hello")
+            end = net.now + 1.0
+        assert net.now < 1000.0 + 30, "the handshake never completed"
+    assert server.received() == [b"hello"]
+    return net, conn, spoofed
+
+
+def test_a_spoofed_flood_through_the_whole_handshake_draws_no_more_than_it_sends() -> None:
+    quiet, _, _ = _flood_handshake(flood=False)
+    net, conn, spoofed = _flood_handshake(flood=True)
+    assert conn.state is State.CONNECTED
+
+    def sent(n: Network, src: Address, dst: Address) -> int:
+        return sum(len(d) for d, s, to in n.sent if s == src and to == dst)
+
+    # To the victim, from either side: at most what was sent in its name.
+    for node in (SERVER, CLIENT):
+        drawn = sent(net, node, VICTIM)
+        assert 0 < drawn <= spoofed[(VICTIM, node)], node
+    # To the real peers, beyond what the same handshake sends unattacked: at most what the
+    # attacker sent in the other peer's name (no packet turns into a CONNECT, a CHALLENGE
+    # or an ACCEPT larger than itself, and the CONNECTs stay on the retry timer).
+    for src, dst in ((CLIENT, SERVER), (SERVER, CLIENT)):
+        extra = sent(net, src, dst) - sent(quiet, src, dst)
+        assert extra <= spoofed[(dst, src)], (src, dst)
+    for node in net.nodes.values():
+        stats = node.endpoint.stats
+        assert stats.unvalidated_bytes_sent <= stats.unvalidated_bytes_received
+    total = sum(spoofed.values())
+    drawn = sum(sent(net, n, VICTIM) for n in (SERVER, CLIENT))
+    print(f"spoofed {total} B, drew {drawn} B to the victim ({drawn / total:.3f}x)")
