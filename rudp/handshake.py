@@ -16,7 +16,8 @@ for an address before it echoes a valid cookie: the cookie check comes first).
 
 The prologue binds the protocol version, the pattern and the client's salt, so a
 message cannot be moved to another handshake or downgraded from NK to NN without
-failing authentication.
+failing authentication; with extensions, also the lengths by which the CONNECT
+splits the payload into parameters and connect token.
 
 Each side's Noise payload is its :class:`TransportParams`: the connection id it
 wants on the packets it receives, what it accepts (largest message, channels,
@@ -184,8 +185,15 @@ class Keys:
     """Identical on both sides: a channel binding (for example for connect tokens)."""
 
 
-def _prologue(pattern: int, salt: int) -> bytes:
-    return _PROLOGUE + bytes((pattern,)) + salt.to_bytes(8, "big")
+def _prologue(pattern: int, salt: int, token_size: int = 0, extensions: int = -1) -> bytes:
+    prologue = _PROLOGUE + bytes((pattern,)) + salt.to_bytes(8, "big")
+    if extensions >= 0:
+        # How the CONNECT splits the payload (extensions, token) travels outside the
+        # message: bound here, a rewrite fails the handshake instead of making the
+        # server read the parameters otherwise. A client that states no extensions (an
+        # earlier version-2 release) keeps the prologue it had.
+        prologue += bytes((extensions,)) + token_size.to_bytes(2, "big")
+    return prologue
 
 
 class ClientHandshake:
@@ -204,17 +212,17 @@ class ClientHandshake:
         self.token_size = len(token)
         self.pattern = PATTERN_NN if server_key is None else PATTERN_NK
         self.extended = params.extended
+        payload = params.encode()
+        self.extensions = len(payload) - PARAMS_SIZE if self.extended else -1
+        """Bytes of extensions in our parameters (the CONNECT says it), -1: none."""
         self._state = HandshakeState(
             _PROTOCOL_NAMES[self.pattern],
             initiator=True,
-            prologue=_prologue(self.pattern, salt),
+            prologue=_prologue(self.pattern, salt, self.token_size, self.extensions),
             remote_static=server_key,
             ephemeral=ephemeral,
         )
         # Computed once: every CONNECT of this attempt carries the same message.
-        payload = params.encode()
-        self.extensions = len(payload) - PARAMS_SIZE if self.extended else -1
-        """Bytes of extensions in our parameters (the CONNECT says it), -1: none."""
         self.message = self._state.write_message(payload + token)
 
     def finish(self, answer: bytes) -> Keys:
@@ -285,7 +293,7 @@ def read_first(
     state = HandshakeState(
         _PROTOCOL_NAMES[pattern],
         initiator=False,
-        prologue=_prologue(pattern, salt),
+        prologue=_prologue(pattern, salt, token_size, extensions),
         static=static if pattern == PATTERN_NK else None,
         ephemeral=ephemeral,
     )

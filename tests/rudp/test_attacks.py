@@ -18,9 +18,13 @@ from typing import Any
 
 import pytest
 
-from rudp import frames, wire
+import rudp
+from rudp import frames, handshake, wire
+from rudp.accepting import HANDSHAKE_FAILED
+from rudp.config import Config
 from rudp.connection import Connection, State
-from rudp.events import QueryReceived
+from rudp.events import DisconnectReason, QueryReceived
+from rudp.opening import TIMEOUT_BAD_ANSWERS
 from rudp.wire import DropReason, PacketType
 from tests.rudp.harness import CLIENT, SERVER, Address, Network, Node, pair, server_conn
 
@@ -355,18 +359,67 @@ def test_a_spoofed_flood_through_the_whole_handshake_draws_no_more_than_it_sends
         return sum(len(d) for d, s, to in n.sent if s == src and to == dst)
 
     # To the victim, from either side: at most what was sent in its name.
-    for node in (SERVER, CLIENT):
-        drawn = sent(net, node, VICTIM)
-        assert 0 < drawn <= spoofed[(VICTIM, node)], node
+    for address in (SERVER, CLIENT):
+        drawn = sent(net, address, VICTIM)
+        assert 0 < drawn <= spoofed[(VICTIM, address)], address
     # To the real peers, beyond what the same handshake sends unattacked: at most what the
     # attacker sent in the other peer's name (no packet turns into a CONNECT, a CHALLENGE
     # or an ACCEPT larger than itself, and the CONNECTs stay on the retry timer).
     for src, dst in ((CLIENT, SERVER), (SERVER, CLIENT)):
         extra = sent(net, src, dst) - sent(quiet, src, dst)
         assert extra <= spoofed[(dst, src)], (src, dst)
-    for node in net.nodes.values():
-        stats = node.endpoint.stats
+    for peer in net.nodes.values():
+        stats = peer.endpoint.stats
         assert stats.unvalidated_bytes_sent <= stats.unvalidated_bytes_received
     total = sum(spoofed.values())
     drawn = sum(sent(net, n, VICTIM) for n in (SERVER, CLIENT))
     print(f"spoofed {total} B, drew {drawn} B to the victim ({drawn / total:.3f}x)")
+
+
+# -- the CONNECT's cleartext layout fields ---------------------------------------------------
+
+
+def _as_token(connect: bytes) -> bytes:
+    """An on-path rewrite of a CONNECT whose parameters carry extensions: the same Noise
+    message, its extensions declared as a connect token instead (CRC made right)."""
+    request = wire.decode_connect(connect)
+    assert request.extensions > 0 and not request.token_size
+    size = handshake.first_message_size(request.pattern, 0, request.extensions)
+    return wire.encode_connect(
+        request.salt,
+        request.pattern,
+        request.cookie,
+        request.rest[:size],
+        len(connect),
+        token_size=request.extensions,
+    )
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["NN", "NK"])
+def test_a_rewritten_split_of_the_first_message_fails_the_handshake(keyed: bool) -> None:
+    # What the CONNECT says about its Noise message (extensions, token) travels outside
+    # it. Rewritten, the server read the client's extensions as a token it does not
+    # require, answered without extensions, and the handshake completed with them
+    # silently dropped on both sides (no delayed acknowledgments): a downgrade.
+    key = bytes(range(32))
+    net = Network(seed=35)
+    net.add(SERVER, Config(static_key=key), accept=True)
+    client = net.add(CLIENT)
+
+    def rewrite(data: bytes, src: Address, dst: Address) -> bool:
+        if data[0] != 0xA1 or src != CLIENT:
+            return False
+        net.inject(_as_token(data), src, dst)
+        return True  # the genuine one is dropped
+
+    net.drop = rewrite
+    server_key = rudp.public_key(key) if keyed else None
+    conn = client.endpoint.connect(SERVER, net.now, server_key=server_key)
+    net.run_until(lambda: conn.state is not State.CONNECTING, timeout=20)
+    assert conn.state is State.CLOSED
+    assert conn.peer_params is None
+    (end,) = client.disconnects()
+    if keyed:  # the server could not open the client's message
+        assert end.reason is DisconnectReason.REFUSED and end.text == HANDSHAKE_FAILED
+    else:  # the server's answers failed at the client, which waited for a genuine one
+        assert end.reason is DisconnectReason.CONNECT_TIMEOUT and end.text == TIMEOUT_BAD_ANSWERS
