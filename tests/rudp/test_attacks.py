@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import rudp
-from rudp import frames, handshake, wire
+from rudp import frames, handshake, noise, wire
 from rudp.accepting import HANDSHAKE_FAILED
 from rudp.config import Config
 from rudp.connection import Connection, State
@@ -423,3 +423,61 @@ def test_a_rewritten_split_of_the_first_message_fails_the_handshake(keyed: bool)
         assert end.reason is DisconnectReason.REFUSED and end.text == HANDSHAKE_FAILED
     else:  # the server's answers failed at the client, which waited for a genuine one
         assert end.reason is DisconnectReason.CONNECT_TIMEOUT and end.text == TIMEOUT_BAD_ANSWERS
+
+
+# -- no Diffie-Hellman, no state, before a valid cookie ---------------------------------------
+
+
+def test_no_diffie_hellman_and_no_state_before_a_valid_unused_cookie(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = bytes(range(32))
+    dh_calls = 0
+    real_dh = noise._dh
+
+    def counting_dh(private: Any, public: bytes) -> bytes:
+        nonlocal dh_calls
+        dh_calls += 1
+        return real_dh(private, public)
+
+    net = Network(seed=36)
+    server = net.add(SERVER, Config(static_key=key), accept=True)
+    ep = server.endpoint
+    rng = random.Random(37)
+    params = handshake.TransportParams(7, 1 << 20, 4, 1 << 20, 1200, 10_000, bytes(16), 25)
+    nn = handshake.ClientHandshake(params, 5, None)
+    nk = handshake.ClientHandshake(params, 5, rudp.public_key(key))
+
+    def connect(salt: int, cookie: bytes, size: int = 1200, hs: Any = nn) -> bytes:
+        return wire.encode_connect(salt, hs.pattern, cookie, hs.message, size, 0, hs.extensions)
+
+    monkeypatch.setattr(noise, "_dh", counting_dh)  # (the clients' messages are written)
+
+    good = ep._cookies.make(CLIENT, 5, net.now)
+    attempts: list[tuple[bytes, Address, DropReason | None]] = [
+        (connect(5, b""), CLIENT, None),  # a CHALLENGE, nothing else
+        (connect(5, b"", size=200), CLIENT, DropReason.MALFORMED),
+        (connect(5, rng.randbytes(20)), CLIENT, DropReason.BAD_COOKIE),
+        (connect(5, good[:4] + rng.randbytes(16)), CLIENT, DropReason.BAD_COOKIE),
+        (connect(6, good), CLIENT, DropReason.BAD_COOKIE),  # another salt
+        (connect(5, good), STRANGER, DropReason.BAD_COOKIE),  # another address
+        (connect(5, ep._cookies.make(CLIENT, 5, net.now - 25.0)), CLIENT, DropReason.BAD_COOKIE),
+    ]
+    for i in range(200):  # and a spoofed flood of fresh CONNECTs from many sources
+        attempts.append((connect(rng.getrandbits(64), b""), (f"10.7.0.{i % 250}", i), None))
+        hs = nn if i % 2 else nk
+        forged = connect(rng.getrandbits(64), rng.randbytes(20), hs=hs)
+        attempts.append((forged, CLIENT, DropReason.BAD_COOKIE))
+    for data, src, want in attempts:
+        reason, answers = _hit(net, server, data, src)
+        assert reason is want
+        assert sum(map(len, answers)) < len(data)
+    assert dh_calls == 0 and not ep.connections and not ep._cookies._used
+    # The valid cookie: one connection, the responder's one DH of NN (ee).
+    reason, answers = _hit(net, server, connect(5, good), CLIENT)
+    assert reason is None and [a[0] for a in answers] == [0xA3]
+    assert dh_calls == 1 and len(ep.connections) == 1
+    # Used: the same cookie with the same salt from elsewhere, or a new salt, opens nothing.
+    assert _hit(net, server, connect(5, good), STRANGER)[0] is DropReason.BAD_COOKIE
+    assert _hit(net, server, connect(6, good), CLIENT)[0] is DropReason.BAD_COOKIE
+    assert dh_calls == 1 and len(ep.connections) == 1
