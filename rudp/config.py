@@ -105,9 +105,10 @@ class Config:
     (None: a quarter of ``send_queue_limit``; see ``drain_threshold``)."""
 
     max_message_size: int = 1024 * 1024
-    """Largest reliable message. One that does not fit a datagram is split into
-    fragments and reassembled; both peers should use the same value, since a
-    receiver drops (and counts) a message larger than its own limit. Unreliable
+    """Largest message this side takes, stated in the handshake: the peer's
+    ``send()`` raises ``MessageTooLarge`` past it, and a peer that sends a larger
+    one anyway ends the connection (protocol error). A reliable message that does
+    not fit a datagram is split into fragments and reassembled. Unreliable
     messages are never fragmented: one larger than a datagram is refused at
     ``send()`` (see ``Connection.max_datagram_payload``)."""
 

@@ -44,8 +44,8 @@ to ``recv_buffer_bytes`` of datagrams (``pause_budget``); past that a paused
 receiver refuses packets carrying messages, so a peer that ignores PAUSE cannot
 make it hold more.
 
-Limits: a message on a channel we do not have, or a fragment announcing a
-message larger than our ``max_message_size``, in an authenticated packet, ends
+Limits: a message on a channel we do not have, or a message (or a fragment
+announcing one) larger than our ``max_message_size``, in an authenticated packet, ends
 the connection with ``protocol error`` naming the limit: the peer knew it from
 the handshake, and dropping the packet would stall the channel for good.
 

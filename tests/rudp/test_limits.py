@@ -182,6 +182,33 @@ def test_a_fragment_of_a_message_past_our_largest_ends_the_connection_naming_it(
     assert to_a.close_reason.reason is DisconnectReason.NO_CONNECTION
 
 
+@pytest.mark.parametrize(
+    "frame",
+    [
+        frames.reliable_frame(0, 1, b"r" * 101),
+        frames.unreliable_frame(0, b"u" * 101),
+        frames.message_frame(wire.GRAPH, 0, 0, b"g" * 101),
+    ],
+    ids=["reliable", "unreliable", "graph"],
+)
+def test_a_whole_message_past_our_largest_ends_the_connection_naming_it(frame: bytes) -> None:
+    # A message small enough for one datagram needs no fragment to break our limit: a
+    # peer with the keys sent it anyway (send() would have raised at an honest one).
+    # It was delivered, larger than the application said it takes.
+    small = dataclasses.replace(A, max_message_size=100)
+    net, a, b, to_a, to_b = _pair(small, keyed=True)
+    to_a.send(b"within" + bytes(94))
+    net.run(RTT)
+    a.endpoint.receive_datagram(to_a.seal_datagram(wire.ack_fields(0, 0) + frame), CLIENT, net.now)
+    net.run(RTT)
+    assert a.received() == [b"within" + bytes(94)]
+    assert to_b.state is State.CLOSED
+    assert to_b.close_reason is not None
+    assert to_b.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
+    assert "101-byte message" in to_b.close_reason.text
+    assert "at most 100 bytes" in to_b.close_reason.text
+
+
 def test_a_fragment_within_our_largest_message_is_taken() -> None:
     net, a, b, to_a, to_b = _pair()
     first = frames.message_frame(1, 0, 0, b"y" * 2500, fragment=(0, 2, 5000))
