@@ -145,8 +145,10 @@ def receive_connect(
                 request.extensions,
             )[1]
         except (NoiseError, ValueError):
+            ep._cookies.remember(address, request.salt, now)  # one DH per cookie, at most
             return DropReason.BAD_HANDSHAKE
         if keys.peer.connection_id == conn.peer_cid:
+            ep._cookies.remember(address, request.salt, now)  # a copy costs no second DH
             return DropReason.DUPLICATE
     if conn is None and not ep._sources.may_start(address, now):
         # Unanswered, and the cookie stays unused: the client's next resend

@@ -481,3 +481,41 @@ def test_no_diffie_hellman_and_no_state_before_a_valid_unused_cookie(
     assert _hit(net, server, connect(5, good), STRANGER)[0] is DropReason.BAD_COOKIE
     assert _hit(net, server, connect(6, good), CLIENT)[0] is DropReason.BAD_COOKIE
     assert dh_calls == 1 and len(ep.connections) == 1
+
+
+def test_a_replayed_losing_connect_of_a_simultaneous_open_costs_one_diffie_hellman(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two hosts that accept connections open one to each other at once; the side whose
+    # salt won takes a late copy of the other's CONNECT apart (one DH) to tell it from a
+    # restart. An attacker on the path who copied that CONNECT (its cookie is valid for
+    # the sender's address) replayed it, and every copy cost another DH: a cookie is
+    # worth one at most.
+    net = Network(seed=38)
+    a = net.add(SERVER, accept=True)
+    b = net.add(CLIENT, accept=True)
+    to_b = a.endpoint.connect(CLIENT, net.now)
+    to_a = b.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: State.CONNECTING not in (to_b.state, to_a.state))
+    winner, loser = (a, CLIENT) if to_b.salt > to_a.salt else (b, SERVER)
+    losing = [
+        d
+        for d, src, _ in net.sent
+        if src == loser and d[0] == 0xA1 and wire.decode_connect(d).cookie
+    ][-1]
+    dh_calls = 0
+    real_dh = noise._dh
+
+    def counting_dh(private: Any, public: bytes) -> bytes:
+        nonlocal dh_calls
+        dh_calls += 1
+        return real_dh(private, public)
+
+    monkeypatch.setattr(noise, "_dh", counting_dh)
+    reasons = [_hit(net, winner, losing, loser)[0] for _ in range(50)]
+    assert reasons[0] is DropReason.DUPLICATE
+    assert set(reasons[1:]) == {DropReason.REPLAYED_COOKIE}
+    assert dh_calls == 1
+    net.run(1)
+    assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
+    assert not a.disconnects() and not b.disconnects()
