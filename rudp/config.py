@@ -95,7 +95,8 @@ class Config:
     """Number of independent channels (0 .. channels-1). At most 256."""
 
     channel_window: int = 4096
-    """Reliable messages in flight per channel; also the receiver's reorder span."""
+    """Reliable messages in flight per channel; also the receiver's reorder span,
+    stated in the handshake: each side keeps to the smaller of the two."""
 
     send_queue_limit: int = 65536
     """Messages queued or unacknowledged before ``send()`` raises ``SendQueueFull``."""

@@ -70,6 +70,7 @@ PARAMS_SIZE: Final = _PARAMS.size
 # not know, so a later release can add one without a new wire version.
 _EXTENSION: Final = struct.Struct("!BB")
 EXT_MAX_ACK_DELAY: Final = 1  # u16: milliseconds an acknowledgment may wait
+EXT_CHANNEL_WINDOW: Final = 2  # u16: how far ahead of its next message a channel takes one
 MAX_ACK_DELAY_LIMIT_MS: Final = 16383  # as QUIC's max_ack_delay (2^14 and above are invalid)
 
 
@@ -105,6 +106,11 @@ class TransportParams:
     """How long this side may hold an acknowledgment back, waiting for a packet to
     carry it (the peer adds it to its resend timeout); None when the side states no
     extensions (an earlier version-2 peer, which acknowledges at once)."""
+    channel_window: int | None = None
+    """How many reliable messages a channel (and the dependency graph) of this side
+    takes ahead of the next one it delivers (``Config.channel_window``): the peer keeps
+    no more in flight, nor sends a message of more fragments. None: not stated (the
+    peer then assumes its own)."""
 
     @property
     def extended(self) -> bool:
@@ -126,7 +132,11 @@ class TransportParams:
         if self.max_ack_delay_ms is None:
             return fixed
         delay = min(max(self.max_ack_delay_ms, 0), MAX_ACK_DELAY_LIMIT_MS)
-        return fixed + _EXTENSION.pack(EXT_MAX_ACK_DELAY, 2) + delay.to_bytes(2, "big")
+        out = fixed + _EXTENSION.pack(EXT_MAX_ACK_DELAY, 2) + delay.to_bytes(2, "big")
+        if self.channel_window is not None:
+            window = min(max(self.channel_window, 1), 0xFFFF)
+            out += _EXTENSION.pack(EXT_CHANNEL_WINDOW, 2) + window.to_bytes(2, "big")
+        return out
 
     @classmethod
     def decode(cls, data: bytes) -> TransportParams:
@@ -137,6 +147,7 @@ class TransportParams:
         if channels == 0 or datagram < 576 or message == 0:
             raise ValueError("transport parameters out of range")
         ack_delay: int | None = None
+        window: int | None = None
         offset = PARAMS_SIZE
         if len(data) > offset:
             ack_delay = 0  # extensions without this one: the side acknowledges at once
@@ -153,7 +164,11 @@ class TransportParams:
                 if size != 2 or int.from_bytes(value, "big") > MAX_ACK_DELAY_LIMIT_MS:
                     raise ValueError("max_ack_delay out of range")
                 ack_delay = int.from_bytes(value, "big")
-        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay)
+            elif ext == EXT_CHANNEL_WINDOW:
+                if size != 2 or not int.from_bytes(value, "big"):
+                    raise ValueError("channel_window out of range")
+                window = int.from_bytes(value, "big")
+        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay, window)
 
     @classmethod
     def of(cls, config: Config, connection_id: int, reset_token: bytes) -> TransportParams:
@@ -167,11 +182,12 @@ class TransportParams:
             idle_timeout_ms=min(round(config.idle_timeout * 1000), _U32),
             reset_token=reset_token,
             max_ack_delay_ms=round(config.max_ack_delay * 1000),
+            channel_window=config.channel_window,
         )
 
     def plain(self) -> TransportParams:
         """The same without extensions: what a server answers a client that stated none."""
-        return replace(self, max_ack_delay_ms=None)
+        return replace(self, max_ack_delay_ms=None, channel_window=None)
 
 
 @dataclass(frozen=True, slots=True)

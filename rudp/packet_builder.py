@@ -179,12 +179,16 @@ class PacketBuilder:
         ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
         return self.seal(seq, ack + frame)
 
-    def apply_peer_limits(self, datagram_size: int, recv_buffer_bytes: int) -> None:
+    def apply_peer_limits(
+        self, datagram_size: int, recv_buffer_bytes: int, channel_window: int | None = None
+    ) -> None:
         """Build datagrams of at most ``datagram_size`` bytes (the smaller of the two
-        sides'), and keep what may sit in the peer's reorder buffer below the size it
-        stated in the handshake."""
+        sides'), keep what may sit in the peer's reorder buffer below the size it
+        stated in the handshake, and run no further ahead on a channel than it takes."""
         self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
         self._byte_window = recv_buffer_bytes
+        if channel_window is not None:
+            self._window = min(self._window, channel_window)
 
     def set_datagram_size(self, size: int) -> None:
         """Fill datagrams up to ``size`` bytes (the size path MTU discovery confirmed)."""

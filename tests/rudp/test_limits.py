@@ -19,7 +19,17 @@ from rudp.connection import Connection, State
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason
 from rudp.wire import DropReason
-from tests.rudp.harness import CLIENT, SERVER, Link, Network, Node, server_conn
+from tests.rudp.harness import (
+    CLIENT,
+    SERVER,
+    Link,
+    Network,
+    Node,
+    frames_of,
+    server_conn,
+    tagged,
+    tags,
+)
 
 DELAY = 0.02
 RTT = 2 * DELAY
@@ -30,6 +40,7 @@ A = Config(
     recv_buffer_bytes=8000,
     max_datagram_size=1400,
     idle_timeout=8.0,
+    channel_window=64,
 )
 B = Config(
     max_message_size=20_000,
@@ -37,6 +48,7 @@ B = Config(
     recv_buffer_bytes=50_000,
     max_datagram_size=700,
     idle_timeout=4.0,
+    channel_window=2048,
 )
 
 
@@ -180,6 +192,45 @@ def test_a_fragment_of_a_message_past_our_largest_ends_the_connection_naming_it(
     assert net.now - start <= RTT + 1e-9
     assert to_a.close_reason is not None
     assert to_a.close_reason.reason is DisconnectReason.NO_CONNECTION
+
+
+def test_messages_keep_within_the_smaller_channel_window_and_none_is_lost() -> None:
+    # The channel window was not stated: a sender with a larger one ran further ahead
+    # than the receiver takes, which took those messages for old copies (their 16-bit
+    # numbers could have wrapped), dropped them and acknowledged the packets. The
+    # sender counted them delivered: lost for good, and the channel stalled silently.
+    net, a, b, to_a, to_b = _pair()
+    assert to_a._builder._window == 64 and to_b._builder._window == 64
+    lost: list[bytes] = []
+
+    def first_message_lost(data: bytes, src: tuple[object, ...], dst: object) -> bool:
+        if not lost and src == CLIENT and frames_of(data).messages:
+            lost.append(data)
+            return True
+        return False
+
+    net.drop = first_message_lost
+    for i in range(300):
+        to_a.send(tagged(i))
+        net.flush()  # a packet each: the ones after the lost one run ahead
+    net.run_until(lambda: len(a.received()) == 300, timeout=5)
+    assert tags(a) == list(range(300)) and lost
+    assert a.endpoint.stats.dropped[DropReason.RECV_BUFFER_FULL] == 0
+    assert to_b.stats.duplicate_messages == 0
+
+
+def test_a_message_of_more_fragments_than_the_peers_window_raises_at_once() -> None:
+    # B's 700-byte datagrams cut a message into 655-byte fragments; A takes 64 ahead.
+    net, a, b, to_a, to_b = _pair(
+        dataclasses.replace(A, max_message_size=60_000, recv_buffer_bytes=100_000),
+        dataclasses.replace(B, max_message_size=60_000),
+    )
+    fits = 64 * 655
+    with pytest.raises(MessageTooLarge, match=r"takes 64 ahead \(channel_window"):
+        to_a.send(bytes(fits + 1))
+    assert to_a.queued == 0
+    to_a.send(b"f" * fits)
+    net.run_until(lambda: b"f" * fits in a.received(), timeout=5)
 
 
 @pytest.mark.parametrize(
