@@ -429,7 +429,9 @@ class PacketBuilder:
                 assert oldest is not None  # created when msg was sent
                 if msg.seq - oldest[0].seq >= window:
                     break  # the receiver could not buffer it yet
-                cost = size + BUFFER_ENTRY_COST
+                # (A fragment waits in the receiver's reassembly budget, not in the
+                # reorder buffer: it costs none of it.)
+                cost = size + BUFFER_ENTRY_COST if msg.parent is None else 0
                 if cost > room and (cost <= self._byte_window or sender.unacked_bytes):
                     # It might not fit the receiver's reorder buffer. One larger than the
                     # whole buffer goes when nothing else is unacknowledged: it is then
@@ -445,7 +447,7 @@ class PacketBuilder:
                 if refresh_deps(msg):
                     frame = msg.frame
                     size = len(frame)
-                cost = buffer_cost(msg)
+                cost = buffer_cost(msg) if msg.parent is None else 0
                 if cost > room and (cost <= self._byte_window or sender.unacked_bytes):
                     break
                 room -= cost

@@ -628,10 +628,10 @@ def buffer_cost(msg: OutMessage) -> int:
 
 
 def charged(msg: OutMessage) -> int:
-    """What the packet builder charged for a message (all its fragments, if any)."""
-    if msg.fragments is None:
-        return buffer_cost(msg)
-    return sum(len(f.frame) + BUFFER_ENTRY_COST for f in msg.fragments)
+    """What the packet builder charged for a message: nothing for a fragmented one,
+    whose fragments the receiver holds in its reassembly budget (bounded by its
+    ``max_message_size``), not in its reorder buffer."""
+    return buffer_cost(msg) if msg.fragments is None else 0
 
 
 def _fail(msg: OutMessage) -> None:

@@ -219,10 +219,28 @@ def test_messages_keep_within_the_smaller_channel_window_and_none_is_lost() -> N
     assert to_b.stats.duplicate_messages == 0
 
 
+def test_a_fragmented_message_larger_than_the_peers_reorder_buffer_arrives() -> None:
+    # The receiver holds fragments in its reassembly budget, not its reorder buffer; the
+    # sender charged them to the reorder buffer all the same, and freed nothing until
+    # the whole message was acknowledged: a message larger than the peer's buffer never
+    # went past the first ones, and the connection stayed open with it stuck.
+    net, a, b, to_a, to_b = _pair(
+        dataclasses.replace(A, max_message_size=60_000),
+        dataclasses.replace(B, max_message_size=60_000),
+    )
+    big = bytes(range(256)) * 160  # 40,960 bytes: five times A's 8,000-byte buffer
+    to_a.send(big)
+    to_a.send(b"after it")
+    net.run_until(lambda: len(a.received()) == 2, timeout=20 * RTT)
+    assert a.received() == [big, b"after it"]
+    net.run_until(lambda: to_a.queued == 0, timeout=4 * RTT)
+    assert to_a._sender.unacked_bytes == 0
+
+
 def test_a_message_of_more_fragments_than_the_peers_window_raises_at_once() -> None:
     # B's 700-byte datagrams cut a message into 655-byte fragments; A takes 64 ahead.
     net, a, b, to_a, to_b = _pair(
-        dataclasses.replace(A, max_message_size=60_000, recv_buffer_bytes=100_000),
+        dataclasses.replace(A, max_message_size=60_000),
         dataclasses.replace(B, max_message_size=60_000),
     )
     fits = 64 * 655
