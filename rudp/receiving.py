@@ -271,6 +271,13 @@ class Receiver:
                     f"fragment of a {more.total}-byte message; this side accepts messages"
                     f" of at most {limit} bytes (max_message_size)"
                 )
+            if more is not None and more.parts > self._window:
+                # Consecutive numbers, none taken further ahead than the window: the
+                # message could never complete.
+                return (
+                    f"fragment of a message of {more.parts} fragments; this side takes"
+                    f" {self._window} ahead (channel_window)"
+                )
             if (more is None or not more.parts) and len(m[3]) > limit:
                 return (
                     f"a {len(m[3])}-byte message; this side accepts messages"

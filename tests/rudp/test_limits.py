@@ -278,6 +278,23 @@ def test_a_whole_message_past_our_largest_ends_the_connection_naming_it(frame: b
     assert "at most 100 bytes" in to_b.close_reason.text
 
 
+def test_a_fragment_of_more_fragments_than_our_window_ends_the_connection_naming_it() -> None:
+    # Its fragments take consecutive numbers and we take none further ahead than our
+    # channel window (stated in the handshake): the message could never complete, and
+    # its budget and channel would stay held for good.
+    net, a, b, to_a, to_b = _pair(keyed=True)
+    fragment = frames.message_frame(1, 0, 0, b"z" * 60, fragment=(0, 65, 4000))
+    a.endpoint.receive_datagram(
+        to_a.seal_datagram(wire.ack_fields(0, 0) + fragment), CLIENT, net.now
+    )
+    assert to_b.state is State.CLOSED
+    assert to_b.close_reason is not None
+    assert to_b.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
+    assert "65 fragments" in to_b.close_reason.text
+    assert "64 ahead (channel_window)" in to_b.close_reason.text
+    assert to_b._receiver.parts == {} and to_b._receiver.reserved_bytes == 0
+
+
 def test_a_fragment_within_our_largest_message_is_taken() -> None:
     net, a, b, to_a, to_b = _pair()
     first = frames.message_frame(1, 0, 0, b"y" * 2500, fragment=(0, 2, 5000))
