@@ -314,3 +314,20 @@ def test_a_message_queued_before_the_handshake_past_the_peers_limit_ends_it_at_o
     assert to_a.close_reason is not None
     assert to_a.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
     assert "largest message is 5000 bytes" in to_a.close_reason.text
+
+
+def test_the_reported_mismatch_raises_at_once_and_the_connection_goes_on() -> None:
+    # As reported against version 1: 4 MiB on one side, the default on the other, a
+    # 2 MiB reliable message refused fragment by fragment, send() never completing,
+    # a message on another channel never arriving, and no error on either side.
+    big = Config(max_message_size=4 << 20, max_reassembly_bytes=4 << 20)
+    net, a, b, to_a, to_b = _pair(Config(), big)
+    with pytest.raises(MessageTooLarge, match=r"peer's largest message \(1048576 bytes\)"):
+        to_a.send(bytes(2 << 20))
+    to_a.send(b"other channel", channel=1)
+    _arrives_within_a_round_trip(net, a, b"other channel")
+    whole = bytes(range(256)) * 4096  # 1 MiB: the server's limit, taken both ways
+    to_a.send(whole)
+    to_b.send(whole)
+    net.run_until(lambda: whole in a.received() and whole in b.received(), timeout=30)
+    assert to_a.state is State.CONNECTED and to_b.state is State.CONNECTED
