@@ -150,9 +150,11 @@ def receive_connect(
         if keys.peer.connection_id == conn.peer_cid:
             ep._cookies.remember(address, request.salt, now)  # a copy costs no second DH
             return DropReason.DUPLICATE
-    if conn is None and not ep._sources.may_start(address, now):
+    if not ep._sources.may_start(address, now):
         # Unanswered, and the cookie stays unused: the client's next resend
-        # of this CONNECT tries again once the source's bucket has refilled.
+        # of this CONNECT tries again once the source's bucket has refilled. (A
+        # restart from a connection's own address counts too, or holding one
+        # connection would lift the limit.)
         ep.stats.source_handshakes_limited += 1
         return None
     if len(ep._conns) >= ep.config.max_connections + (conn is not None):

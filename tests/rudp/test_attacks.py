@@ -101,7 +101,7 @@ def _hit(
     ep = node.endpoint
     before = ep.stats.dropped.copy()
     queued = len(ep._out)
-    assert ep.receive_datagram(data, src, net.now) in (None, *ep.connections)
+    ep.receive_datagram(data, src, net.now)
     after = ep.stats.dropped
     changed = [r for r in after if after[r] != before.get(r, 0)]
     assert len(changed) <= 1 and sum(after.values()) - sum(before.values()) <= 1
@@ -519,3 +519,30 @@ def test_a_replayed_losing_connect_of_a_simultaneous_open_costs_one_diffie_hellm
     net.run(1)
     assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
     assert not a.disconnects() and not b.disconnects()
+
+
+def test_restarting_in_place_is_held_to_the_per_source_handshake_rate() -> None:
+    # A source that holds a connection could start handshakes as fast as it liked by
+    # "restarting" it (a new salt with a valid cookie from the connection's address):
+    # the per-source rate was only counted for sources without a connection.
+    net = Network(seed=39)
+    limited = Config(handshake_rate_per_source=1.0, handshake_burst_per_source=2)
+    server = net.add(SERVER, limited, accept=True)
+    ep = server.endpoint
+    params = handshake.TransportParams(7, 1 << 20, 4, 1 << 20, 1200, 10_000, bytes(16), 25)
+    accepted = []
+    for salt in range(1, 11):  # ten handshakes from one address within 0.1 s
+        hs = handshake.ClientHandshake(params, salt, None)
+
+        def connect(cookie: bytes, hs: Any = hs, salt: int = salt) -> bytes:
+            return wire.encode_connect(salt, hs.pattern, cookie, hs.message, 1200, 0, 4)
+
+        _, answers = _hit(net, server, connect(b""), CLIENT)
+        (challenge,) = answers
+        cookie = wire.decode_challenge(challenge).cookie
+        _, answers = _hit(net, server, connect(cookie), CLIENT)
+        accepted.append(bool(answers) and answers[0][0] == 0xA3)
+        net.run(0.01)
+    assert accepted[:2] == [True, True]  # the burst
+    assert sum(accepted) == 2 and ep.stats.source_handshakes_limited == 8
+    assert len(ep.connections) == 1
