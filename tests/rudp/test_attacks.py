@@ -14,6 +14,7 @@ import random
 import struct
 import tracemalloc
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -546,3 +547,57 @@ def test_restarting_in_place_is_held_to_the_per_source_handshake_rate() -> None:
     assert accepted[:2] == [True, True]  # the burst
     assert sum(accepted) == 2 and ep.stats.source_handshakes_limited == 8
     assert len(ep.connections) == 1
+
+
+# -- a connection that names the server's key answers no CONNECT -----------------------------
+
+
+def _settled(*conns: Connection) -> Callable[[], bool]:
+    return lambda: all(c.state is not State.CONNECTING for c in conns)
+
+
+def test_an_accepting_endpoint_connecting_with_nk_takes_no_connect_from_that_address() -> None:
+    # The rule held only on endpoints that accept no one. On one that accepts, an
+    # attacker on the path sent a CONNECT as the server, read the CHALLENGE it drew, and
+    # his CONNECT with that cookie was taken for a restart of the server: our connect()
+    # ended ("peer has no connection") and his unauthenticated handshake took its place.
+    key = bytes(range(32))
+    net = Network(seed=40)
+    server = net.add(SERVER, Config(static_key=key), accept=True)
+    host = net.add(CLIENT, accept=True)  # a host: it serves, and connects out too
+    conn = host.endpoint.connect(SERVER, net.now, server_key=rudp.public_key(key))
+    params = handshake.TransportParams(0x1234, 1 << 20, 4, 1 << 20, 1200, 30_000, b"A" * 16)
+    attacker = handshake.ClientHandshake(params, (1 << 64) - 1, None)
+    spoofed = wire.encode_connect((1 << 64) - 1, 0, b"", attacker.message, 1200)
+    assert _hit(net, host, spoofed, SERVER) == (DropReason.UNEXPECTED, [])
+    cookie = host.endpoint._cookies.make(SERVER, (1 << 64) - 1, net.now)  # as if read
+    with_cookie = wire.encode_connect((1 << 64) - 1, 0, cookie, attacker.message, 1200)
+    assert _hit(net, host, with_cookie, SERVER) == (DropReason.UNEXPECTED, [])
+    assert host.endpoint.connections == [conn] and conn.state is State.CONNECTING
+    net.run_until(_settled(conn), timeout=5)
+    assert conn.server_authenticated and conn.state is State.CONNECTED  # type: ignore[comparison-overlap]
+    assert not host.disconnects() and server.endpoint.stats.connections_accepted == 1
+
+
+@pytest.mark.parametrize("accept", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_simultaneous_open_with_nk_on_one_side_completes(accept: tuple[bool, bool]) -> None:
+    # A names B's key (NK) and never answers in place; B connects too, without a key.
+    # When B's salt was the larger, B waited for A to answer its handshake and A for B
+    # to answer A's: both timed out (or, A accepting, A's connect() was ended by B's
+    # CONNECT). B holds the key A names, so B answers A's handshake whatever the salts.
+    key = bytes(range(32))
+    for seed in range(8):
+        net = Network(seed=seed)
+        a = net.add(SERVER, accept=accept[0])
+        b = net.add(CLIENT, Config(static_key=key), accept=accept[1])
+        to_b = a.endpoint.connect(CLIENT, net.now, server_key=rudp.public_key(key))
+        to_a = b.endpoint.connect(SERVER, net.now)
+        net.run_until(_settled(to_b, to_a), timeout=10)
+        assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED, seed
+        assert to_b.server_authenticated and to_b.handshake_hash == to_a.handshake_hash, seed
+        assert a.endpoint.connections == [to_b] and b.endpoint.connections == [to_a], seed
+        to_b.send(b"a to b")
+        to_a.send(b"b to a")
+        net.run(1)
+        assert b.received() == [b"a to b"] and a.received() == [b"b to a"], seed
+        assert not a.disconnects() and not b.disconnects(), seed
