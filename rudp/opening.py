@@ -247,6 +247,6 @@ def apply_peer_limits(conn: Connection, peer: TransportParams, now: float) -> No
     conn._rtt.peer_ack_delay = (peer.max_ack_delay_ms or 0) / 1000.0
     base = min(config.base_datagram_size, peer.max_datagram_size)
     ceiling = min(ceiling_for(conn.address, config.max_datagram_size), peer.max_datagram_size)
-    conn._builder.apply_peer_limits(base, peer.recv_buffer_bytes)
+    conn._builder.apply_peer_limits(base, peer.recv_buffer_bytes, peer.channel_window)
     conn._limits_error = conn._sender.apply_peer_limits(peer, base)
     conn._pmtu.start(base, ceiling, now)
