@@ -95,7 +95,8 @@ class Config:
     """Number of independent channels (0 .. channels-1). At most 256."""
 
     channel_window: int = 4096
-    """Reliable messages in flight per channel; also the receiver's reorder span."""
+    """Reliable messages in flight per channel; also the receiver's reorder span,
+    stated in the handshake: each side keeps to the smaller of the two."""
 
     send_queue_limit: int = 65536
     """Messages queued or unacknowledged before ``send()`` raises ``SendQueueFull``."""
@@ -105,9 +106,10 @@ class Config:
     (None: a quarter of ``send_queue_limit``; see ``drain_threshold``)."""
 
     max_message_size: int = 1024 * 1024
-    """Largest reliable message. One that does not fit a datagram is split into
-    fragments and reassembled; both peers should use the same value, since a
-    receiver drops (and counts) a message larger than its own limit. Unreliable
+    """Largest message this side takes, stated in the handshake: the peer's
+    ``send()`` raises ``MessageTooLarge`` past it, and a peer that sends a larger
+    one anyway ends the connection (protocol error). A reliable message that does
+    not fit a datagram is split into fragments and reassembled. Unreliable
     messages are never fragmented: one larger than a datagram is refused at
     ``send()`` (see ``Connection.max_datagram_payload``)."""
 

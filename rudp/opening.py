@@ -253,6 +253,6 @@ def apply_peer_limits(conn: Connection, peer: TransportParams, now: float) -> No
         conn._reader.parity = parity
     base = min(config.base_datagram_size, peer.max_datagram_size)
     ceiling = min(ceiling_for(conn.address, config.max_datagram_size), peer.max_datagram_size)
-    conn._builder.apply_peer_limits(base, peer.recv_buffer_bytes)
+    conn._builder.apply_peer_limits(base, peer.recv_buffer_bytes, peer.channel_window)
     conn._limits_error = conn._sender.apply_peer_limits(peer, base)
     conn._pmtu.start(base, ceiling, now)

@@ -182,12 +182,16 @@ class PacketBuilder:
         ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
         return self.seal(seq, ack + frame)
 
-    def apply_peer_limits(self, datagram_size: int, recv_buffer_bytes: int) -> None:
+    def apply_peer_limits(
+        self, datagram_size: int, recv_buffer_bytes: int, channel_window: int | None = None
+    ) -> None:
         """Build datagrams of at most ``datagram_size`` bytes (the smaller of the two
-        sides'), and keep what may sit in the peer's reorder buffer below the size it
-        stated in the handshake."""
+        sides'), keep what may sit in the peer's reorder buffer below the size it
+        stated in the handshake, and run no further ahead on a channel than it takes."""
         self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
         self._byte_window = recv_buffer_bytes
+        if channel_window is not None:
+            self._window = min(self._window, channel_window)
 
     def set_datagram_size(self, size: int) -> None:
         """Fill datagrams up to ``size`` bytes (the size path MTU discovery confirmed)."""
@@ -436,7 +440,9 @@ class PacketBuilder:
                 assert oldest is not None  # created when msg was sent
                 if msg.seq - oldest[0].seq >= window:
                     break  # the receiver could not buffer it yet
-                cost = size + BUFFER_ENTRY_COST
+                # (A fragment waits in the receiver's reassembly budget, not in the
+                # reorder buffer: it costs none of it.)
+                cost = size + BUFFER_ENTRY_COST if msg.parent is None else 0
                 if cost > room and (cost <= self._byte_window or sender.unacked_bytes):
                     # It might not fit the receiver's reorder buffer. One larger than the
                     # whole buffer goes when nothing else is unacknowledged: it is then
@@ -452,7 +458,7 @@ class PacketBuilder:
                 if refresh_deps(msg):
                     frame = msg.frame
                     size = len(frame)
-                cost = buffer_cost(msg)
+                cost = buffer_cost(msg) if msg.parent is None else 0
                 if cost > room and (cost <= self._byte_window or sender.unacked_bytes):
                     break
                 room -= cost

@@ -44,8 +44,8 @@ to ``recv_buffer_bytes`` of datagrams (``pause_budget``); past that a paused
 receiver refuses packets carrying messages, so a peer that ignores PAUSE cannot
 make it hold more.
 
-Limits: a message on a channel we do not have, or a fragment announcing a
-message larger than our ``max_message_size``, in an authenticated packet, ends
+Limits: a message on a channel we do not have, or a message (or a fragment
+announcing one) larger than our ``max_message_size``, in an authenticated packet, ends
 the connection with ``protocol error`` naming the limit: the peer knew it from
 the handshake, and dropping the packet would stall the channel for good.
 
@@ -216,7 +216,10 @@ class PacketReader:
             # acknowledges, and the sender would resend them.
             builder.early_acks.append(builder.ack_only())
         if delta > 0:
-            self.rx_bits = ((self.rx_bits << delta) | 1) & self._rx_mask
+            # A sender may skip numbers (up to 2**31 at once): a shift that far would
+            # build a huge integer only for the mask to throw it away.
+            bits = self.rx_bits << delta if delta < self._rx_window else 0
+            self.rx_bits = (bits | 1) & self._rx_mask
             self.rx_largest = seq
             self.rx_largest_time = now
         elif -delta < self._rx_window:
