@@ -322,8 +322,12 @@ class PacketRecovery:
         ``REORDER_EVIDENCE`` or more of the 32 before it that are still in flight (a
         path would have to lose all of them, yet not the newest)."""
         sent = self.sent
+        if not sent:
+            return
+        # Only packets still in flight count; the oldest bounds the walk (``sent`` is
+        # in packet-number order), so a thin stream costs a step or two per ack.
+        span = min(ACK_SPAN, largest - next(iter(sent)))
         prior = self.largest_acked
-        span = min(ACK_SPAN, largest)
         missing = 0
         for i in range(1, span + 1):
             seq = largest - i

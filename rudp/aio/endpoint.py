@@ -22,6 +22,7 @@ reads and writes for this class through a ``DatagramProtocol`` instead.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import errno
@@ -52,6 +53,17 @@ from rudp.events import (
     QueryAnswered,
     QueryReceived,
 )
+
+_ioctl: Callable[[int, int, array.array[int]], object] | None
+try:
+    import fcntl
+    import termios
+
+    _ioctl = fcntl.ioctl
+    _FIONREAD = termios.FIONREAD
+except ImportError:  # (Windows: no ioctl; the read loop drains as before)
+    _ioctl = None
+    _FIONREAD = 0
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +160,9 @@ class AioEndpoint:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self.flush_pending = False  # see EndpointLink.flush_pending
+        # Inside the read callback: what its message callbacks queue leaves at its end.
+        self._reading = False
+        self._queued_in_read = False
         self._close_after_flush = False
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
         self.send_errors = 0
@@ -157,6 +172,11 @@ class AioEndpoint:
         self._closed = False
         self._closed_event = asyncio.Event()
         self._max_read = config.max_datagrams_per_read
+        # How many bytes wait on the socket, asked after the first datagram of a read:
+        # a refused recvfrom ends the drain too, but it raises, and building that
+        # exception costs more than the ioctl (both are one system call).
+        self._pending = array.array("i", [0])
+        self._probe = _ioctl is not None and sock.type == socket.SOCK_DGRAM
         self._inbound: Any = None
         self._outbound: Any = None
         self._setup_netsim()
@@ -186,6 +206,7 @@ class AioEndpoint:
         receive = self._receive
         inbound = self._inbound
         now = monotonic()
+        first = self._probe
         for _ in range(self._max_read):
             try:
                 data, address = sock.recvfrom(65536)
@@ -198,7 +219,35 @@ class AioEndpoint:
                 inbound.send(data, address)
             else:
                 receive(data, address, now)
-        self.after_core_call()
+            if first:
+                # One datagram per wake-up is the common case (a round trip, a game
+                # tick): stop when nothing else waits. The loop polls the socket
+                # level-triggered, so one arriving meanwhile calls us again.
+                first = False
+                if not self._more_waiting():
+                    break
+        self._reading = True
+        try:
+            self._dispatch_events()
+        finally:
+            self._reading = False
+        if self._queued_in_read:
+            # A receiver answered from inside this callback (``set_receiver``): the
+            # answer leaves now, with the acknowledgment, instead of a loop turn later.
+            self._queued_in_read = False
+            self._flush()
+        else:
+            self._schedule_flush()
+
+    def _more_waiting(self) -> bool:
+        """Whether a datagram waits on the socket (FIONREAD: the size of the next
+        one, 0 when none; an empty datagram is read on the next wake-up)."""
+        assert _ioctl is not None
+        try:
+            _ioctl(self._sock.fileno(), _FIONREAD, self._pending)
+        except OSError:
+            return True  # let recvfrom tell
+        return self._pending[0] > 0
 
     def _receive_one(self, data: bytes, address: Address) -> None:
         """Deliver one datagram released by the inbound link conditioner."""
@@ -273,6 +322,12 @@ class AioEndpoint:
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
+        if self._reading:
+            # Flushed at the end of the read callback (``_read_ready``); until then
+            # ``flush_pending`` spares the per-message path its ``wake()`` calls.
+            self._queued_in_read = True
+            self.flush_pending = True
+            return
         if not self.flush_pending and not self._closed:
             self.flush_pending = True
             self.loop.call_soon(self._flush)

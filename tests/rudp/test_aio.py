@@ -716,3 +716,42 @@ async def test_ip_literals_resolve_without_the_thread_pool_and_ports_are_checked
         await _resolve("localhost", 9)
     with pytest.raises(ValueError, match=r"port must be in 0\.\.65535"):
         await rudp.connect("127.0.0.1", 70000)  # getaddrinfo would have made it 4464
+
+
+async def test_a_read_drains_a_burst_and_stops_when_nothing_else_waits() -> None:
+    # After the first datagram of a wake-up the endpoint asks the socket whether
+    # another waits (FIONREAD) instead of reading until a refused recvfrom. A burst
+    # is still read whole in one callback; a datagram the probe cannot see (an empty
+    # one: FIONREAD reports its size, 0) is left for the next wake-up, which the
+    # loop's level-triggered readiness brings.
+    got: list[bytes] = []
+
+    def mine(data: bytes, address: object) -> list[bytes]:
+        got.append(data)
+        return []
+
+    async def idle(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    async with await rudp.serve(idle, "127.0.0.1", 0) as server:
+        server.set_datagram_handler(0xB1, mine)
+        endpoint = server.endpoint
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            # Loopback queues each datagram during sendto; no await below lets the
+            # loop read before the endpoint's read callback is called here.
+            for i in range(5):
+                sock.sendto(b"\xb1%d" % i, server.address)
+            endpoint._read_ready()
+            assert got == [b"\xb1%d" % i for i in range(5)]
+            sock.sendto(b"\xb1last", server.address)
+            sock.sendto(b"", server.address)
+            endpoint._read_ready()
+            assert got[-1] == b"\xb1last"
+            assert not server.stats.dropped  # the empty datagram still waits
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if server.stats.dropped:
+                    break
+            assert sum(server.stats.dropped.values()) == 1
+            assert len(got) == 6
