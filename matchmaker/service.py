@@ -216,11 +216,10 @@ class MatchmakerService:
         address = from_sockaddr(peer.remote_address)
         session = _Session(peer, address, next(self._ids))
         self._sessions[address] = session
-        # Every line this connection causes carries peer and conn.  The handler
-        # runs in a task of its own, whose context ends with it: nothing to reset.
-        # (No log line per connection opened or closed: with a registration a
-        # connection, they were a tenth of its cost; the metrics count them.)
-        structlog.contextvars.bind_contextvars(peer=address.key, conn=session.conn)
+        # Every line this connection causes carries peer and conn.  (No line per
+        # connection opened or closed: with a connection per registration, they
+        # and the context manager were a tenth of its cost; metrics count them.)
+        bound = structlog.contextvars.bind_contextvars(peer=address.key, conn=session.conn)
         try:
             async for received in peer:
                 if peer.remote_address is not session.sockaddr:
@@ -228,6 +227,7 @@ class MatchmakerService:
                 await self._on_data(session, received.data)
         finally:
             self._end(session)
+            structlog.contextvars.reset_contextvars(**bound)
 
     def _follow(self, session: _Session) -> None:
         """Take the peer's current address: a rudp connection can migrate (a NAT

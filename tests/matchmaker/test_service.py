@@ -35,7 +35,7 @@ from matchmaker.messages import (
     encode_entry,
 )
 from matchmaker.registry import RemovalReason
-from tests.matchmaker.fakes import Wire, settle
+from tests.matchmaker.fakes import Wire, pipe, settle
 from tests.matchmaker.helpers import NONCE, Harness, collect_list, info, pub
 
 
@@ -488,6 +488,16 @@ async def test_a_registration_keeps_the_list_entry_it_checked() -> None:
     assert record.source == source_key(pub(1))
     pages = await collect_list(h.connect(pub(2)))
     assert [e.address for p in pages for e in p.hosts] == [record.address]
+
+
+async def test_a_connection_served_in_the_callers_task_leaves_its_log_context_behind() -> None:
+    # rudp runs each handler in a task of its own; called directly, the handler's
+    # peer and conn must not stay bound to the caller's later log lines.
+    h = Harness()
+    server_side, client_side = pipe((pub(1), 27960))
+    client_side.abort()  # the peer is gone: the handler returns at once
+    await h.service.handle(server_side)
+    assert structlog.contextvars.get_contextvars() == {}
 
 
 async def test_a_host_too_large_for_one_list_page_is_refused() -> None:
