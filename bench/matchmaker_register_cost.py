@@ -20,7 +20,7 @@ cumulative time. ``--log-level info`` adds the production log line of each
 registration (to /dev/null).
 
     .venv/bin/python bench/matchmaker_register_cost.py --hosts 6000 --processes 2
-    .venv/bin/python bench/matchmaker_register_cost.py --hosts 4000 --profile /tmp/reg.prof
+    .venv/bin/python bench/matchmaker_register_cost.py --hosts 4000 --profile reg.prof
 
 Prints the figures, writes JSON to bench/results/.
 """
