@@ -32,6 +32,7 @@ COMPILED_MODULES = [
     "rudp/packet_reader.py",
     "rudp/recovery.py",
     "rudp/pmtu.py",
+    "rudp/parity.py",
     "rudp/congestion.py",
     "rudp/receiving.py",
     "rudp/graph.py",

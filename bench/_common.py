@@ -158,8 +158,16 @@ def run_pair(
     use_uvloop: bool,
     timeout: float,
     profile_prefix: str | None = None,
+    pin: bool = False,
 ) -> tuple[Result, Result]:
-    """Run ``server`` and ``client`` in two processes; return (server result, client result)."""
+    """Run ``server`` and ``client`` in two processes; return (server result, client result).
+
+    ``pin`` puts the server on the first allowed CPU and the client on the second, so
+    neither migrates between cores during a run (on a machine with at least two).
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if pin and hasattr(os, "sched_getaffinity") else []
+    if pin and len(cpus) < 2:
+        raise CaseFailed("--pin needs two CPUs")
     mp = multiprocessing.get_context("spawn")
     s_parent, s_child = mp.Pipe()
     c_parent, c_child = mp.Pipe()
@@ -169,6 +177,8 @@ def run_pair(
         target=_child_main, args=(server, params, s_child, use_uvloop, prof_s), daemon=True
     )
     sp.start()
+    if cpus and sp.pid is not None:
+        os.sched_setaffinity(sp.pid, {cpus[0]})
     cp = None
     try:
         port = _expect(s_parent, "ready", 20.0, "server")
@@ -178,6 +188,8 @@ def run_pair(
             daemon=True,
         )
         cp.start()
+        if cpus and cp.pid is not None:
+            os.sched_setaffinity(cp.pid, {cpus[1]})
         client_result = _expect(c_parent, "result", timeout, "client")
         s_parent.send(("stop", None))
         server_result = _expect(s_parent, "result", 15.0, "server")

@@ -16,6 +16,11 @@ p50 / p99 / max are taken over the messages after a warm-up, for every case in t
 * ``ordered-r0``, ``unordered-r0``, ``dependency-r0`` -- the same with ``Config(redundancy=0)``:
   retransmission alone, no redundant copies.
 * ``ordered-r3`` -- reliable-ordered with ``Config(redundancy=3)``.
+* ``ordered-parity``, ``unordered-parity`` -- with ``Config(parity=True)`` on both sides:
+  REPAIR frames (parity over recent packets, ``rudp.parity``) instead of copies.
+
+The *B/msg* column is the sender's ``bytes_sent`` over the messages it sent: every DATA
+datagram's bytes (headers, copies, REPAIRs and resends included; the payload is 200 B).
 
 Cases whose API this rudp lacks are skipped with a message.
 
@@ -355,6 +360,8 @@ def _rudp_config(p: dict[str, Any], seed_offset: int) -> rudp.Config:
     options: dict[str, Any] = {}
     if p["redundancy"] is not None:
         options["redundancy"] = p["redundancy"]
+    if p.get("parity"):
+        options["parity"] = True
     if p["link"] == "netsim":
         options["netsim"] = rudp.NetsimConfig(outbound=p["profile"], seed=p["seed"] + seed_offset)
     return rudp.Config(**options)
@@ -440,6 +447,7 @@ class Case:
     protocol: str  # "udp", "tcp" or "rudp"
     mode: str = ""  # rudp delivery mode: "ordered", "unordered", "dependency"
     redundancy: int | None = None  # None: the Config default
+    parity: bool = False  # Config(parity=True) on both sides
 
 
 CASES = [
@@ -452,6 +460,8 @@ CASES = [
     Case("unordered-r0", "rudp reliable-unordered, redundancy=0", "rudp", "unordered", 0),
     Case("dependency-r0", "rudp dependency-ordered, redundancy=0", "rudp", "dependency", 0),
     Case("ordered-r3", "rudp reliable-ordered, redundancy=3", "rudp", "ordered", 3),
+    Case("ordered-parity", "rudp reliable-ordered, parity", "rudp", "ordered", parity=True),
+    Case("unordered-parity", "rudp reliable-unordered, parity", "rudp", "unordered", parity=True),
 ]
 
 ROLES: dict[str, tuple[Role, Role]] = {
@@ -487,6 +497,7 @@ def summarize(case: Case, sender: Result, receiver: Result, warmup: int) -> Resu
         "case": case.key,
         "label": case.label,
         "sent": len(measured),
+        "sent_total": len(receiver["latencies"]),  # warm-up included
         "delivered": len(values),
         "lost": len(measured) - len(values),
         "p50_ms": percentile(values, 50),
@@ -515,11 +526,24 @@ def summarize(case: Case, sender: Result, receiver: Result, warmup: int) -> Resu
 
 def run_case(case: Case, params: dict[str, Any], use_uvloop: bool) -> Result:
     server, client = ROLES[case.protocol]
-    params = {**params, "mode": case.mode, "redundancy": case.redundancy}
+    params = {
+        **params,
+        "mode": case.mode,
+        "redundancy": case.redundancy,
+        "parity": case.parity,
+    }
     sender, receiver = run_pair(
         server, client, params, use_uvloop=use_uvloop, timeout=params["cap"] + 30.0
     )
     return summarize(case, sender, receiver, params["warmup"])
+
+
+def _bytes_per_message(row: Result) -> str:
+    """What the rudp sender put on the wire per message it sent, headers included."""
+    stats = row.get("sender_stats")
+    if not stats or not row.get("sent_total"):
+        return "-"
+    return f"{stats['bytes_sent'] / row['sent_total']:.0f}"
 
 
 def _recovery(row: Result) -> str:
@@ -612,6 +636,7 @@ def render(results: list[Result]) -> str:
             f"{r['delivered']}/{r['sent']}",
             r["over_100ms"],
             _recovery(r),
+            _bytes_per_message(r),
             _link_drops(r),
             ratio(r, udp, "p50_ms"),
             ratio(r, udp, "p99_ms"),
@@ -628,6 +653,7 @@ def render(results: list[Result]) -> str:
         "delivered",
         "> 100 ms",
         "lost / resent",
+        "B/msg",
         "link drops data, back",
         "p50 / udp",
         "p99 / udp",

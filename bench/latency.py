@@ -296,10 +296,14 @@ ROLES: dict[str, tuple[Role, Role]] = {
 # -- driver ------------------------------------------------------------------------------
 
 
-def run_case(protocol: str, size: int, use_uvloop: bool, rounds: int, warmup: int) -> Result:
+def run_case(
+    protocol: str, size: int, use_uvloop: bool, rounds: int, warmup: int, pin: bool = False
+) -> Result:
     server, client = ROLES[protocol]
     params = {"size": size, "rounds": rounds, "warmup": warmup}
-    server_result, result = run_pair(server, client, params, use_uvloop=use_uvloop, timeout=60.0)
+    server_result, result = run_pair(
+        server, client, params, use_uvloop=use_uvloop, timeout=60.0, pin=pin
+    )
     row: Result = {
         "protocol": protocol,
         "loop": loop_name(use_uvloop),
@@ -377,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, help="runs per case; the run with the best p50 is reported"
     )
+    parser.add_argument(
+        "--pin", action="store_true", help="server on the first CPU, client on the second"
+    )
     parser.add_argument("--json", help="result file (default bench/results/latency-*.json)")
     args = parser.parse_args(argv)
 
@@ -396,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             for size in [int(s) for s in args.sizes.split(",")]:
                 for protocol in args.protocols.split(","):
                     try:
-                        row = run_case(protocol, size, use_uvloop, rounds, warmup)
+                        row = run_case(protocol, size, use_uvloop, rounds, warmup, args.pin)
                     except CaseFailed as exc:
                         print(f"{protocol} {size} {loop_name(use_uvloop)}: {exc}", file=sys.stderr)
                         continue

@@ -66,13 +66,11 @@ def receive_connect(
     # side that answers cannot authenticate the other, so an attacker on the path
     # could otherwise win the tie-break with a spoofed CONNECT of his own and be
     # taken for the server. Its CONNECT from that address is not a simultaneous
-    # open; the handshake completes only with the key holder's ACCEPT.
-    opening = (
-        conn is not None
-        and conn.state is CONNECTING
-        and not answered
-        and not conn.expects_server_key
-    )
+    # open, nor (on an endpoint that accepts) a restart; the handshake completes
+    # only with the key holder's ACCEPT.
+    if conn is not None and conn.state is CONNECTING and conn.expects_server_key:
+        return DropReason.UNEXPECTED
+    opening = conn is not None and conn.state is CONNECTING and not answered
     if not ep.accept and not opening and not answered:
         return DropReason.UNEXPECTED
     if len(data) < wire.MIN_CONNECT_SIZE:
@@ -119,8 +117,10 @@ def receive_connect(
         assert conn is not None
         # Both handshakes are valid; both sides keep the one with the larger salt.
         # Ours: the peer, seeing our CONNECT, answers it the same way. Theirs: our
-        # connection answers it, as a server would, and is established.
-        if request.salt <= conn.salt:
+        # connection answers it, as a server would, and is established. A peer that
+        # names our key (NK) never answers in place: its handshake is the one.
+        names_our_key = request.pattern == handshake.PATTERN_NK and ep._static is not None
+        if request.salt <= conn.salt and not names_our_key:
             return DropReason.UNEXPECTED
         first = read_first(ep, request, address)
         if first is None:
@@ -145,12 +145,16 @@ def receive_connect(
                 request.extensions,
             )[1]
         except (NoiseError, ValueError):
+            ep._cookies.remember(address, request.salt, now)  # one DH per cookie, at most
             return DropReason.BAD_HANDSHAKE
         if keys.peer.connection_id == conn.peer_cid:
+            ep._cookies.remember(address, request.salt, now)  # a copy costs no second DH
             return DropReason.DUPLICATE
-    if conn is None and not ep._sources.may_start(address, now):
+    if not ep._sources.may_start(address, now):
         # Unanswered, and the cookie stays unused: the client's next resend
-        # of this CONNECT tries again once the source's bucket has refilled.
+        # of this CONNECT tries again once the source's bucket has refilled. (A
+        # restart from a connection's own address counts too, or holding one
+        # connection would lift the limit.)
         ep.stats.source_handshakes_limited += 1
         return None
     if len(ep._conns) >= ep.config.max_connections + (conn is not None):
@@ -215,6 +219,9 @@ def read_first(
     except (NoiseError, ValueError):
         # The address is proven (valid cookie) and the REJECT is smaller than the
         # CONNECT. Under NK the usual cause is a client configured with another key.
+        # Remembered with the spent cookie: if this REJECT is lost, the client's
+        # resent CONNECT gets it again (no second DH) instead of timing out.
+        ep._cookies.refused(address, request.salt, HANDSHAKE_FAILED)
         ep._send_unvalidated(wire.encode_reject(request.salt, HANDSHAKE_FAILED), address)
         return None
 

@@ -13,6 +13,12 @@ DATA frames (inside the seal)::
     0x05 ACK_DELAY   delay u16 (units of 100 us)  how long the acknowledgment in this
                                                header waited (only to a peer that
                                                states max_ack_delay in the handshake)
+    0x06 REPAIR  mask u32, exponent u8,        parity over up to 32 earlier packets
+                 len u16, data                 (bit i of mask: packet pn - 1 - i;
+                                               ``rudp.parity``); to a peer that
+                                               stated the parity extension only
+    0x07 RECOVERED  total u16                  packets rebuilt from the peer's
+                                               REPAIRs so far (mod 2**16)
     0x1A PATH_CHALLENGE  data (8 bytes)        sent to a peer's new address (migration)
     0x1B PATH_RESPONSE   data (8 bytes)        ack-eliciting: echoes a PATH_CHALLENGE
     0x80|flags MESSAGE                         flags: bits 0-2 wire mode,
@@ -27,6 +33,8 @@ PAUSE and RESUME are flow control: a receiver whose application falls behind
 asks its peer to stop sending reliable messages, then to go on (see docs/protocol.md).
 PATH_CHALLENGE and PATH_RESPONSE validate a peer's new address before the connection
 moves there (``rudp.migration``; RFC 9000's frames of the same numbers).
+REPAIR, ACK_DELAY and RECOVERED are *tail* frames: they follow every other frame
+of a packet, and what precedes the first of them is what a REPAIR protects.
 PADDING fills path MTU probes (``rudp.pmtu``) to the size tried; it only ever
 follows PING there.
 """
@@ -81,6 +89,8 @@ class FrameType(enum.IntEnum):
     PAUSE = 0x03
     RESUME = 0x04
     ACK_DELAY = 0x05
+    REPAIR = 0x06
+    RECOVERED = 0x07
     PATH_CHALLENGE = 0x1A
     PATH_RESPONSE = 0x1B
 
@@ -98,6 +108,10 @@ _PAUSE: Final = 0x03
 _RESUME: Final = 0x04
 _ACK_DELAY: Final = 0x05
 ACK_DELAY_UNIT: Final = 0.0001  # seconds per unit of an ACK_DELAY frame
+_REPAIR: Final = 0x06
+_RECOVERED: Final = 0x07
+REPAIR_HEADER: Final = struct.Struct("!BIBH")  # type, mask, exponent, len
+RECOVERED_SIZE: Final = 3
 _PATH_CHALLENGE: Final = 0x1A
 _PATH_RESPONSE: Final = 0x1B
 
@@ -157,8 +171,11 @@ class DataFrames:
         "flow",
         "messages",
         "ping",
+        "recovered",
+        "repair",
         "response",
         "special",
+        "tail",
     )
 
     def __init__(
@@ -171,6 +188,9 @@ class DataFrames:
         challenge: bytes = b"",
         response: bytes = b"",
         ack_delay: float = 0.0,
+        tail: int = -1,
+        repair: tuple[int, int, bytes] | None = None,
+        recovered: int = -1,
     ) -> None:
         self.messages = messages
         self.ping = ping
@@ -182,6 +202,9 @@ class DataFrames:
         self.challenge = challenge  # the data of the packet's last PATH_CHALLENGE, if any
         self.response = response  # the data of the packet's last PATH_RESPONSE, if any
         self.ack_delay = ack_delay  # how long the header's acknowledgment waited (ACK_DELAY)
+        self.tail = tail  # offset of the first tail frame (REPAIR, ACK_DELAY, RECOVERED), or -1
+        self.repair = repair  # the REPAIR frame's (mask, exponent, data), if any
+        self.recovered = recovered  # the RECOVERED frame's total, -1 if none
 
 
 def message_frame(
@@ -275,6 +298,16 @@ def ack_delay_frame(delay: float) -> bytes:
     return bytes((_ACK_DELAY, units >> 8, units & 0xFF))
 
 
+def repair_frame(mask: int, exponent: int, data: bytes) -> bytes:
+    """A REPAIR frame over the packets ``mask`` names (see ``rudp.parity``)."""
+    return REPAIR_HEADER.pack(_REPAIR, mask, exponent, len(data)) + data
+
+
+def recovered_frame(total: int) -> bytes:
+    """A RECOVERED frame: ``total`` packets rebuilt from the peer's REPAIRs, mod 2**16."""
+    return bytes((_RECOVERED, (total >> 8) & 0xFF, total & 0xFF))
+
+
 PAUSE_FRAME: Final = bytes((FrameType.PAUSE,))
 RESUME_FRAME: Final = bytes((FrameType.RESUME,))
 
@@ -319,6 +352,9 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
     challenge = response = b""
     disconnect: DisconnectFrame | None = None
     ack_delay = 0.0
+    tail = -1
+    repair: tuple[int, int, bytes] | None = None
+    recovered = -1
     end = len(data)
     while off < end:
         kind = data[off]
@@ -368,6 +404,24 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             flow = 0
         elif kind == _ACK_DELAY:
             ack_delay = ((data[off] << 8) | data[off + 1]) * ACK_DELAY_UNIT
+            if tail < 0:
+                tail = off - 1
+            off += 2
+        elif kind == _REPAIR:
+            if tail < 0:
+                tail = off - 1
+            mask = int.from_bytes(data[off : off + 4], "big")
+            exponent = data[off + 4]
+            n = (data[off + 5] << 8) | data[off + 6]
+            off += 7
+            if off + n > end:
+                raise DecodeError(DropReason.TRUNCATED)
+            repair = (mask, exponent, data[off : off + n])
+            off += n
+        elif kind == _RECOVERED:
+            if tail < 0:
+                tail = off - 1
+            recovered = (data[off] << 8) | data[off + 1]
             off += 2
         elif kind == _PATH_CHALLENGE:
             challenge = _path_data(data, off)
@@ -379,7 +433,19 @@ def _decode_frames(data: bytes, off: int) -> DataFrames:
             special = True
         else:
             raise DecodeError(DropReason.MALFORMED)
-    return DataFrames(messages, ping, disconnect, special, flow, challenge, response, ack_delay)
+    return DataFrames(
+        messages,
+        ping,
+        disconnect,
+        special,
+        flow,
+        challenge,
+        response,
+        ack_delay,
+        end if tail < 0 else tail,
+        repair,
+        recovered,
+    )
 
 
 def _path_data(data: bytes, off: int) -> bytes:

@@ -16,7 +16,8 @@ for an address before it echoes a valid cookie: the cookie check comes first).
 
 The prologue binds the protocol version, the pattern and the client's salt, so a
 message cannot be moved to another handshake or downgraded from NK to NN without
-failing authentication.
+failing authentication; with extensions, also the lengths by which the CONNECT
+splits the payload into parameters and connect token.
 
 Each side's Noise payload is its :class:`TransportParams`: the connection id it
 wants on the packets it receives, what it accepts (largest message, channels,
@@ -69,6 +70,8 @@ PARAMS_SIZE: Final = _PARAMS.size
 # not know, so a later release can add one without a new wire version.
 _EXTENSION: Final = struct.Struct("!BB")
 EXT_MAX_ACK_DELAY: Final = 1  # u16: milliseconds an acknowledgment may wait
+EXT_CHANNEL_WINDOW: Final = 2  # u16: how far ahead of its next message a channel takes one
+EXT_PARITY: Final = 3  # empty: this side reads REPAIR and RECOVERED frames (``rudp.parity``)
 MAX_ACK_DELAY_LIMIT_MS: Final = 16383  # as QUIC's max_ack_delay (2^14 and above are invalid)
 
 
@@ -104,6 +107,14 @@ class TransportParams:
     """How long this side may hold an acknowledgment back, waiting for a packet to
     carry it (the peer adds it to its resend timeout); None when the side states no
     extensions (an earlier version-2 peer, which acknowledges at once)."""
+    channel_window: int | None = None
+    """How many reliable messages a channel (and the dependency graph) of this side
+    takes ahead of the next one it delivers (``Config.channel_window``): the peer keeps
+    no more in flight, nor sends a message of more fragments. None: not stated (the
+    peer then assumes its own)."""
+    parity: bool = False
+    """This side reads REPAIR and RECOVERED frames (``rudp.parity``): the peer may
+    protect its packets with parity instead of copies."""
 
     @property
     def extended(self) -> bool:
@@ -125,7 +136,13 @@ class TransportParams:
         if self.max_ack_delay_ms is None:
             return fixed
         delay = min(max(self.max_ack_delay_ms, 0), MAX_ACK_DELAY_LIMIT_MS)
-        return fixed + _EXTENSION.pack(EXT_MAX_ACK_DELAY, 2) + delay.to_bytes(2, "big")
+        out = fixed + _EXTENSION.pack(EXT_MAX_ACK_DELAY, 2) + delay.to_bytes(2, "big")
+        if self.channel_window is not None:
+            window = min(max(self.channel_window, 1), 0xFFFF)
+            out += _EXTENSION.pack(EXT_CHANNEL_WINDOW, 2) + window.to_bytes(2, "big")
+        if self.parity:
+            out += _EXTENSION.pack(EXT_PARITY, 0)
+        return out
 
     @classmethod
     def decode(cls, data: bytes) -> TransportParams:
@@ -136,6 +153,8 @@ class TransportParams:
         if channels == 0 or datagram < 576 or message == 0:
             raise ValueError("transport parameters out of range")
         ack_delay: int | None = None
+        window: int | None = None
+        parity = False
         offset = PARAMS_SIZE
         if len(data) > offset:
             ack_delay = 0  # extensions without this one: the side acknowledges at once
@@ -152,7 +171,13 @@ class TransportParams:
                 if size != 2 or int.from_bytes(value, "big") > MAX_ACK_DELAY_LIMIT_MS:
                     raise ValueError("max_ack_delay out of range")
                 ack_delay = int.from_bytes(value, "big")
-        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay)
+            elif ext == EXT_CHANNEL_WINDOW:
+                if size != 2 or not int.from_bytes(value, "big"):
+                    raise ValueError("channel_window out of range")
+                window = int.from_bytes(value, "big")
+            elif ext == EXT_PARITY:
+                parity = True
+        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay, window, parity)
 
     @classmethod
     def of(cls, config: Config, connection_id: int, reset_token: bytes) -> TransportParams:
@@ -166,11 +191,13 @@ class TransportParams:
             idle_timeout_ms=min(round(config.idle_timeout * 1000), _U32),
             reset_token=reset_token,
             max_ack_delay_ms=round(config.max_ack_delay * 1000),
+            channel_window=config.channel_window,
+            parity=config.parity,
         )
 
     def plain(self) -> TransportParams:
         """The same without extensions: what a server answers a client that stated none."""
-        return replace(self, max_ack_delay_ms=None)
+        return replace(self, max_ack_delay_ms=None, channel_window=None, parity=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +211,15 @@ class Keys:
     """Identical on both sides: a channel binding (for example for connect tokens)."""
 
 
-def _prologue(pattern: int, salt: int) -> bytes:
-    return _PROLOGUE + bytes((pattern,)) + salt.to_bytes(8, "big")
+def _prologue(pattern: int, salt: int, token_size: int = 0, extensions: int = -1) -> bytes:
+    prologue = _PROLOGUE + bytes((pattern,)) + salt.to_bytes(8, "big")
+    if extensions >= 0:
+        # How the CONNECT splits the payload (extensions, token) travels outside the
+        # message: bound here, a rewrite fails the handshake instead of making the
+        # server read the parameters otherwise. A client that states no extensions (an
+        # earlier version-2 release) keeps the prologue it had.
+        prologue += bytes((extensions,)) + token_size.to_bytes(2, "big")
+    return prologue
 
 
 class ClientHandshake:
@@ -204,17 +238,17 @@ class ClientHandshake:
         self.token_size = len(token)
         self.pattern = PATTERN_NN if server_key is None else PATTERN_NK
         self.extended = params.extended
+        payload = params.encode()
+        self.extensions = len(payload) - PARAMS_SIZE if self.extended else -1
+        """Bytes of extensions in our parameters (the CONNECT says it), -1: none."""
         self._state = HandshakeState(
             _PROTOCOL_NAMES[self.pattern],
             initiator=True,
-            prologue=_prologue(self.pattern, salt),
+            prologue=_prologue(self.pattern, salt, self.token_size, self.extensions),
             remote_static=server_key,
             ephemeral=ephemeral,
         )
         # Computed once: every CONNECT of this attempt carries the same message.
-        payload = params.encode()
-        self.extensions = len(payload) - PARAMS_SIZE if self.extended else -1
-        """Bytes of extensions in our parameters (the CONNECT says it), -1: none."""
         self.message = self._state.write_message(payload + token)
 
     def finish(self, answer: bytes) -> Keys:
@@ -285,7 +319,7 @@ def read_first(
     state = HandshakeState(
         _PROTOCOL_NAMES[pattern],
         initiator=False,
-        prologue=_prologue(pattern, salt),
+        prologue=_prologue(pattern, salt, token_size, extensions),
         static=static if pattern == PATTERN_NK else None,
         ephemeral=ephemeral,
     )

@@ -43,6 +43,7 @@ from rudp.config import Config
 from rudp.events import Connected, DisconnectReason
 from rudp.handshake import PATTERN_NK, ClientHandshake, Keys, TransportParams
 from rudp.noise import NoiseError
+from rudp.parity import Parity
 from rudp.pmtu import ceiling_for
 from rudp.protection import Opener, Sealer
 from rudp.state import CONNECTED, CONNECTING
@@ -245,8 +246,13 @@ def apply_peer_limits(conn: Connection, peer: TransportParams, now: float) -> No
         # The peer reads our delay and allows for it; one that states none does not.
         conn._builder.ack_delay = config.max_ack_delay
     conn._rtt.peer_ack_delay = (peer.max_ack_delay_ms or 0) / 1000.0
+    if peer.parity and config.parity:
+        # Both read REPAIR frames: parity instead of copies, both ways (rudp.parity).
+        parity = Parity(conn._recovery, conn.stats)
+        conn._builder.use_parity(parity)
+        conn._reader.parity = parity
     base = min(config.base_datagram_size, peer.max_datagram_size)
     ceiling = min(ceiling_for(conn.address, config.max_datagram_size), peer.max_datagram_size)
-    conn._builder.apply_peer_limits(base, peer.recv_buffer_bytes)
+    conn._builder.apply_peer_limits(base, peer.recv_buffer_bytes, peer.channel_window)
     conn._limits_error = conn._sender.apply_peer_limits(peer, base)
     conn._pmtu.start(base, ceiling, now)

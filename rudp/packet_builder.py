@@ -54,6 +54,7 @@ from rudp.wire import GRAPH, RELIABLE_ORDERED, UNRELIABLE_SEQUENCED
 if TYPE_CHECKING:
     from rudp.congestion import CongestionController
     from rudp.connection import Connection
+    from rudp.parity import Parity
     from rudp.stats import ConnectionStats
 
 RECENT_MAX: Final = 32  # recently sent small messages the redundancy option may repeat
@@ -97,6 +98,7 @@ class PacketBuilder:
         "flow_frame",
         "flow_seq",
         "last_sent",
+        "parity",
         "ping",
         "recent",
         "tx_next",
@@ -147,6 +149,7 @@ class PacketBuilder:
         self.early_acks: list[bytes] = []
         self.recent: deque[OutMessage] = deque()  # small messages redundancy may repeat
         self.last_sent = now  # when our last packet of any kind went out
+        self.parity: Parity | None = None  # REPAIR frames instead of copies (rudp.parity)
 
     def set_keys(self, sealer: Sealer, peer_cid: int) -> None:
         """The handshake is done: seal with ``sealer``, address packets to ``peer_cid``."""
@@ -179,12 +182,16 @@ class PacketBuilder:
         ack = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
         return self.seal(seq, ack + frame)
 
-    def apply_peer_limits(self, datagram_size: int, recv_buffer_bytes: int) -> None:
+    def apply_peer_limits(
+        self, datagram_size: int, recv_buffer_bytes: int, channel_window: int | None = None
+    ) -> None:
         """Build datagrams of at most ``datagram_size`` bytes (the smaller of the two
-        sides'), and keep what may sit in the peer's reorder buffer below the size it
-        stated in the handshake."""
+        sides'), keep what may sit in the peer's reorder buffer below the size it
+        stated in the handshake, and run no further ahead on a channel than it takes."""
         self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
         self._byte_window = recv_buffer_bytes
+        if channel_window is not None:
+            self._window = min(self._window, channel_window)
 
     def set_datagram_size(self, size: int) -> None:
         """Fill datagrams up to ``size`` bytes (the size path MTU discovery confirmed)."""
@@ -220,6 +227,9 @@ class PacketBuilder:
         delayed = self.ack_unsent > 0 and self.ack_delay > 0.0
         if delayed:
             budget -= ACK_DELAY_FRAME_SIZE
+        parity = self.parity
+        if parity is not None and parity.report_due:
+            budget -= frames.RECOVERED_SIZE
         # parts[0] is the acknowledgment, filled in last: one list per datagram, joined once.
         parts: list[bytes] = [b""]
         messages: list[OutMessage] = []
@@ -277,17 +287,22 @@ class PacketBuilder:
                 return None
             self._stats.acks_alone += 1
         reader = conn._reader
+        protected = len(parts)  # what a REPAIR covers: the frames before the tail frames
         if delayed:
             # The peer takes it off its RTT sample (RFC 9002, section 5.3).
             waited = now - reader.rx_largest_time
             if waited >= frames.ACK_DELAY_UNIT:
                 parts.append(frames.ack_delay_frame(waited))
+        if parity is not None and parity.report_due:
+            parts.append(parity.report())
         self.ping = False
         self._acked()
         self.last_sent = now
         seq = self.tx_next
         self.tx_next = seq + 1
         parts[0] = wire.ack_fields(reader.rx_largest & SEQ_MASK, (reader.rx_bits >> 1) & 0xFFFFFFFF)
+        if parity is not None and eliciting and not sender.rel_queue:
+            parity.on_build(seq, parts, protected, budget)  # a thin stream's packet
         datagram = self.seal(seq, b"".join(parts))
         if eliciting:
             recovery.on_packet_sent(
@@ -425,7 +440,9 @@ class PacketBuilder:
                 assert oldest is not None  # created when msg was sent
                 if msg.seq - oldest[0].seq >= window:
                     break  # the receiver could not buffer it yet
-                cost = size + BUFFER_ENTRY_COST
+                # (A fragment waits in the receiver's reassembly budget, not in the
+                # reorder buffer: it costs none of it.)
+                cost = size + BUFFER_ENTRY_COST if msg.parent is None else 0
                 if cost > room and (cost <= self._byte_window or sender.unacked_bytes):
                     # It might not fit the receiver's reorder buffer. One larger than the
                     # whole buffer goes when nothing else is unacknowledged: it is then
@@ -441,7 +458,7 @@ class PacketBuilder:
                 if refresh_deps(msg):
                     frame = msg.frame
                     size = len(frame)
-                cost = buffer_cost(msg)
+                cost = buffer_cost(msg) if msg.parent is None else 0
                 if cost > room and (cost <= self._byte_window or sender.unacked_bytes):
                     break
                 room -= cost
@@ -519,6 +536,11 @@ class PacketBuilder:
             while len(recent) > RECENT_MAX:
                 recent.popleft()
         return budget
+
+    def use_parity(self, parity: Parity) -> None:
+        """The peer reads REPAIR frames: protect thin streams with them, not copies."""
+        self.parity = parity
+        self._redundancy = 0
 
     def clear(self) -> None:
         """The connection ended: nothing more to send."""

@@ -44,8 +44,8 @@ to ``recv_buffer_bytes`` of datagrams (``pause_budget``); past that a paused
 receiver refuses packets carrying messages, so a peer that ignores PAUSE cannot
 make it hold more.
 
-Limits: a message on a channel we do not have, or a fragment announcing a
-message larger than our ``max_message_size``, in an authenticated packet, ends
+Limits: a message on a channel we do not have, or a message (or a fragment
+announcing one) larger than our ``max_message_size``, in an authenticated packet, ends
 the connection with ``protocol error`` naming the limit: the peer knew it from
 the handshake, and dropping the packet would stall the channel for good.
 
@@ -63,6 +63,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Final
 
 from rudp import frames, wire
+from rudp.parity import process_rebuilt
 from rudp.protection import Opener
 from rudp.state import CLOSED, DRAINING
 from rudp.wire import ACK_SPAN, DropReason
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from rudp.config import Config
     from rudp.connection import Connection
     from rudp.packet_builder import PacketBuilder
+    from rudp.parity import Parity
     from rudp.receiving import Receiver
     from rudp.recovery import PacketRecovery
     from rudp.sending import Sender
@@ -95,6 +97,7 @@ class PacketReader:
         "_sink",
         "_stats",
         "opener",
+        "parity",
         "pause_budget",
         "peer_flow_seq",
         "rx_bits",
@@ -121,6 +124,7 @@ class PacketReader:
         self._sink = sink
         self._stats = stats
         self.opener: Opener | None = None  # set when the handshake completes
+        self.parity: Parity | None = None  # the peer's REPAIRs are read (rudp.parity)
         stats.reader = self  # what arrived of the peer's packets: see ConnectionStats
         self.rx_largest = -1
         self.rx_bits = 0  # bit i: packet (largest - i) was received
@@ -148,6 +152,8 @@ class PacketReader:
             return DropReason.UNEXPECTED  # no keys yet: the ACCEPT was lost or overtaken
         pn = opener.full_number(pn32, _PN_BITS)
         if opener.window.seen(pn):
+            if self.parity is not None and self.parity.arrived_late(pn):
+                return DropReason.DUPLICATE  # rebuilt from parity before it came
             return DropReason.REPLAYED
         # (At least DATA_HEADER_SIZE long, so the tag is there: the endpoint checked.)
         body = opener.open_unseen(pn, data[: wire.DATA_PREFIX_SIZE], data[wire.DATA_PREFIX_SIZE :])
@@ -155,7 +161,10 @@ class PacketReader:
             return DropReason.AUTH_FAILED
         ack = (body[0] << 8) | body[1]
         ack_bits = int.from_bytes(body[2:6], "big")
-        return self.process(body, pn, ack, ack_bits, now, len(data))
+        reason = self.process(body, pn, ack, ack_bits, now, len(data))
+        if self.parity is not None and self.parity.rebuilt:
+            process_rebuilt(self, self.parity, opener, now)
+        return reason
 
     def process(
         self, data: bytes, seq: int, ack16: int, ack_bits: int, now: float, size: int
@@ -166,6 +175,11 @@ class PacketReader:
         draining = conn.state is DRAINING
         delta = seq - self.rx_largest
         decoded = frames.decode_frames(data)  # DecodeError is counted by the endpoint
+        parity = self.parity
+        if parity is not None and self.opener is not None:
+            parity.on_packet(seq, data, decoded.tail, decoded.repair, self.opener.window)
+            if decoded.recovered >= 0:
+                parity.on_report(decoded.recovered)
         receiver = self._receiver
         flow = decoded.flow
         if flow != frames.NO_FLOW and seq > self.peer_flow_seq and not draining:
@@ -202,7 +216,10 @@ class PacketReader:
             # acknowledges, and the sender would resend them.
             builder.early_acks.append(builder.ack_only())
         if delta > 0:
-            self.rx_bits = ((self.rx_bits << delta) | 1) & self._rx_mask
+            # A sender may skip numbers (up to 2**31 at once): a shift that far would
+            # build a huge integer only for the mask to throw it away.
+            bits = self.rx_bits << delta if delta < self._rx_window else 0
+            self.rx_bits = (bits | 1) & self._rx_mask
             self.rx_largest = seq
             self.rx_largest_time = now
         elif -delta < self._rx_window:

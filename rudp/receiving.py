@@ -60,6 +60,9 @@ if TYPE_CHECKING:
     from rudp.stats import ConnectionStats
 
 PARTIAL_COST: Final = 256  # bytes charged per reassembly besides its data and chunk slots
+# A message that is not fragmented fits one UDP datagram: a limit at least this large
+# can only be broken by a fragment, which ``size_violation`` checks where it is needed.
+_LARGEST_PAYLOAD: Final = 65535
 
 
 class Partial:
@@ -143,7 +146,7 @@ class Receiver:
         self._channels = config.channels
         self._window = config.channel_window
         self._byte_window = config.recv_buffer_bytes
-        self._max_message = config.max_message_size
+        self._max_message = max(1, config.max_message_size)  # as stated (TransportParams.of)
         self._max_reassembly = config.max_reassembly_bytes
         self._max_fragments = config.max_fragments
         self.graph = ReceiveGraph(conn, events, config.channel_window)
@@ -243,25 +246,41 @@ class Receiver:
 
     def channel_violation(self, messages: list[frames.MessageFrame]) -> str:
         """Why the packet's messages break the channel count we stated in the handshake,
-        or "". The packet authenticated, so its sender broke the protocol: the
+        or (under a limit small enough for that) the largest message, or "". The
+        packet authenticated, so its sender broke the protocol: the
         connection ends (the sender knew the limit, and could never get such a message
         through: dropping it would stall the channel for good)."""
         channels = self._channels
         for m in messages:
             if m[1] >= channels:
                 return f"message on channel {m[1]}; this side accepts {channels} channels"
+        if self._max_message < _LARGEST_PAYLOAD:  # else no whole message can exceed it
+            return self.size_violation(messages)
         return ""
 
     def size_violation(self, messages: list[frames.MessageFrame]) -> str:
-        """Why a fragment of the packet breaks the largest message we stated in the
-        handshake, or "". As for channels, the packet authenticated and its sender knew
-        the limit: the connection ends (the message could never be taken)."""
+        """Why a message of the packet, or the message a fragment announces, breaks the
+        largest message we stated in the handshake, or "". As for channels, the packet
+        authenticated and its sender knew the limit: the connection ends (the message
+        could never be taken)."""
         limit = self._max_message
         for m in messages:
             more = m[4]
             if more is not None and more.parts and more.total > limit:
                 return (
                     f"fragment of a {more.total}-byte message; this side accepts messages"
+                    f" of at most {limit} bytes (max_message_size)"
+                )
+            if more is not None and more.parts > self._window:
+                # Consecutive numbers, none taken further ahead than the window: the
+                # message could never complete.
+                return (
+                    f"fragment of a message of {more.parts} fragments; this side takes"
+                    f" {self._window} ahead (channel_window)"
+                )
+            if (more is None or not more.parts) and len(m[3]) > limit:
+                return (
+                    f"a {len(m[3])}-byte message; this side accepts messages"
                     f" of at most {limit} bytes (max_message_size)"
                 )
         return ""

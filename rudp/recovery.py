@@ -25,7 +25,11 @@ Loss is detected three ways (as in QUIC, RFC 9002):
 - time threshold: an unacknowledged packet sent 9/8 RTT before one that was
   acknowledged is lost;
 - both thresholds widen when a loss proves spurious (a late packet's own ack
-  arrives after it was declared lost), as RACK (RFC 8985) adapts to reordering;
+  arrives after it was declared lost), as RACK (RFC 8985) adapts to reordering,
+  and the packet threshold also when a packet is acknowledged after a later one;
+- on a path seen to reorder, packets of one flush (one send time) are lost only
+  by time, RACK's way (``detect_losses``), and the loss timer waits for the tail
+  of a burst;
 - the resend timeout, for the tail of a burst where nothing later is acked:
   it declares only the oldest packet lost, and its resend probes the path. It
   runs from the newest ack-eliciting packet sent and allows for the peer's
@@ -63,6 +67,10 @@ if TYPE_CHECKING:
 LOSS_WINDOW: Final = 256  # packet outcomes the loss rate averages over (an EWMA)
 LOST_MEMORY: Final = 1024  # packets declared lost that are remembered to detect spurious losses
 MAX_REORDER_THRESHOLD: Final = 256
+# Packets of the 32 before an acknowledgment's newest that it shows missing, while still in
+# flight, which make it evidence of reordering rather than loss.
+REORDER_EVIDENCE: Final = 8
+_NEVER: Final = float("inf")
 
 # The peer acknowledges at the end of its event-loop turn, which on a loaded
 # machine can take a few milliseconds: on loopback a bare 9/8 RTT would declare
@@ -202,8 +210,11 @@ class PacketRecovery:
         "loss_time",
         "lost_max",
         "lost_recently",
+        "newest_acked_at",
+        "newest_acked_sent",
         "probe_due",
         "reorder_threshold",
+        "reordering",
         "rtt",
         "sent",
     )
@@ -231,6 +242,11 @@ class PacketRecovery:
         self.reorder_threshold = config.reorder_threshold  # widened by spurious losses
         self.lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
         self.lost_max = -1  # the newest packet ever declared lost
+        # The acknowledged ack-eliciting packet sent last: when it was sent and when its
+        # acknowledgment came (RACK's reference packet, RFC 8985; see detect_losses).
+        self.newest_acked_sent = -1.0
+        self.newest_acked_at = 0.0
+        self.reordering = False  # the path was seen to reorder (sticky, as RACK's flag)
         # Share of recent ack-eliciting packets declared lost (not found spurious), an
         # exponential average over about LOSS_WINDOW outcomes: what redundancy follows.
         self.loss_rate = 0.0
@@ -257,6 +273,8 @@ class PacketRecovery:
         if not sent and not lost:
             return False
         newly = False
+        if not self.reordering:
+            self._look_for_reordering(largest, bits)
         # Every newly acknowledged packet gives an RTT sample: a packet number is used
         # once, so none is ambiguous, and sampling only the largest would leave out
         # exactly the slow packets that jitter overtakes, making RTTVAR (and so the
@@ -285,6 +303,8 @@ class PacketRecovery:
                     rtt.on_sample(now - pkt.time_sent, ack_delay)
                     self._on_acked(pkt, now)
                     newly = True
+                    if seq < self.largest_acked:
+                        self._on_reordered(seq)
                 elif lost and seq in lost:
                     self._on_spurious_loss(seq)
             bits >>= 1
@@ -296,16 +316,85 @@ class PacketRecovery:
             self.detect_losses(now, tx_next)
         return newly
 
+    def _look_for_reordering(self, largest: int, bits: int) -> None:
+        """Whether this acknowledgment shows the path reordering: it newly acknowledges
+        a packet older than one acknowledged before, or its newest packet overtook
+        ``REORDER_EVIDENCE`` or more of the 32 before it that are still in flight (a
+        path would have to lose all of them, yet not the newest)."""
+        sent = self.sent
+        prior = self.largest_acked
+        span = min(ACK_SPAN, largest)
+        missing = 0
+        for i in range(1, span + 1):
+            seq = largest - i
+            if seq in sent:
+                if (bits >> (i - 1)) & 1:
+                    if seq < prior:
+                        self.reordering = True
+                        return
+                elif largest in sent:
+                    missing += 1
+        if missing >= REORDER_EVIDENCE:
+            self.reordering = True
+
+    def _on_reordered(self, seq: int) -> None:
+        """Packet ``seq`` was acknowledged after a later one was: widen the packet
+        threshold to that depth before it declares such a packet lost (as Linux does
+        from SACK), not only once one proved a spurious loss."""
+        self.reordering = True
+        depth = self.largest_acked - seq + 1
+        if depth > self.reorder_threshold:
+            self.reorder_threshold = min(depth, MAX_REORDER_THRESHOLD)
+
+    def flush_window(self) -> float:
+        """On a path seen to reorder, how long after the acknowledgment of the newest
+        acknowledged packet one sent in the same flush counts as lost: half an RTT or
+        twice RTTVAR (the spread of the round trips), widened like the time threshold
+        by spurious losses, at most an RTT."""
+        rtt = self.rtt
+        base = max(rtt.srtt, rtt.latest)
+        window = max(2 * rtt.rttvar, base / 2) * rtt.reorder_factor / 1.125
+        return min(window, base)
+
     def _on_acked(self, pkt: SentPacket, now: float) -> None:
         self.in_flight -= 1
+        if pkt.time_sent > self.newest_acked_sent:
+            self.newest_acked_sent = pkt.time_sent
+            self.newest_acked_at = now
         self.loss_rate -= self.loss_rate / LOSS_WINDOW
         self._cc.on_acked(pkt.seq, pkt.size, now, self.rtt.srtt)
         self._conn._on_packet_acked(pkt)
 
     def detect_losses(self, now: float, tx_next: int) -> None:
+        """Declare lost what the acknowledgments prove lost.
+
+        A packet is lost past either threshold (``reorder_threshold`` later packets
+        acknowledged, or ``loss_delay`` since it was sent). On a path seen to reorder,
+        a packet sent in the same flush as the newest acknowledged one (one send time:
+        the packets of a flush race each other through the jitter) is never proved
+        lost by a packet count, only by time, ``flush_window`` after that packet's
+        acknowledgment, as RACK (RFC 8985) orders packets by send time. Without this,
+        the first acknowledgment of a window sent in one flush on a reordering path
+        declares every packet it overtook lost. (That acknowledgment is itself the
+        evidence of reordering: see ``_look_for_reordering``.) A path not seen to
+        reorder keeps the thresholds alone: a gap there is a loss.
+
+        On a path seen to reorder, the loss timer is armed only when no
+        acknowledgment of a later packet is expected before the deadline (the tail of
+        a burst): otherwise that acknowledgment runs this again, and a timer armed on
+        every acknowledgment (each moves the deadline of the oldest packet in flight,
+        which the jitter holds back) would mostly wake for a packet acknowledged
+        meanwhile. Without reordering, a gap is a loss and the timer is armed as the
+        thresholds say.
+        """
         largest = self.largest_acked
-        delay = self.rtt.loss_delay
+        rtt = self.rtt
+        delay = rtt.loss_delay
         threshold = largest - self.reorder_threshold
+        reordering = self.reordering
+        # No packet is a flush-mate (sent at or after this) on a path not seen to reorder.
+        flush = self.newest_acked_sent if reordering else _NEVER
+        flush_deadline = self.newest_acked_at + self.flush_window()
         self.loss_time = None
         lost: list[int] = []
         for seq, pkt in self.sent.items():
@@ -313,11 +402,13 @@ class PacketRecovery:
                 break
             # One expression for the test and the deadline: a deadline computed
             # differently could round to ``now`` and never be reached.
-            deadline = pkt.time_sent + delay
-            if seq <= threshold or deadline <= now:
+            sent_at = pkt.time_sent
+            deadline = flush_deadline if sent_at >= flush else sent_at + delay
+            if deadline <= now or (seq <= threshold and sent_at < flush):
                 lost.append(seq)
             else:
-                self.loss_time = deadline
+                if not reordering or self.last_eliciting + rtt.srtt < deadline:
+                    self.loss_time = deadline
                 break
         for seq in lost:
             self._on_lost(self.sent.pop(seq), tx_next)
@@ -336,6 +427,12 @@ class PacketRecovery:
         depth = self.largest_acked - seq + 1
         self.reorder_threshold = min(max(self.reorder_threshold, depth), MAX_REORDER_THRESHOLD)
         self.rtt.widen_reorder_window()
+
+    def on_recovered(self, count: int) -> None:
+        """The peer rebuilt ``count`` more of our packets from parity (``rudp.parity``):
+        they were acknowledged, but they were lost, and parity is sized to the loss."""
+        for _ in range(min(count, LOSS_WINDOW)):
+            self.loss_rate += (1.0 - self.loss_rate) / LOSS_WINDOW
 
     def _on_lost(self, pkt: SentPacket, tx_next: int) -> None:
         self.in_flight -= 1

@@ -181,6 +181,7 @@ class Sender:
         "_channels",
         "_config",
         "_conn",
+        "_fragment_limit",
         "_fragment_payload",
         "_max_message",
         "_max_payload",
@@ -218,6 +219,9 @@ class Sender:
         self.max_single = self._max_payload - frames.MESSAGE_OVERHEAD
         self._max_message = config.max_message_size
         self._fragment_payload = config.fragment_payload
+        # Fragments of one message: they take consecutive numbers, and the receiver
+        # holds them no further ahead than its channel window (the peer's, once known).
+        self._fragment_limit = config.channel_window
         self._channels = config.channels
         # The peer's limits from the handshake (``apply_peer_limits``); until then ours,
         # and what was queued meanwhile is checked against the peer's when they arrive.
@@ -314,8 +318,16 @@ class Sender:
         self._max_payload = datagram_size - wire.DATA_HEADER_SIZE
         self.max_single = self._max_payload - frames.MESSAGE_OVERHEAD
         self._fragment_payload = datagram_size - frames.FRAGMENT_FRAME_OVERHEAD
+        if peer.channel_window is not None:
+            self._fragment_limit = min(self._fragment_limit, peer.channel_window)
         for queue in (self.rel_queue, self.unrel_queue):
             for msg in queue:
+                if msg.parent is not None and msg.parent.parts > self._fragment_limit:
+                    return (
+                        f"a message queued before the handshake has {msg.parent.parts} "
+                        f"fragments; the peer takes {self._fragment_limit} ahead "
+                        "(channel_window)"
+                    )
                 if msg.channel >= peer.channels:
                     return (
                         f"a message queued before the handshake is on channel {msg.channel}; "
@@ -476,6 +488,12 @@ class Sender:
         chunks = [data[:first]]
         chunks += [data[i : i + step] for i in range(first, total, step)]
         count = len(chunks)
+        if count > self._fragment_limit:
+            raise MessageTooLarge(
+                f"a {total}-byte message needs {count} fragments of {step} bytes; the "
+                f"receiver takes {self._fragment_limit} ahead (channel_window, ours or "
+                "the peer's)"
+            )
         if self.queued + count > self._queue_limit:
             raise SendQueueFull(
                 f"a {count}-fragment message does not fit the send queue ({self.queued} of "
@@ -610,10 +628,10 @@ def buffer_cost(msg: OutMessage) -> int:
 
 
 def charged(msg: OutMessage) -> int:
-    """What the packet builder charged for a message (all its fragments, if any)."""
-    if msg.fragments is None:
-        return buffer_cost(msg)
-    return sum(len(f.frame) + BUFFER_ENTRY_COST for f in msg.fragments)
+    """What the packet builder charged for a message: nothing for a fragmented one,
+    whose fragments the receiver holds in its reassembly budget (bounded by its
+    ``max_message_size``), not in its reorder buffer."""
+    return buffer_cost(msg) if msg.fragments is None else 0
 
 
 def _fail(msg: OutMessage) -> None:

@@ -73,6 +73,11 @@ COUNTER_TABLE: Final = (
     ("packets_dropped", "Datagrams from this peer dropped (duplicate, stale, bad...).", ""),
     ("packets_lost", "Ack-eliciting packets declared lost.", "rudp_packets_lost_total"),
     ("packets_received", "DATA packets accepted.", "rudp_packets_received_total"),
+    (
+        "packets_recovered",
+        "The peer's lost packets rebuilt from its REPAIR frames (counted as received too).",
+        "",
+    ),
     ("packets_sent", "DATA packets sent.", "rudp_packets_sent_total"),
     (
         "path_challenges",
@@ -95,6 +100,8 @@ COUNTER_TABLE: Final = (
         "Times a full receive queue asked the peer to pause sending (flow control).",
         "rudp_receive_pauses_total",
     ),
+    ("repairs_sent", "REPAIR frames sent (parity over recent packets).", ""),
+    ("repairs_unusable", "The peer's REPAIR frames that rebuilt nothing valid, dropped.", ""),
     ("spurious_losses", "Losses disproved by a late acknowledgment.", ""),
     ("stale_messages", "Sequenced messages older than the newest delivered, dropped.", ""),
     ("timeouts", "Resend timer expirations (probe timeouts).", "rudp_resend_timeouts_total"),
@@ -159,12 +166,15 @@ class ConnectionStats:
         self.packets_dropped = 0
         self.packets_lost = 0
         self.packets_received = 0
+        self.packets_recovered = 0
         self.packets_sent = 0
         self.path_challenges = 0
         self.path_responses = 0
         self.path_validation_failures = 0
         self.peer_pauses = 0
         self.receive_pauses = 0
+        self.repairs_sent = 0
+        self.repairs_unusable = 0
         self.spurious_losses = 0
         self.stale_messages = 0
         self.timeouts = 0

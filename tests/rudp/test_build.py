@@ -29,6 +29,7 @@ CORE = [
     "rudp.packet_reader",
     "rudp.recovery",
     "rudp.pmtu",
+    "rudp.parity",
     "rudp.congestion",
     "rudp.receiving",
     "rudp.graph",

@@ -115,6 +115,20 @@ def test_parameters_round_trip_and_refuse_nonsense() -> None:
         dataclasses.replace(CLIENT_PARAMS, reset_token=b"").encode()
 
 
+def test_extensions_round_trip_and_an_earlier_release_reads_past_them() -> None:
+    extended = dataclasses.replace(SERVER_PARAMS, max_ack_delay_ms=25, channel_window=512)
+    encoded = extended.encode()
+    assert len(encoded) == PARAMS_SIZE + 8 and TransportParams.decode(encoded) == extended
+    # Only the delay (a release before the channel window): the window is not stated.
+    only_delay = dataclasses.replace(extended, channel_window=None)
+    assert TransportParams.decode(only_delay.encode()).channel_window is None
+    assert extended.plain() == SERVER_PARAMS
+    with pytest.raises(ValueError, match="channel_window"):
+        TransportParams.decode(only_delay.encode() + bytes((2, 2, 0, 0)))  # a window of 0
+    with pytest.raises(ValueError, match="channel_window"):
+        TransportParams.decode(only_delay.encode() + bytes((2, 1, 9)))
+
+
 def test_a_bad_server_key_length_raises() -> None:
     with pytest.raises(ValueError):
         ClientHandshake(CLIENT_PARAMS, salt=1, server_key=bytes(31))

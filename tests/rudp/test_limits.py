@@ -19,7 +19,17 @@ from rudp.connection import Connection, State
 from rudp.errors import LocalProtocolError, MessageTooLarge
 from rudp.events import DisconnectReason
 from rudp.wire import DropReason
-from tests.rudp.harness import CLIENT, SERVER, Link, Network, Node, server_conn
+from tests.rudp.harness import (
+    CLIENT,
+    SERVER,
+    Link,
+    Network,
+    Node,
+    frames_of,
+    server_conn,
+    tagged,
+    tags,
+)
 
 DELAY = 0.02
 RTT = 2 * DELAY
@@ -30,6 +40,7 @@ A = Config(
     recv_buffer_bytes=8000,
     max_datagram_size=1400,
     idle_timeout=8.0,
+    channel_window=64,
 )
 B = Config(
     max_message_size=20_000,
@@ -37,6 +48,7 @@ B = Config(
     recv_buffer_bytes=50_000,
     max_datagram_size=700,
     idle_timeout=4.0,
+    channel_window=2048,
 )
 
 
@@ -182,6 +194,107 @@ def test_a_fragment_of_a_message_past_our_largest_ends_the_connection_naming_it(
     assert to_a.close_reason.reason is DisconnectReason.NO_CONNECTION
 
 
+def test_messages_keep_within_the_smaller_channel_window_and_none_is_lost() -> None:
+    # The channel window was not stated: a sender with a larger one ran further ahead
+    # than the receiver takes, which took those messages for old copies (their 16-bit
+    # numbers could have wrapped), dropped them and acknowledged the packets. The
+    # sender counted them delivered: lost for good, and the channel stalled silently.
+    net, a, b, to_a, to_b = _pair()
+    assert to_a._builder._window == 64 and to_b._builder._window == 64
+    lost: list[bytes] = []
+
+    def first_message_lost(data: bytes, src: tuple[object, ...], dst: object) -> bool:
+        if not lost and src == CLIENT and frames_of(data).messages:
+            lost.append(data)
+            return True
+        return False
+
+    net.drop = first_message_lost
+    for i in range(300):
+        to_a.send(tagged(i))
+        net.flush()  # a packet each: the ones after the lost one run ahead
+    net.run_until(lambda: len(a.received()) == 300, timeout=5)
+    assert tags(a) == list(range(300)) and lost
+    assert a.endpoint.stats.dropped[DropReason.RECV_BUFFER_FULL] == 0
+    assert to_b.stats.duplicate_messages == 0
+
+
+def test_a_fragmented_message_larger_than_the_peers_reorder_buffer_arrives() -> None:
+    # The receiver holds fragments in its reassembly budget, not its reorder buffer; the
+    # sender charged them to the reorder buffer all the same, and freed nothing until
+    # the whole message was acknowledged: a message larger than the peer's buffer never
+    # went past the first ones, and the connection stayed open with it stuck.
+    net, a, b, to_a, to_b = _pair(
+        dataclasses.replace(A, max_message_size=60_000),
+        dataclasses.replace(B, max_message_size=60_000),
+    )
+    big = bytes(range(256)) * 160  # 40,960 bytes: five times A's 8,000-byte buffer
+    to_a.send(big)
+    to_a.send(b"after it")
+    net.run_until(lambda: len(a.received()) == 2, timeout=20 * RTT)
+    assert a.received() == [big, b"after it"]
+    net.run_until(lambda: to_a.queued == 0, timeout=4 * RTT)
+    assert to_a._sender.unacked_bytes == 0
+
+
+def test_a_message_of_more_fragments_than_the_peers_window_raises_at_once() -> None:
+    # B's 700-byte datagrams cut a message into 655-byte fragments; A takes 64 ahead.
+    net, a, b, to_a, to_b = _pair(
+        dataclasses.replace(A, max_message_size=60_000),
+        dataclasses.replace(B, max_message_size=60_000),
+    )
+    fits = 64 * 655
+    with pytest.raises(MessageTooLarge, match=r"takes 64 ahead \(channel_window"):
+        to_a.send(bytes(fits + 1))
+    assert to_a.queued == 0
+    to_a.send(b"f" * fits)
+    net.run_until(lambda: b"f" * fits in a.received(), timeout=5)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        frames.reliable_frame(0, 1, b"r" * 101),
+        frames.unreliable_frame(0, b"u" * 101),
+        frames.message_frame(wire.GRAPH, 0, 0, b"g" * 101),
+    ],
+    ids=["reliable", "unreliable", "graph"],
+)
+def test_a_whole_message_past_our_largest_ends_the_connection_naming_it(frame: bytes) -> None:
+    # A message small enough for one datagram needs no fragment to break our limit: a
+    # peer with the keys sent it anyway (send() would have raised at an honest one).
+    # It was delivered, larger than the application said it takes.
+    small = dataclasses.replace(A, max_message_size=100)
+    net, a, b, to_a, to_b = _pair(small, keyed=True)
+    to_a.send(b"within" + bytes(94))
+    net.run(RTT)
+    a.endpoint.receive_datagram(to_a.seal_datagram(wire.ack_fields(0, 0) + frame), CLIENT, net.now)
+    net.run(RTT)
+    assert a.received() == [b"within" + bytes(94)]
+    assert to_b.state is State.CLOSED
+    assert to_b.close_reason is not None
+    assert to_b.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
+    assert "101-byte message" in to_b.close_reason.text
+    assert "at most 100 bytes" in to_b.close_reason.text
+
+
+def test_a_fragment_of_more_fragments_than_our_window_ends_the_connection_naming_it() -> None:
+    # Its fragments take consecutive numbers and we take none further ahead than our
+    # channel window (stated in the handshake): the message could never complete, and
+    # its budget and channel would stay held for good.
+    net, a, b, to_a, to_b = _pair(keyed=True)
+    fragment = frames.message_frame(1, 0, 0, b"z" * 60, fragment=(0, 65, 4000))
+    a.endpoint.receive_datagram(
+        to_a.seal_datagram(wire.ack_fields(0, 0) + fragment), CLIENT, net.now
+    )
+    assert to_b.state is State.CLOSED
+    assert to_b.close_reason is not None
+    assert to_b.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
+    assert "65 fragments" in to_b.close_reason.text
+    assert "64 ahead (channel_window)" in to_b.close_reason.text
+    assert to_b._receiver.parts == {} and to_b._receiver.reserved_bytes == 0
+
+
 def test_a_fragment_within_our_largest_message_is_taken() -> None:
     net, a, b, to_a, to_b = _pair()
     first = frames.message_frame(1, 0, 0, b"y" * 2500, fragment=(0, 2, 5000))
@@ -201,3 +314,20 @@ def test_a_message_queued_before_the_handshake_past_the_peers_limit_ends_it_at_o
     assert to_a.close_reason is not None
     assert to_a.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
     assert "largest message is 5000 bytes" in to_a.close_reason.text
+
+
+def test_the_reported_mismatch_raises_at_once_and_the_connection_goes_on() -> None:
+    # As reported against version 1: 4 MiB on one side, the default on the other, a
+    # 2 MiB reliable message refused fragment by fragment, send() never completing,
+    # a message on another channel never arriving, and no error on either side.
+    big = Config(max_message_size=4 << 20, max_reassembly_bytes=4 << 20)
+    net, a, b, to_a, to_b = _pair(Config(), big)
+    with pytest.raises(MessageTooLarge, match=r"peer's largest message \(1048576 bytes\)"):
+        to_a.send(bytes(2 << 20))
+    to_a.send(b"other channel", channel=1)
+    _arrives_within_a_round_trip(net, a, b"other channel")
+    whole = bytes(range(256)) * 4096  # 1 MiB: the server's limit, taken both ways
+    to_a.send(whole)
+    to_b.send(whole)
+    net.run_until(lambda: whole in a.received() and whole in b.received(), timeout=30)
+    assert to_a.state is State.CONNECTED and to_b.state is State.CONNECTED

@@ -400,6 +400,34 @@ def test_nk_with_the_wrong_key_fails_and_says_why() -> None:
     assert not server.endpoint.connections
 
 
+def test_a_lost_handshake_failed_reject_is_sent_again() -> None:
+    # The wrong server key, and the server's first REJECT lost on the way: the
+    # client's resent CONNECT (same cookie) gets the same REJECT, with no second
+    # Diffie-Hellman, and the client fails naming the cause instead of timing out.
+    net = Network(seed=13)
+    server = net.add(SERVER, Config(static_key=SERVER_KEY), accept=True)
+    client = net.add(CLIENT)
+    lost: list[bytes] = []
+
+    def lose_first_reject(data: bytes, src: object, dst: object) -> bool:
+        if src == SERVER and wire.decode_type(data) is PacketType.REJECT and not lost:
+            lost.append(data)
+            return True
+        return False
+
+    net.drop = lose_first_reject
+    conn = client.endpoint.connect(SERVER, net.now, server_key=rudp.public_key(OTHER_KEY))
+    start = net.now
+    net.run_until(lambda: conn.state is State.CLOSED, timeout=30)
+    assert lost, "the first REJECT was not sent"
+    assert client.disconnects() == [
+        Disconnected(DisconnectReason.REFUSED, 0, HANDSHAKE_FAILED, by_peer=True)
+    ]
+    assert net.now - start < Config().connect_timeout
+    assert server.endpoint.stats.dropped[DropReason.BAD_HANDSHAKE] == 1  # one DH
+    assert not server.endpoint.connections
+
+
 def test_nk_to_a_server_without_a_static_key_is_refused() -> None:
     net = Network(seed=12)
     net.add(SERVER, accept=True)
