@@ -58,7 +58,6 @@ import itertools
 import random
 import secrets
 import time
-from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -532,15 +531,10 @@ class MatchmakerService:
 
     async def _send_list(self, session: _Session, req: ListRequest, started: float) -> None:
         total, pages = await self._plan_list(req)
-        window: set[asyncio.Future[None]] = set()
+        window = _PageWindow(self.settings.pages_in_flight)
         try:
             for seq, (_, entries) in enumerate(pages):
-                if len(window) >= self.settings.pages_in_flight:
-                    # Wait for *any* page's ack, not the oldest: a lost page is
-                    # resent by rudp while the window keeps moving.
-                    done, window = await asyncio.wait(window, return_when=FIRST_COMPLETED)
-                    for acked in done:
-                        acked.result()  # raises if the connection ended
+                await window.slot()  # raises if the connection ended
                 data = encode_page(
                     request_id=req.request_id,
                     seq=seq,
@@ -551,9 +545,7 @@ class MatchmakerService:
                 pending = self._send_bytes(session, data)
                 if pending is None:
                     raise ConnectionError("page refused")
-                ack = asyncio.ensure_future(pending)
-                ack.add_done_callback(_retrieve)
-                window.add(ack)
+                window.add(asyncio.ensure_future(pending))
         # The ack of a page fails when the connection ends (or the end of the
         # connection cancels this task): the rest cannot be sent.
         except _LIST_ABANDONED as exc:
@@ -714,7 +706,36 @@ def _error(exc: MessageError) -> Error:
     return Error(request_id=exc.request_id, reason=exc.reason, detail=detail)
 
 
-def _retrieve(future: asyncio.Future[None]) -> None:
-    """Mark an unawaited page ack's failure as seen (the list is abandoned anyway)."""
-    if not future.cancelled():
-        future.exception()
+class _PageWindow:
+    """The pages of one list answer sent and not yet acknowledged, at most `size`.
+
+    The window moves on *any* page's ack, not the oldest: a lost page is resent
+    by rudp while the pages behind it keep going.  Each ack costs O(1) (a
+    callback), so a window of a thousand pages costs no more per page than one
+    of ten.  The first failed ack (the connection ended) is raised by `slot`.
+    """
+
+    __slots__ = ("_error", "_free", "_moved")
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._error: BaseException | None = None
+        self._moved = asyncio.Event()
+
+    def add(self, ack: asyncio.Future[None]) -> None:
+        self._free -= 1
+        ack.add_done_callback(self._on_ack)
+
+    def _on_ack(self, ack: asyncio.Future[None]) -> None:
+        self._free += 1
+        if self._error is None:
+            self._error = asyncio.CancelledError() if ack.cancelled() else ack.exception()
+        self._moved.set()
+
+    async def slot(self) -> None:
+        """Return once a page may be sent; raise what ended the connection."""
+        while self._error is None and self._free <= 0:
+            self._moved.clear()
+            await self._moved.wait()
+        if self._error is not None:
+            raise self._error

@@ -181,6 +181,9 @@ def test_daemon_rudp_config_fits_the_protocol() -> None:
     config = Matchmaker(settings())._rudp_config
     assert config.channels == 1
     assert config.keepalive_interval * 3 <= config.idle_timeout <= 10.0
+    # A list answer's pages in flight are rudp's to carry: its window follows.
+    assert config.window == settings().pages_in_flight == 1024
+    assert Matchmaker(settings(pages_in_flight=16))._rudp_config.window == 256
 
 
 async def test_a_registration_costs_no_path_mtu_probe(daemon: Matchmaker) -> None:
