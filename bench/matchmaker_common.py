@@ -15,6 +15,10 @@ drives it through a pipe with small commands:
   without the free memory the allocator keeps from earlier peaks);
 - ``trace`` / ``traced``: allocations held since ``trace`` (tracemalloc),
   for breakdowns of what a host costs;
+- ``plan n limit filters``: n list answers planned and encoded in the daemon,
+  as it does before handing pages to rudp, each timed (the server time of a
+  list, under whatever load the daemon carries meanwhile);
+- ``owners``: the hosts of its index by owning replica, and how many are visible;
 - ``stop``.
 
 Settings for benchmarks lift the abuse limits (every bench client is on
@@ -142,6 +146,10 @@ def _daemon_main(pipe: Pipe, settings: Settings, use_uvloop: bool) -> None:
                     pipe.send(("tracing",))
                 elif cmd[0] == "traced":
                     pipe.send(("traced", _traced(traced[0], cmd[1])))
+                elif cmd[0] == "plan":
+                    pipe.send(("planned", await _plan_lists(mm, *cmd[1:])))
+                elif cmd[0] == "owners":
+                    pipe.send(("owners", _owners(mm)))
         finally:
             loop.remove_reader(pipe.fileno())
             await mm.shutdown()
@@ -161,6 +169,38 @@ async def _populate(mm: Any, n: int) -> dict[str, Any]:
     traced = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     return {"hosts": len(mm.registry.index()), "registry_bytes_per_host": traced / max(n, 1)}
+
+
+async def _plan_lists(mm: Any, n: int, limit: int, filters: list[dict[str, Any]]) -> list[float]:
+    """Seconds per answer: planned and encoded as `MatchmakerService._send_list`
+    does before rudp, a pause of 5 ms between answers (heartbeats go on)."""
+    from matchmaker.messages import ListFilter, ListRequest, encode_page
+
+    times = []
+    for i in range(n):
+        req = ListRequest(
+            request_id=i + 1, filter=ListFilter(game=GAME, limit=limit, **filters[i % len(filters)])
+        )
+        started = time.perf_counter()
+        total, pages = await mm.service._plan_list(req)
+        for seq, (_, entries) in enumerate(pages):
+            encode_page(
+                request_id=i + 1, seq=seq, total=total, end=seq == len(pages) - 1, entries=entries
+            )
+        times.append(time.perf_counter() - started)
+        await asyncio.sleep(0.005)
+    return times
+
+
+def _owners(mm: Any) -> dict[str, Any]:
+    registry = mm.registry
+    now = registry.now()
+    owners: dict[str, int] = {}
+    visible = 0
+    for record in registry.index():
+        owners[record.owner] = owners.get(record.owner, 0) + 1
+        visible += registry.is_visible(record, now)
+    return {"owners": owners, "visible": visible}
 
 
 def _trim(mm: Any) -> dict[str, Any]:
@@ -282,6 +322,23 @@ class DaemonProcess:
         self._pipe.send(("trim",))
         result: dict[str, Any] = self._expect("trimmed", 120)[1]
         return result
+
+    def plan(self, n: int, limit: int, filters: list[dict[str, Any]]) -> list[float]:
+        """Server time of `n` list answers (see ``_plan_lists``), seconds each."""
+        self._pipe.send(("plan", n, limit, filters))
+        result: list[float] = self._expect("planned", 600)[1]
+        return result
+
+    def owners(self) -> dict[str, Any]:
+        """Hosts of the daemon's index by owner, and the visible count."""
+        self._pipe.send(("owners",))
+        result: dict[str, Any] = self._expect("owners", 60)[1]
+        return result
+
+    def kill(self) -> None:
+        """SIGKILL: the replica dies without a word to anyone."""
+        self._proc.kill()
+        self._proc.join(10)
 
     def stats(self) -> dict[str, Any]:
         self._pipe.send(("stats",))

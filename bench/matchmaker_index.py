@@ -50,7 +50,7 @@ from bench.matchmaker_common import GAME, bench_settings, host_info, public_addr
 from matchmaker.messages import ListFilter, ListRequest, encode_page
 from matchmaker.metrics import Metrics
 from matchmaker.registry import MemoryRegistry, RemovalReason
-from matchmaker.service import MatchmakerService
+from matchmaker.service import MatchmakerService, _list_entry
 
 # Filters of the bench hosts (bench/matchmaker_common.host_info): each matches
 # from a sixth to a third of them, so every list is a 1,000-host sample.
@@ -126,7 +126,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # A daemon that has served lists for a while holds every host's encoded list
     # entry (re-encoded after an update): start from there.
     for record in registry.index():
-        service._list_entry(record)
+        _list_entry(record)
     rss_cached = rss_bytes()
     touch_s = update_s = 0.0
     touched = updated = fresh = 0

@@ -115,7 +115,13 @@ def rate_key(ip: str) -> str:
     An IPv6 end site usually gets at least a /64, so limiting single IPv6
     addresses would let one machine rotate through 2**64 buckets.
     """
-    parsed = ipaddress.ip_address(normalise_ip(ip))
+    ip = normalise_ip(ip)
+    if ":" not in ip:
+        # IPv4 (an IPv4-mapped address included, once normalised): itself.  The
+        # parse below costs ~10 µs, and `source_key`'s cache misses once the
+        # registry holds more sources than it keeps.
+        return ip
+    parsed = ipaddress.ip_address(ip)
     if isinstance(parsed, ipaddress.IPv6Address):
         return ipaddress.IPv6Network((parsed, 64), strict=False).compressed
     return parsed.compressed

@@ -34,6 +34,7 @@ from matchmaker.registry import MemoryRegistry, Registry
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.service import MatchmakerService
 from matchmaker.settings import Settings
+from rudp.config import BASE_DATAGRAM_SIZE
 from rudp.tokens import Issuer, generate_issuer_key
 
 log = structlog.get_logger("matchmaker.server")
@@ -90,7 +91,12 @@ class Matchmaker:
         # pings), so the daemon's own pings can be rare: at rudp's default
         # 1 s they were half of an idle fleet's datagrams.  The protocol uses
         # channel 0 only; rudp keeps per-channel queues for every connection,
-        # and its default 32 channels cost ~20 KiB per connection.
+        # and its default 32 channels cost ~20 KiB per connection.  Every message
+        # fits the 1,200 bytes a path is assumed to carry (a list page is at most
+        # 1,150), so path MTU discovery would only cost each registration's short
+        # connection a probe each way and its acknowledgement.  The window is
+        # what a list answer may have in flight (`pages_in_flight`): at rudp's
+        # 256 a 10,000-host list took 5 round trips instead of 2.
         idle = min(10.0, settings.hide_after)
         self._rudp_config = rudp_config or rudp.Config(
             idle_timeout=idle,
@@ -101,6 +107,8 @@ class Matchmaker:
             handshake_burst_per_source=settings.handshake_burst,
             source_limit_keys=settings.rate_limit_keys,
             channels=1,
+            max_datagram_size=BASE_DATAGRAM_SIZE,
+            window=max(256, settings.pages_in_flight),
             static_key=settings.static_private_key(),
         )
         self._udp: rudp.Server | None = None

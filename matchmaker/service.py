@@ -58,9 +58,7 @@ import itertools
 import random
 import secrets
 import time
-from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -70,7 +68,6 @@ from matchmaker.addresses import (
     Address,
     from_sockaddr,
     non_public_reason,
-    rate_key,
     same_public_ip,
     source_key,
 )
@@ -135,16 +132,25 @@ _Page = tuple[list[HostRecord], list[bytes]]
 
 
 def _source(record: HostRecord) -> str:
-    return record.listed[1]  # set by MatchmakerService._list_entry before paging
+    return record.source  # set with its entry, before paging (MatchmakerService._plan_list)
 
 
-@dataclass(eq=False)
 class _Session:
     """One connection's state."""
 
-    peer: Peer
-    address: Address
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    __slots__ = ("address", "conn", "peer", "sockaddr", "source", "tasks")
+
+    def __init__(self, peer: Peer, address: Address, conn: int) -> None:
+        self.peer = peer
+        self.address = address
+        self.conn = conn
+        """The connection's number, in its log lines (``conn``)."""
+        self.sockaddr: tuple[Any, ...] = peer.remote_address
+        """What `address` was made from (a move shows as a different tuple)."""
+        self.source = source_key(address.ip)
+        """The unit of the per-source rate limits (`addresses.rate_key`)."""
+        self.tasks: set[asyncio.Task[None]] | None = None
+        """Its background replies (list pages), made on the first one."""
 
 
 class MatchmakerService:
@@ -188,6 +194,10 @@ class MatchmakerService:
         self._background: set[asyncio.Task[None]] = set()
         self._intro_due = asyncio.Event()
         self._ids = itertools.count(1)
+        self._registrations = {
+            result: metrics.registrations.labels(result)
+            for result in ("created", "replaced", "rejected", "unavailable", "rate_limited")
+        }
         self.shutting_down = False
 
     @property
@@ -198,45 +208,50 @@ class MatchmakerService:
 
     async def handle(self, peer: Peer) -> None:
         """Serve one connection until it ends (the rudp ``serve`` handler)."""
-        address = from_sockaddr(peer.remote_address)
-        session = _Session(peer=peer, address=address)
         if self.shutting_down:
             # A stopping replica takes no one new: the host goes to another replica.
             await peer.close(text=_STOPPING)
             return
-        previous = self._sessions.get(address)
+        address = from_sockaddr(peer.remote_address)
+        session = _Session(peer, address, next(self._ids))
         self._sessions[address] = session
-        with structlog.contextvars.bound_contextvars(peer=address.key, conn=next(self._ids)):
-            log.debug("connection_opened", replaced=previous is not None)
-            try:
-                async for received in peer:
+        # Every line this connection causes carries peer and conn.  (No line per
+        # connection opened or closed: with a connection per registration, they
+        # and the context manager were a tenth of its cost; metrics count them.)
+        bound = structlog.contextvars.bind_contextvars(peer=address.key, conn=session.conn)
+        try:
+            async for received in peer:
+                if peer.remote_address is not session.sockaddr:
                     self._follow(session)
-                    await self._on_data(session, received.data)
-            finally:
-                await self._end(session)
+                await self._on_data(session, received.data)
+        finally:
+            self._end(session)
+            structlog.contextvars.reset_contextvars(**bound)
 
     def _follow(self, session: _Session) -> None:
         """Take the peer's current address: a rudp connection can migrate (a NAT
         rebinding), and a request speaks for where it comes from now."""
+        sockaddr = session.peer.remote_address
         try:
-            current = from_sockaddr(session.peer.remote_address)
+            current = from_sockaddr(sockaddr)
         except ValueError:
             return
+        session.sockaddr = sockaddr
         if current == session.address:
             return
         if self._sessions.get(session.address) is session:
             del self._sessions[session.address]
         log.info("connection_moved", to=current.key)
         session.address = current
+        session.source = source_key(current.ip)
         self._sessions[current] = session
 
-    async def _end(self, session: _Session) -> None:
+    def _end(self, session: _Session) -> None:
         # The host's entry stays: it lives on heartbeat datagrams (module doc).
-        for task in session.tasks:
+        for task in session.tasks or ():
             task.cancel()
         if self._sessions.get(session.address) is session:
             del self._sessions[session.address]
-        log.debug("connection_closed")
 
     def _leave(self, record: HostRecord) -> None:
         """A host's LEAVE datagram: remove its registration (in the background)."""
@@ -322,6 +337,8 @@ class MatchmakerService:
                 log.exception("background_reply_failed")
 
         task = asyncio.create_task(run())
+        if session.tasks is None:
+            session.tasks = set()
         session.tasks.add(task)
         task.add_done_callback(session.tasks.discard)
         if isinstance(coro, Coroutine):
@@ -329,7 +346,7 @@ class MatchmakerService:
             task.add_done_callback(lambda _: coro.close())
 
     def _rate_limited(self, limiter: RateLimiter, kind: str, session: _Session) -> bool:
-        if limiter.allow(rate_key(session.address.ip)):
+        if limiter.allow(session.source):
             return False
         self.metrics.rate_limited.labels(kind).inc()
         return True
@@ -338,23 +355,25 @@ class MatchmakerService:
 
     async def _register(self, session: _Session, req: Register) -> None:
         rid = req.request_id
+        counted = self._registrations
         if self.shutting_down:
-            self.metrics.registrations.labels("rejected").inc()
+            counted["rejected"].inc()
             raise MessageError(ErrorReason.SHUTTING_DOWN, _STOPPING, request_id=rid)
         if not self.registry.ready:
             # A shared registry not loaded yet does not know the replicas' heartbeat
             # key: a secret handed out now would not be the one they check.
-            self.metrics.registrations.labels("unavailable").inc()
+            counted["unavailable"].inc()
             raise MessageError(ErrorReason.UNAVAILABLE, "registry loading", request_id=rid)
         if self._rate_limited(self._register_limit, "register", session):
-            self.metrics.registrations.labels("rate_limited").inc()
+            counted["rate_limited"].inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "registrations", request_id=rid)
         why = None if self.settings.allow_private else non_public_reason(session.address.ip)
         if why is not None:
-            self.metrics.registrations.labels("rejected").inc()
+            counted["rejected"].inc()
             raise MessageError(ErrorReason.FORBIDDEN_ADDRESS, why, request_id=rid)
-        if not self._listable(session.address, req.host):
-            self.metrics.registrations.labels("rejected").inc()
+        entry = self._listable(session.address, req.host)
+        if entry is None:
+            counted["rejected"].inc()
             raise MessageError(ErrorReason.BAD_FIELD, _TOO_BIG, request_id=rid)
         previous = self.registry.get(session.address)
         # A new key is a new host identity: a new registration, not a replacement.
@@ -364,13 +383,15 @@ class MatchmakerService:
                 session.address, req.host, max_per_ip=self.settings.max_hosts_per_ip
             )
         except TooManyHosts:
-            self.metrics.registrations.labels("rejected").inc()
+            counted["rejected"].inc()
             raise MessageError(ErrorReason.TOO_MANY_HOSTS, request_id=rid) from None
         except RegistryUnavailable:
-            self.metrics.registrations.labels("unavailable").inc()
+            counted["unavailable"].inc()
             raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
+        if not record.entry:
+            _list_entry(record, entry)  # what lists will send: encoded once, here
         result = "replaced" if replacing else "created"
-        self.metrics.registrations.labels(result).inc()
+        counted[result].inc()
         log.info("host_registered", host=record.address.key, game=req.host.game, result=result)
         reply = Registered(
             request_id=rid,
@@ -380,15 +401,15 @@ class MatchmakerService:
         )
         self._send(session, reply)
 
-    def _listable(self, address: Address, info: HostInfo) -> bool:
-        """Whether the host's list entry fits one page (one datagram).
+    def _listable(self, address: Address, info: HostInfo) -> bytes | None:
+        """The host's list entry, if it fits one page (one datagram); else None.
 
         Every field has its own cap, but all of them at their caps add up to
         more than a datagram; such an entry could never be sent, and would
         break every list it falls into.
         """
         entry = encode_entry(HostEntry(address=address, info=info))
-        return len(entry) <= self.settings.page_bytes - _PAGE_OVERHEAD
+        return entry if len(entry) <= self.settings.page_bytes - _PAGE_OVERHEAD else None
 
     async def _update(self, session: _Session, req: Update) -> None:
         rid = req.request_id
@@ -404,7 +425,7 @@ class MatchmakerService:
             raise MessageError(ErrorReason.NOT_REGISTERED, request_id=rid)
         try:
             info = req.changes.apply(record.info)
-            if not self._listable(session.address, info):
+            if self._listable(session.address, info) is None:
                 raise MessageError(ErrorReason.BAD_FIELD, _TOO_BIG)
         except MessageError as exc:
             self.metrics.updates.labels("rejected").inc()
@@ -497,38 +518,23 @@ class MatchmakerService:
         limit = min(req.filter.limit, self._limits.list_limit)
         chosen = await self.registry.sample(req.filter, limit, self._rng)
         for r in chosen:
-            if not r.listed[0]:
-                self._list_entry(r)
+            if not r.entry:
+                _list_entry(r)
         s = self.settings
         budget = s.page_bytes - _PAGE_OVERHEAD
         pages: list[_Page] = []
         for page in paginate(chosen, s.page_hosts, s.page_per_ip, _source):
-            entries = [r.listed[0] for r in page]
+            entries = [r.entry for r in page]
             for a, b in size_cuts([len(e) for e in entries], budget):
                 pages.append((page[a:b], entries[a:b]))
         return len(chosen), pages or [([], [])]
 
-    def _list_entry(self, record: HostRecord) -> None:
-        """Encode a host's list entry once, into its record (`HostRecord.listed`).
-
-        Encoding dominated the daemon's cost of a long list.  The bytes stay
-        valid as long as the record: a heartbeat keeps it, an update or a new
-        registration makes a new one, which is encoded when first listed.
-        """
-        data = encode_entry(HostEntry(address=record.address, info=record.info))
-        record.listed = (data, source_key(record.address.ip))
-
     async def _send_list(self, session: _Session, req: ListRequest, started: float) -> None:
         total, pages = await self._plan_list(req)
-        window: set[asyncio.Future[None]] = set()
+        window = _PageWindow(self.settings.pages_in_flight)
         try:
             for seq, (_, entries) in enumerate(pages):
-                if len(window) >= self.settings.pages_in_flight:
-                    # Wait for *any* page's ack, not the oldest: a lost page is
-                    # resent by rudp while the window keeps moving.
-                    done, window = await asyncio.wait(window, return_when=FIRST_COMPLETED)
-                    for acked in done:
-                        acked.result()  # raises if the connection ended
+                await window.slot()  # raises if the connection ended
                 data = encode_page(
                     request_id=req.request_id,
                     seq=seq,
@@ -539,9 +545,7 @@ class MatchmakerService:
                 pending = self._send_bytes(session, data)
                 if pending is None:
                     raise ConnectionError("page refused")
-                ack = asyncio.ensure_future(pending)
-                ack.add_done_callback(_retrieve)
-                window.add(ack)
+                window.add(asyncio.ensure_future(pending))
         # The ack of a page fails when the connection ends (or the end of the
         # connection cancels this task): the rest cannot be sent.
         except _LIST_ABANDONED as exc:
@@ -682,12 +686,56 @@ class MatchmakerService:
         )
 
 
+def _list_entry(record: HostRecord, data: bytes | None = None) -> None:
+    """Keep a host's list entry in its record (`HostRecord.entry`), encoded once.
+
+    Encoding dominated the daemon's cost of a long list.  The bytes stay valid
+    as long as the record: a heartbeat keeps it, an update or a new registration
+    makes a new record.  A registration hands over the entry it encoded to
+    check its size (`data`); a record from elsewhere (another replica's, through
+    Redis) is encoded when first listed.
+    """
+    if data is None:
+        data = encode_entry(HostEntry(address=record.address, info=record.info))
+    record.entry = data
+    record.source = source_key(record.address.ip)
+
+
 def _error(exc: MessageError) -> Error:
     detail = exc.detail[: DEFAULT_LIMITS.detail_chars]
     return Error(request_id=exc.request_id, reason=exc.reason, detail=detail)
 
 
-def _retrieve(future: asyncio.Future[None]) -> None:
-    """Mark an unawaited page ack's failure as seen (the list is abandoned anyway)."""
-    if not future.cancelled():
-        future.exception()
+class _PageWindow:
+    """The pages of one list answer sent and not yet acknowledged, at most `size`.
+
+    The window moves on *any* page's ack, not the oldest: a lost page is resent
+    by rudp while the pages behind it keep going.  Each ack costs O(1) (a
+    callback), so a window of a thousand pages costs no more per page than one
+    of ten.  The first failed ack (the connection ended) is raised by `slot`.
+    """
+
+    __slots__ = ("_error", "_free", "_moved")
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._error: BaseException | None = None
+        self._moved = asyncio.Event()
+
+    def add(self, ack: asyncio.Future[None]) -> None:
+        self._free -= 1
+        ack.add_done_callback(self._on_ack)
+
+    def _on_ack(self, ack: asyncio.Future[None]) -> None:
+        self._free += 1
+        if self._error is None:
+            self._error = asyncio.CancelledError() if ack.cancelled() else ack.exception()
+        self._moved.set()
+
+    async def slot(self) -> None:
+        """Return once a page may be sent; raise what ended the connection."""
+        while self._error is None and self._free <= 0:
+            self._moved.clear()
+            await self._moved.wait()
+        if self._error is not None:
+            raise self._error

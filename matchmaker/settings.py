@@ -84,10 +84,11 @@ class Settings:
     # with rudp's 1200-byte datagrams; 1150 leaves room for the page header.
     page_bytes: int = _s(1150, "target size of one list page, bytes (one datagram, <= 1150)")
     page_per_ip: int = _s(2, "most hosts from one IP (IPv6: one /64) in one page")
-    # A 10,000-host list is ~1,200 pages; at 100 ms RTT the window, not the
-    # bandwidth, sets its time (docs/performance.md, "Matchmaker").  256 is
-    # rudp's own window, so a list never waits on the matchmaker's.
-    pages_in_flight: int = _s(256, "unacknowledged list pages per request")
+    # A 10,000-host list is ~1,250 pages; at 100 ms RTT the window, not the
+    # bandwidth, sets its time (docs/performance.md, "Matchmaker").  The
+    # daemon's rudp window follows it (never below rudp's 256); 1024 is rudp's
+    # replay window, beyond which a peer refuses packets as too old.
+    pages_in_flight: int = _s(1024, "unacknowledged list pages per request")
     # -- master server protocols (for server browsers that predate us)
     master: bool = _s(False, "answer Steam master and Quake III getservers queries (UDP)")
     master_port: int = _s(27011, "UDP port of --master (0: any free port)")
@@ -322,7 +323,7 @@ _RULES: list[Check] = [
     ("page_hosts", lambda s: 1 <= s.page_hosts <= 1000, "must be 1..1000"),
     ("page_bytes", lambda s: 256 <= s.page_bytes <= 1150, "must be 256..1150 (one datagram)"),
     ("page_per_ip", lambda s: s.page_per_ip >= 1, "must be >= 1"),
-    ("pages_in_flight", lambda s: 1 <= s.pages_in_flight <= 256, "must be 1..256"),
+    ("pages_in_flight", lambda s: 1 <= s.pages_in_flight <= 1024, "must be 1..1024"),
     ("http_timeout", lambda s: s.http_timeout > 0, "must be > 0"),
     ("http_max_connections", lambda s: s.http_max_connections >= 1, "must be >= 1"),
     ("metrics_max_games", lambda s: 0 <= s.metrics_max_games <= 1000, "must be 0..1000"),

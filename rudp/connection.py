@@ -170,17 +170,13 @@ class Connection:
         self._accept_datagram = b""  # our ACCEPT, if we answered a CONNECT (see _answer_connect)
         # The client's side of the handshake, until it is answered (``rudp.opening``).
         # A connect token is bound to the key it was issued for: then that key is ours.
-        ephemeral = ephemeral_key(rng) if token_key is None else private_key(token_key)
-        self._opening = (
-            Opening(
-                config,
-                ClientHandshake(self.transport_params(), salt, server_key, ephemeral, token),
-                salt,
-                now,
-            )
-            if client
-            else None
-        )
+        # A server's connection gets none: its handshake was answered with the key
+        # ``rudp.accepting`` drew (making one here cost an X25519 key per accept).
+        self._opening: Opening | None = None
+        if client:
+            ephemeral = ephemeral_key(rng) if token_key is None else private_key(token_key)
+            handshake = ClientHandshake(self.transport_params(), salt, server_key, ephemeral, token)
+            self._opening = Opening(config, handshake, salt, now)
         # -- migration: the validation of a new peer address (``rudp.migration``)
         self._migration = Migration(self)  # a new peer address being validated
         self._close_code = 0

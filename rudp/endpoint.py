@@ -99,6 +99,9 @@ class Endpoint:
         self._out: list[tuple[bytes, Address]] = []
         # Timer entries (deadline, tiebreak, connection); ``_armed`` holds each
         # connection's earliest entry, so that entries it replaced are skipped.
+        # An ended connection leaves ``_armed`` at once and the heap in the next
+        # ``_prune`` (its entries would hold it until their deadline: an idle
+        # timeout of memory per connection, at thousands of short connections a second).
         self._heap: list[tuple[float, int, Connection]] = []
         self._armed: dict[Connection, float] = {}
         self._ids = itertools.count()
@@ -456,6 +459,15 @@ class Endpoint:
         if self._by_cid.get(conn.cid) is conn:
             del self._by_cid[conn.cid]
         self.stats.absorb(conn.stats)
+        self._armed.pop(conn, None)
+        if len(self._heap) > 2 * len(self._armed) + 64:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Drop the heap entries no connection is armed at (in place: callers hold it)."""
+        armed = self._armed
+        self._heap[:] = [e for e in self._heap if armed.get(e[2]) == e[0]]
+        heapq.heapify(self._heap)
 
     def _schedule(self, conn: Connection) -> None:
         """Keep one heap entry per connection at its earliest deadline.

@@ -92,7 +92,7 @@ class ChangeKind(enum.StrEnum):
 class HostRecord:
     """One registered host.
 
-    Every field but `last_seen` (and the lists' cache, `listed`) is fixed once
+    Every field but `last_seen` and `beat` (and the lists' cache, `entry`) is fixed once
     made: a change of info is a new record.  `last_seen` moves in place
     (`LocalIndex.touch`): a heartbeat allocates nothing and touches none of
     the index's arrays (a new record per heartbeat, re-inserted everywhere,
@@ -113,10 +113,18 @@ class HostRecord:
     beat: int = field(default=0, compare=False, repr=False)
     """The counter of the last heartbeat datagram this replica accepted for this
     registration (replay protection, `matchmaker.liveness`); moves in place."""
-    listed: tuple[bytes, str] = field(default=(b"", ""), compare=False, repr=False)
-    """What lists send of this host, once a list has: its encoded entry and its
-    `source_key` (the unit of the per-IP page cap).  Kept with the record, which
-    is replaced whenever the info changes, so it can never be out of date."""
+    entry: bytes = field(default=b"", compare=False, repr=False)
+    """What lists send of this host: its encoded entry (`messages.encode_entry`),
+    made once, by the registration that checked it fits a page, or by the first
+    list.  Kept with the record, which is replaced whenever the info changes, so
+    it can never be out of date."""
+    source: str = field(default="", compare=False, repr=False)
+    """Its `addresses.source_key` (the unit of the per-IP page cap), with `entry`."""
+    home: LocalIndex | None = field(default=None, compare=False, repr=False)
+    """The `LocalIndex` this record is current in; readers skip a record found in
+    an index that is not its home (a ghost, see `LocalIndex`)."""
+    left: LocalIndex | None = field(default=None, compare=False, repr=False)
+    """The index it was last removed from, where it may still be a ghost."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,17 +147,28 @@ class Notice:
     payload: bytes
 
 
+_TAG_SETS: dict[tuple[str, ...], tuple[str, ...]] = {(): ()}
+_TAG_SETS_MAX = 4096
+"""Distinct tag tuples shared (beyond that, each host keeps its own)."""
+
+
 def shared_strings(info: HostInfo) -> HostInfo:
-    """`info` with its game, version, map, region and tags interned: most hosts
-    share them, and each decoded copy would cost ~50 bytes (~300 B a host)."""
+    """`info` with its game, version, map, region and tags interned, and its tags
+    tuple shared: most hosts share them, and each decoded copy would cost ~50
+    bytes (~350 B a host)."""
     intern = sys.intern
+    tags = _TAG_SETS.get(info.tags)
+    if tags is None:
+        tags = tuple(intern(t) for t in info.tags)
+        if len(_TAG_SETS) < _TAG_SETS_MAX:
+            _TAG_SETS[tags] = tags
     return dataclasses.replace(
         info,
         game=intern(info.game),
         version=intern(info.version),
         map=intern(info.map),
         region=intern(info.region),
-        tags=tuple(intern(t) for t in info.tags),
+        tags=tags,
     )
 
 
@@ -157,29 +176,37 @@ def new_token() -> str:
     return secrets.token_hex(8)
 
 
-class _Array:
-    """Records in a list with stable positions: O(1) add, replace and remove (the
-    last record moves into a removed one's slot), and random access for sampling."""
+COMPACT_MIN = 64
+"""An array is compacted once an eighth of it, and at least this many slots, are
+records no longer current (see `LocalIndex`)."""
+COMPACT_SHARE = 8
+"""...that eighth: a list draws past ghosts, and `listing.sample_matching` sizes
+its first batch for a kept share of about 4/5; compacting costs each removal
+about this many checks per array, amortised."""
 
-    __slots__ = ("items", "pos")
+
+class _Array:
+    """Records in a list, for random access when sampling.  A record that leaves
+    the index stays in its slot (a *ghost*: its `HostRecord.home` is not the
+    index) until ghosts fill an eighth of the array, which is then compacted:
+    no per-record position is kept anywhere."""
+
+    __slots__ = ("dead", "items")
 
     def __init__(self) -> None:
         self.items: list[HostRecord] = []
-        self.pos: dict[Address, int] = {}
+        self.dead = 0
+        """Ghosts in `items`."""
 
-    def add(self, record: HostRecord) -> None:
-        self.pos[record.address] = len(self.items)
-        self.items.append(record)
+    def bury(self, home: LocalIndex) -> None:
+        """One of the records left the index `home`; compact if ghosts are now too many."""
+        self.dead += 1
+        if self.dead >= COMPACT_MIN and COMPACT_SHARE * self.dead > len(self.items):
+            self.compact(home)
 
-    def replace(self, record: HostRecord) -> None:
-        self.items[self.pos[record.address]] = record
-
-    def remove(self, address: Address) -> None:
-        i = self.pos.pop(address)
-        last = self.items.pop()
-        if i < len(self.items):
-            self.items[i] = last
-            self.pos[last.address] = i
+    def compact(self, home: LocalIndex) -> None:
+        self.items = [r for r in self.items if r.home is home]
+        self.dead = 0
 
 
 class _Game:
@@ -192,18 +219,25 @@ class _Game:
         self.keys: dict[IndexKey, _Array] = {}
 
     def add(self, record: HostRecord, keys: list[IndexKey]) -> None:
-        self.all.add(record)
+        self.all.items.append(record)
         for key in keys:
             array = self.keys.get(key)
             if array is None:
                 array = self.keys[key] = _Array()
-            array.add(record)
+            array.items.append(record)
 
-    def remove(self, address: Address, keys: list[IndexKey]) -> None:
-        self.all.remove(address)
+    def bury(self, keys: list[IndexKey], home: LocalIndex) -> None:
+        self.all.bury(home)
         for key in keys:
             array = self.keys[key]
-            array.remove(address)
+            array.bury(home)
+            if not array.items:
+                del self.keys[key]
+
+    def compact(self, home: LocalIndex) -> None:
+        self.all.compact(home)
+        for key, array in list(self.keys.items()):
+            array.compact(home)
             if not array.items:
                 del self.keys[key]
 
@@ -211,15 +245,23 @@ class _Game:
 class LocalIndex:
     """Records by address, with per-game, per-index-key and per-IP indexes.
 
-    Not thread-safe; no I/O.  Replacing a record by one with the same info
-    only swaps it in place in the arrays it is in; a heartbeat changes nothing
-    in them (`touch`).
+    Not thread-safe; no I/O.  A record is in its game's array and in one array
+    per index key (`listing.index_keys`), by reference: 8 bytes a slot.  A
+    removed or replaced record is not looked for in them (its `HostRecord.home`
+    is cleared, an attribute every reader checks): it stays there as a
+    ghost until its array is compacted (`_Array`: ghosts are at most an eighth
+    of an array; at 100,000 hosts that is a pass of a few ms every 12,500
+    removals or updates), and every reader skips
+    records whose home is not this index (`current`).  So
+    an index costs a host one pointer per array, not a position in a dict per
+    array (~560 bytes a host at 8 arrays), and a removal stays O(1) amortised.
+    A heartbeat changes nothing in the arrays (`touch`).
     """
 
     def __init__(self) -> None:
         self._records: dict[Address, HostRecord] = {}
         self._by_game: dict[str, _Game] = {}
-        self._by_source: dict[str, set[Address]] = {}  # see addresses.source_key
+        self._by_source: dict[str, int] = {}  # hosts per source, see addresses.source_key
 
     def __len__(self) -> int:
         return len(self._records)
@@ -230,41 +272,48 @@ class LocalIndex:
     def get(self, address: Address) -> HostRecord | None:
         return self._records.get(address)
 
+    def current(self, record: HostRecord) -> bool:
+        """Whether `record` is listed here (not a ghost)."""
+        return record.home is self
+
     def put(self, record: HostRecord) -> HostRecord | None:
         """Insert or replace; returns the replaced record."""
-        record.info = shared_strings(record.info)
         old = self._records.get(record.address)
-        if old is not None and old.token == record.token:
-            record.beat = max(record.beat, old.beat)  # an update: same registration
-        if old is not None and (old.info is record.info or old.info == record.info):
-            self._records[record.address] = record
-            same = self._by_game[old.info.game]
-            same.all.replace(record)
-            for key in index_keys(old.info):
-                same.keys[key].replace(record)
+        if old is record:
             return old
+        record.info = shared_strings(record.info)
         if old is not None:
+            if old.token == record.token:
+                record.beat = max(record.beat, old.beat)  # an update: same registration
             self.pop(record.address)
-        self._records[record.address] = record
         game = self._by_game.get(record.info.game)
         if game is None:
             game = self._by_game[record.info.game] = _Game()
+        elif record.left is self:
+            # Put back after its removal from here: it may still be a ghost in
+            # these arrays, where it must not appear twice (rare: a registry reloading).
+            game.compact(self)
+        record.home = self
+        self._records[record.address] = record
         game.add(record, index_keys(record.info))
-        self._by_source.setdefault(source_key(record.address.ip), set()).add(record.address)
+        source = source_key(record.address.ip)
+        self._by_source[source] = self._by_source.get(source, 0) + 1
         return old
 
     def pop(self, address: Address) -> HostRecord | None:
         old = self._records.pop(address, None)
         if old is None:
             return None
+        old.home, old.left = None, self
         game = self._by_game[old.info.game]
-        game.remove(address, index_keys(old.info))
-        if not game.all.items:
+        game.bury(index_keys(old.info), self)
+        if len(game.all.items) == game.all.dead:
             del self._by_game[old.info.game]
         source = source_key(address.ip)
-        same = self._by_source[source]
-        same.discard(address)
-        if not same:
+        left = self._by_source[source] - 1
+        if left:
+            self._by_source[source] = left
+        else:
             del self._by_source[source]
         return old
 
@@ -278,18 +327,22 @@ class LocalIndex:
 
     def source_count(self, ip: str) -> int:
         """Hosts registered from `ip`'s source: the IPv4 address, or the IPv6 /64."""
-        return len(self._by_source.get(source_key(ip), ()))
+        return self._by_source.get(source_key(ip), 0)
 
     def game(self, game: str) -> Collection[HostRecord]:
         found = self._by_game.get(game)
-        return found.all.items if found is not None else ()
+        return self._live(found.all.items) if found is not None else ()
 
     def games(self) -> Iterator[tuple[str, Collection[HostRecord]]]:
-        return ((g, recs.all.items) for g, recs in self._by_game.items())
+        return ((g, self._live(recs.all.items)) for g, recs in list(self._by_game.items()))
+
+    def _live(self, items: list[HostRecord]) -> list[HostRecord]:
+        return [r for r in items if r.home is self]
 
     def candidates(self, f: ListFilter) -> tuple[Sequence[HostRecord], ListFilter | None]:
         """The shortest array holding every record matching `f`, and the rest of `f`
-        its records must still be checked for (None: nothing but visibility)."""
+        its records must still be checked for (None: nothing but visibility).  The
+        array may hold ghosts: keep only the records `current` says are."""
         game = self._by_game.get(f.game)
         if game is None:
             return (), None
@@ -428,12 +481,17 @@ class Registry(abc.ABC):
 
     def _keeps(self, f: ListFilter) -> tuple[Sequence[HostRecord], Callable[[HostRecord], bool]]:
         """The candidates for `f`, and the test each must pass (one call per record)."""
-        candidates, rest = self.index().candidates(f)
+        index = self.index()
+        candidates, rest = index.candidates(f)
         now = self.now()
         hide = self.hidden_after(now)
+        # The arrays may hold ghosts (LocalIndex): records whose home is not the index.
         if rest is None:
-            return candidates, lambda r: now - r.last_seen <= hide
-        return candidates, lambda r: now - r.last_seen <= hide and matches(r, rest)
+            return candidates, lambda r: now - r.last_seen <= hide and r.home is index
+        return (
+            candidates,
+            lambda r: now - r.last_seen <= hide and r.home is index and matches(r, rest),
+        )
 
     async def query(self, f: ListFilter) -> list[HostRecord]:
         """Visible records of `f.game` matching `f` (unordered, `limit` not applied)."""

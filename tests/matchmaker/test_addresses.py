@@ -73,6 +73,9 @@ def test_rate_key_groups_ipv6_by_64() -> None:
     )
     assert rate_key("2001:db8:1:3::1") != rate_key("2001:db8:1:2::1")
     assert rate_key("::ffff:198.51.100.1") == "198.51.100.1"
+    assert rate_key("198.51.100.1") == "198.51.100.1"
+    with pytest.raises(ValueError):
+        rate_key("198.51.100.300")
 
 
 def test_same_public_ip() -> None:

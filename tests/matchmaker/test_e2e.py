@@ -181,6 +181,27 @@ def test_daemon_rudp_config_fits_the_protocol() -> None:
     config = Matchmaker(settings())._rudp_config
     assert config.channels == 1
     assert config.keepalive_interval * 3 <= config.idle_timeout <= 10.0
+    # A list answer's pages in flight are rudp's to carry: its window follows.
+    assert config.window == settings().pages_in_flight == 1024
+    assert Matchmaker(settings(pages_in_flight=16))._rudp_config.window == 256
+
+
+async def test_a_registration_costs_no_path_mtu_probe(daemon: Matchmaker) -> None:
+    # Every matchmaker message fits 1,200 bytes: a registration's short connection
+    # spends no 1,472-byte probe either way (nor the acknowledgement of one).
+    game, _ = await accepting_endpoint()
+    host = MatchmakerClient.to(*daemon.udp_address, via=game)
+    try:
+        await host.register(**HOST)
+        await eventually(lambda: not daemon.udp.endpoint.core.connections)
+        # CHALLENGE, ACCEPT, the reply, the DISCONNECT's ack: ~300 bytes in all.
+        assert game.stats.bytes_received < 1200
+        assert daemon.udp.stats.bytes_received - 2 * 1200 < 1200  # besides two CONNECTs
+        (record,) = daemon.registry.index()
+        assert record.entry  # the registration's encoded list entry, kept
+    finally:
+        await host.close()
+        await game.close()
 
 
 def test_daemon_process_stops_on_sigterm() -> None:

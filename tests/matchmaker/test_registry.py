@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from matchmaker.addresses import Address
+from matchmaker.listing import matches
 from matchmaker.messages import ListFilter
 from matchmaker.registry import (
     ChangeKind,
@@ -24,6 +25,7 @@ from matchmaker.registry import (
     RemovalReason,
     TooManyHosts,
 )
+from matchmaker.registry.base import COMPACT_MIN, LocalIndex
 from matchmaker.registry.memory import SWEEP_ROUNDS
 from matchmaker.registry.redis import RedisRegistry
 from tests.matchmaker.fakes import FakeClock
@@ -246,6 +248,69 @@ async def test_the_index_agrees_with_a_scan_through_registrations_updates_and_re
         sample = await reg.sample(f, 20, rng)
         assert len(sample) == min(20, len(want)) == len({r.address for r in sample})
         assert {r.address for r in sample} <= want
+
+
+def _index_record(i: int, seen: float = 0.0, **kw: object) -> HostRecord:
+    address = Address(f"198.18.{i // 250}.{i % 250 + 1}", 27960)
+    info = host(f"h{i}", **kw)  # type: ignore[arg-type]
+    return HostRecord(
+        address=address, info=info, owner="r", token=f"t{i}", registered_at=seen, last_seen=seen
+    )
+
+
+def _slots(index: LocalIndex, game: str) -> list[list[HostRecord]]:
+    found = index._by_game.get(game)
+    return [] if found is None else [found.all.items, *(a.items for a in found.keys.values())]
+
+
+def test_the_index_keeps_no_position_per_host_and_compacts_what_left() -> None:
+    # A removed or replaced record stays in its arrays as a ghost until ghosts are
+    # an eighth of an array; readers skip ghosts, so lists never show a host twice or gone.
+    index = LocalIndex()
+    rng = random.Random(7)
+    regions = ("eu", "us")
+    live: dict[int, HostRecord] = {}
+    for step in range(6_000):
+        i = rng.randrange(400)
+        if i in live and rng.random() < 0.5:
+            assert index.pop(live.pop(i).address) is not None
+        else:
+            live[i] = _index_record(i, region=rng.choice(regions), players=rng.randrange(3))
+            index.put(live[i])
+        if step % 500 == 0:
+            for items in _slots(index, "q3"):
+                assert len(items) <= len(live) + len(live) // 7 + COMPACT_MIN
+    assert sorted(map(id, index.game("q3"))) == sorted(map(id, live.values()))
+    for f in (ListFilter(game="q3"), ListFilter(game="q3", region="eu", not_empty=True)):
+        candidates, rest = index.candidates(f)
+        current = [r for r in candidates if index.current(r) and (rest is None or matches(r, rest))]
+        assert len(current) == len(set(map(id, current)))  # no host twice
+        assert {id(r) for r in current} == {
+            id(r) for r in live.values() if reference(r, replace(f, limit=10**6))
+        }
+    for r in list(live.values()):
+        index.pop(r.address)
+    assert index._by_game == {} and index._by_source == {} and len(index) == 0
+
+
+async def test_a_record_put_back_after_its_removal_is_listed_once() -> None:
+    # (A registry reloading puts records it had back: the ghost of its first stay
+    # must not make it appear twice.)
+    reg = MemoryRegistry()
+    index = reg.index()
+    records = [_index_record(i, reg.now()) for i in range(3 * COMPACT_MIN)]
+    for r in records:
+        index.put(r)
+    again = records[5]
+    index.pop(again.address)
+    assert again.home is None and index.source_count(again.address.ip) == 0
+    index.put(again)
+    assert again.home is index and index.source_count(again.address.ip) == 1
+    listed = await reg.sample(ListFilter(game="q3"), 10**6, random.Random(1))
+    assert sorted(map(id, listed)) == sorted(map(id, records))
+    assert sum(r is again for items in _slots(index, "q3") for r in items) == len(
+        _slots(index, "q3")
+    )
 
 
 async def test_a_list_sample_reads_about_limit_hosts_whatever_the_registry_size(

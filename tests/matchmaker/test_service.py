@@ -9,11 +9,12 @@ import msgpack
 import pytest
 import structlog
 
-from matchmaker.addresses import Address
+from matchmaker.addresses import Address, source_key
 from matchmaker.messages import (
     Error,
     ErrorReason,
     Heartbeat,
+    HostEntry,
     HostUpdate,
     InfoReply,
     InfoRequest,
@@ -31,9 +32,10 @@ from matchmaker.messages import (
     Update,
     WrongVersion,
     encode,
+    encode_entry,
 )
 from matchmaker.registry import RemovalReason
-from tests.matchmaker.fakes import Wire, settle
+from tests.matchmaker.fakes import Wire, pipe, settle
 from tests.matchmaker.helpers import NONCE, Harness, collect_list, info, pub
 
 
@@ -474,6 +476,28 @@ async def test_log_events_carry_connection_context() -> None:
         assert "conn" in by_event[event]
     assert by_event["host_removed"]["reason"] == "unregistered"
     assert by_event["request_rejected"]["reason"] == "malformed"
+
+
+async def test_a_registration_keeps_the_list_entry_it_checked() -> None:
+    # Encoded once, to check it fits a page; lists send those very bytes.
+    h = Harness()
+    await h.host(pub(1))
+    record = h.registry.get(Address(pub(1), 27960))
+    assert record is not None
+    assert record.entry == encode_entry(HostEntry(address=record.address, info=record.info))
+    assert record.source == source_key(pub(1))
+    pages = await collect_list(h.connect(pub(2)))
+    assert [e.address for p in pages for e in p.hosts] == [record.address]
+
+
+async def test_a_connection_served_in_the_callers_task_leaves_its_log_context_behind() -> None:
+    # rudp runs each handler in a task of its own; called directly, the handler's
+    # peer and conn must not stay bound to the caller's later log lines.
+    h = Harness()
+    server_side, client_side = pipe((pub(1), 27960))
+    client_side.abort()  # the peer is gone: the handler returns at once
+    await h.service.handle(server_side)
+    assert structlog.contextvars.get_contextvars() == {}
 
 
 async def test_a_host_too_large_for_one_list_page_is_refused() -> None:

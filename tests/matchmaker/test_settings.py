@@ -54,7 +54,7 @@ def test_conversion_errors_name_their_source() -> None:
         ({"MATCHMAKER_MAX_INFO_BYTES": "4000"}, "--max-info-bytes"),
         ({"MATCHMAKER_LOG_FORMAT": "xml"}, "--log-format"),
         ({"MATCHMAKER_PAGES_IN_FLIGHT": "0"}, "--pages-in-flight"),
-        ({"MATCHMAKER_PAGES_IN_FLIGHT": "257"}, "--pages-in-flight"),
+        ({"MATCHMAKER_PAGES_IN_FLIGHT": "1025"}, "--pages-in-flight"),
         # A page is one rudp datagram: larger pages could never be sent.
         (
             {"MATCHMAKER_PAGE_BYTES": "1151"},

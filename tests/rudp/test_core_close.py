@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from rudp.config import Config
-from rudp.connection import State
+from rudp.connection import Connection, State
 from rudp.errors import ConnectionClosed
 from rudp.events import Disconnected, DisconnectReason
-from tests.rudp.harness import CLIENT, SERVER, Link, frames_of, pair, server_conn
+from tests.rudp.harness import CLIENT, SERVER, Link, Network, frames_of, pair, server_conn
 
 # -- graceful close ---------------------------------------------------------------------------
 
@@ -86,3 +86,29 @@ def test_peer_that_already_forgot_us_completes_our_close() -> None:
     conn.close(net.now, 2, "bye")
     net.run_until(lambda: conn.state is State.CLOSED)
     assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED, 2, "bye")]
+
+
+def test_ended_connections_leave_the_timers_at_once() -> None:
+    # A server of short connections (one registration each, say) beside a long one:
+    # the timer entries of an ended connection (its keepalive, far ahead, behind the
+    # long connection's) must not keep it in memory until they are due.
+    net = Network()
+    config = Config(idle_timeout=86400.0, keepalive_interval=40000.0, max_datagram_size=1200)
+    server = net.add(SERVER, config, accept=True)
+    long = net.add(CLIENT, config).endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: long.state is State.CONNECTED)
+    (first,) = server.endpoint.connections
+    ended: list[Connection] = []
+    for i in range(300):
+        address = ("10.0.1.1", 6000 + i)
+        conn = net.add(address, config).endpoint.connect(SERVER, net.now)
+        net.run_until(lambda: conn.state is State.CONNECTED)  # noqa: B023
+        (sconn,) = [c for c in server.endpoint.connections if c is not first]
+        conn.close(net.now)
+        net.run_until(lambda: sconn.state is State.CLOSED)  # noqa: B023
+        ended.append(sconn)
+        net.remove(address)
+    deadline = first.get_timer()  # every keepalive entry is still ahead:
+    assert deadline is not None and net.now < deadline < 42000.0
+    held = {id(entry[2]) for entry in server.endpoint._heap}
+    assert len(held & {id(c) for c in ended}) <= 64
