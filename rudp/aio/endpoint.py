@@ -231,13 +231,14 @@ class AioEndpoint:
             self._dispatch_events()
         finally:
             self._reading = False
-        if self._queued_in_read:
-            # A receiver answered from inside this callback (``set_receiver``): the
-            # answer leaves now, with the acknowledgment, instead of a loop turn later.
-            self._queued_in_read = False
-            self._flush()
-        else:
-            self._schedule_flush()
+            if self._queued_in_read:
+                # A receiver answered from inside this callback (``set_receiver``):
+                # the answer leaves now, with the acknowledgment, instead of a loop
+                # turn later.
+                self._queued_in_read = False
+                self._flush()
+            else:
+                self._schedule_flush()
 
     def _more_waiting(self) -> bool:
         """Whether a datagram waits on the socket (FIONREAD: the size of the next
