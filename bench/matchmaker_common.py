@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from matchmaker.addresses import Address
+from matchmaker.client import MatchmakerClient
 from matchmaker.messages import HostInfo
 from matchmaker.settings import Settings
 
@@ -92,6 +93,21 @@ def host_info(i: int) -> HostInfo:
         map=("q3dm17", "q3dm6", "q3tourney2", "ctf1")[i % 4],
         tags=("ctf", "eu") if i % 2 else ("ffa", "us"),
         region=("eu", "us", "asia")[i % 3],
+    )
+
+
+async def register_host(client: MatchmakerClient, i: int) -> None:
+    """Register simulated host ``i`` (its listing from `host_info`) through ``client``."""
+    h = host_info(i)
+    await client.register(
+        name=h.name,
+        game=h.game,
+        version=h.version,
+        max_players=h.max_players,
+        players=h.players,
+        map=h.map,
+        tags=h.tags,
+        region=h.region,
     )
 
 

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rudp
 from bench._common import environment, format_table, write_json
-from bench.matchmaker_common import DaemonProcess, bench_settings, host_info, settings_dict
+from bench.matchmaker_common import DaemonProcess, bench_settings, register_host, settings_dict
 from bench.matchmaker_register import expect
 from matchmaker import heartbeat as hb
 from matchmaker.client import MatchmakerClient
@@ -120,18 +120,8 @@ def _client_main(
                     register_timeout=a.timeout * 3,
                     **({"datagrams": None} if a.mode == "connection" else {}),
                 )
-                info = host_info(first + i)
                 try:
-                    await client.register(
-                        name=info.name,
-                        game=info.game,
-                        version=info.version,
-                        max_players=info.max_players,
-                        players=info.players,
-                        map=info.map,
-                        tags=info.tags,
-                        region=info.region,
-                    )
+                    await register_host(client, first + i)
                 except Exception as exc:  # counted, the run goes on
                     failures.append(repr(exc))
                     return

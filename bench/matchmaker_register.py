@@ -41,7 +41,7 @@ from bench._common import environment, format_table, write_json
 from bench.matchmaker_common import (
     DaemonProcess,
     bench_settings,
-    host_info,
+    register_host,
     settings_dict,
 )
 from matchmaker.client import MatchmakerClient
@@ -87,7 +87,8 @@ def _client_main(
             await loop.run_in_executor(None, pipe.recv)  # "go"
             start = time.monotonic()
             results = await asyncio.gather(
-                *(_register(c, first + i) for i, c in enumerate(clients)), return_exceptions=True
+                *(register_host(c, first + i) for i, c in enumerate(clients)),
+                return_exceptions=True,
             )
             end = time.monotonic()
             failed = [repr(r) for r in results if isinstance(r, BaseException)]
@@ -100,20 +101,6 @@ def _client_main(
         pipe.send(("closed",))
 
     rudp.run(main())
-
-
-async def _register(client: MatchmakerClient, i: int) -> None:
-    h = host_info(i)
-    await client.register(
-        name=h.name,
-        game=h.game,
-        version=h.version,
-        max_players=h.max_players,
-        players=h.players,
-        map=h.map,
-        tags=h.tags,
-        region=h.region,
-    )
 
 
 def expect(pipe: Pipe, kind: str, timeout: float) -> Any:

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rudp
 from bench._common import environment, write_json
-from bench.matchmaker_common import bench_settings, host_info, rss_bytes
+from bench.matchmaker_common import bench_settings, register_host, rss_bytes
 from matchmaker.client import MatchmakerClient
 
 
@@ -69,18 +69,8 @@ def _client_main(
                     register_timeout=a.timeout * 3,
                     matchmaker_key=key,
                 )
-                info = host_info(index * count + i)
                 try:
-                    await client.register(
-                        name=info.name,
-                        game=info.game,
-                        version=info.version,
-                        max_players=info.max_players,
-                        players=info.players,
-                        map=info.map,
-                        tags=info.tags,
-                        region=info.region,
-                    )
+                    await register_host(client, index * count + i)
                 except Exception as exc:  # counted, the run goes on
                     failures.append(repr(exc))
                     return

@@ -82,7 +82,14 @@ import redis
 
 import rudp
 from bench._common import environment, format_table, percentile, write_json
-from bench.matchmaker_common import GAME, DaemonProcess, bench_settings, host_info, settings_dict
+from bench.matchmaker_common import (
+    GAME,
+    DaemonProcess,
+    bench_settings,
+    host_info,
+    register_host,
+    settings_dict,
+)
 from bench.matchmaker_register import expect
 from matchmaker import heartbeat as hb
 from matchmaker.client import MatchmakerClient
@@ -213,18 +220,8 @@ def _client_main(
         async def register(i: int, h: _Host) -> None:
             async with gate:
                 client = MatchmakerClient.to(replicas, via=h.endpoint)  # the stock defaults
-                info = host_info(first + i)
                 try:
-                    await client.register(
-                        name=info.name,
-                        game=info.game,
-                        version=info.version,
-                        max_players=info.max_players,
-                        players=info.players,
-                        map=info.map,
-                        tags=info.tags,
-                        region=info.region,
-                    )
+                    await register_host(client, first + i)
                 except Exception as exc:  # counted, the run goes on
                     failures.append(repr(exc))
                     await client.close()
