@@ -229,6 +229,19 @@ def server_conn(server: Node) -> Connection:
     return conn
 
 
+def still_flows(net: Network, server: Node, client: Node, conn: Connection) -> None:
+    """Messages go both ways between ``client`` (``conn``) and its one connection on
+    ``server``, and neither side saw a disconnect: what an attack must leave intact."""
+    sconn = server_conn(server)
+    assert conn.state is State.CONNECTED and sconn.state is State.CONNECTED
+    conn.send(b"up after the attack")
+    sconn.send(b"down after the attack")
+    net.run(1)
+    assert b"up after the attack" in server.received()
+    assert b"down after the attack" in client.received()
+    assert not client.disconnects() and not server.disconnects()
+
+
 def pump(net: Network, conn: Connection, payloads: list[bytes], **kwargs: object) -> None:
     """Send every payload, respecting the send queue, until all are acknowledged."""
     pending = list(payloads)

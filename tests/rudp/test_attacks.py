@@ -27,7 +27,16 @@ from rudp.connection import Connection, State
 from rudp.events import DisconnectReason, QueryReceived
 from rudp.opening import TIMEOUT_BAD_ANSWERS
 from rudp.wire import DropReason, PacketType
-from tests.rudp.harness import CLIENT, SERVER, Address, Network, Node, pair, server_conn
+from tests.rudp.harness import (
+    CLIENT,
+    SERVER,
+    Address,
+    Network,
+    Node,
+    pair,
+    server_conn,
+    still_flows,
+)
 
 # -- a malicious peer ----------------------------------------------------------------------
 
@@ -111,15 +120,10 @@ def _hit(
 
 
 def _still_flows(net: Network, server: Node, client: Node, conn: Connection) -> None:
+    """`still_flows`, and neither side moved or gained a connection."""
     sconn = server_conn(server)
-    assert conn.state is State.CONNECTED and sconn.state is State.CONNECTED
     assert sconn.address == CLIENT and conn.address == SERVER
-    conn.send(b"up after the attack")
-    sconn.send(b"down after the attack")
-    net.run(1)
-    assert b"up after the attack" in server.received()
-    assert b"down after the attack" in client.received()
-    assert not client.disconnects() and not server.disconnects()
+    still_flows(net, server, client, conn)
     assert len(server.endpoint.connections) == 1 and len(client.endpoint.connections) == 1
 
 
@@ -429,18 +433,23 @@ def test_a_rewritten_split_of_the_first_message_fails_the_handshake(keyed: bool)
 # -- no Diffie-Hellman, no state, before a valid cookie ---------------------------------------
 
 
+def _count_dh(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, count the X25519 exchanges (``noise._dh``) in the returned cell."""
+    calls = [0]
+    real_dh = noise._dh
+
+    def counting_dh(private: Any, public: bytes) -> bytes:
+        calls[0] += 1
+        return real_dh(private, public)
+
+    monkeypatch.setattr(noise, "_dh", counting_dh)
+    return calls
+
+
 def test_no_diffie_hellman_and_no_state_before_a_valid_unused_cookie(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     key = bytes(range(32))
-    dh_calls = 0
-    real_dh = noise._dh
-
-    def counting_dh(private: Any, public: bytes) -> bytes:
-        nonlocal dh_calls
-        dh_calls += 1
-        return real_dh(private, public)
-
     net = Network(seed=36)
     server = net.add(SERVER, Config(static_key=key), accept=True)
     ep = server.endpoint
@@ -452,7 +461,7 @@ def test_no_diffie_hellman_and_no_state_before_a_valid_unused_cookie(
     def connect(salt: int, cookie: bytes, size: int = 1200, hs: Any = nn) -> bytes:
         return wire.encode_connect(salt, hs.pattern, cookie, hs.message, size, 0, hs.extensions)
 
-    monkeypatch.setattr(noise, "_dh", counting_dh)  # (the clients' messages are written)
+    dh_calls = _count_dh(monkeypatch)  # (now that the clients' messages are written)
 
     good = ep._cookies.make(CLIENT, 5, net.now)
     attempts: list[tuple[bytes, Address, DropReason | None]] = [
@@ -473,15 +482,15 @@ def test_no_diffie_hellman_and_no_state_before_a_valid_unused_cookie(
         reason, answers = _hit(net, server, data, src)
         assert reason is want
         assert sum(map(len, answers)) < len(data)
-    assert dh_calls == 0 and not ep.connections and not ep._cookies._used
+    assert dh_calls[0] == 0 and not ep.connections and not ep._cookies._used
     # The valid cookie: one connection, the responder's one DH of NN (ee).
     reason, answers = _hit(net, server, connect(5, good), CLIENT)
     assert reason is None and [a[0] for a in answers] == [0xA3]
-    assert dh_calls == 1 and len(ep.connections) == 1
+    assert dh_calls[0] == 1 and len(ep.connections) == 1
     # Used: the same cookie with the same salt from elsewhere, or a new salt, opens nothing.
     assert _hit(net, server, connect(5, good), STRANGER)[0] is DropReason.BAD_COOKIE
     assert _hit(net, server, connect(6, good), CLIENT)[0] is DropReason.BAD_COOKIE
-    assert dh_calls == 1 and len(ep.connections) == 1
+    assert dh_calls[0] == 1 and len(ep.connections) == 1
 
 
 def test_a_replayed_losing_connect_of_a_simultaneous_open_costs_one_diffie_hellman(
@@ -504,19 +513,11 @@ def test_a_replayed_losing_connect_of_a_simultaneous_open_costs_one_diffie_hellm
         for d, src, _ in net.sent
         if src == loser and d[0] == 0xA1 and wire.decode_connect(d).cookie
     ][-1]
-    dh_calls = 0
-    real_dh = noise._dh
-
-    def counting_dh(private: Any, public: bytes) -> bytes:
-        nonlocal dh_calls
-        dh_calls += 1
-        return real_dh(private, public)
-
-    monkeypatch.setattr(noise, "_dh", counting_dh)
+    dh_calls = _count_dh(monkeypatch)
     reasons = [_hit(net, winner, losing, loser)[0] for _ in range(50)]
     assert reasons[0] is DropReason.DUPLICATE
     assert set(reasons[1:]) == {DropReason.REPLAYED_COOKIE}
-    assert dh_calls == 1
+    assert dh_calls[0] == 1
     net.run(1)
     assert to_b.state is State.CONNECTED and to_a.state is State.CONNECTED
     assert not a.disconnects() and not b.disconnects()

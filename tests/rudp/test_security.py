@@ -22,7 +22,18 @@ from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.events import Disconnected, DisconnectReason
 from rudp.wire import DropReason, PacketType
-from tests.rudp.harness import CLIENT, SERVER, Link, Network, Node, pair, server_conn, tagged, tags
+from tests.rudp.harness import (
+    CLIENT,
+    SERVER,
+    Link,
+    Network,
+    Node,
+    pair,
+    server_conn,
+    still_flows,
+    tagged,
+    tags,
+)
 
 # -- helpers ---------------------------------------------------------------------------------
 
@@ -60,18 +71,6 @@ def _dropped(node: Node, data: bytes, src: tuple[Any, ...], net: Network) -> Dro
     return changed[0] if changed else None
 
 
-def _still_flows(net: Network, server: Node, client: Node, conn: Connection) -> None:
-    """Messages go both ways after the attack."""
-    sconn = server_conn(server)
-    assert conn.state is State.CONNECTED and sconn.state is State.CONNECTED
-    conn.send(b"up after the attack")
-    sconn.send(b"down after the attack")
-    net.run(1)
-    assert b"up after the attack" in server.received()
-    assert b"down after the attack" in client.received()
-    assert not client.disconnects() and not server.disconnects()
-
-
 def _sealed_from_client(conn: Connection, payload: bytes = b"genuine") -> bytes:
     """A genuine DATA packet the client's connection seals (its next packet number)."""
     return conn.seal_datagram(wire.ack_fields(0, 0) + frames.reliable_frame(5, 0, payload))
@@ -104,7 +103,7 @@ def test_flipping_any_byte_of_a_sealed_packet_is_refused_and_changes_nothing() -
     assert _dropped(server, packet, CLIENT, net) is None
     net.run(1)
     assert b"genuine" in server.received()
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 def test_truncated_sealed_packets_are_refused_and_change_nothing() -> None:
@@ -122,7 +121,7 @@ def test_truncated_sealed_packets_are_refused_and_change_nothing() -> None:
     padded = packet + b"\x00"  # and one byte too many
     assert _dropped(server, padded, CLIENT, net) is DropReason.AUTH_FAILED
     assert _dropped(server, packet, CLIENT, net) is None
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 # -- replay ------------------------------------------------------------------------------------
@@ -146,7 +145,7 @@ def test_a_replayed_packet_is_refused_before_decryption_and_changes_nothing() ->
         assert _snapshot(sconn) == before
     net.run(1)
     assert server.received() == [b"once"]  # delivered exactly once
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 def test_replays_are_refused_after_40000_packets() -> None:
@@ -172,7 +171,7 @@ def test_replays_are_refused_after_40000_packets() -> None:
         assert _dropped(server, packet, CLIENT, net) is DropReason.REPLAYED
         assert _snapshot(sconn) == before
     assert server.received().count(b"early") == 1
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 def test_the_sender_ends_the_connection_before_a_packet_number_could_repeat() -> None:
@@ -226,7 +225,7 @@ def test_a_packet_reflected_back_at_its_sender_is_refused() -> None:
     theirs = [d for d, src, _ in net.sent if src == SERVER and d[0] == wire.DATA_BYTE][-1]
     assert _dropped(server, theirs, CLIENT, net) is DropReason.UNKNOWN_PEER
     net.run(1)
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 def test_forged_connection_ids_are_refused() -> None:
@@ -258,7 +257,7 @@ def test_forged_connection_ids_are_refused() -> None:
     # once that address answers a challenge (test_migration.py): here it never does.
     assert _dropped(server, genuine, ("10.6.6.6", 1), net) is None
     assert sconn.address == CLIENT
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
     assert sconn.address == CLIENT and sconn.stats.migrations == 0
 
 
@@ -269,7 +268,7 @@ def test_spoofed_noconn_with_a_wrong_token_is_refused() -> None:
         spoof = wire.encode_noconn(conn.peer_cid, rng.randbytes(16))
         assert _dropped(client, spoof, SERVER, net) is DropReason.BAD_TOKEN
     assert conn.state is State.CONNECTED
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
     # The genuine token (as a server that forgot us would send it) is believed.
     genuine = wire.encode_noconn(conn.peer_cid, server_conn(server).reset_token)
     assert _dropped(client, genuine, SERVER, net) is None
@@ -342,7 +341,7 @@ def test_an_off_path_flood_during_the_handshake_does_not_stop_it() -> None:
     stats = client.endpoint.stats
     assert stats.dropped[DropReason.UNEXPECTED] >= 400  # wrong salts
     assert stats.dropped[DropReason.UNKNOWN_PEER] >= 199
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 def test_a_forged_accept_for_the_right_salt_is_refused_and_the_genuine_one_still_works() -> None:
@@ -356,7 +355,7 @@ def test_a_forged_accept_for_the_right_salt_is_refused_and_the_genuine_one_still
         assert _dropped(client, forged, SERVER, net) is DropReason.BAD_HANDSHAKE
         assert conn.state is State.CONNECTING
     net.run_until(lambda: conn.state is State.CONNECTED, timeout=5)
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 # -- keys: NK, NN ------------------------------------------------------------------------------
@@ -381,13 +380,13 @@ def test_nk_with_the_right_key_authenticates_the_server() -> None:
     sconn = server_conn(server)
     assert conn.handshake_hash == sconn.handshake_hash and len(conn.handshake_hash) == 32
     assert server.endpoint.public_key == rudp.public_key(SERVER_KEY)
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 def test_nn_seals_but_does_not_authenticate_the_server() -> None:
     net, server, client, conn = _keyed_pair(None)
     assert conn.state is State.CONNECTED and not conn.server_authenticated
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 def test_nk_with_the_wrong_key_fails_and_says_why() -> None:
@@ -502,7 +501,7 @@ def test_version_1_data_is_dropped_as_the_wrong_version() -> None:
     if v1_data[0] == wire.DATA_BYTE:  # 1 in 256: a version-2 type byte by chance
         pytest.skip("the CRC happens to start like a version-2 DATA")
     assert _dropped(server, v1_data, CLIENT, net) is DropReason.WRONG_VERSION
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
 
 
 def test_every_first_byte_is_a_version_2_marker_and_never_ff() -> None:
@@ -545,4 +544,4 @@ def test_under_nn_a_noconn_with_the_clients_clear_token_is_not_believed() -> Non
     forged = wire.encode_noconn(sconn.peer_cid, token)
     assert _dropped(server, forged, CLIENT, net) is DropReason.UNEXPECTED
     assert sconn.state is State.CONNECTED
-    _still_flows(net, server, client, conn)
+    still_flows(net, server, client, conn)
