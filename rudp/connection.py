@@ -578,6 +578,7 @@ class Connection:
             self._sink.dirty[self] = None  # a probe is due
         if recovery.on_timer(now, builder.tx_next):
             builder.ping = True  # a probe goes out even if nothing needed resending
+            self._sink.dirty[self] = None  # a tail-loss probe resends nothing to flag it
         elif not recovery.sent and now >= self._keepalive_due():
             builder.ping = True
             self._sink.dirty[self] = None
