@@ -32,12 +32,15 @@ Loss is detected three ways (as in QUIC, RFC 9002):
   of a burst;
 - a tail-loss probe, for the tail of a burst where nothing later is acked
   (RFC 8985's TLP, the idea of RFC 9002's probe timeout): ``2 * SRTT`` plus the
-  peer's ``max_ack_delay`` after the newest ack-eliciting packet, a PING goes
-  out; its acknowledgment shows what is missing before it, and the time
-  threshold declares that lost, about one RTT after the probe instead of a
-  resend timeout later. The probe declares nothing lost and so tells
-  congestion control nothing; at most ``TAIL_PROBES`` go out per
-  acknowledgment of new data, none while the resend timer backs off;
+  peer's ``max_ack_delay`` after the newest ack-eliciting packet, that packet's
+  messages go out again in a new packet (the tail lost is most often the
+  newest packet itself, which this repairs at once), or a PING if it carried
+  none; the probe's acknowledgment shows what is missing before it, and the
+  time threshold declares that lost. The newest packet leaves the flight
+  without being declared lost (no loss counted, nothing told to congestion
+  control; its late acknowledgment is ignored, its messages' copy answers for
+  them); at most ``TAIL_PROBES`` probes go out per acknowledgment of new
+  data, none while the resend timer backs off;
 - the resend timeout, for the tail of a burst where nothing later is acked
   even after the probe: it declares only the oldest packet lost, and its resend
   probes the path. It runs from the newest ack-eliciting packet sent and allows
@@ -510,6 +513,7 @@ class PacketRecovery:
             # detect_losses declares what it proves lost, as for any acknowledgment.
             self.tail_probes += 1
             self._stats.tail_probes += 1
+            self._resend_newest()
             return True
         # Only the oldest packet is declared lost: its messages go out again as a
         # probe. Declaring every expired packet lost at once turns a queue that grew
@@ -527,6 +531,20 @@ class PacketRecovery:
         self.last_probe = now
         self.rtt.on_timeout()
         return True
+
+    def _resend_newest(self) -> None:
+        """A tail-loss probe's content: the newest packet's messages, if it carried
+        messages and nothing else (control frames keep their own resend rules), sent
+        again in a new packet that may exceed the congestion window. The packet
+        leaves the flight unjudged: a late acknowledgment of it is ignored."""
+        pkt = self.sent[next(reversed(self.sent))]
+        if not pkt.messages or pkt.control or pkt.disconnect:
+            return  # the PING the connection adds is the probe
+        del self.sent[pkt.seq]
+        self.in_flight -= 1
+        self._cc.on_abandoned(pkt.size)
+        self._conn._on_packet_resent(pkt)
+        self.probe_due = True
 
     def clear(self) -> None:
         """The connection ended: nothing is in flight any more."""

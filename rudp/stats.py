@@ -106,7 +106,7 @@ COUNTER_TABLE: Final = (
     ("stale_messages", "Sequenced messages older than the newest delivered, dropped.", ""),
     (
         "tail_probes",
-        "Tail-loss probes sent: a PING when the newest packets went unacknowledged for 2 RTT.",
+        "Tail-loss probes: the newest packet resent (or a PING) when unacknowledged for 2 RTT.",
         "rudp_tail_probes_total",
     ),
     ("timeouts", "Resend timer expirations (probe timeouts).", "rudp_resend_timeouts_total"),

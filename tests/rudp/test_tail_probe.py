@@ -1,7 +1,8 @@
 """The tail-loss probe (``recovery.PacketRecovery.tail_probe_deadline``): a loss at the
-tail of a burst, where no later packet's acknowledgment can reveal it, is found by
-the acknowledgment of a PING sent ``2 * SRTT + max_ack_delay`` after the newest
-packet, not by the resend timeout. Stepped fake clock, in-memory network."""
+tail of a burst, where no later packet's acknowledgment can reveal it, is repaired by
+a probe sent ``2 * SRTT + max_ack_delay`` after the newest packet (that packet's
+messages again, or a PING), whose acknowledgment shows what else is missing, not by
+the resend timeout. Stepped fake clock, in-memory network."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ def _warm(net: Network, conn: Connection) -> None:
     assert conn.stats.srtt > 0.09
 
 
-def _drop_next(net: Network, src: object, *, data: bool) -> list[float]:
-    """Lose the next datagram ``src`` sends (one carrying messages if ``data``, else an
-    acknowledgment alone); returns the list the time of that loss is put in."""
+def _drop_next(net: Network, src: object, *, data: bool, count: int = 1) -> list[float]:
+    """Lose the next ``count`` datagrams ``src`` sends (carrying messages if ``data``,
+    else acknowledgments alone); returns the list the times of those losses go in."""
     dropped: list[float] = []
 
     def drop(datagram: bytes, from_: object, to: object) -> bool:
-        if from_ != src or dropped:
+        if from_ != src or len(dropped) >= count:
             return False
         if bool(frames_of(datagram).messages) != data:
             return False
@@ -50,16 +51,33 @@ def test_a_lost_last_packet_is_found_by_the_probe_before_the_resend_timeout() ->
     conn.send(b"the tail")
     net.run_until(lambda: b"the tail" in server.received(), timeout=5)
     assert dropped
-    srtt = stats.srtt
-    # The probe at 2 SRTT + max_ack_delay, its acknowledgment an RTT later shows the
-    # gap, the resend arrives half an RTT after that: well before RTO + half an RTT.
-    assert net.now - dropped[0] < 3.5 * srtt + Config().max_ack_delay + 0.02
+    # The probe at 2 SRTT + max_ack_delay carries the lost packet's message: it
+    # arrives half an RTT later, well before RTO + half an RTT.
+    assert net.now - dropped[0] < 2.5 * stats.srtt + Config().max_ack_delay + 0.02
     assert net.now - dropped[0] < stats.rto
+    # The packet left the flight unjudged: no loss counted, no congestion signal.
     assert (stats.packets_lost, stats.timeouts, stats.tail_probes) == (
-        before[0] + 1,
+        before[0],
         before[1],
         before[2] + 1,
     )
+
+
+def test_the_probes_acknowledgment_shows_the_rest_of_a_lost_tail() -> None:
+    net, server, _client, conn = pair(Link(delay=DELAY), config=SLOW_RTO)
+    _warm(net, conn)
+    stats = conn.stats
+    lost, probes = stats.packets_lost, stats.tail_probes
+    dropped = _drop_next(net, CLIENT, data=True, count=2)
+    conn.send(b"first")
+    net.flush()  # two packets: the probe resends the second; the first is found lost
+    conn.send(b"second")
+    net.run_until(lambda: {b"first", b"second"} <= set(server.received()), timeout=5)
+    assert len(dropped) == 2
+    # The probe, its acknowledgment an RTT later, the resend half an RTT after that.
+    assert net.now - dropped[0] < 3.5 * stats.srtt + Config().max_ack_delay + 0.02
+    assert net.now - dropped[0] < stats.rto
+    assert (stats.packets_lost, stats.timeouts, stats.tail_probes) == (lost + 1, 0, probes + 1)
 
 
 def test_a_probe_that_finds_nothing_lost_tells_congestion_control_nothing() -> None:
