@@ -49,10 +49,11 @@ from prometheus_client import CollectorRegistry
 
 from bench._common import environment, format_table, percentile, write_json
 from bench.matchmaker_common import GAME, bench_settings, host_info, public_address, rss_bytes
-from matchmaker.messages import ListFilter, ListRequest, encode_page
+from matchmaker.addresses import source_key
+from matchmaker.messages import HostEntry, ListFilter, ListRequest, encode_entry, encode_page
 from matchmaker.metrics import Metrics
 from matchmaker.registry import MemoryRegistry, RemovalReason
-from matchmaker.service import MatchmakerService, _list_entry
+from matchmaker.service import MatchmakerService
 
 # Filters of the bench hosts (bench/matchmaker_common.host_info): each matches
 # from a sixth to a third of them, so every list is a 1,000-host sample.
@@ -140,7 +141,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # entry (re-encoded after an update): start from there.
     for record in registry.index():
         if not record.entry:
-            _list_entry(record)
+            record.entry = encode_entry(HostEntry(address=record.address, info=record.info))
+            record.source = source_key(record.address.ip)
     rss_cached = rss_bytes()
     touch_s = update_s = 0.0
     touched = updated = fresh = 0

@@ -194,12 +194,24 @@ def paginate(
     per-IP registration cap.  `source_of` gives an entry's `source_key` (a
     registry index has it at hand; computing it again per listed host is not free).
     """
+    return _pages(entries, page_size, per_ip_cap, source_of)
+
+
+def paginate_positions(sources: Sequence[str], page_size: int, per_ip_cap: int) -> list[list[int]]:
+    """`paginate` of the positions of hosts whose `source_key` are `sources`, in order:
+    for a caller holding the hosts as it will send them, not as records."""
+    return _pages(range(len(sources)), page_size, per_ip_cap, sources.__getitem__)
+
+
+def _pages(
+    entries: Sequence[U], page_size: int, per_ip_cap: int, source_of: Callable[[U], str]
+) -> list[list[U]]:
     if page_size < 1 or per_ip_cap < 1:
         raise ValueError("page_size and per_ip_cap must be >= 1")
     rest = list(entries)
     n, i = len(rest), 0
-    carry: list[T] = []  # entries deferred from earlier pages, in order: they go first
-    pages: list[list[T]] = []
+    carry: list[U] = []  # entries deferred from earlier pages, in order: they go first
+    pages: list[list[U]] = []
     while carry or i < n:
         if not carry:
             # The common case, many sources: the next page_size entries fit as they
@@ -209,9 +221,9 @@ def paginate(
                 pages.append(chunk)
                 i += len(chunk)
                 continue
-        page: list[T] = []
+        page: list[U] = []
         per_ip: dict[str, int] = {}
-        deferred: list[T] = []
+        deferred: list[U] = []
         j = 0
         while len(page) < page_size and (j < len(carry) or i < n):
             if j < len(carry):

@@ -71,7 +71,7 @@ from matchmaker.addresses import (
     same_public_ip,
     source_key,
 )
-from matchmaker.listing import paginate, size_cuts
+from matchmaker.listing import paginate_positions, size_cuts
 from matchmaker.liveness import REPLY_RATE, Liveness
 from matchmaker.messages import (
     DEFAULT_LIMITS,
@@ -114,6 +114,7 @@ from matchmaker.registry import (
     RemovalReason,
     TooManyHosts,
 )
+from matchmaker.registry.base import Listing, list_entry
 from matchmaker.settings import Settings
 from matchmaker.transport import TRANSPORT_ERRORS, Peer
 from rudp.tokens import Issuer
@@ -127,12 +128,8 @@ _STOPPING = "matchmaker shutting down: use another replica"
 _PAGE_OVERHEAD = 48
 _TOO_BIG = "host: too large to list (shorter name, map, tags or info)"
 
-_Page = tuple[list[HostRecord], list[bytes]]
-"""One list page: its hosts, and their encoded entries."""
-
-
-def _source(record: HostRecord) -> str:
-    return record.source  # set with its entry, before paging (MatchmakerService._plan_list)
+_Page = tuple[list[int], list[bytes]]
+"""One list page: its hosts' positions in the answer's `Listing`, and their encoded entries."""
 
 
 class _Session:
@@ -389,7 +386,7 @@ class MatchmakerService:
             counted["unavailable"].inc()
             raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
         if not record.entry:
-            _list_entry(record, entry)  # what lists will send: encoded once, here
+            list_entry(record, entry)  # what lists will send: encoded once, here
         result = "replaced" if replacing else "created"
         counted[result].inc()
         log.info("host_registered", host=record.address.key, game=req.host.game, result=result)
@@ -425,19 +422,22 @@ class MatchmakerService:
             raise MessageError(ErrorReason.NOT_REGISTERED, request_id=rid)
         try:
             info = req.changes.apply(record.info)
-            if self._listable(session.address, info) is None:
+            entry = self._listable(session.address, info)
+            if entry is None:
                 raise MessageError(ErrorReason.BAD_FIELD, _TOO_BIG)
         except MessageError as exc:
             self.metrics.updates.labels("rejected").inc()
             raise MessageError(exc.reason, exc.detail, request_id=rid) from None
         try:
-            await self.registry.update(session.address, record.token, info)
+            updated = await self.registry.update(session.address, record.token, info)
         except NotRegistered:
             self.metrics.updates.labels("not_registered").inc()
             raise MessageError(ErrorReason.NOT_REGISTERED, request_id=rid) from None
         except RegistryUnavailable:
             self.metrics.updates.labels("unavailable").inc()
             raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
+        if not updated.entry:
+            list_entry(updated, entry)  # encoded once, as a registration's
         self.metrics.updates.labels("ok").inc()
         self._send(session, Ok(request_id=rid))
 
@@ -499,35 +499,39 @@ class MatchmakerService:
 
     async def build_pages(self, req: ListRequest) -> list[ListPage]:
         """The pages answering `req` (also what ``GET /servers`` uses, joined)."""
-        total, pages = await self._plan_list(req)
+        listing, pages = await self._plan(req)
+        records = [[listing.record(i) for i in page] for page, _ in pages]
         return [
             ListPage(
                 request_id=req.request_id,
                 seq=i,
-                total=total,
+                total=len(listing.entries),
                 end=i == len(pages) - 1,
                 hosts=tuple(HostEntry(address=r.address, info=r.info) for r in page),
             )
-            for i, (page, _) in enumerate(pages)
+            for i, page in enumerate(records)
         ]
 
     async def _plan_list(self, req: ListRequest) -> tuple[int, list[_Page]]:
-        """(total, each page's records and their encoded entries): a random sample of
-        the matching hosts (from the registry's index, without a pass over every
-        host), cut into per-IP pages, then by encoded size."""
+        """(total, each page's hosts and their encoded entries): see `_plan`."""
+        listing, pages = await self._plan(req)
+        return len(listing.entries), pages
+
+    async def _plan(self, req: ListRequest) -> tuple[Listing, list[_Page]]:
+        """A random sample of the matching hosts (from the registry's index, without a
+        pass over every host, nor a record per host sent), cut into per-IP pages,
+        then by encoded size."""
         limit = min(req.filter.limit, self._limits.list_limit)
-        chosen = await self.registry.sample(req.filter, limit, self._rng)
-        for r in chosen:
-            if not r.entry:
-                _list_entry(r)
+        listing = await self.registry.sample_listing(req.filter, limit, self._rng)
+        everything = listing.entries
         s = self.settings
         budget = s.page_bytes - _PAGE_OVERHEAD
         pages: list[_Page] = []
-        for page in paginate(chosen, s.page_hosts, s.page_per_ip, _source):
-            entries = [r.entry for r in page]
+        for page in paginate_positions(listing.sources, s.page_hosts, s.page_per_ip):
+            entries = [everything[i] for i in page]
             for a, b in size_cuts([len(e) for e in entries], budget):
                 pages.append((page[a:b], entries[a:b]))
-        return len(chosen), pages or [([], [])]
+        return listing, pages or [([], [])]
 
     async def _send_list(self, session: _Session, req: ListRequest, started: float) -> None:
         total, pages = await self._plan_list(req)
@@ -684,21 +688,6 @@ class MatchmakerService:
             *(s.peer.close(text=_STOPPING) for s in sessions),
             return_exceptions=True,
         )
-
-
-def _list_entry(record: HostRecord, data: bytes | None = None) -> None:
-    """Keep a host's list entry in its record (`HostRecord.entry`), encoded once.
-
-    Encoding dominated the daemon's cost of a long list.  The bytes stay valid
-    as long as the record: a heartbeat keeps it, an update or a new registration
-    makes a new record.  A registration hands over the entry it encoded to
-    check its size (`data`); a record from elsewhere (another replica's, through
-    Redis) is encoded when first listed.
-    """
-    if data is None:
-        data = encode_entry(HostEntry(address=record.address, info=record.info))
-    record.entry = data
-    record.source = source_key(record.address.ip)
 
 
 def _error(exc: MessageError) -> Error:

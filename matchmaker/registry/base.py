@@ -47,7 +47,7 @@ from typing import Protocol
 
 from matchmaker.addresses import Address, source_key
 from matchmaker.listing import IndexKey, filter_keys, index_keys, matches, rest_of, sample_matching
-from matchmaker.messages import HostInfo, ListFilter
+from matchmaker.messages import HostEntry, HostInfo, ListFilter, encode_entry
 
 
 class RegistryError(Exception):
@@ -171,6 +171,33 @@ def shared_strings(info: HostInfo) -> HostInfo:
         region=intern(info.region),
         tags=tags,
     )
+
+
+def list_entry(record: HostRecord, data: bytes | None = None) -> None:
+    """Keep a host's list entry in its record (`HostRecord.entry`), encoded once,
+    and its `source_key` (`HostRecord.source`).
+
+    Encoding dominated the daemon's cost of a long list.  The bytes stay valid
+    as long as the record: a heartbeat keeps it, an update or a new registration
+    makes a new record.  A registration or an update hands over the entry it
+    encoded to check its size (`data`); a record from elsewhere (another
+    replica's, through Redis) is encoded when first listed.
+    """
+    if data is None:
+        data = encode_entry(HostEntry(address=record.address, info=record.info))
+    record.entry = data
+    record.source = source_key(record.address.ip)
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A list answer's hosts as a list sends them, without a record per host: each
+    one's encoded entry (`HostRecord.entry`) and `source_key`, in the sample's
+    order, and the record of the i-th for a caller that wants one (``GET /servers``)."""
+
+    entries: list[bytes]
+    sources: list[str]
+    record: Callable[[int], HostRecord]
 
 
 def new_token() -> str:
@@ -520,6 +547,15 @@ class Registry(abc.ABC):
         random order (the fair order of `listing.shuffled`), without a pass over them all."""
         candidates, keep = self._keeps(f)
         return sample_matching(candidates, keep, limit, rng)
+
+    async def sample_listing(self, f: ListFilter, limit: int, rng: random.Random) -> Listing:
+        """`sample`, as a list sends it: each host's entry (encoded now if it has none)
+        and source.  The memory registry reads them from its rows instead."""
+        chosen = await self.sample(f, limit, rng)
+        for r in chosen:
+            if not r.entry:
+                list_entry(r)
+        return Listing([r.entry for r in chosen], [r.source for r in chosen], chosen.__getitem__)
 
     def visible(self, f: ListFilter) -> list[HostRecord]:
         """Visible records of `f.game` matching `f`, in index order, `limit` not

@@ -18,22 +18,32 @@ tracks, and a full collection traces all of them: with a `HostRecord`, its
 collection at 100,000 hosts paused the daemon 0.2-0.4 s of CPU, and a middle
 one after a registration storm traced every host registered since the last.
 So the index keeps a host as a *row*: one exact tuple of strings, ints,
-floats, bytes and tuples of those (the tags; the LAN address), its list
-entry encoded once, which CPython stops tracking the first time a collection
-sees it (``gc.is_tracked`` is then False).  What moves (the last heartbeat's
-time and counter) lives in arrays indexed by the row's *slot*, and the
-index's per-game and per-key arrays hold slots as C ints (`array.array`),
-which the collector does not look into.  What it still walks in a full
-collection is one pointer per host in ``_rows`` and two in the dict by
-address (a few ms at 100,000 hosts); a young or middle collection, nothing of
-the fleet.  Records are freed by reference counting alone (a row holds no
-reference to anything that could lead back to it).
+floats, bytes and tuples of those (the tags; the LAN address), which CPython
+stops tracking once a collection has seen it (``gc.is_tracked`` is then
+False; a row met before its new tag tuple in one pass, by the next).  What
+moves (the last heartbeat's time and counter) and what a list reads (the
+encoded list entry, the source) live in lists and arrays indexed by the row's
+*slot*, and the index's per-game and per-key arrays hold slots as C ints
+(`array.array`), which the collector does not look into.  The dict by address
+maps a string to a slot, so it is never tracked.  What a full collection
+still walks is one pointer per host in each list by slot (rows, entries,
+sources): ~10 ms at 100,000 hosts; a young or middle one, nothing of the
+fleet.  Records
+are freed by reference counting alone (a row holds no reference to anything
+that could lead back to it).
 
-Readers get `StoredRecord`, a short-lived view of a row with the interface of
-`HostRecord`: ``beat`` and ``last_seen`` read and write the row's slot while
-the row is current, so the service and the heartbeat code do not know the
-difference.  A view is made per host a caller asks for (a lookup, each host a
-list sends), and freed by reference counting once used.
+A list reads the rows in place: `MemoryRegistry.sample_listing` draws slots
+and returns each one's entry and source, with no object per host (a view per
+host sent made the young collections that fell inside a list dearer).  An
+update that moves no index key replaces the row in its slot and encodes
+nothing: the service hands over the entry it encoded to check the size (a
+registration too), and an entry nobody handed over is encoded when first
+listed.
+
+Callers that want one record get `StoredRecord`, a short-lived view of a row
+with the interface of `HostRecord`: ``beat``, ``last_seen`` and ``entry`` read
+and write the row's slot while the row is current, so the service and the
+heartbeat code do not know the difference.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from matchmaker.registry.base import (
     Change,
     ChangeKind,
     HostRecord,
+    Listing,
     LocalIndex,
     Notice,
     NotRegistered,
@@ -70,26 +81,31 @@ SWEEP_ROUNDS = 10
 
 
 Row = tuple[Any, ...]
-"""One host, as the index keeps it: see the ``_IP``... ``_ENTRY`` positions."""
+"""One host, as the index keeps it: see the ``_IP``... ``_SOURCE`` positions."""
 
 # A row's fields, in order.  Every value is atomic or an exact tuple of atomic
 # values (the tags; the LAN address as (ip, port) or None), so the row is untracked.
 _IP, _PORT, _SLOT, _OWNER, _TOKEN, _REGISTERED = 0, 1, 2, 3, 4, 5
 _NAME, _GAME, _VERSION, _MAX_PLAYERS, _MAP, _PLAYERS, _PASSWORD = 6, 7, 8, 9, 10, 11, 12
-_TAGS, _REGION, _INFO, _LAN, _KEY, _SOURCE, _ENTRY = 13, 14, 15, 16, 17, 18, 19
+_TAGS, _REGION, _INFO, _LAN, _KEY, _SOURCE = 13, 14, 15, 16, 17, 18
 
 
-def _row(record: HostRecord, slot: int) -> Row:
-    """`record` as a row; its list entry encoded now if it has none (a registration
-    hands over the one it encoded to check its size)."""
-    a, h = record.address, shared_strings(record.info)
+def _row(
+    a: Address, info: HostInfo, owner: str, token: str, registered_at: float, slot: int, source: str
+) -> Row:
+    """One host's fields as a row (`source`: its `source_key`)."""
+    h = shared_strings(info)
     lan = None if h.lan is None else (h.lan.ip, h.lan.port)
-    entry = record.entry or encode_entry(HostEntry(address=a, info=record.info))
     return (
-        a.ip, a.port, slot, record.owner, record.token, record.registered_at,
+        a.ip, a.port, slot, owner, token, registered_at,
         h.name, h.game, h.version, h.max_players, h.map, h.players, h.password,
-        h.tags, h.region, h.info, lan, h.key, source_key(a.ip), entry,
+        h.tags, h.region, h.info, lan, h.key, source,
     )  # fmt: skip
+
+
+def _key(ip: str, port: int) -> str:
+    """A row's key in `RowIndex`'s dict by address: a string, not a tuple (see there)."""
+    return f"{ip} {port}"
 
 
 def _row_keys(row: Row) -> list[IndexKey]:
@@ -146,15 +162,14 @@ def _row_matches(row: Row, f: ListFilter) -> bool:
 class StoredRecord(HostRecord):
     """A `HostRecord` read from a `RowIndex` row (see the module docstring).
 
-    The fixed fields come from the row (``entry`` and ``source`` copied, the rest
-    read when asked); ``last_seen`` and ``beat`` from the row's slot while the row
+    The fixed fields come from the row (``source`` copied, the rest read when
+    asked); ``last_seen``, ``beat`` and ``entry`` from the row's slot while the row
     is current in its index, written through to it; once the row has left, what
     they were when it left (if the view was the one `RowIndex.pop` returned) or
-    its registration time and 0.  Cheap to make: a list makes one per host it
-    sends.
+    its registration time, 0 and what was written to this view.
     """
 
-    __slots__ = ("_address", "_index", "_info", "_left_at", "_row")
+    __slots__ = ("_address", "_entry", "_index", "_info", "_left_at", "_row")
 
     def __init__(self, index: RowIndex, row: Row) -> None:  # no super(): fields are views
         self._index = index
@@ -162,7 +177,7 @@ class StoredRecord(HostRecord):
         self._info: HostInfo | None = None
         self._address: Address | None = None
         self._left_at: tuple[float, int] | None = None  # (last_seen, beat), set by pop
-        self.entry = row[_ENTRY]
+        self._entry = b""
         self.source = row[_SOURCE]
 
     def _slot(self) -> int:
@@ -224,6 +239,18 @@ class StoredRecord(HostRecord):
             self._index._beat[slot] = value
 
     @property
+    def entry(self) -> bytes:
+        slot = self._slot()
+        return self._index._entries[slot] if slot >= 0 else self._entry
+
+    @entry.setter
+    def entry(self, value: bytes) -> None:
+        self._entry = value
+        slot = self._slot()
+        if slot >= 0:
+            self._index._entries[slot] = value
+
+    @property
     def home(self) -> LocalIndex | None:  # type: ignore[override]
         return None  # a row's index is a RowIndex: see `RowIndex.current`
 
@@ -280,11 +307,17 @@ class RowIndex:
     """
 
     def __init__(self) -> None:
-        self._by_address: dict[tuple[str, int], Row] = {}
+        # Address key to slot: strings and ints, so the collector never tracks the
+        # dict.  With tuples in it, it was untracked by a collection and tracked
+        # again, as a young object, by the next registration or update, and every
+        # young collection then walked its 100,000 entries (~2 ms).
+        self._by_address: dict[str, int] = {}
         self._rows: list[Row | None] = []  # by slot; None: removed, or free
         self._free: list[int] = []
         self._seen = array("d")  # last_seen, by slot
         self._beat = array("q")  # the last heartbeat counter accepted, by slot
+        self._entries: list[bytes] = []  # the list entry (b"": none yet), by slot
+        self._sources: list[str] = []  # the row's source, by slot: what a list reads
         self._ghosts = array("i")  # arrays still holding a removed row's slot, by slot
         self._by_game: dict[str, _Game] = {}
         self._by_source: dict[str, int] = {}
@@ -293,32 +326,35 @@ class RowIndex:
         return len(self._by_address)
 
     def __iter__(self) -> Iterator[HostRecord]:
-        return iter([StoredRecord(self, row) for row in list(self._by_address.values())])
+        return (StoredRecord(self, row) for row in self.rows())  # one view at a time
 
     def rows(self) -> list[Row]:
         """Every current row (a snapshot)."""
-        return list(self._by_address.values())
+        rows = self._rows
+        return [rows[s] for s in self._by_address.values()]  # type: ignore[misc]
+
+    def slots(self) -> array[int]:
+        """The slot of every current row (a snapshot the collector does not look into)."""
+        return array("i", self._by_address.values())
 
     def view(self, row: Row) -> StoredRecord:
         return StoredRecord(self, row)
 
     def get(self, address: Address) -> HostRecord | None:
-        row = self._by_address.get(address)
+        row = self._find(address)
         return None if row is None else StoredRecord(self, row)
+
+    def _find(self, address: Address) -> Row | None:
+        slot = self._by_address.get(f"{address.ip} {address.port}")
+        return None if slot is None else self._rows[slot]
 
     def current(self, record: HostRecord) -> bool:
         """Whether `record` is listed here (a view of a current row)."""
         return isinstance(record, StoredRecord) and record._index is self and record._slot() >= 0
 
-    def is_current(self, row: Row) -> bool:
-        return self._rows[row[_SLOT]] is row
-
-    def seen(self, row: Row) -> float:
-        return self._seen[row[_SLOT]]
-
     def put(self, record: HostRecord) -> HostRecord | None:
-        """Insert or replace (`record`'s fields are copied into a row); returns the
-        replaced record."""
+        """Insert or replace (`record`'s fields are copied into a row, its ``entry``
+        with them); returns the replaced record."""
         address = record.address
         old = self.get(address)
         beat = record.beat
@@ -326,12 +362,49 @@ class RowIndex:
             if old.token == record.token:
                 beat = max(beat, old.beat)  # an update: same registration
             self.pop(address)
-        slot = self._free.pop() if self._free else self._grow()
-        row = _row(record, slot)
-        self._rows[slot] = row
+        fields = (record.owner, record.token, record.registered_at)
+        row = self._add(address, record.info, fields, source_key(address.ip))
+        slot = row[_SLOT]
         self._seen[slot] = record.last_seen
         self._beat[slot] = beat
-        self._by_address[(address.ip, address.port)] = row
+        self._entries[slot] = record.entry
+        return old
+
+    def update(
+        self, address: Address, token: str, info: HostInfo, now: float
+    ) -> StoredRecord | None:
+        """Give the registration `token` at `address` a new info, seen at `now`; None
+        if it is not listed.  Its list entry is cleared: the caller sets the one it
+        encoded (`StoredRecord.entry`), or the first list encodes it.  Nothing else is
+        encoded again, and a row that stays in the same index arrays (a change of
+        players, name or info that moves no `listing.index_keys`) keeps its slot."""
+        old = self._find(address)
+        if old is None or old[_TOKEN] != token:
+            return None
+        slot = old[_SLOT]
+        fields = (old[_OWNER], token, old[_REGISTERED])
+        row = _row(address, info, *fields, slot, old[_SOURCE])
+        if row[_GAME] == old[_GAME] and _row_keys(row) == _row_keys(old):
+            self._rows[slot] = row
+            self._entries[slot] = b""
+        else:
+            beat = self._beat[slot]
+            self._drop(old)
+            row = self._add(address, info, fields, old[_SOURCE])
+            slot = row[_SLOT]
+            self._beat[slot] = beat
+        self._seen[slot] = now
+        return StoredRecord(self, row)
+
+    def _add(
+        self, address: Address, info: HostInfo, fields: tuple[str, str, float], source: str
+    ) -> Row:
+        """A new row in a free slot, in every array it belongs to."""
+        slot = self._free.pop() if self._free else self._grow()
+        row = _row(address, info, *fields, slot, source)
+        self._rows[slot] = row
+        self._sources[slot] = source
+        self._by_address[_key(address.ip, address.port)] = slot
         game = self._by_game.get(row[_GAME])
         if game is None:
             game = self._by_game[row[_GAME]] = _Game()
@@ -341,15 +414,16 @@ class RowIndex:
             if keyed is None:
                 keyed = game.keys[key] = _Slots()
             keyed.items.append(slot)
-        source = row[_SOURCE]
         self._by_source[source] = self._by_source.get(source, 0) + 1
-        return old
+        return row
 
     def _grow(self) -> int:
         self._rows.append(None)
         self._seen.append(0.0)
         self._beat.append(0)
         self._ghosts.append(0)
+        self._entries.append(b"")
+        self._sources.append("")
         return len(self._rows) - 1
 
     def _release(self, slots: Iterable[int]) -> None:
@@ -361,13 +435,22 @@ class RowIndex:
                 free.append(slot)
 
     def pop(self, address: Address) -> HostRecord | None:
-        row = self._by_address.pop(address, None)
+        row = self._find(address)
         if row is None:
             return None
         slot = row[_SLOT]
         view = StoredRecord(self, row)
         view._left_at = (self._seen[slot], self._beat[slot])  # what it was when it left
+        view._entry = self._entries[slot]
+        self._drop(row)
+        return view
+
+    def _drop(self, row: Row) -> None:
+        """Remove a current row: its slot a ghost in every array that holds it."""
+        del self._by_address[_key(row[_IP], row[_PORT])]
+        slot = row[_SLOT]
         self._rows[slot] = None
+        self._entries[slot] = b""
         keys = _row_keys(row)
         self._ghosts[slot] = 1 + len(keys)  # its game's array and one per key
         game = self._by_game[row[_GAME]]
@@ -388,13 +471,25 @@ class RowIndex:
             self._by_source[source] = left
         else:
             del self._by_source[source]
-        return view
+
+    def entries(self, slots: list[int]) -> list[bytes]:
+        """The list entries of the rows in these slots (all current), in order; one a
+        row has not yet is encoded now, and kept."""
+        entries = self._entries
+        found = [entries[s] for s in slots]
+        if b"" in found:
+            rows = self._rows
+            for i, slot in enumerate(slots):
+                if not found[i]:
+                    row: Row = rows[slot]  # type: ignore[assignment]
+                    a = Address(row[_IP], row[_PORT])
+                    found[i] = entries[slot] = encode_entry(HostEntry(address=a, info=_info(row)))
+        return found
 
     def touch(self, address: Address, now: float) -> bool:
-        row = self._by_address.get(address)
-        if row is None:
+        slot = self._by_address.get(f"{address.ip} {address.port}")
+        if slot is None:
             return False
-        slot = row[_SLOT]
         if now > self._seen[slot]:
             self._seen[slot] = now
         return True
@@ -443,6 +538,8 @@ class RowIndex:
         del self._seen[:]
         del self._beat[:]
         del self._ghosts[:]
+        self._entries.clear()
+        self._sources.clear()
         self._by_game.clear()
         self._by_source.clear()
 
@@ -459,7 +556,7 @@ class MemoryRegistry(Registry):
         super().__init__(replica_id=replica_id, hide_after=hide_after, expire_after=expire_after)
         self._clock = clock
         self._index = RowIndex()
-        self._sweep: list[Row] = []  # the snapshot expire() works through
+        self._sweep = array("i")  # the slots expire() works through (a snapshot)
         self._sweep_at = 0
 
     async def start(self) -> None:
@@ -492,23 +589,9 @@ class MemoryRegistry(Registry):
         return record
 
     async def update(self, address: Address, token: str, info: HostInfo) -> HostRecord:
-        index = self._index
-        old = index.get(address)
-        if old is None or old.token != token:
+        record = self._index.update(address, token, info, self.now())
+        if record is None:
             raise NotRegistered(str(address))
-        index.put(
-            HostRecord(
-                address=address,
-                info=info,
-                owner=old.owner,
-                token=token,
-                registered_at=old.registered_at,
-                last_seen=self.now(),
-                beat=old.beat,
-            )
-        )
-        record = index.get(address)
-        assert record is not None
         self._publish(Change(kind=ChangeKind.UPSERT, address=address, record=record))
         return record
 
@@ -530,13 +613,14 @@ class MemoryRegistry(Registry):
         index = self._index
         cutoff = self.now() - self.expire_after
         if self._sweep_at >= len(self._sweep):
-            self._sweep, self._sweep_at = index.rows(), 0
+            self._sweep, self._sweep_at = index.slots(), 0
         n = max(SWEEP_MIN, len(self._sweep) // SWEEP_ROUNDS)
         chunk = self._sweep[self._sweep_at : self._sweep_at + n]
         self._sweep_at += n
-        # A row replaced since the snapshot is checked as its replacement, next round.
+        # A slot's row replaced since the snapshot is checked as it is now.
+        rows, seen = index._rows, index._seen
         dead: list[HostRecord] = [
-            index.view(r) for r in chunk if index.is_current(r) and index.seen(r) < cutoff
+            index.view(row) for s in chunk if (row := rows[s]) is not None and seen[s] < cutoff
         ]
         for r in dead:
             await self.remove(r.address, RemovalReason.EXPIRED, token=r.token)
@@ -570,6 +654,20 @@ class MemoryRegistry(Registry):
         rows = index._rows
         chosen = sample_matching(candidates, keep, limit, rng)
         return [StoredRecord(index, rows[s]) for s in chosen]  # type: ignore[arg-type]
+
+    async def sample_listing(self, f: ListFilter, limit: int, rng: random.Random) -> Listing:
+        """`sample` read straight from the rows: each host's entry and source, and a
+        record made only for a caller that asks for one."""
+        candidates, keep = self._slot_test(f)
+        index = self._index
+        rows, sources = index._rows, index._sources
+        chosen = sample_matching(candidates, keep, limit, rng)
+        return Listing(
+            index.entries(chosen),
+            [sources[s] for s in chosen],
+            # Called before the next await (nothing has left the index since).
+            lambda i: StoredRecord(index, rows[chosen[i]]),  # type: ignore[arg-type]
+        )
 
     def visible(self, f: ListFilter) -> list[HostRecord]:
         index = self._index

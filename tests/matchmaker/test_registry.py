@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from matchmaker.addresses import Address
+from matchmaker.addresses import Address, source_key
 from matchmaker.listing import matches
-from matchmaker.messages import ListFilter
+from matchmaker.messages import HostEntry, ListFilter, encode_entry
 from matchmaker.registry import (
     ChangeKind,
     FeedOverflow,
@@ -234,9 +234,57 @@ async def test_a_listed_host_is_nothing_for_the_collector_to_trace() -> None:
     assert first is not None
     await reg.update(first.address, first.token, replace(first.info, players=1))
     del rec, first
+    # A collection untracks a tuple once the tuples it holds are untracked: a row
+    # met before its (new) tag tuple in one pass is untracked by the next.
+    gc.collect()
     gc.collect()
     assert len(gc.get_objects()) - before < n // 10  # was 3 objects per host: 6,000
     assert not any(gc.is_tracked(row) for row in reg.index().rows())
+
+
+async def test_a_listing_reads_entries_and_sources_from_the_rows() -> None:
+    # What a list sends, without a record per host: the same sample as `sample`,
+    # each entry the one kept (or encoded now, and kept), each source its host's.
+    reg = MemoryRegistry()
+    for i, e in enumerate(HOSTS[:300]):
+        rec = await reg.upsert(e.address, e.info, max_per_ip=10**6)
+        if i % 2:
+            rec.entry = encode_entry(HostEntry(address=rec.address, info=rec.info))
+    kept = reg.get(HOSTS[1].address)
+    assert kept is not None
+    await reg.update(kept.address, kept.token, replace(kept.info, players=2))
+    for f in (ListFilter(game="q3"), *SINGLE_FILTERS):
+        records = await reg.sample(f, 50, random.Random(3))
+        listing = await reg.sample_listing(f, 50, random.Random(3))
+        assert [listing.record(i).address for i in range(len(records))] == [
+            r.address for r in records
+        ]
+        assert listing.entries == [
+            encode_entry(HostEntry(address=r.address, info=r.info)) for r in records
+        ]
+        assert listing.sources == [source_key(r.address.ip) for r in records]
+        assert all(r.entry == e for r, e in zip(records, listing.entries, strict=True))
+
+
+async def test_an_update_moves_a_host_between_index_arrays_only_when_its_keys_move() -> None:
+    reg = MemoryRegistry()
+    for e in HOSTS[:50]:
+        info = replace(e.info, game="q3", region="eu", players=1, max_players=8)
+        await reg.upsert(e.address, info, max_per_ip=10**6)
+    rec = reg.get(HOSTS[0].address)
+    assert rec is not None
+    rec.beat = 9
+    slot = reg.index()._by_address[f"{rec.address.ip} {rec.address.port}"]
+    await reg.update(rec.address, rec.token, replace(rec.info, players=2, name="renamed"))
+    assert reg.index()._by_address[f"{rec.address.ip} {rec.address.port}"] == slot  # same arrays
+    renamed = reg.get(rec.address)
+    assert renamed is not None
+    await reg.update(rec.address, rec.token, replace(renamed.info, region="us"))
+    moved = reg.get(rec.address)
+    assert moved is not None and moved.beat == 9 and moved.info.name == "renamed"
+    for region, want in (("eu", 49), ("us", 1)):
+        listed = await reg.query(ListFilter(game="q3", region=region))
+        assert len(listed) == want and len({r.address for r in listed}) == want
 
 
 async def test_the_index_agrees_with_a_scan_through_registrations_updates_and_removals() -> None:

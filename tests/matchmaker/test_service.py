@@ -490,6 +490,15 @@ async def test_a_registration_keeps_the_list_entry_it_checked() -> None:
     assert [e.address for p in pages for e in p.hosts] == [record.address]
 
 
+async def test_an_update_keeps_the_list_entry_it_checked() -> None:
+    h = Harness()
+    wire = await h.host(pub(1))
+    assert isinstance(await wire.request(Update(changes=HostUpdate(players=3))), Ok)
+    record = h.registry.get(Address(pub(1), 27960))
+    assert record is not None and record.info.players == 3
+    assert record.entry == encode_entry(HostEntry(address=record.address, info=record.info))
+
+
 async def test_a_connection_served_in_the_callers_task_leaves_its_log_context_behind() -> None:
     # rudp runs each handler in a task of its own; called directly, the handler's
     # peer and conn must not stay bound to the caller's later log lines.
