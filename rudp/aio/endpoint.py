@@ -411,15 +411,7 @@ class AioEndpoint:
         self.flush_pending = False
         if self._closed:
             return
-        datagrams = self.core.datagrams_to_send(monotonic())
-        if self._outbound is not None:
-            for data, address in datagrams:
-                self._outbound.send(data, address)
-        elif self._batch is not None and len(datagrams) > 1 and not self._send_buffer:
-            self._send_batches(datagrams)
-        else:
-            for data, address in datagrams:
-                self._sendto(data, address)
+        self._send_all(self.core.datagrams_to_send(monotonic()))
         if self._close_after_flush:
             self.close_now()
             return
@@ -445,6 +437,17 @@ class AioEndpoint:
             self.loop.add_writer(self._sock.fileno(), self._write_ready)
         except OSError as exc:
             self._send_failed(exc, data, address)
+
+    def _send_all(self, datagrams: list[tuple[bytes, Address]]) -> None:
+        """What one flush sends: through the link conditioner, ``sendmmsg`` or ``sendto``."""
+        if self._outbound is not None:
+            for data, address in datagrams:
+                self._outbound.send(data, address)
+        elif self._batch is not None and len(datagrams) > 1 and not self._send_buffer:
+            self._send_batches(datagrams)
+        else:
+            for data, address in datagrams:
+                self._sendto(data, address)
 
     def _send_batches(self, datagrams: list[tuple[bytes, Address]]) -> None:
         """``sendmmsg``, resumed after each datagram that fails as ``_sendto`` would

@@ -211,12 +211,6 @@ async def _received(sock: socket.socket, count: int) -> list[bytes]:
     return got
 
 
-def _once(datagrams: list[Any]) -> Any:
-    """A core's datagrams_to_send that has ``datagrams`` to send once."""
-    queue = [datagrams]
-    return lambda now: queue.pop() if queue else []
-
-
 async def _idle(conn: rudp.Connection) -> None:
     await conn.wait_closed()
 
@@ -230,8 +224,7 @@ async def test_a_refused_datagram_in_a_flush_is_counted_and_the_rest_leaves(batc
         with _udp(socket.AF_INET, V4) as receiver:
             to = receiver.getsockname()
             datagrams = [(b"\xb1one", to), (bytes(70_000), to), (b"\xb1two", to)]
-            endpoint.core.datagrams_to_send = _once(datagrams)  # type: ignore[method-assign]
-            endpoint._flush()
+            endpoint._send_all(datagrams)
             assert await _received(receiver, 2) == [b"\xb1one", b"\xb1two"]
             assert endpoint.datagrams_too_large == 1 and endpoint.send_errors == 0
 
@@ -244,8 +237,7 @@ async def test_a_batch_that_would_block_is_buffered_and_sent_in_order(err: int) 
         with _udp(socket.AF_INET, V4) as receiver:
             to = receiver.getsockname()
             datagrams = [(b"\xb1%d" % i, to) for i in range(6)]
-            endpoint.core.datagrams_to_send = _once(datagrams)  # type: ignore[method-assign]
-            endpoint._flush()
+            endpoint._send_all(datagrams)
             assert len(endpoint._send_buffer) == 4  # the loop sends them when writable
             assert await _received(receiver, 6) == [d for d, _ in datagrams]
             assert not endpoint._send_buffer and endpoint.send_errors == 0
@@ -260,8 +252,7 @@ async def test_a_batch_error_is_counted_for_its_datagram_and_the_rest_leaves(err
         with _udp(socket.AF_INET, V4) as receiver:
             to = receiver.getsockname()
             datagrams = [(b"\xb1%d" % i, to) for i in range(100)]
-            endpoint.core.datagrams_to_send = _once(datagrams)  # type: ignore[method-assign]
-            endpoint._flush()
+            endpoint._send_all(datagrams)
             want = [d for i, (d, _) in enumerate(datagrams) if i != 1]
             assert await _received(receiver, 99) == want
             assert endpoint.send_errors == 1 and endpoint.datagrams_too_large == 0
@@ -275,8 +266,7 @@ async def test_an_address_left_to_sendto_is_sent_by_it() -> None:
             port = receiver.getsockname()[1]
             datagrams = [(b"\xb1a", (V4, port)), (b"\xb1b", ("localhost", port))]
             datagrams.append((b"\xb1c", (V4, port)))
-            endpoint.core.datagrams_to_send = _once(datagrams)  # type: ignore[method-assign]
-            endpoint._flush()
+            endpoint._send_all(datagrams)
             assert await _received(receiver, 3) == [b"\xb1a", b"\xb1b", b"\xb1c"]
 
 
