@@ -48,7 +48,7 @@ this module's own (allocated on first use, touched only as deep as datagrams go)
 
 #define BATCH 64
 #define RECV_SIZE 65536 /* what the per-datagram path passes to recvfrom */
-#define CACHE_LIMIT 65536
+#define CACHE_LIMIT 16384 /* entries; at most a few MB, whatever the sources */
 
 static char *recv_buffers = NULL;
 
@@ -374,7 +374,8 @@ PyInit__batch(void)
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(module, "BATCH", BATCH) < 0) {
+    if (PyModule_AddIntConstant(module, "BATCH", BATCH) < 0 ||
+        PyModule_AddIntConstant(module, "CACHE_LIMIT", CACHE_LIMIT) < 0) {
         Py_DECREF(module);
         return NULL;
     }

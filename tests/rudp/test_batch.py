@@ -179,6 +179,21 @@ def test_send_many_leaves_addresses_it_does_not_convert_to_sendto(
     assert [d for d, _ in _recvfrom_all(receiver)] == [b"a", b"e"]
 
 
+def test_the_address_cache_stays_bounded(sockets: list[socket.socket]) -> None:
+    # One entry per address sent to (or received from); spoofed or scanned addresses
+    # cannot grow it past CACHE_LIMIT: it is cleared then, and fills again.
+    sender = _udp(socket.AF_INET, V4)
+    sockets.append(sender)
+    limit = batch.CACHE_LIMIT
+    datagrams = [(b"", (V4, 1 + i % 65535)) for i in range(limit + 10)]
+    cache: dict[object, object] = {}
+    assert batch.send_many(sender.fileno(), socket.AF_INET, datagrams, 0, cache) == (
+        len(datagrams),
+        0,
+    )
+    assert len(cache) == 10
+
+
 # -- the asyncio endpoint's handling of a batch's errors ------------------------------------
 
 
