@@ -111,7 +111,8 @@ def _native_is_present() -> bool:
 
 native: bool = _native_is_present()
 """True when the C extension ``rudp._batch`` (``recvmmsg``/``sendmmsg``, Linux) is
-installed; the asyncio layer then moves many datagrams per system call."""
+installed. The asyncio layer then moves many datagrams per system call, unless
+``RUDP_NO_NATIVE=1`` was set when it was imported."""
 
 __all__ = [
     "Config",

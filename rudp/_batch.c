@@ -254,7 +254,7 @@ recv_many(PyObject *module, PyObject *args)
         msgs[i].msg_hdr.msg_iov = &iovs[i];
         msgs[i].msg_hdr.msg_iovlen = 1;
     }
-    int got = recvmmsg(fd, msgs, (unsigned int)limit, 0, NULL);
+    int got = recvmmsg(fd, msgs, (unsigned int)limit, MSG_DONTWAIT, NULL);
     if (got < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK)
             return PyList_New(0);
@@ -280,6 +280,9 @@ recv_many(PyObject *module, PyObject *args)
 
 /* -- send_many ------------------------------------------------------------------ */
 
+static PyObject *send_items(int fd, int family, PyObject *items, Py_ssize_t start,
+                            PyObject *cache);
+
 static PyObject *
 send_many(PyObject *module, PyObject *args)
 {
@@ -289,7 +292,20 @@ send_many(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "iiO!nO!:send_many", &fd, &family, &PyList_Type, &datagrams,
                           &start, &PyDict_Type, &cache))
         return NULL;
-    Py_ssize_t total = PyList_GET_SIZE(datagrams);
+    /* A snapshot: Python code can run inside the loop (an address's __eq__ in the
+       cache lookup, a buffer export), and must not be able to shrink the list under it. */
+    PyObject *items = PyList_AsTuple(datagrams);
+    if (items == NULL)
+        return NULL;
+    PyObject *result = send_items(fd, family, items, start, cache);
+    Py_DECREF(items);
+    return result;
+}
+
+static PyObject *
+send_items(int fd, int family, PyObject *items, Py_ssize_t start, PyObject *cache)
+{
+    Py_ssize_t total = PyTuple_GET_SIZE(items);
     if (start < 0)
         start = 0;
     struct mmsghdr msgs[BATCH];
@@ -300,7 +316,7 @@ send_many(PyObject *module, PyObject *args)
         int count = 0;
         int stop = 0; /* 0, or -1: datagram start + count needs socket.sendto */
         while (count < BATCH && start + count < total) {
-            PyObject *pair = PyList_GET_ITEM(datagrams, start + count);
+            PyObject *pair = PyTuple_GET_ITEM(items, start + count);
             if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
                 stop = -1;
                 break;
@@ -334,7 +350,7 @@ send_many(PyObject *module, PyObject *args)
         }
         int sent = 0, err = 0;
         if (count > 0) {
-            sent = sendmmsg(fd, msgs, (unsigned int)count, 0);
+            sent = sendmmsg(fd, msgs, (unsigned int)count, MSG_DONTWAIT);
             if (sent < 0) {
                 err = errno;
                 sent = 0;

@@ -304,11 +304,17 @@ class AioEndpoint:
             except OSError as exc:  # e.g. an ICMP error queued on the socket
                 log.debug("recv_error error=%r", str(exc))
                 break
+            # A handler may close the endpoint in the middle of a batch: the rest of
+            # the batch is dropped with it, and its descriptor is not read again.
             if inbound is not None:
                 for data, address in got:
+                    if self._closed:
+                        return
                     inbound.send(data, address)
             else:
                 for data, address in got:
+                    if self._closed:
+                        return
                     receive(data, address, now)
             if len(got) < want:
                 break

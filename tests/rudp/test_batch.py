@@ -194,6 +194,35 @@ def test_the_address_cache_stays_bounded(sockets: list[socket.socket]) -> None:
     assert len(cache) == 10
 
 
+class _Shrinking(tuple):  # type: ignore[type-arg]
+    """An address whose comparison empties the list being sent (a caller's misuse)."""
+
+    victim: list[Any] = []
+
+    def __eq__(self, other: object) -> bool:
+        self.victim.clear()
+        return tuple.__eq__(self, other)
+
+    __hash__ = tuple.__hash__
+
+
+def test_send_many_sends_from_a_snapshot_of_the_list(sockets: list[socket.socket]) -> None:
+    # Python code may run inside send_many (an address's __eq__ in the cache lookup):
+    # a list emptied under it must not be read past its end (it used to crash).
+    sender, receiver = _udp(socket.AF_INET, V4), _udp(socket.AF_INET, V4)
+    sockets += [sender, receiver]
+    address = receiver.getsockname()
+    cache: dict[object, object] = {}
+    assert batch.send_many(sender.fileno(), socket.AF_INET, [(b"", address)], 0, cache) == (1, 0)
+    datagrams: list[Any] = [(b"%d" % i, address) for i in range(40)]
+    datagrams[1] = (b"1", _Shrinking(address))  # found in the cache through its __eq__
+    _Shrinking.victim = datagrams
+    assert batch.send_many(sender.fileno(), socket.AF_INET, datagrams, 0, cache) == (40, 0)
+    assert datagrams == []
+    got = [data for data, _ in _recvfrom_all(receiver)]
+    assert got == [b""] + [b"%d" % i for i in range(40)]
+
+
 # -- the asyncio endpoint's handling of a batch's errors ------------------------------------
 
 
