@@ -337,3 +337,24 @@ async def test_a_read_takes_a_burst_in_batches_with_empty_datagrams() -> None:
             endpoint._read_ready()
             assert got == burst
             assert sum(server.stats.dropped.values()) == 1  # the empty one, counted
+
+
+async def test_a_read_stops_where_a_handler_closes_the_endpoint() -> None:
+    # The rest of a batch read before the close goes nowhere, and the closed
+    # descriptor is not read again.
+    got: list[bytes] = []
+    async with await rudp.serve(_idle, V4, 0) as server:
+        endpoint = server.endpoint
+
+        def mine(data: bytes, address: object) -> list[bytes]:
+            got.append(data)
+            endpoint.close_now()
+            return []
+
+        server.set_datagram_handler(0xB1, mine)
+        endpoint._batch = batch  # (whatever RUDP_NO_NATIVE says)
+        with _udp(socket.AF_INET, V4) as sock:
+            for i in range(10):
+                sock.sendto(b"\xb1%d" % i, server.address)
+            endpoint._read_ready()
+    assert got == [b"\xb10"]
