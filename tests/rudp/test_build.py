@@ -23,6 +23,8 @@ CORE = [
     "rudp.frames",
     "rudp.wire_v1",
     "rudp.protection",
+    "rudp.noise",
+    "rudp.handshake",
     "rudp.seqnum",
     "rudp.sending",
     "rudp.packet_builder",
@@ -52,8 +54,6 @@ INTERPRETED = [
     "rudp.errors",
     "rudp.aio.server",
     "rudp.metrics",
-    "rudp.noise",
-    "rudp.handshake",
 ]
 
 
