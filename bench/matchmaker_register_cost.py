@@ -19,6 +19,9 @@ core. ``--profile FILE`` runs the daemon under cProfile for the same window
 cumulative time. ``--log-level info`` adds the production log line of each
 registration (to /dev/null). The collector's share is reported too: the CPU
 time of the collections that ran in the window, per registration, by generation.
+``--service-only`` leaves rudp out: the service's own work on ``--hosts``
+`register` requests handed to it directly (decoding, the registry, the list
+entry, the heartbeat secret, the reply), and decoding alone.
 
     .venv/bin/python bench/matchmaker_register_cost.py --hosts 6000 --processes 2
     .venv/bin/python bench/matchmaker_register_cost.py --hosts 4000 --profile reg.prof
@@ -48,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rudp
 from bench._common import environment, write_json
-from bench.matchmaker_common import bench_settings, register_host, rss_bytes
+from bench.matchmaker_common import bench_settings, host_info, register_host, rss_bytes
 from matchmaker.client import MatchmakerClient
 
 
@@ -179,6 +182,47 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class _Peer:
+    """What the service sees of a connection: its address; replies go nowhere."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.remote_address = address
+
+    def send(self, data: bytes) -> None:
+        return None
+
+
+async def _service_only(a: argparse.Namespace) -> dict[str, Any]:
+    from matchmaker.addresses import Address
+    from matchmaker.gctuning import tune_gc
+    from matchmaker.logging import configure
+    from matchmaker.messages import Register, decode_request, encode
+    from matchmaker.server import Matchmaker
+    from matchmaker.service import _Session
+
+    settings = bench_settings(keepalive=10.0, max_connections=20_000, log_level=a.log_level)
+    configure(settings.log_level, "json", stream=open(os.devnull, "w"))  # noqa: SIM115
+    mm = Matchmaker(settings)
+    await mm.start()
+    tune_gc()
+    n = a.hosts
+    requests = [encode(Register(request_id=1, host=host_info(i))) for i in range(n)]
+    ips = [f"127.{1 + i // 60_000}.{(i // 250) % 240}.{i % 250 + 1}" for i in range(n)]
+    peers: list[Any] = [_Peer((ip, 5000)) for ip in ips]  # (the few members a register uses)
+    sessions = [_Session(peers[i], Address(ip, 5000), i) for i, ip in enumerate(ips)]
+    t = time.thread_time()
+    for data in requests:
+        decode_request(data)
+    decode = time.thread_time() - t
+    t = time.thread_time()
+    for session, data in zip(sessions, requests, strict=True):
+        await mm.service._on_data(session, data)
+    service = time.thread_time() - t
+    hosts = len(mm.registry.index())
+    await mm.shutdown()
+    return {"hosts": hosts, "decode_us": decode / n * 1e6, "service_us": service / n * 1e6}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=6000)
@@ -189,8 +233,16 @@ def main() -> None:
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning"))
     parser.add_argument("--profile", help="cProfile the daemon into this file")
     parser.add_argument("--top", type=int, default=40, help="functions printed with --profile")
+    parser.add_argument("--service-only", action="store_true", help="no rudp: the service alone")
     parser.add_argument("--json")
     a = parser.parse_args()
+    if a.service_only:
+        out = rudp.run(_service_only(a), use_uvloop=True)
+        print(
+            f"{out['hosts']} registrations handed to the service: {out['service_us']:.1f} µs "
+            f"each, of which decoding {out['decode_us']:.1f} µs; load average {os.getloadavg()}"
+        )
+        return
     if a.hosts / a.processes > 19_000:
         parser.error("more than 19,000 sockets per process (20,000 open files each)")
     load_before = os.getloadavg()
