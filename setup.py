@@ -30,6 +30,8 @@ COMPILED_MODULES = [
     "rudp/frames.py",
     "rudp/wire_v1.py",
     "rudp/protection.py",
+    "rudp/noise.py",
+    "rudp/handshake.py",
     "rudp/seqnum.py",
     "rudp/sending.py",
     "rudp/packet_builder.py",

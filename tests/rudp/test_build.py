@@ -25,6 +25,8 @@ CORE = [
     "rudp.frames",
     "rudp.wire_v1",
     "rudp.protection",
+    "rudp.noise",
+    "rudp.handshake",
     "rudp.seqnum",
     "rudp.sending",
     "rudp.packet_builder",
@@ -54,8 +56,6 @@ INTERPRETED = [
     "rudp.errors",
     "rudp.aio.server",
     "rudp.metrics",
-    "rudp.noise",
-    "rudp.handshake",
 ]
 
 
