@@ -20,7 +20,9 @@ small cycles per list stand in for it.
 The collector's pauses are timed with ``gc.callbacks`` (start to stop of each
 collection, per generation) for the whole listing phase.  At the end one full
 collection is timed on its own (``gc.collect()``): the pause a full pass over
-this many hosts costs whenever CPython decides to make one.
+this many hosts costs whenever CPython decides to make one.  The objects the
+collector tracks are counted (``gc.get_objects()``) before the hosts register
+and after, per host: what each host adds to every full collection.
 
     .venv/bin/python bench/matchmaker_index.py                         # 100k hosts, 2000 lists
     .venv/bin/python bench/matchmaker_index.py --hosts 10000 --lists 500
@@ -68,13 +70,15 @@ class GcTimer:
 
     def __init__(self) -> None:
         self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
-        self._started = 0.0
+        self.cpu: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._started = self._cpu_started = 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._started = time.perf_counter()
+            self._started, self._cpu_started = time.perf_counter(), time.thread_time()
         else:
             self.pauses[info["generation"]].append(time.perf_counter() - self._started)
+            self.cpu[info["generation"]].append(time.thread_time() - self._cpu_started)
 
     def __enter__(self) -> GcTimer:
         gc.callbacks.append(self)
@@ -112,13 +116,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     registry = MemoryRegistry(hide_after=3600.0, expire_after=3600.0)
     settings = bench_settings(list_limit=args.limit)
     service = MatchmakerService(settings, registry, Metrics(CollectorRegistry()))
+    gc.collect()
+    tracked_before = len(gc.get_objects())
     rss_before = rss_bytes()
     started = time.perf_counter()
     await populate(registry, args.hosts)
     populate_s = time.perf_counter() - started
     rss_after = rss_bytes()
+    # What the registration left for the collector, per generation, before and after
+    # a collection (rows are untracked once one has seen them).
+    per_generation = [len(gc.get_objects(generation=g)) for g in range(3)]
+    gc.collect()
+    tracked_per_host = (len(gc.get_objects()) - tracked_before) / max(args.hosts, 1)
     rng = random.Random(1)
-    addresses = [public_address(i) for i in range(args.hosts)]
+    # Host numbers, not addresses: 100,000 Address objects held here would be
+    # traced by every full collection as if the registry held them.
+    numbers = list(range(args.hosts))
     names = list(FILTERS)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: list[float] = []
@@ -126,7 +139,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # A daemon that has served lists for a while holds every host's encoded list
     # entry (re-encoded after an update): start from there.
     for record in registry.index():
-        _list_entry(record)
+        if not record.entry:
+            _list_entry(record)
     rss_cached = rss_bytes()
     touch_s = update_s = 0.0
     touched = updated = fresh = 0
@@ -138,31 +152,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sizes.add(await answer(service, req))
             times[name].append(time.perf_counter() - t0)
             cpu.append(time.thread_time() - c0)
-            batch = rng.sample(addresses, args.touch)
+            batch = [public_address(k) for k in rng.sample(numbers, args.touch)]
             t0 = time.perf_counter()
             await registry.touch(batch)
             touch_s += time.perf_counter() - t0
             touched += len(batch)
             for _ in range(args.churn):
-                j = rng.randrange(len(addresses))
-                gone = registry.get(addresses[j])
+                j = rng.randrange(len(numbers))
+                gone = registry.get(public_address(numbers[j]))
                 if gone is not None:
                     await registry.remove(gone.address, RemovalReason.UNREGISTERED)
                     k = args.hosts + fresh
                     fresh += 1
-                    addresses[j] = public_address(k)
-                    await registry.upsert(addresses[j], host_info(k), max_per_ip=1_000_000)
+                    numbers[j] = k
+                    await registry.upsert(public_address(k), host_info(k), max_per_ip=1_000_000)
             for _ in range(args.cycles):
                 a: list[Any] = []
                 a.append(a)
             for _ in range(args.updates):
                 j = rng.randrange(args.hosts)
-                rec = registry.get(addresses[j])
+                rec = registry.get(public_address(numbers[j]))
                 if rec is not None:
-                    info = host_info(j)
+                    info = host_info(numbers[j])
                     info = _with_players(info, rng.randrange(info.max_players + 1))
                     t0 = time.perf_counter()
-                    await registry.update(addresses[j], rec.token, info)
+                    await registry.update(rec.address, rec.token, info)
                     update_s += time.perf_counter() - t0
                     updated += 1
     t0 = time.perf_counter()
@@ -171,6 +185,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     every = sorted(t for ts in times.values() for t in ts)
     cpu.sort()
     pauses = {g: sorted(p) for g, p in timer.pauses.items()}
+    cpu_pauses = {g: sorted(p) for g, p in timer.cpu.items()}
     return {
         "hosts": args.hosts,
         "lists": args.lists,
@@ -198,10 +213,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "count": len(p),
                 "p99_s": percentile(p, 99) if p else 0.0,
                 "max_s": p[-1] if p else 0.0,
+                "p50_s": percentile(p, 50) if p else 0.0,
+                "cpu_p50_s": percentile(cpu_pauses[g], 50) if p else 0.0,
+                "cpu_p99_s": percentile(cpu_pauses[g], 99) if p else 0.0,
+                "cpu_max_s": cpu_pauses[g][-1] if p else 0.0,
             }
             for g, p in pauses.items()
         },
         "full_collection_s": full_collection_s,
+        "tracked_objects_per_host": tracked_per_host,
+        "tracked_by_generation_after_registering": per_generation,
+        "tracked_objects_per_host_at_end": (len(gc.get_objects()) - tracked_before)
+        / max(args.hosts, 1),
         "gc_all_p99_s": percentile(sorted(x for p in pauses.values() for x in p), 99),
     }
 
@@ -231,12 +254,27 @@ def main() -> None:
     rows.append(["all, CPU time", result["cpu_p50_s"] * 1000, result["cpu_p99_s"] * 1000])
     print(format_table(["filter", "p50 ms", "p99 ms"], rows))
     gc_rows = [
-        [g, p["count"], p["p99_s"] * 1000, p["max_s"] * 1000]
+        [
+            g,
+            p["count"],
+            p["p50_s"] * 1000,
+            p["p99_s"] * 1000,
+            p["max_s"] * 1000,
+            p["cpu_p50_s"] * 1000,
+            p["cpu_p99_s"] * 1000,
+        ]
         for g, p in result["gc_pauses"].items()
     ]
     print()
-    print(format_table(["gc gen", "collections", "p99 ms", "max ms"], gc_rows))
+    headers = ["gc gen", "collections", "p50 ms", "p99 ms", "max ms", "CPU p50", "CPU p99"]
+    print(format_table(headers, gc_rows))
     print(f"one full collection, timed alone: {result['full_collection_s'] * 1000:.1f} ms")
+    print(
+        f"objects the collector tracks, per host: {result['tracked_objects_per_host']:.3f} "
+        f"after registering ({result['tracked_objects_per_host_at_end']:.3f} at the end); "
+        f"by generation before the first collection: "
+        f"{result['tracked_by_generation_after_registering']}"
+    )
     print(
         f"\nhosts {result['hosts']}, answers of {result['result_sizes']} hosts, "
         f"max {result['max_s'] * 1000:.2f} ms, gc {result['gc']} {result['gc_threshold']}, "

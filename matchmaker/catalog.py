@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from matchmaker.listing import matches, paginate, shuffled
+from matchmaker.listing import paginate, shuffled
 from matchmaker.messages import ListFilter
 from matchmaker.registry import Registry
 from matchmaker.registry.base import HostRecord
@@ -25,14 +25,10 @@ def visible(registry: Registry, f: ListFilter) -> list[HostRecord]:
     """Visible records matching `f` (every game when ``f.game`` is `EVERY_GAME`),
     in index order, without `limit` applied."""
     if f.game != EVERY_GAME:
-        records = registry.index().game(f.game)
-        now = registry.now()
-        return [r for r in records if registry.is_visible(r, now) and matches(r, f)]
-    now = registry.now()
+        return registry.visible(f)
     out: list[HostRecord] = []
-    for game, records in registry.index().games():
-        per_game = replace(f, game=game)
-        out.extend(r for r in records if registry.is_visible(r, now) and matches(r, per_game))
+    for game in registry.game_names():
+        out.extend(registry.visible(replace(f, game=game)))
     return out
 
 

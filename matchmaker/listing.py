@@ -52,6 +52,7 @@ class Listed(Protocol):
 
 
 T = TypeVar("T", bound=Listed)
+U = TypeVar("U")  # anything: registry rows too
 
 
 def matches(entry: Listed, f: ListFilter) -> bool:
@@ -90,11 +91,20 @@ _BUSY: IndexKey = ("busy", "")  # players > 0: what not_empty asks for
 
 def index_keys(info: HostInfo) -> list[IndexKey]:
     """The index keys a host is listed under (besides its game)."""
-    keys = [("version", info.version), ("map", info.map), ("region", info.region)]
-    keys += [("tag", t) for t in dict.fromkeys(info.tags)]
-    if info.players < info.max_players:
+    return index_keys_of(
+        info.version, info.map, info.region, info.tags, info.players, info.max_players
+    )
+
+
+def index_keys_of(
+    version: str, map_: str, region: str, tags: tuple[str, ...], players: int, max_players: int
+) -> list[IndexKey]:
+    """`index_keys` from the fields it reads (a registry keeping hosts as rows)."""
+    keys = [("version", version), ("map", map_), ("region", region)]
+    keys += [("tag", t) for t in dict.fromkeys(tags)]
+    if players < max_players:
         keys.append(_OPEN)
-    if info.players > 0:
+    if players > 0:
         keys.append(_BUSY)
     return keys
 
@@ -129,7 +139,7 @@ def select(entries: Iterable[T], f: ListFilter) -> list[T]:
     return [e for e in entries if matches(e, f)]
 
 
-def shuffled(entries: Sequence[T], rng: random.Random, limit: int | None = None) -> list[T]:
+def shuffled(entries: Sequence[U], rng: random.Random, limit: int | None = None) -> list[U]:
     """A fresh random order of `entries`, cut to `limit` (a random sample)."""
     if limit is not None and limit < len(entries):
         return rng.sample(list(entries), limit)
@@ -139,8 +149,8 @@ def shuffled(entries: Sequence[T], rng: random.Random, limit: int | None = None)
 
 
 def sample_matching(
-    items: Sequence[T], keep: Callable[[T], bool], limit: int, rng: random.Random
-) -> list[T]:
+    items: Sequence[U], keep: Callable[[U], bool], limit: int, rng: random.Random
+) -> list[U]:
     """A uniform random sample of at most `limit` of the `items` that `keep` accepts,
     in random order: what ``shuffled([i for i in items if keep(i)], rng, limit)`` gives,
     at a cost proportional to `limit` over the share of items kept, not to ``len(items)``.

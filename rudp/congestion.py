@@ -245,6 +245,11 @@ class CongestionController:
         self._undo_seq = -1
         self._acc = 0
 
+    def on_abandoned(self, size: int) -> None:
+        """A packet left the flight without news of it: a tail-loss probe sent its
+        data again (``recovery``). Neither an acknowledgment nor a loss."""
+        self.bytes_in_flight -= size
+
     def reset_flight(self) -> None:
         """Everything in flight was forgotten (the connection ended)."""
         self.bytes_in_flight = 0

@@ -519,6 +519,21 @@ class Connection:
         if pkt.disconnect and self.state is CLOSING:
             self._end(DisconnectReason.CLOSED, self._close_code, self._close_text, by_peer=False)
 
+    def _on_packet_resent(self, pkt: SentPacket) -> None:
+        """A tail-loss probe sends ``pkt``'s messages again (``recovery``): not a loss,
+        but nothing will be learnt of ``pkt`` any more."""
+        self._sender.on_lost(pkt)
+        self._flow_again(pkt)
+        self._sink.dirty[self] = None
+
+    def _flow_again(self, pkt: SentPacket) -> None:
+        builder = self._builder
+        if pkt.seq == builder.flow_seq and not builder.flow_frame:
+            # Our latest PAUSE or RESUME went with it: tell the current state again.
+            builder.flow_frame = (
+                frames.PAUSE_FRAME if self.receiving_paused else frames.RESUME_FRAME
+            )
+
     def _on_packet_lost(self, pkt: SentPacket) -> None:
         self._sender.on_lost(pkt)
         builder = self._builder
@@ -527,11 +542,7 @@ class Connection:
             self._use_datagram_size(pmtu.current)  # a black hole: back to the base size
         if pkt.control and self.state is CLOSING:
             builder.control.extend(pkt.control)
-        if pkt.seq == builder.flow_seq and not builder.flow_frame:
-            # Our latest PAUSE or RESUME was lost: tell the current state again.
-            builder.flow_frame = (
-                frames.PAUSE_FRAME if self.receiving_paused else frames.RESUME_FRAME
-            )
+        self._flow_again(pkt)  # our latest PAUSE or RESUME may have been lost with it
         self._sink.dirty[self] = None
 
     # -- timers -----------------------------------------------------------------------------
@@ -578,6 +589,7 @@ class Connection:
             self._sink.dirty[self] = None  # a probe is due
         if recovery.on_timer(now, builder.tx_next):
             builder.ping = True  # a probe goes out even if nothing needed resending
+            self._sink.dirty[self] = None  # a tail-loss probe resends nothing to flag it
         elif not recovery.sent and now >= self._keepalive_due():
             builder.ping = True
             self._sink.dirty[self] = None

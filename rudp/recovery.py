@@ -30,11 +30,22 @@ Loss is detected three ways (as in QUIC, RFC 9002):
 - on a path seen to reorder, packets of one flush (one send time) are lost only
   by time, RACK's way (``detect_losses``), and the loss timer waits for the tail
   of a burst;
-- the resend timeout, for the tail of a burst where nothing later is acked:
-  it declares only the oldest packet lost, and its resend probes the path. It
-  runs from the newest ack-eliciting packet sent and allows for the peer's
-  ``max_ack_delay`` (RFC 9002's probe timeout); RTT samples have the delay the
-  peer reports (its ACK_DELAY frame) taken off.
+- a tail-loss probe, for the tail of a burst where nothing later is acked
+  (RFC 8985's TLP, the idea of RFC 9002's probe timeout): ``2 * SRTT`` plus the
+  peer's ``max_ack_delay`` after the newest ack-eliciting packet, that packet's
+  messages go out again in a new packet (the tail lost is most often the
+  newest packet itself, which this repairs at once), or a PING if it carried
+  none; the probe's acknowledgment shows what is missing before it, and the
+  time threshold declares that lost. The newest packet leaves the flight
+  without being declared lost (no loss counted, nothing told to congestion
+  control; its late acknowledgment is ignored, its messages' copy answers for
+  them); at most ``TAIL_PROBES`` probes go out per acknowledgment of new
+  data, none while the resend timer backs off;
+- the resend timeout, for the tail of a burst where nothing later is acked
+  even after the probe: it declares only the oldest packet lost, and its resend
+  probes the path. It runs from the newest ack-eliciting packet sent and allows
+  for the peer's ``max_ack_delay`` (RFC 9002's probe timeout); RTT samples have
+  the delay the peer reports (its ACK_DELAY frame) taken off.
 
 Loss detection also keeps ``loss_rate``, an exponential average of the share of
 ack-eliciting packets declared lost (spurious losses taken back), which the
@@ -76,6 +87,10 @@ _NEVER: Final = float("inf")
 # machine can take a few milliseconds: on loopback a bare 9/8 RTT would declare
 # packets lost that are merely waiting for that turn to end.
 LOSS_DELAY_FLOOR: Final = 0.005
+
+# Tail-loss probes sent before an acknowledgment of new data allows another (RFC 8985
+# sends one; the resend timeout takes over when its acknowledgment does not come).
+TAIL_PROBES: Final = 1
 
 
 class RttEstimator:
@@ -217,6 +232,7 @@ class PacketRecovery:
         "reordering",
         "rtt",
         "sent",
+        "tail_probes",
     )
 
     def __init__(
@@ -239,6 +255,7 @@ class PacketRecovery:
         self.last_probe = 0.0  # when the resend timer last fired
         self.last_eliciting = 0.0  # when the newest ack-eliciting packet went out
         self.probe_due = False  # a resend timeout's probe may exceed the congestion window
+        self.tail_probes = 0  # tail-loss probes sent since new data was last acknowledged
         self.reorder_threshold = config.reorder_threshold  # widened by spurious losses
         self.lost_recently: dict[int, None] = {}  # seqs declared lost, to spot late acks
         self.lost_max = -1  # the newest packet ever declared lost
@@ -311,6 +328,7 @@ class PacketRecovery:
             i += 1
         if newly:
             rtt.backoff = 0
+            self.tail_probes = 0
             if largest > self.largest_acked:
                 self.largest_acked = largest
             self.detect_losses(now, tx_next)
@@ -454,6 +472,12 @@ class PacketRecovery:
         self._conn._on_packet_lost(pkt)
 
     def probe_deadline(self) -> float:
+        """When the probe timer fires: the tail-loss probe's deadline if one is allowed
+        and comes first (``tail_probe_deadline``), else the resend timeout's
+        (``resend_deadline``)."""
+        return min(self.tail_probe_deadline(), self.resend_deadline())
+
+    def resend_deadline(self) -> float:
         """When the resend timer fires: one backed-off RTO after the newest ack-eliciting
         packet was sent (RFC 9002's probe timeout, section 6.2.1), or after the last
         probe if that was later (after an outage, one probe per backed-off RTO).
@@ -464,12 +488,33 @@ class PacketRecovery:
         acknowledgment does not fire it."""
         return max(self.last_eliciting, self.last_probe) + self.rtt.backed_off_rto
 
+    def tail_probe_deadline(self) -> float:
+        """When a tail-loss probe is due: ``2 * SRTT`` plus the peer's ``max_ack_delay``
+        after the newest ack-eliciting packet (RFC 8985, section 7.2: long enough that
+        the acknowledgment of a packet that arrived would have come), or never: before
+        the first RTT sample, once ``TAIL_PROBES`` went out with no new data
+        acknowledged since, and while the resend timer backs off (it probes then)."""
+        rtt = self.rtt
+        if self.tail_probes >= TAIL_PROBES or rtt.backoff or not rtt.samples:
+            return _NEVER
+        return self.last_eliciting + 2 * rtt.srtt + rtt.peer_ack_delay
+
     def on_timer(self, now: float, tx_next: int) -> bool:
-        """The loss timers; returns whether the resend timer fired (a probe is due)."""
+        """The loss timers; returns whether a probe is due (the tail-loss probe's or the
+        resend timer's: the connection sends an ack-eliciting packet either way)."""
         if self.loss_time is not None and now >= self.loss_time:
             self.detect_losses(now, tx_next)
-        if not self.sent or now < self.probe_deadline():
+        if not self.sent:
             return False
+        if now < self.resend_deadline():
+            if now < self.tail_probe_deadline():
+                return False
+            # Nothing is declared lost: the probe's acknowledgment shows the gap, and
+            # detect_losses declares what it proves lost, as for any acknowledgment.
+            self.tail_probes += 1
+            self._stats.tail_probes += 1
+            self._resend_newest()
+            return True
         # Only the oldest packet is declared lost: its messages go out again as a
         # probe. Declaring every expired packet lost at once turns a queue that grew
         # faster than the RTO estimate into a resend storm; once the probe is
@@ -486,6 +531,20 @@ class PacketRecovery:
         self.last_probe = now
         self.rtt.on_timeout()
         return True
+
+    def _resend_newest(self) -> None:
+        """A tail-loss probe's content: the newest packet's messages, if it carried
+        messages and nothing else (control frames keep their own resend rules), sent
+        again in a new packet that may exceed the congestion window. The packet
+        leaves the flight unjudged: a late acknowledgment of it is ignored."""
+        pkt = self.sent[next(reversed(self.sent))]
+        if not pkt.messages or pkt.control or pkt.disconnect:
+            return  # the PING the connection adds is the probe
+        del self.sent[pkt.seq]
+        self.in_flight -= 1
+        self._cc.on_abandoned(pkt.size)
+        self._conn._on_packet_resent(pkt)
+        self.probe_due = True
 
     def clear(self) -> None:
         """The connection ended: nothing is in flight any more."""

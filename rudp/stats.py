@@ -104,6 +104,11 @@ COUNTER_TABLE: Final = (
     ("repairs_unusable", "The peer's REPAIR frames that rebuilt nothing valid, dropped.", ""),
     ("spurious_losses", "Losses disproved by a late acknowledgment.", ""),
     ("stale_messages", "Sequenced messages older than the newest delivered, dropped.", ""),
+    (
+        "tail_probes",
+        "Tail-loss probes: the newest packet resent (or a PING) when unacknowledged for 2 RTT.",
+        "rudp_tail_probes_total",
+    ),
     ("timeouts", "Resend timer expirations (probe timeouts).", "rudp_resend_timeouts_total"),
     (
         "timer_wakeups",
@@ -177,6 +182,7 @@ class ConnectionStats:
         self.repairs_unusable = 0
         self.spurious_losses = 0
         self.stale_messages = 0
+        self.tail_probes = 0
         self.timeouts = 0
         self.timer_wakeups = 0
         self.rtt: RttEstimator | None = None

@@ -67,6 +67,14 @@ _IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+\-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _MISSING: Any = object()
 
+# Identifiers and tag lists a list's entries repeat (most hosts of a game share its
+# game, version, region and tags): the ones seen valid, so that a 10,000-host list
+# checks each once, not 10,000 times.  Bounded: past the cap a value is checked anew.
+_VALID_IDENTS: dict[str, None] = {}
+_VALID_TAGS: dict[tuple[object, ...], tuple[tuple[str, ...], int]] = {}
+"""A tag list as received -> (the tags without repeats, the longest tag's length)."""
+_VALID_MAX = 4096
+
 
 class _Reader:
     """Typed, bounded access to one message's fields; remembers which were read."""
@@ -253,7 +261,9 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
 
     A 10,000-host list is 10,000 entries to validate on the client.  This
     accepts only what `_read_entry` accepts, with the same result; anything
-    doubtful goes to `_read_entry`, which also words the error.
+    doubtful goes to `_read_entry`, which also words the error.  Keys outside
+    `_ENTRY_KEYS` (every one a str) fail the first test, so it also checks that
+    every key is a str.
     """
     if not _ENTRY_REQUIRED <= raw.keys() <= _ENTRY_KEYS:
         return None
@@ -278,13 +288,11 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
         and 1 <= top <= lim.max_players
         and type(m) is str
         and len(m) <= lim.map_chars
-        and not _CONTROL.search(m)
+        and (not m or not _CONTROL.search(m))
         and type(players) is int
         and 0 <= players <= top
         and type(raw.get("password", False)) is bool
         and type(tags) is list
-        and len(tags) <= lim.max_tags
-        and all(_is_ident(t, lim) for t in tags)
         and (region == "" or _is_ident(region, lim))
         and type(info) is bytes
         and len(info) <= lim.info_bytes
@@ -292,6 +300,9 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
         and len(key) in (0, KEY_SIZE)
     )
     if not ok:
+        return None
+    unique = _tags(tags, lim)
+    if unique is None:
         return None
     try:
         address = make_address(addr[0], addr[1])
@@ -305,7 +316,7 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
         map=m,
         players=players,
         password=raw.get("password", False),
-        tags=tuple(dict.fromkeys(tags)),
+        tags=unique,
         region=region,
         info=info,
         key=key,
@@ -313,12 +324,40 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
     return HostEntry(address=address, info=host)
 
 
+def _tags(tags: list[object], lim: Limits) -> tuple[str, ...] | None:
+    """`tags` without repeats if every one is an identifier and they are few enough
+    for `lim`, else None; the answer for a tag list seen before is looked up."""
+    if len(tags) > lim.max_tags:
+        return None
+    key = tuple(tags)
+    try:
+        known = _VALID_TAGS.get(key)
+    except TypeError:  # an unhashable item: not a tag
+        return None
+    if known is None:
+        if not all(_is_ident(t, lim) for t in tags):
+            return None
+        unique: tuple[str, ...] = tuple(dict.fromkeys(key))  # type: ignore[arg-type]
+        known = (unique, max(map(len, unique), default=0))
+        if len(_VALID_TAGS) < _VALID_MAX:
+            _VALID_TAGS[key] = known
+    return known[0] if known[1] <= lim.ident_chars else None
+
+
 def _is_ident(v: object, lim: Limits) -> bool:
-    return type(v) is str and 0 < len(v) <= lim.ident_chars and bool(_IDENT.fullmatch(v))
+    if type(v) is not str or not 0 < len(v) <= lim.ident_chars:
+        return False
+    if v in _VALID_IDENTS:
+        return True
+    if not _IDENT.fullmatch(v):
+        return False
+    if len(_VALID_IDENTS) < _VALID_MAX:
+        _VALID_IDENTS[v] = None
+    return True
 
 
 def _read_entry(raw: object, r: _Reader) -> HostEntry:
-    if type(raw) is dict and all(type(k) is str for k in raw):
+    if type(raw) is dict:
         fast = _fast_entry(raw, r.limits)
         if fast is not None:
             return fast

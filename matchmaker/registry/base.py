@@ -43,6 +43,7 @@ import secrets
 import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from matchmaker.addresses import Address, source_key
 from matchmaker.listing import IndexKey, filter_keys, index_keys, matches, rest_of, sample_matching
@@ -362,6 +363,20 @@ class LocalIndex:
         self._by_source.clear()
 
 
+class Index(Protocol):
+    """What the service, the HTTP endpoint and the catalog read from a registry's
+    index: `LocalIndex`, or the memory registry's `memory.RowIndex`."""
+
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[HostRecord]: ...
+    def get(self, address: Address) -> HostRecord | None: ...
+    def put(self, record: HostRecord) -> HostRecord | None: ...
+    def touch(self, address: Address, now: float) -> bool: ...
+    def source_count(self, ip: str) -> int: ...
+    def game(self, game: str) -> Collection[HostRecord]: ...
+    def games(self) -> Iterator[tuple[str, Collection[HostRecord]]]: ...
+
+
 class Subscription:
     """A bounded queue of changes; iterate with ``async for``."""
 
@@ -466,7 +481,7 @@ class Registry(abc.ABC):
     # -- reads (from the local index: no I/O per request)
 
     @abc.abstractmethod
-    def index(self) -> LocalIndex:
+    def index(self) -> Index:
         """The local index queries read from."""
 
     def get(self, address: Address) -> HostRecord | None:
@@ -482,6 +497,8 @@ class Registry(abc.ABC):
     def _keeps(self, f: ListFilter) -> tuple[Sequence[HostRecord], Callable[[HostRecord], bool]]:
         """The candidates for `f`, and the test each must pass (one call per record)."""
         index = self.index()
+        # A registry keeping another kind of index overrides query and sample.
+        assert isinstance(index, LocalIndex)
         candidates, rest = index.candidates(f)
         now = self.now()
         hide = self.hidden_after(now)
@@ -503,6 +520,16 @@ class Registry(abc.ABC):
         random order (the fair order of `listing.shuffled`), without a pass over them all."""
         candidates, keep = self._keeps(f)
         return sample_matching(candidates, keep, limit, rng)
+
+    def visible(self, f: ListFilter) -> list[HostRecord]:
+        """Visible records of `f.game` matching `f`, in index order, `limit` not
+        applied: a pass over every host of the game (the master protocols' lists)."""
+        now = self.now()
+        return [r for r in self.index().game(f.game) if self.is_visible(r, now) and matches(r, f)]
+
+    def game_names(self) -> list[str]:
+        """The games with hosts in the index (some may have none visible)."""
+        return [g for g, _ in self.index().games()]
 
     def count_by_game(self) -> dict[str, int]:
         """Visible hosts per game (for the hosts-listed gauge)."""

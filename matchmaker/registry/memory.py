@@ -1,6 +1,6 @@
 """The in-memory registry: the default, for a single matchmaker process.
 
-Everything lives in one `LocalIndex` on the event loop's thread, so every
+Everything lives in one `RowIndex` on the event loop's thread, so every
 operation is a few dict operations and needs no locking.  Time comes from an
 injected monotonic clock, which is what the tests step.
 
@@ -9,16 +9,47 @@ host each time (~6 ms at 100,000 hosts, a stall for every list meanwhile):
 each `expire()` checks the next slice of a snapshot of the records, a tenth
 of them (`SWEEP_MIN` when that is more), so every host is checked within ten
 sweeps.
+
+What a listed host costs the garbage collector
+----------------------------------------------
+Nothing to trace.  CPython's cyclic collector traces every container object it
+tracks, and a full collection traces all of them: with a `HostRecord`, its
+`Address` and its `HostInfo` per host (three tracked objects), one full
+collection at 100,000 hosts paused the daemon 0.2-0.4 s of CPU, and a middle
+one after a registration storm traced every host registered since the last.
+So the index keeps a host as a *row*: one exact tuple of strings, ints,
+floats, bytes and tuples of those (the tags; the LAN address), its list
+entry encoded once, which CPython stops tracking the first time a collection
+sees it (``gc.is_tracked`` is then False).  What moves (the last heartbeat's
+time and counter) lives in arrays indexed by the row's *slot*, and the
+index's per-game and per-key arrays hold slots as C ints (`array.array`),
+which the collector does not look into.  What it still walks in a full
+collection is one pointer per host in ``_rows`` and two in the dict by
+address (a few ms at 100,000 hosts); a young or middle collection, nothing of
+the fleet.  Records are freed by reference counting alone (a row holds no
+reference to anything that could lead back to it).
+
+Readers get `StoredRecord`, a short-lived view of a row with the interface of
+`HostRecord`: ``beat`` and ``last_seen`` read and write the row's slot while
+the row is current, so the service and the heartbeat code do not know the
+difference.  A view is made per host a caller asks for (a lookup, each host a
+list sends), and freed by reference counting once used.
 """
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Callable, Collection
+from array import array
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any
 
-from matchmaker.addresses import Address
-from matchmaker.messages import HostInfo
+from matchmaker.addresses import Address, source_key
+from matchmaker.listing import IndexKey, filter_keys, index_keys_of, rest_of, sample_matching
+from matchmaker.messages import HostEntry, HostInfo, ListFilter, encode_entry
 from matchmaker.registry.base import (
+    COMPACT_MIN,
+    COMPACT_SHARE,
     Change,
     ChangeKind,
     HostRecord,
@@ -29,12 +60,391 @@ from matchmaker.registry.base import (
     RemovalReason,
     TooManyHosts,
     new_token,
+    shared_strings,
 )
 
 SWEEP_MIN = 5_000
 """Records one `expire()` checks at least (all of them, in a smaller registry)."""
 SWEEP_ROUNDS = 10
 """Sweeps in which every record is checked once, in a larger one."""
+
+
+Row = tuple[Any, ...]
+"""One host, as the index keeps it: see the ``_IP``... ``_ENTRY`` positions."""
+
+# A row's fields, in order.  Every value is atomic or an exact tuple of atomic
+# values (the tags; the LAN address as (ip, port) or None), so the row is untracked.
+_IP, _PORT, _SLOT, _OWNER, _TOKEN, _REGISTERED = 0, 1, 2, 3, 4, 5
+_NAME, _GAME, _VERSION, _MAX_PLAYERS, _MAP, _PLAYERS, _PASSWORD = 6, 7, 8, 9, 10, 11, 12
+_TAGS, _REGION, _INFO, _LAN, _KEY, _SOURCE, _ENTRY = 13, 14, 15, 16, 17, 18, 19
+
+
+def _row(record: HostRecord, slot: int) -> Row:
+    """`record` as a row; its list entry encoded now if it has none (a registration
+    hands over the one it encoded to check its size)."""
+    a, h = record.address, shared_strings(record.info)
+    lan = None if h.lan is None else (h.lan.ip, h.lan.port)
+    entry = record.entry or encode_entry(HostEntry(address=a, info=record.info))
+    return (
+        a.ip, a.port, slot, record.owner, record.token, record.registered_at,
+        h.name, h.game, h.version, h.max_players, h.map, h.players, h.password,
+        h.tags, h.region, h.info, lan, h.key, source_key(a.ip), entry,
+    )  # fmt: skip
+
+
+def _row_keys(row: Row) -> list[IndexKey]:
+    """`listing.index_keys` of the row's info."""
+    return index_keys_of(
+        row[_VERSION], row[_MAP], row[_REGION], row[_TAGS], row[_PLAYERS], row[_MAX_PLAYERS]
+    )
+
+
+def _info(row: Row) -> HostInfo:
+    lan = row[_LAN]
+    return HostInfo(
+        name=row[_NAME],
+        game=row[_GAME],
+        version=row[_VERSION],
+        max_players=row[_MAX_PLAYERS],
+        map=row[_MAP],
+        players=row[_PLAYERS],
+        password=row[_PASSWORD],
+        tags=row[_TAGS],
+        region=row[_REGION],
+        info=row[_INFO],
+        lan=None if lan is None else Address(*lan),
+        key=row[_KEY],
+    )
+
+
+def _row_matches(row: Row, f: ListFilter) -> bool:
+    """`listing.matches` on a row (the same tests, in the same order)."""
+    if row[_GAME] != f.game:
+        return False
+    if f.version is not None and row[_VERSION] != f.version:
+        return False
+    if f.map is not None and row[_MAP] != f.map:
+        return False
+    if f.region is not None and row[_REGION] != f.region:
+        return False
+    if f.not_full and row[_PLAYERS] >= row[_MAX_PLAYERS]:
+        return False
+    if f.not_empty and row[_PLAYERS] <= 0:
+        return False
+    if f.password is not None and row[_PASSWORD] != f.password:
+        return False
+    if f.family is not None and (6 if ":" in row[_IP] else 4) != f.family:
+        return False
+    tags = row[_TAGS]
+    if f.tags_all and not all(t in tags for t in f.tags_all):
+        return False
+    if f.tags_any and not any(t in tags for t in f.tags_any):
+        return False
+    return f.name is None or f.name.casefold() in row[_NAME].casefold()
+
+
+class StoredRecord(HostRecord):
+    """A `HostRecord` read from a `RowIndex` row (see the module docstring).
+
+    The fixed fields come from the row (``entry`` and ``source`` copied, the rest
+    read when asked); ``last_seen`` and ``beat`` from the row's slot while the row
+    is current in its index, written through to it; once the row has left, what
+    they were when it left (if the view was the one `RowIndex.pop` returned) or
+    its registration time and 0.  Cheap to make: a list makes one per host it
+    sends.
+    """
+
+    __slots__ = ("_address", "_index", "_info", "_left_at", "_row")
+
+    def __init__(self, index: RowIndex, row: Row) -> None:  # no super(): fields are views
+        self._index = index
+        self._row = row
+        self._info: HostInfo | None = None
+        self._address: Address | None = None
+        self._left_at: tuple[float, int] | None = None  # (last_seen, beat), set by pop
+        self.entry = row[_ENTRY]
+        self.source = row[_SOURCE]
+
+    def _slot(self) -> int:
+        """The row's slot if it is current, else -1."""
+        slot: int = self._row[_SLOT]
+        return slot if self._index._rows[slot] is self._row else -1
+
+    @property
+    def address(self) -> Address:  # type: ignore[override]
+        if self._address is None:
+            self._address = Address(self._row[_IP], self._row[_PORT])
+        return self._address
+
+    @property
+    def info(self) -> HostInfo:  # type: ignore[override]
+        if self._info is None:
+            self._info = _info(self._row)
+        return self._info
+
+    @property
+    def owner(self) -> str:  # type: ignore[override]
+        return self._row[_OWNER]  # type: ignore[no-any-return]
+
+    @property
+    def token(self) -> str:  # type: ignore[override]
+        return self._row[_TOKEN]  # type: ignore[no-any-return]
+
+    @property
+    def registered_at(self) -> float:  # type: ignore[override]
+        return self._row[_REGISTERED]  # type: ignore[no-any-return]
+
+    @property
+    def last_seen(self) -> float:
+        slot = self._slot()
+        if slot >= 0:
+            return self._index._seen[slot]
+        if self._left_at is None:
+            registered: float = self._row[_REGISTERED]
+            return registered
+        return self._left_at[0]
+
+    @last_seen.setter
+    def last_seen(self, value: float) -> None:
+        slot = self._slot()
+        if slot >= 0:
+            self._index._seen[slot] = value
+
+    @property
+    def beat(self) -> int:
+        slot = self._slot()
+        if slot >= 0:
+            return self._index._beat[slot]
+        return 0 if self._left_at is None else self._left_at[1]
+
+    @beat.setter
+    def beat(self, value: int) -> None:
+        slot = self._slot()
+        if slot >= 0:
+            self._index._beat[slot] = value
+
+    @property
+    def home(self) -> LocalIndex | None:  # type: ignore[override]
+        return None  # a row's index is a RowIndex: see `RowIndex.current`
+
+    @property
+    def left(self) -> LocalIndex | None:  # type: ignore[override]
+        return None
+
+
+class _Slots:
+    """Slots of rows in an array of C ints, for random access when sampling: nothing
+    for the collector to trace.  A row that leaves the index stays (a *ghost*: its
+    slot holds no row) until ghosts are an eighth of the array, which is then
+    compacted (as `base._Array`); its slot is reused once no array holds it."""
+
+    __slots__ = ("dead", "items")
+
+    def __init__(self) -> None:
+        self.items = array("i")
+        self.dead = 0
+
+    def bury(self, index: RowIndex) -> None:
+        self.dead += 1
+        if self.dead >= COMPACT_MIN and COMPACT_SHARE * self.dead > len(self.items):
+            self.compact(index)
+
+    def compact(self, index: RowIndex) -> None:
+        rows = index._rows
+        live = array("i", [s for s in self.items if rows[s] is not None])
+        if len(live) < len(self.items):
+            index._release(s for s in self.items if rows[s] is None)
+        self.items = live
+        self.dead = 0
+
+
+class _Game:
+    __slots__ = ("all", "keys")
+
+    def __init__(self) -> None:
+        self.all = _Slots()
+        self.keys: dict[IndexKey, _Slots] = {}
+
+
+class RowIndex:
+    """Hosts as untracked rows by address, with per-game, per-index-key and per-source
+    indexes: `LocalIndex`'s interface, and its design (arrays per game and index key
+    that readers sample, ghosts compacted at an eighth), without an object per host
+    for the collector to trace.  Not thread-safe; no I/O.
+
+    Each row has a *slot*: its position in ``_rows`` and in the arrays of what
+    moves (``_seen``, ``_beat``); the index's arrays hold slots.  A removed row's
+    slot holds None until every array that held it has been compacted (``_ghosts``
+    counts those), and only then takes another row: a slot found in an array is
+    current if it holds a row.
+    """
+
+    def __init__(self) -> None:
+        self._by_address: dict[tuple[str, int], Row] = {}
+        self._rows: list[Row | None] = []  # by slot; None: removed, or free
+        self._free: list[int] = []
+        self._seen = array("d")  # last_seen, by slot
+        self._beat = array("q")  # the last heartbeat counter accepted, by slot
+        self._ghosts = array("i")  # arrays still holding a removed row's slot, by slot
+        self._by_game: dict[str, _Game] = {}
+        self._by_source: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+    def __iter__(self) -> Iterator[HostRecord]:
+        return iter([StoredRecord(self, row) for row in list(self._by_address.values())])
+
+    def rows(self) -> list[Row]:
+        """Every current row (a snapshot)."""
+        return list(self._by_address.values())
+
+    def view(self, row: Row) -> StoredRecord:
+        return StoredRecord(self, row)
+
+    def get(self, address: Address) -> HostRecord | None:
+        row = self._by_address.get(address)
+        return None if row is None else StoredRecord(self, row)
+
+    def current(self, record: HostRecord) -> bool:
+        """Whether `record` is listed here (a view of a current row)."""
+        return isinstance(record, StoredRecord) and record._index is self and record._slot() >= 0
+
+    def is_current(self, row: Row) -> bool:
+        return self._rows[row[_SLOT]] is row
+
+    def seen(self, row: Row) -> float:
+        return self._seen[row[_SLOT]]
+
+    def put(self, record: HostRecord) -> HostRecord | None:
+        """Insert or replace (`record`'s fields are copied into a row); returns the
+        replaced record."""
+        address = record.address
+        old = self.get(address)
+        beat = record.beat
+        if old is not None:
+            if old.token == record.token:
+                beat = max(beat, old.beat)  # an update: same registration
+            self.pop(address)
+        slot = self._free.pop() if self._free else self._grow()
+        row = _row(record, slot)
+        self._rows[slot] = row
+        self._seen[slot] = record.last_seen
+        self._beat[slot] = beat
+        self._by_address[(address.ip, address.port)] = row
+        game = self._by_game.get(row[_GAME])
+        if game is None:
+            game = self._by_game[row[_GAME]] = _Game()
+        game.all.items.append(slot)
+        for key in _row_keys(row):
+            keyed = game.keys.get(key)
+            if keyed is None:
+                keyed = game.keys[key] = _Slots()
+            keyed.items.append(slot)
+        source = row[_SOURCE]
+        self._by_source[source] = self._by_source.get(source, 0) + 1
+        return old
+
+    def _grow(self) -> int:
+        self._rows.append(None)
+        self._seen.append(0.0)
+        self._beat.append(0)
+        self._ghosts.append(0)
+        return len(self._rows) - 1
+
+    def _release(self, slots: Iterable[int]) -> None:
+        """One array no longer holds each of these removed rows' slots."""
+        ghosts, free = self._ghosts, self._free
+        for slot in slots:
+            ghosts[slot] -= 1
+            if not ghosts[slot]:
+                free.append(slot)
+
+    def pop(self, address: Address) -> HostRecord | None:
+        row = self._by_address.pop(address, None)
+        if row is None:
+            return None
+        slot = row[_SLOT]
+        view = StoredRecord(self, row)
+        view._left_at = (self._seen[slot], self._beat[slot])  # what it was when it left
+        self._rows[slot] = None
+        keys = _row_keys(row)
+        self._ghosts[slot] = 1 + len(keys)  # its game's array and one per key
+        game = self._by_game[row[_GAME]]
+        game.all.bury(self)
+        for key in keys:
+            keyed = game.keys[key]
+            keyed.bury(self)
+            if not keyed.items:
+                del game.keys[key]
+        if len(game.all.items) == game.all.dead:
+            # Every row of the game left: its arrays hold ghosts only.
+            del self._by_game[row[_GAME]]
+            for arr in (game.all, *game.keys.values()):
+                self._release(arr.items)
+        source = row[_SOURCE]
+        left = self._by_source[source] - 1
+        if left:
+            self._by_source[source] = left
+        else:
+            del self._by_source[source]
+        return view
+
+    def touch(self, address: Address, now: float) -> bool:
+        row = self._by_address.get(address)
+        if row is None:
+            return False
+        slot = row[_SLOT]
+        if now > self._seen[slot]:
+            self._seen[slot] = now
+        return True
+
+    def source_count(self, ip: str) -> int:
+        """Hosts registered from `ip`'s source: the IPv4 address, or the IPv6 /64."""
+        return self._by_source.get(source_key(ip), 0)
+
+    def game_rows(self, game: str) -> list[Row]:
+        found = self._by_game.get(game)
+        if found is None:
+            return []
+        rows = self._rows
+        return [r for s in found.all.items if (r := rows[s]) is not None]
+
+    def game(self, game: str) -> Collection[HostRecord]:
+        return [StoredRecord(self, r) for r in self.game_rows(game)]
+
+    def games(self) -> Iterator[tuple[str, Collection[HostRecord]]]:
+        return ((g, self.game(g)) for g in list(self._by_game))
+
+    def game_names(self) -> list[str]:
+        return list(self._by_game)
+
+    def candidates(self, f: ListFilter) -> tuple[Sequence[int], ListFilter | None]:
+        """The shortest array of slots holding every row matching `f`, and the rest
+        of `f` its rows must still be checked for (None: nothing but visibility).
+        The array may hold ghosts: keep only the slots that hold a row."""
+        game = self._by_game.get(f.game)
+        if game is None:
+            return (), None
+        best: Sequence[int] = game.all.items
+        rest = rest_of(f)
+        for key, narrowed in filter_keys(f):
+            keyed = game.keys.get(key)
+            if keyed is None:
+                return (), None
+            if len(keyed.items) < len(best):
+                best, rest = keyed.items, narrowed
+        return best, rest
+
+    def clear(self) -> None:
+        self._by_address.clear()
+        self._rows.clear()
+        self._free.clear()
+        del self._seen[:]
+        del self._beat[:]
+        del self._ghosts[:]
+        self._by_game.clear()
+        self._by_source.clear()
 
 
 class MemoryRegistry(Registry):
@@ -48,8 +458,8 @@ class MemoryRegistry(Registry):
     ) -> None:
         super().__init__(replica_id=replica_id, hide_after=hide_after, expire_after=expire_after)
         self._clock = clock
-        self._index = LocalIndex()
-        self._sweep: list[HostRecord] = []  # the snapshot expire() works through
+        self._index = RowIndex()
+        self._sweep: list[Row] = []  # the snapshot expire() works through
         self._sweep_at = 0
 
     async def start(self) -> None:
@@ -58,39 +468,47 @@ class MemoryRegistry(Registry):
     def now(self) -> float:
         return self._clock()
 
-    def index(self) -> LocalIndex:
+    def index(self) -> RowIndex:
         return self._index
 
     async def upsert(self, address: Address, info: HostInfo, *, max_per_ip: int) -> HostRecord:
-        existing = self._index.get(address)
-        if existing is None and self._index.source_count(address.ip) >= max_per_ip:
+        index = self._index
+        if index.get(address) is None and index.source_count(address.ip) >= max_per_ip:
             raise TooManyHosts(address.ip)
         now = self.now()
-        record = HostRecord(
-            address=address,
-            info=info,
-            owner=self.replica_id,
-            token=new_token(),
-            registered_at=now,
-            last_seen=now,
+        index.put(
+            HostRecord(
+                address=address,
+                info=info,
+                owner=self.replica_id,
+                token=new_token(),
+                registered_at=now,
+                last_seen=now,
+            )
         )
-        self._index.put(record)
+        record = index.get(address)
+        assert record is not None
         self._publish(Change(kind=ChangeKind.UPSERT, address=address, record=record))
         return record
 
     async def update(self, address: Address, token: str, info: HostInfo) -> HostRecord:
-        old = self._index.get(address)
+        index = self._index
+        old = index.get(address)
         if old is None or old.token != token:
             raise NotRegistered(str(address))
-        record = HostRecord(
-            address=address,
-            info=info,
-            owner=old.owner,
-            token=token,
-            registered_at=old.registered_at,
-            last_seen=self.now(),
+        index.put(
+            HostRecord(
+                address=address,
+                info=info,
+                owner=old.owner,
+                token=token,
+                registered_at=old.registered_at,
+                last_seen=self.now(),
+                beat=old.beat,
+            )
         )
-        self._index.put(record)
+        record = index.get(address)
+        assert record is not None
         self._publish(Change(kind=ChangeKind.UPSERT, address=address, record=record))
         return record
 
@@ -109,17 +527,72 @@ class MemoryRegistry(Registry):
         return True
 
     async def expire(self) -> list[HostRecord]:
+        index = self._index
         cutoff = self.now() - self.expire_after
         if self._sweep_at >= len(self._sweep):
-            self._sweep, self._sweep_at = list(self._index), 0
+            self._sweep, self._sweep_at = index.rows(), 0
         n = max(SWEEP_MIN, len(self._sweep) // SWEEP_ROUNDS)
         chunk = self._sweep[self._sweep_at : self._sweep_at + n]
         self._sweep_at += n
-        # A record replaced since the snapshot is checked as its replacement, next round.
-        dead = [r for r in chunk if r.last_seen < cutoff and self._index.get(r.address) is r]
+        # A row replaced since the snapshot is checked as its replacement, next round.
+        dead: list[HostRecord] = [
+            index.view(r) for r in chunk if index.is_current(r) and index.seen(r) < cutoff
+        ]
         for r in dead:
             await self.remove(r.address, RemovalReason.EXPIRED, token=r.token)
         return dead
+
+    # -- reads: straight from the rows
+
+    def _slot_test(self, f: ListFilter) -> tuple[Sequence[int], Callable[[int], bool]]:
+        index = self._index
+        candidates, rest = index.candidates(f)
+        now = self.now()
+        hide = self.hidden_after(now)
+        rows, seen = index._rows, index._seen
+        if rest is None:
+            return candidates, lambda s: rows[s] is not None and now - seen[s] <= hide
+        return (
+            candidates,
+            lambda s: (
+                (r := rows[s]) is not None and now - seen[s] <= hide and _row_matches(r, rest)
+            ),
+        )
+
+    async def query(self, f: ListFilter) -> list[HostRecord]:
+        candidates, keep = self._slot_test(f)
+        index = self._index
+        return [StoredRecord(index, index._rows[s]) for s in candidates if keep(s)]  # type: ignore[arg-type]
+
+    async def sample(self, f: ListFilter, limit: int, rng: random.Random) -> list[HostRecord]:
+        candidates, keep = self._slot_test(f)
+        index = self._index
+        rows = index._rows
+        chosen = sample_matching(candidates, keep, limit, rng)
+        return [StoredRecord(index, rows[s]) for s in chosen]  # type: ignore[arg-type]
+
+    def visible(self, f: ListFilter) -> list[HostRecord]:
+        index = self._index
+        now, hide, seen = self.now(), self.hidden_after(self.now()), index._seen
+        view = index.view
+        return [
+            view(r)
+            for r in index.game_rows(f.game)
+            if now - seen[r[_SLOT]] <= hide and _row_matches(r, f)
+        ]
+
+    def game_names(self) -> list[str]:
+        return self._index.game_names()
+
+    def count_by_game(self) -> dict[str, int]:
+        index = self._index
+        hide = self.hidden_after(self.now())
+        now, seen = self.now(), index._seen
+        counts = {
+            g: sum(1 for r in index.game_rows(g) if now - seen[r[_SLOT]] <= hide)
+            for g in index.game_names()
+        }
+        return {g: n for g, n in counts.items() if n}
 
     async def deliver(self, owner: str, notice: Notice) -> None:
         # One process: every owner is us.
