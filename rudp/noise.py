@@ -307,12 +307,17 @@ class _Script:
 
 
 _SCRIPTS: Final[dict[str, _Script]] = {}
+# Names worked out once and kept. rudp uses two; an application may build
+# HandshakeState with any valid name, and names beyond these are worked out each time.
+_SCRIPTS_KEPT: Final = 64
 
 
 def _script(name: str) -> _Script:
     script = _SCRIPTS.get(name)
     if script is None:
-        script = _SCRIPTS[name] = _Script(name)  # a name of this module's table: bounded
+        script = _Script(name)
+        if len(_SCRIPTS) < _SCRIPTS_KEPT:
+            _SCRIPTS[name] = script
     return script
 
 
