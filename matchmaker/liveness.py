@@ -20,11 +20,13 @@ is counted in ``matchmaker_heartbeats_total`` under its reason:
    (``replayed``; no answer).
 
 A stopping replica answers a genuine heartbeat with an authenticated
-NOT_REGISTERED too (``stopping``).  NOT_REGISTERED replies are rate limited per
-source (`reply_limiter`, keyed like every other per-source limit by
-`addresses.rate_key`): they go to wherever a datagram claims to come from, so
-the matchmaker does not become a reflector of them.  A heartbeat that would
-have had one beyond the limit is counted as ``unanswered`` instead.
+NOT_REGISTERED too (``stopping``).
+
+NOT_REGISTERED replies are rate limited per source (`reply_limiter`, keyed like
+every other per-source limit by `addresses.rate_key`): they go to wherever a
+datagram claims to come from, so the matchmaker does not become a reflector of
+them.  A heartbeat that would have had one beyond the limit is counted as
+``unanswered`` instead.
 
 Then the host is marked seen (written to the registry in one batch per
 sweep, as before) and gets a HEARTBEAT_ACK, no larger than the heartbeat.  The
@@ -32,7 +34,22 @@ only per-host state is the registry entry itself: the secret is derived from
 the shared key (`heartbeat.derive_secret`), the last counter lives in the
 record (`HostRecord.beat`).  The counter is checked per replica: a heartbeat
 recorded at one replica and replayed at another once can only keep a host
-listed that was heartbeating anyway.
+listed that was heartbeating anyway.  A shared registry also keeps the highest
+counter accepted (written with the batch of each sweep), for takeovers.
+
+**Takeover.**  A genuine heartbeat for a host another replica owns (its replica
+died, or stopped, or its answers were lost) makes this replica the host's owner,
+for one datagram instead of a new registration: it passed every check above
+(the MAC proves the registration and the address, the counter is above the
+last one this replica accepted), and `Registry.take_over` then checks, in one
+atomic step for a whole batch, that the registration still stands (its token:
+a removed host is never put back) and that its counter is above every one any
+replica accepted (``takeover_replayed`` otherwise: a heartbeat recorded on its
+way to the old owner and replayed here moves nothing).  Only then does the
+host get its HEARTBEAT_ACK (``taken_over``); a registration that is gone gets
+an authenticated NOT_REGISTERED (``not_registered``), and the host registers.
+While the registry cannot answer, the heartbeat goes unanswered
+(``takeover_unavailable``) and the host's resend tries again.
 
 Introductions for a host go to its listed address as INTRODUCTION datagrams,
 sent again every ``resend_interval`` seconds until the host acknowledges one
@@ -55,7 +72,7 @@ from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address, from_sockaddr, rate_key
 from matchmaker.metrics import Metrics
 from matchmaker.ratelimit import Rate, RateLimiter
-from matchmaker.registry import HostRecord, Registry
+from matchmaker.registry import HostRecord, Registry, Takeover, TakeoverResult
 
 Send = Callable[[bytes, Address], None]
 """Sends one datagram from the daemon's rudp socket."""
@@ -79,6 +96,7 @@ class Liveness:
         metrics: Metrics,
         *,
         on_leave: Callable[[HostRecord], None],
+        on_takeover: Callable[[], None] = lambda: None,
         resend_interval: float = 0.5,
         attempts: int = 8,
         max_pending: int = 10_000,
@@ -87,6 +105,8 @@ class Liveness:
         self.registry = registry
         self.metrics = metrics
         self._on_leave = on_leave
+        self._on_takeover = on_takeover
+        """Called when a takeover starts waiting (`take_takeovers` has work)."""
         self.resend_interval = resend_interval
         self.attempts = attempts
         self.max_pending = max_pending
@@ -94,7 +114,11 @@ class Liveness:
         """NOT_REGISTERED replies per source (module doc)."""
         self.send: Send | None = None
         """Set once the socket exists; until then introductions are not sent."""
-        self._seen: set[Address] = set()
+        self._seen: dict[Address, int] = {}
+        """Hosts that proved themselves since the last flush, and their last counter."""
+        self._takeovers: dict[Address, tuple[Takeover, tuple[Any, ...]]] = {}
+        """Heartbeats of hosts another replica owns, waiting for `Registry.take_over`,
+        with the source to answer."""
         self._pending: dict[int, _Pending] = {}
         # Ids start at random: a host that moved from another replica does not
         # take a new introduction for one it already had.
@@ -110,10 +134,44 @@ class Liveness:
         """The heartbeat secret of `record`'s registration (what `Registered` hands out)."""
         return hb.derive_secret(self.registry.heartbeat_key, record.token, record.address)
 
-    def take_seen(self) -> set[Address]:
-        """The hosts that proved themselves since the last call."""
-        seen, self._seen = self._seen, set()
+    def take_seen(self) -> dict[Address, int]:
+        """The hosts that proved themselves since the last call, with the counter of
+        the last heartbeat accepted (kept by a shared registry for takeovers)."""
+        seen, self._seen = self._seen, {}
         return seen
+
+    def take_takeovers(self) -> list[tuple[Takeover, tuple[Any, ...]]]:
+        """The takeovers waiting (each host once, its latest heartbeat), for one
+        `Registry.take_over`; `settle` answers them."""
+        waiting, self._takeovers = self._takeovers, {}
+        return list(waiting.values())
+
+    def settle(
+        self,
+        waiting: list[tuple[Takeover, tuple[Any, ...]]],
+        results: list[TakeoverResult] | None,
+    ) -> None:
+        """Answer the heartbeats of `waiting` (None: the registry could not say)."""
+        for n, (t, sockaddr) in enumerate(waiting):
+            if results is None:
+                self._count("takeover_unavailable").inc()  # the host's resend asks again
+                continue
+            secret = hb.derive_secret(self.registry.heartbeat_key, t.token, t.address)
+            if results[n] is TakeoverResult.TAKEN:
+                self._count("taken_over").inc()
+                self._reply(hb.encode_ack(secret, t.address, t.beat), sockaddr)
+            elif results[n] is TakeoverResult.REPLAYED:
+                self._count("takeover_replayed").inc()
+            else:
+                for reply in self._not_registered(
+                    "not_registered", sockaddr, t.beat, secret, t.address
+                ):
+                    self._reply(reply, sockaddr)
+
+    def _reply(self, datagram: bytes, sockaddr: tuple[Any, ...]) -> None:
+        source = _source(sockaddr)
+        if source is not None:
+            self._send(datagram, source)
 
     # -- incoming
 
@@ -138,19 +196,29 @@ class Liveness:
             self._count("bad_mac").inc()
             return []
         if _source(sockaddr) != beat.address:
-            return self._not_registered("wrong_address", sockaddr, beat.counter, secret, record)
+            return self._not_registered(
+                "wrong_address", sockaddr, beat.counter, secret, record.address
+            )
         if beat.counter <= record.beat:
             self._count("replayed").inc()
             return []
         record.beat = beat.counter
         if self.stopping and beat.kind is hb.Kind.HEARTBEAT:
-            return self._not_registered("stopping", sockaddr, beat.counter, secret, record)
+            return self._not_registered("stopping", sockaddr, beat.counter, secret, record.address)
         if beat.kind is hb.Kind.LEAVE:
             self._count("left").inc()
             self._on_leave(record)
+        elif record.owner != self.registry.replica_id:
+            # Its replica is gone or did not answer: the host moves here (module doc).
+            self._takeovers[record.address] = (
+                Takeover(record.address, record.token, beat.counter),
+                sockaddr,
+            )
+            self._on_takeover()
+            return []
         else:
             self._count("ok").inc()
-            self._seen.add(record.address)
+            self._seen[record.address] = beat.counter
         return [hb.encode_ack(secret, record.address, beat.counter)]
 
     def _not_registered(
@@ -159,15 +227,15 @@ class Liveness:
         sockaddr: tuple[Any, ...],
         counter: int,
         secret: bytes | None = None,
-        record: HostRecord | None = None,
+        address: Address | None = None,
     ) -> list[bytes]:
-        """A NOT_REGISTERED for `sockaddr`, unless that source had its share."""
+        """A NOT_REGISTERED for `sockaddr` (authenticated for the registration at
+        `address` with `secret`), unless that source had its share."""
         source = _source(sockaddr)
         if source is None or not self.reply_limiter.allow(rate_key(source.ip)):
             self._count("unanswered").inc()
             return []
         self._count(reason).inc()
-        address = record.address if record is not None else None
         return [hb.encode_not_registered(counter, secret, address)]
 
     def _introduction_ack(self, data: bytes) -> None:

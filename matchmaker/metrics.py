@@ -46,12 +46,16 @@ HEARTBEAT_RESULTS = (
     "malformed",
     "unknown_type",
     "stopping",
+    "taken_over",
+    "takeover_replayed",
+    "takeover_unavailable",
 )
 INTRODUCTION_DELIVERIES = ("sent", "resent", "acked", "unacked", "bad_ack", "late_ack", "overflow")
 REGISTRY_OPS = (
     "upsert",
     "update",
     "touch",
+    "take_over",
     "remove",
     "expire",
     "publish",

@@ -20,6 +20,9 @@ from tests.matchmaker.helpers import HOST, DaemonProcess, RedisProcess
 
 N_HOSTS = 200
 REHOME_WITHIN = 15.0
+CREATED = 'matchmaker_registrations_total{result="created"}'
+ACCEPTED = "rudp_connections_accepted_total"
+TAKEN_OVER = 'matchmaker_heartbeats_total{result="taken_over"}'
 FLAGS = (
     "--max-hosts-per-ip", "10000", "--register-rate", "10000", "--register-burst", "10000",
     "--list-rate", "100", "--list-burst", "100", "--page-per-ip", "32", "--log-level", "warning",
@@ -82,6 +85,9 @@ async def test_sigkill_of_a_replica_rehomes_every_host_within_15_s(fleet: Fleet)
     victim, survivor = fleet.replicas
     moving = sum(o == "a" for o in owners)
 
+    registered = await survivor.metric(CREATED)
+    handshakes = await survivor.metric(ACCEPTED)
+
     victim.signal(signal.SIGKILL)
     killed = time.monotonic()
     while await fleet.owners(addresses) != ["b"] * N_HOSTS:
@@ -91,6 +97,22 @@ async def test_sigkill_of_a_replica_rehomes_every_host_within_15_s(fleet: Fleet)
     assert await listed_by(survivor) == set(addresses)
     print(f"{moving} of {N_HOSTS} hosts re-homed {rehomed:.1f} s after SIGKILL")
     assert all(h.route == f"127.0.0.1:{survivor.port}" for h in hosts)
+    # Each moved on one heartbeat: no registration, no handshake on the survivor.
+    assert [h.registrations for h in hosts] == [1] * N_HOSTS
+    assert sum(h.takeovers for h in hosts) == moving
+    assert await survivor.metric(TAKEN_OVER) == moving
+    assert await survivor.metric(CREATED) == registered
+    assert await survivor.metric(ACCEPTED) == handshakes + 1  # listed_by's connection
+
+    # An introduction reaches a host that moved, from the replica it moved to.
+    moved = next(h for h, o in zip(hosts, owners, strict=True) if o == "a")
+    assert moved.address is not None
+    endpoint = await rudp.open_endpoint("127.0.0.1", 0, config=rudp.Config(channels=1))
+    fleet.sockets.append(endpoint)
+    async with MatchmakerClient.to(*survivor.address, via=endpoint) as joiner:
+        await joiner.introduce(moved.address)
+    intro = await asyncio.wait_for(moved.introductions.get(), 10)
+    assert intro.peer == endpoint.address
 
 
 async def test_sigterm_during_a_registration_storm_loses_no_host(fleet: Fleet) -> None:
@@ -116,6 +138,7 @@ async def test_sigterm_during_a_registration_storm_loses_no_host(fleet: Fleet) -
         assert time.monotonic() - stopped < 30, f"{len(missing)} hosts missing"
         await asyncio.sleep(0.2)
     assert await listed_by(survivor) == set(addresses)
-    moved = sum(h.registrations > 1 for h in hosts)
+    moved = sum(h.registrations > 1 or h.takeovers > 0 for h in hosts)
     assert moved > 0, "the stop came after the storm: nothing was tested"
-    print(f"{moved} of {N_HOSTS} hosts registered on the stopping replica moved to the other")
+    taken = sum(h.takeovers > 0 for h in hosts)
+    print(f"{moved} of {N_HOSTS} hosts on the stopping replica moved ({taken} on a heartbeat)")
