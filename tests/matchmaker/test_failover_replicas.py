@@ -142,3 +142,25 @@ async def test_sigterm_during_a_registration_storm_loses_no_host(fleet: Fleet) -
     assert moved > 0, "the stop came after the storm: nothing was tested"
     taken = sum(h.takeovers > 0 for h in hosts)
     print(f"{moved} of {N_HOSTS} hosts on the stopping replica moved ({taken} on a heartbeat)")
+
+
+async def test_a_host_the_other_replica_no_longer_holds_registers_there(fleet: Fleet) -> None:
+    """The takeover is refused (authenticated NOT_REGISTERED): the host falls back to
+    a registration with that replica."""
+    host = await fleet.add_host()
+    host._start = 0  # registers on "a"
+    address = await host.register(**HOST)
+    assert await fleet.owners([address]) == ["a"]
+    victim, survivor = fleet.replicas
+    # Its entry lost behind both replicas' backs: "b" still lists it, Redis does not.
+    await fleet.redis.delete(f"{{mm}}:h:{address.key}")
+    await fleet.redis.zrem("{mm}:seen", address.key)
+
+    victim.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    while await fleet.owners([address]) != ["b"]:
+        assert time.monotonic() - killed < REHOME_WITHIN, "the host did not register again"
+        await asyncio.sleep(0.2)
+    assert (host.registrations, host.takeovers) == (2, 0)
+    assert host.route == f"127.0.0.1:{survivor.port}"
+    assert await survivor.metric('matchmaker_heartbeats_total{result="not_registered"}') >= 1
