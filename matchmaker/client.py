@@ -37,8 +37,9 @@ taken for dead when a heartbeat stays unacknowledged for ``timeout / 2``
 seconds (``timeout`` with one address); a stopping one closes its
 connections, answers heartbeats with ``not_registered`` and refuses
 registrations with ``shutting_down``.  Either way a heartbeating host then
-sends its heartbeat to the other replicas in turn (from a random one): any
-replica can check it, and the first that answers takes the registration over
+sends its heartbeat, marked MOVING, to the other replicas in turn (from a
+random one; a stopping one does not answer it, and is left after ``timeout /
+2``): any replica can check it, and the first that answers takes the registration over
 (`takeovers` counts it) and is the host's replica from then on, for one
 datagram instead of a registration.  Only a replica that answers
 NOT_REGISTERED (it does not list the host), or none answering, makes the host
@@ -620,9 +621,11 @@ class MatchmakerClient:
         self._abandon()
         raise ConnectionLost("heartbeat not acknowledged")
 
-    async def _beat_round(self, beats: _Beats, patience: float) -> bool:
-        """Heartbeats to `beats.replica`, one every ``timeout / 4``, until one is
-        acknowledged (True), NOT_REGISTERED comes back or `patience` runs out."""
+    async def _beat_round(
+        self, beats: _Beats, patience: float, kind: hb.Kind = hb.Kind.HEARTBEAT
+    ) -> bool:
+        """Heartbeats of `kind` to `beats.replica`, one every ``timeout / 4``, until
+        one is acknowledged (True), NOT_REGISTERED comes back or `patience` runs out."""
         port = self._port
         assert port is not None
         loop = asyncio.get_running_loop()
@@ -631,7 +634,7 @@ class MatchmakerClient:
         while True:
             beats.counter += 1
             beats.answered.clear()
-            data = hb.encode_beat(beats.secret, beats.address, beats.counter)
+            data = hb.encode_beat(beats.secret, beats.address, beats.counter, kind)
             with contextlib.suppress(*TRANSPORT_ERRORS):
                 port.send_datagram(data, beats.replica)
             wait = min(self._timeout / 4, deadline - loop.time())
@@ -648,18 +651,24 @@ class MatchmakerClient:
         """Heartbeat the other replicas in turn until one takes the registration
         over (True: it is our replica now, for heartbeats, requests and
         introductions).  Any replica can check our heartbeat: one datagram
-        instead of a new registration.  One that does not list us answers
-        NOT_REGISTERED: we register there (False)."""
+        instead of a new registration.  Only these heartbeats are MOVING, the kind
+        a replica takes a host over on (a copy of a plain one moves nothing).  One
+        that does not list us answers NOT_REGISTERED: we register there (False);
+        a stopping one does not answer, and the next is tried."""
         left = beats.replica
         others = [label for label in self._replicas if not _same_place(self._replicas[label], left)]
         # From a random one of them (fixed per client), so that the hosts of a
         # dead replica spread over the others.
         first = self._start % len(others) if others else 0
-        for label in others[first:] + others[:first]:
+        order = others[first:] + others[:first]
+        for n, label in enumerate(order):
             replica = self._replicas[label]
             self._needs_register.clear()
             beats.replica = replica
-            taken = await self._beat_round(beats, self._timeout)
+            # Half of ``timeout`` while another replica is left to try (a stopping
+            # one stays silent), all of it for the last.
+            patience = self._timeout / 2 if n + 1 < len(order) else self._timeout
+            taken = await self._beat_round(beats, patience, hb.Kind.MOVING)
             if taken or self._needs_register.is_set():
                 self._route, self._avoid = label, None  # a live replica: next requests go there
                 if taken:

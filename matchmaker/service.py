@@ -74,7 +74,7 @@ from matchmaker.addresses import (
     source_key,
 )
 from matchmaker.listing import paginate, size_cuts
-from matchmaker.liveness import REPLY_RATE, Liveness
+from matchmaker.liveness import REPLY_RATE, TAKEOVER_RATE, Liveness
 from matchmaker.messages import (
     DEFAULT_LIMITS,
     NONCE_BYTES,
@@ -193,6 +193,7 @@ class MatchmakerService:
             on_leave=self._leave,
             on_takeover=self._takeover_due.set,
             reply_limiter=RateLimiter(REPLY_RATE, max_keys=keys, clock=clock),
+            takeover_limiter=RateLimiter(TAKEOVER_RATE, max_keys=keys, clock=clock),
         )
         """The connectionless heartbeats and introductions (the socket's handler)."""
         self._background: set[asyncio.Task[None]] = set()

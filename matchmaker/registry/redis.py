@@ -796,7 +796,11 @@ class RedisRegistry(Registry):
         if owner == self.replica_id:
             self._receive_notice(notice)
             return
-        fields = [notice.target.key, notice.payload, notice.forwarded]
+        # Two fields unless forwarded: what a replica of the previous release reads
+        # (it unpacks exactly two), so that introductions cross a rolling upgrade.
+        fields: list[Any] = [notice.target.key, notice.payload]
+        if notice.forwarded:
+            fields.append(True)
         payload = msgpack.packb(fields, use_bin_type=True)
         await self._op("publish", self._redis.publish(self._k("notice", owner), payload))
 

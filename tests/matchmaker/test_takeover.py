@@ -1,6 +1,6 @@
-"""Heartbeat takeover: a host's heartbeat sent to another replica of a shared registry
-moves the host there in one datagram, and nothing else does (a real redis-server, two
-services on the fake transport)."""
+"""Heartbeat takeover: a host's MOVING heartbeat sent to another replica of a shared
+registry moves the host there in one datagram, and nothing else does (a real
+redis-server, two services on the fake transport)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import pytest
 import redis.asyncio as aioredis
 
@@ -93,6 +94,11 @@ async def pair(redis_server: RedisProcess) -> AsyncIterator[Pair]:
     await client.aclose()
 
 
+def moving(secret: bytes, counter: int) -> bytes:
+    """The heartbeat a host sends only while it moves to another replica."""
+    return hb.encode_beat(secret, HOST, counter, hb.Kind.MOVING)
+
+
 async def heartbeat_on_a(pair: Pair, secret: bytes, counter: int) -> bytes:
     """A heartbeat its replica accepts, and flushes to Redis (counter included)."""
     data = hb.encode_beat(secret, HOST, counter)
@@ -108,11 +114,11 @@ async def test_a_heartbeat_to_another_replica_moves_the_host_without_a_registrat
     await heartbeat_on_a(pair, secret, 100)
     assert pair.a.registry.owned()[0].address == HOST
 
-    assert pair.b.beat(hb.encode_beat(secret, HOST, 101)) == []  # answered once taken
+    assert pair.b.beat(moving(secret, 101)) == []  # answered once taken
     await eventually(lambda: len(pair.b.sent) == 1)
     # The acknowledgement the host authenticates, no larger than its heartbeat.
     assert pair.b.sent == [(hb.encode_ack(secret, HOST, 101), HOST)]
-    assert len(pair.b.sent[0][0]) < len(hb.encode_beat(secret, HOST, 101))
+    assert len(pair.b.sent[0][0]) < len(moving(secret, 101))
     assert await pair.owner_in_redis() == "b"
     assert pair.b.owner() == "b"
     assert pair.b.result("taken_over") == 1
@@ -132,9 +138,9 @@ async def test_the_old_owner_alive_takes_the_host_back_on_its_next_heartbeat(
 ) -> None:
     """A host that only lost a few answers: ownership follows its heartbeats."""
     secret, _ = await pair.register()
-    assert pair.b.beat(hb.encode_beat(secret, HOST, 10)) == []
+    assert pair.b.beat(moving(secret, 10)) == []
     await eventually(lambda: pair.a.owner() == "b")
-    assert pair.a.beat(hb.encode_beat(secret, HOST, 11)) == []
+    assert pair.a.beat(moving(secret, 11)) == []
     await eventually(lambda: len(pair.a.sent) == 1)
     assert pair.a.sent == [(hb.encode_ack(secret, HOST, 11), HOST)]
     assert await pair.owner_in_redis() == "a"
@@ -144,17 +150,16 @@ async def test_the_old_owner_alive_takes_the_host_back_on_its_next_heartbeat(
 
 async def test_replayed_forged_and_misaddressed_heartbeats_move_nothing(pair: Pair) -> None:
     secret, _ = await pair.register()
-    recorded = await heartbeat_on_a(pair, secret, 500)
-    older = hb.encode_beat(secret, HOST, 400)
+    await heartbeat_on_a(pair, secret, 500)
+    older = moving(secret, 400)  # recorded on an earlier move
 
-    # b never saw these counters, so its own check passes; Redis knows better.
-    for replay in (recorded, older):
-        assert pair.b.beat(replay) == []
+    # b never saw this counter, so its own check passes; Redis knows better.
+    assert pair.b.beat(older) == []
     await eventually(lambda: pair.b.result("takeover_replayed") == 1)
-    assert pair.b.beat(hb.encode_beat(b"x" * 32, HOST, 10**6)) == []  # forged
+    assert pair.b.beat(moving(b"x" * 32, 10**6)) == []  # forged
     assert pair.b.result("bad_mac") == 1
     elsewhere = (pub(9), HOST.port)  # a copy sent from another address
-    wrong = pair.b.beat(hb.encode_beat(secret, HOST, 10**6), elsewhere)
+    wrong = pair.b.beat(moving(secret, 10**6), elsewhere)
     assert pair.b.result("wrong_address") == 1
     assert [len(r) for r in wrong] == [hb.ACK_BYTES]  # the authenticated NOT_REGISTERED
     assert hb.decode_not_registered(secret, HOST, wrong[0]) == (10**6, True)
@@ -164,10 +169,110 @@ async def test_replayed_forged_and_misaddressed_heartbeats_move_nothing(pair: Pa
     assert pair.b.owner() == "a" and pair.a.owner() == "a"
     assert pair.b.result("taken_over") == 0
     assert pair.b.sent == []  # no answer to a replay or a forgery
-    # The genuine next heartbeat still moves it.
-    assert pair.b.beat(hb.encode_beat(secret, HOST, 501)) == []
+    # The genuine next MOVING heartbeat still moves it.
+    assert pair.b.beat(moving(secret, 501)) == []
     await eventually(lambda: pair.b.result("taken_over") == 1)
     assert await pair.owner_in_redis() == "b"
+
+
+async def test_a_replayed_plain_heartbeat_moves_nothing(pair: Pair) -> None:
+    """A copy of a heartbeat accepted by the owner, replayed at another replica before
+    the owner's sweep writes its counter: the counter check passes everywhere, but a
+    plain heartbeat is no request to move."""
+    secret, _ = await pair.register()
+    recorded = hb.encode_beat(secret, HOST, 100)
+    assert pair.a.beat(recorded) == [hb.encode_ack(secret, HOST, 100)]  # not flushed yet
+
+    replies = pair.b.beat(recorded)
+    assert pair.b.result("not_owner") == 1
+    # Answered as a stopping replica would (the host drops it: not its replica),
+    # authenticated and no larger than the heartbeat.
+    assert [hb.decode_not_registered(secret, HOST, r) for r in replies] == [(100, True)]
+    assert len(replies[0]) < len(recorded)
+    await asyncio.sleep(0.2)  # a takeover, if one had started, would be done
+    assert await pair.owner_in_redis() == "a"
+    assert pair.b.owner() == "a" and pair.a.owner() == "a"
+    assert pair.b.result("taken_over") == 0 and pair.b.sent == []
+    # The owner goes on answering its host.
+    assert pair.a.beat(hb.encode_beat(secret, HOST, 101)) == [hb.encode_ack(secret, HOST, 101)]
+
+
+async def test_a_moving_heartbeat_still_in_flight_when_taken_over_moves_nothing_back(
+    pair: Pair,
+) -> None:
+    """The host sent MOVING 11 before the answer to 10 came: the new owner writes 11
+    at once too, so a copy of 11 replayed at the old owner is refused."""
+    secret, _ = await pair.register()
+    assert pair.b.beat(moving(secret, 10)) == []
+    await eventually(lambda: pair.b.result("taken_over") == 1)
+    assert pair.b.beat(moving(secret, 11)) == []  # b owns the host already
+    await eventually(lambda: pair.b.result("taken_over") == 2)
+    assert [d for d, _ in pair.b.sent] == [hb.encode_ack(secret, HOST, c) for c in (10, 11)]
+
+    assert pair.a.beat(moving(secret, 11)) == []
+    await eventually(lambda: pair.a.result("takeover_replayed") == 1)
+    assert await pair.owner_in_redis() == "b"
+    assert pair.a.result("taken_over") == 0 and pair.a.sent == []
+
+
+async def test_takeovers_are_limited_per_host(pair: Pair) -> None:
+    secret, _ = await pair.register()
+    for counter in (10, 11):
+        assert pair.b.beat(moving(secret, counter)) == []
+        await eventually(lambda c=counter: len(pair.b.sent) == c - 9)
+    before = await pair.redis.xlen("{mm}:events")
+    assert pair.b.beat(moving(secret, 12)) == []  # the burst is spent
+    assert pair.b.result("takeover_limited") == 1
+    await asyncio.sleep(0.2)
+    assert len(pair.b.sent) == 2  # not answered
+    assert await pair.redis.xlen("{mm}:events") == before  # nor written
+    pair.b.h.clock.advance(1.0)
+    assert pair.b.beat(moving(secret, 13)) == []
+    await eventually(lambda: pair.b.result("taken_over") == 3)
+    assert pair.b.sent[-1][0] == hb.encode_ack(secret, HOST, 13)
+
+
+async def test_a_superseded_takeover_is_counted(pair: Pair) -> None:
+    """Two MOVING heartbeats before the batch runs: the later one is answered."""
+    secret, _ = await pair.register()
+    assert pair.b.beat(moving(secret, 10)) == []
+    assert pair.b.beat(moving(secret, 11)) == []
+    assert pair.b.result("takeover_superseded") == 1
+    await eventually(lambda: pair.b.result("taken_over") == 1)
+    await asyncio.sleep(0.1)
+    assert pair.b.sent == [(hb.encode_ack(secret, HOST, 11), HOST)]
+
+
+async def test_a_stopping_replica_neither_takes_over_nor_answers(pair: Pair) -> None:
+    """The host moves on to the next replica instead of registering with this one."""
+    secret, _ = await pair.register()
+    pair.b.h.service.liveness.stopping = True
+    assert pair.b.beat(moving(secret, 10)) == []
+    assert pair.b.result("takeover_stopping") == 1
+    await asyncio.sleep(0.2)
+    assert pair.b.sent == []
+    assert pair.b.result("stopping") == 0 and pair.b.result("taken_over") == 0
+    assert await pair.owner_in_redis() == "a"
+
+
+async def test_notices_stay_readable_by_the_previous_release(pair: Pair) -> None:
+    """A replica of the previous release unpacks exactly two fields: only a notice
+    forwarded after a takeover (which that release never sends on) has a third."""
+    pubsub = pair.redis.pubsub()
+    await pubsub.subscribe("{mm}:notice:a")
+    try:
+        confirmed = await pubsub.get_message(timeout=5)  # subscribed before publishing
+        assert confirmed is not None and confirmed["type"] == "subscribe"
+        await pair.b.registry.deliver("a", Notice(HOST, b"intro"))
+        await pair.b.registry.deliver("a", Notice(HOST, b"moved", forwarded=True))
+        got: list[list[Any]] = []
+        for _ in range(2):
+            message = await pubsub.get_message(timeout=5)
+            assert message is not None
+            got.append(msgpack.unpackb(message["data"], raw=False))
+    finally:
+        await pubsub.aclose()
+    assert got == [[HOST.key, b"intro"], [HOST.key, b"moved", True]]
 
 
 async def test_a_removed_or_replaced_host_is_never_put_back(pair: Pair) -> None:
@@ -203,7 +308,7 @@ async def test_a_late_heartbeat_of_a_removed_host_gets_not_registered(pair: Pair
         HOST.key,
     )
     assert pair.b.registry.get(HOST) is not None
-    assert pair.b.beat(hb.encode_beat(secret, HOST, 7)) == []
+    assert pair.b.beat(moving(secret, 7)) == []
     await eventually(lambda: len(pair.b.sent) == 1)
     reply, to = pair.b.sent[0]
     assert to == HOST and hb.decode_not_registered(secret, HOST, reply) == (7, True)
@@ -213,7 +318,7 @@ async def test_a_late_heartbeat_of_a_removed_host_gets_not_registered(pair: Pair
 
 async def test_introductions_reach_a_host_that_was_taken_over(pair: Pair) -> None:
     secret, _ = await pair.register()
-    assert pair.b.beat(hb.encode_beat(secret, HOST, 10)) == []
+    assert pair.b.beat(moving(secret, 10)) == []
     await eventually(lambda: pair.a.owner() == "b")
 
     # A client of the old owner asks: the introduction goes to the new owner,
@@ -236,7 +341,7 @@ async def test_an_introduction_that_reached_the_old_owner_is_sent_on(pair: Pair)
     """Relayed to the old owner by a replica that had not yet seen the move: the old
     owner sends it on once, and the new owner delivers it."""
     secret, _ = await pair.register()
-    assert pair.b.beat(hb.encode_beat(secret, HOST, 10)) == []
+    assert pair.b.beat(moving(secret, 10)) == []
     await eventually(lambda: pair.a.owner() == "b")
     await pair.b.registry.deliver("a", Notice(HOST, b"late introduction"))
     await eventually(lambda: any(d[0] == hb.Kind.INTRODUCTION for d, _ in pair.b.sent))
