@@ -8,7 +8,7 @@ Only the time spent inside the server's calls (``receive_datagram``,
 ``time.thread_time`` (CPU, not wall clock). Every handshake is the full exchange:
 CONNECT, CHALLENGE, CONNECT with the cookie, ACCEPT.
 
-    python bench/handshakes.py [N] [--server-key] [--token]
+    python bench/handshakes.py [N] [--server-key] [--token] [--no-gc]
 
 ``--server-key`` gives the server a static key and the clients its public half
 (Noise NK) where the checkout supports it; the default is NN. ``--token`` (implies
@@ -16,6 +16,9 @@ CONNECT, CHALLENGE, CONNECT with the cookie, ACCEPT.
 one (issued before the clock starts: issuing is the matchmaker's cost, not the
 host's), and also prints what verifying one token costs on its own
 (``TokenVerifier.verify``: decoding, one Ed25519 signature check, the replay cache).
+``--no-gc`` turns the cyclic garbage collector off for the run: the N connections
+all stay open, so its collections traverse more of them as the run goes on, which
+a daemon whose connections end does not pay.
 Set PYTHONPATH to measure another checkout's ``rudp`` (an older one without keys
 runs its own handshake). For valgrind, ``--quiet`` prints nothing:
 
@@ -26,6 +29,7 @@ runs its own handshake). For valgrind, ``--quiet`` prints nothing:
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 from typing import Any
@@ -138,7 +142,10 @@ def main() -> None:
     parser.add_argument("--server-key", action="store_true")
     parser.add_argument("--token", action="store_true", help="the server requires tokens")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--no-gc", action="store_true", help="the collector off for the run")
     args = parser.parse_args()
+    if args.no_gc:
+        gc.disable()
     server_cpu, client_cpu, done = run(args.count, args.server_key, args.token)
     assert done == args.count, f"only {done} of {args.count} handshakes completed"
     if args.quiet or not done:

@@ -283,6 +283,18 @@ def _stats(mm: Any) -> dict[str, Any]:
         "dropped": {str(k): v for k, v in stats.dropped.items() if v},
         "messages_resent": stats.closed_totals.get("messages_resent", 0)
         + sum(c.stats.messages_resent for c in mm.udp.endpoint.core.connections),
+        "heartbeats": _by_label(mm.metrics.heartbeats),
+        "registrations": _by_label(mm.metrics.registrations),
+    }
+
+
+def _by_label(counter: Any) -> dict[str, float]:
+    """A one-label counter's totals by label value."""
+    return {
+        next(iter(s.labels.values())): s.value
+        for metric in counter.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
     }
 
 

@@ -13,7 +13,8 @@ connection, closes it and heartbeats with datagrams:
 
 - the hosts registered on the replica the bench later kills (the *victim*,
   replica 1) keep the stock client's own keeper, which heartbeats, notices
-  the death and registers with another replica: the failover measured is the
+  the death and sends its heartbeat to another replica, which takes it over
+  (or, when none will, registers there): the failover measured is the
   client's own;
 - the others are heartbeated by their process, as bench/matchmaker_heartbeat.py
   does (the stock keeper costs a task per host, which the bench cannot pay
@@ -38,9 +39,13 @@ Phases, each on the system-wide monotonic clock:
    round trip is reported) holds it. Then the same for an ``update`` of the
    probe's map (the ``ok`` reply to the first list showing the new map);
 5. failover: SIGKILL of the victim. Times until every one of its hosts has
-   registered with another replica (client side), until Redis names a live
-   replica as the owner of each, and until the surviving replicas' indexes
-   (what their lists draw from) do, with the count of hosts they list.
+   moved to another replica (client side: taken over, or registered again),
+   until Redis names a live replica as the owner of each, and until the
+   surviving replicas' indexes (what their lists draw from) do, with the count
+   of hosts they list, how many moved by takeover, the survivors'
+   registrations and the CPU of the survivors and of the host processes from
+   the kill on. The host processes freeze their heap (``gc.freeze()``) at the
+   kill: their own collections are no part of the failover.
 
 GC pauses are every collection of each replica over the whole run.
 
@@ -63,6 +68,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import os
 import shutil
@@ -86,6 +92,7 @@ from bench.matchmaker_common import (
     GAME,
     DaemonProcess,
     bench_settings,
+    cpu_seconds,
     host_info,
     register_host,
     settings_dict,
@@ -251,28 +258,37 @@ def _client_main(
                 spread[h.client.route] = spread.get(h.client.route, 0) + 1
         pipe.send(("registered", start, time.monotonic(), len(failures), failures[:3], spread))
         moved: dict[int, float] = {}
+        cpu_at_kill = [0.0]
         watcher: asyncio.Task[None] | None = None
 
         async def watch(before: dict[int, int]) -> None:
-            # When each of the victim's hosts has registered again (elsewhere).
+            # When each of the victim's hosts has moved: another replica took its
+            # heartbeat over, or (when none would) it registered again elsewhere.
             while len(moved) < len(kept):
                 for n, h in enumerate(kept):
                     c = h.client
-                    if n not in moved and c is not None and c.registrations > before[n]:
+                    if n not in moved and c is not None and _moves(c) > before[n]:
                         moved[n] = time.monotonic()
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.1)  # a pass over thousands of hosts: not too often
 
         while True:
             cmd = await loop.run_in_executor(None, pipe.recv)
             if cmd == "count":
                 pipe.send(("count", sent[0], acks[0], len(beating), len(kept), refused[0]))
             elif cmd == "victims":
-                base = {n: h.client.registrations for n, h in enumerate(kept) if h.client}
+                # The simulated hosts' own collections are no part of what is measured.
+                gc.collect()
+                gc.freeze()
+                cpu_at_kill[0] = cpu_seconds()
+                base = {n: _moves(h.client) for n, h in enumerate(kept) if h.client}
                 watcher = asyncio.create_task(watch(base))
                 pipe.send(("victims", [h.address.key for h in kept]))
             elif cmd == "moved":
-                routes = [h.client.route for h in kept if h.client is not None]
-                pipe.send(("moved", sorted(moved.values()), len(kept), routes))
+                clients = [h.client for h in kept if h.client is not None]
+                routes = [c.route for c in clients]
+                taken = sum(c.takeovers for c in clients)
+                cpu = cpu_seconds() - cpu_at_kill[0]
+                pipe.send(("moved", sorted(moved.values()), len(kept), routes, taken, cpu))
             else:
                 break
         stop.set()
@@ -287,6 +303,11 @@ def _client_main(
         pipe.send(("closed",))
 
     rudp.run(main())
+
+
+def _moves(client: MatchmakerClient) -> int:
+    """Registrations and takeovers: either is a move to another replica."""
+    return client.registrations + client.takeovers
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
@@ -551,6 +572,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             victims += expect(p, "victims", 60)[1]
         survivors = daemons[1:]
         gc_before_kill = [d.stats()["gc"] for d in daemons]
+        cpu_at_kill = [d.stats()["cpu"] for d in survivors]
+        registrations_before_kill = [d.stats()["registrations"] for d in survivors]
         daemons[0].kill()
         killed = time.monotonic()
         timeline: list[tuple[float, int]] = []
@@ -570,19 +593,32 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         views = [d.owners() for d in survivors]
         moved: list[float] = []
         routes: list[str] = []
+        taken = 0
+        clients_cpu: list[float] = []
         for p in pipes:
             p.send("moved")
-            _, times, _n, rts = expect(p, "moved", 60)
+            _, times, _n, rts, took, cpu = expect(p, "moved", 60)
             moved += [t - killed for t in times]
             routes += rts
+            taken += took
+            clients_cpu.append(cpu)
+        survivors_cpu = [d.stats()["cpu"] - c for d, c in zip(survivors, cpu_at_kill, strict=True)]
         out["failover"] = {
             "victim_hosts": len(victims),
-            "client_registered_again_s": _quantiles(moved, 1.0),
+            "client_moved_s": _quantiles(moved, 1.0),
             "client_still_on_victim": sum(names.get(r or "", "") == "r1" for r in routes),
             "redis_all_rehomed_s": redis_s,
             "redis_timeline": timeline,
             "survivor_indexes_rehomed_s": index_s,
             "survivor_views": views,
+            "client_taken_over": taken,
+            "survivors_cpu_s": survivors_cpu,
+            "client_processes_cpu_s": clients_cpu,
+            "survivor_heartbeats": [d.stats()["heartbeats"] for d in survivors],
+            "survivor_registrations": {
+                "before": registrations_before_kill,
+                "after": [d.stats()["registrations"] for d in survivors],
+            },
         }
         print(f"failover: {out['failover']}", file=sys.stderr)
         out["load"].append(os.getloadavg())
@@ -616,7 +652,7 @@ def _pq(q: dict[str, float], digits: int = 1) -> str:
 
 def _rows(a: argparse.Namespace, r: dict[str, Any]) -> list[list[Any]]:
     reg, st, li, lag, fo = r["register"], r["steady"], r["lists"], r["lag"], r["failover"]
-    again = fo["client_registered_again_s"]
+    again = fo["client_moved_s"]
     cpu_per_host = st["replicas_cpu_us_per_host_per_s"], st["redis_cpu_us_per_host_per_s"]
     return [
         ["hosts / failed registrations", f"{a.hosts} / {reg['failed']}"],
@@ -636,8 +672,11 @@ def _rows(a: argparse.Namespace, r: dict[str, Any]) -> list[list[Any]]:
         ["replication lag ms p50 / p99, update", _pq(lag["update_ms"])],
         ["lag poll round trip p50 ms", lag["poll_p50_ms"]],
         ["failover: victim hosts", fo["victim_hosts"]],
-        ["registered again s p50 / p99, max", f"{_pq(again)}, {again['max']:.1f}"],
+        ["moved to a live replica, s p50 / p99, max", f"{_pq(again)}, {again['max']:.1f}"],
+        ["taken over on a heartbeat (no registration)", fo["client_taken_over"]],
         ["all owned by a live replica in Redis, s", fo["redis_all_rehomed_s"]],
+        ["CPU s from the kill on: survivors", [round(c, 1) for c in fo["survivors_cpu_s"]]],
+        ["... client processes", [round(c, 1) for c in fo["client_processes_cpu_s"]]],
         ["... and in the survivors' indexes, s", fo["survivor_indexes_rehomed_s"]],
         ["GC p99 ms by generation, per replica", [g["p99_ms"] for g in r["gc"]]],
         ["load average by phase", [tuple(round(x, 1) for x in load) for load in r["load"]]],

@@ -1,10 +1,12 @@
 """PEP 517 build backend: setuptools' own, plus the ``RUDP_COMPILE`` switch.
 
 ``RUDP_COMPILE=1 pip install .`` (or ``pip wheel .``) compiles the per-message code
-with mypyc (see setup.py). Only then is mypy, which provides mypyc, added to the
-build requirements; a plain build needs setuptools alone. Editable installs,
-sdists and metadata preparation are always pure Python: an editable install must
-run the sources as edited, and the extensions are built for ``build_wheel`` only.
+with mypyc and builds the C extension ``rudp._batch`` (see setup.py). Only then is
+mypy, which provides mypyc, added to the build requirements; a plain build needs
+setuptools alone, and ``RUDP_COMPILE=native`` (the C extension alone) setuptools and
+a C compiler. Editable installs, sdists and metadata preparation are always pure
+Python: an editable install must run the sources as edited, and the extensions are
+built for ``build_wheel`` only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ MYPYC_REQUIRES = ["mypy>=1.10"]  # mypyc ships with mypy; keep in step with the 
 
 
 def _compiling() -> bool:
-    return os.environ.get(SWITCH, "").strip() not in ("", "0")
+    """Whether mypyc runs (``RUDP_COMPILE=native`` builds only the C extension)."""
+    return os.environ.get(SWITCH, "").strip() not in ("", "0", "native")
 
 
 @contextlib.contextmanager

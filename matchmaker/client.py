@@ -33,10 +33,18 @@ Failover: the client knows one or more matchmaker addresses (`to` takes a
 name, which may resolve to several replicas, or a list of addresses).  Each
 connection attempt starts after the replica last used when that one's
 connection ended, so a dead or stopping replica is tried last.  A replica is
-taken for dead when a heartbeat stays unacknowledged for ``timeout`` seconds;
-a stopping one closes its connections, answers heartbeats with
-``not_registered`` and refuses registrations with ``shutting_down``.  Either
-way the host re-registers with another replica at once.  The first `register`
+taken for dead when a heartbeat stays unacknowledged for ``timeout / 2``
+seconds (``timeout`` with one address); a stopping one closes its
+connections, answers heartbeats with ``not_registered`` and refuses
+registrations with ``shutting_down``.  Either way a heartbeating host then
+sends its heartbeat, marked MOVING, to the other replicas in turn (from a
+random one; a stopping one does not answer it, and is left after ``timeout /
+2``): any replica can check it, and the first that answers takes the registration over
+(`takeovers` counts it) and is the host's replica from then on, for one
+datagram instead of a registration.  Only a replica that answers
+NOT_REGISTERED (it does not list the host), or none answering, makes the host
+register again, with the next replica.  A host holding a connection
+re-registers with another replica at once.  The first `register`
 retries too (with the same backoff) until ``register_timeout`` runs out, then
 raises `MatchmakerUnreachable` naming every address it tried.
 
@@ -193,7 +201,11 @@ class _Beats:
     address: Address
     """Our address as the matchmaker observed (and lists) it."""
     replica: tuple[Any, ...]
-    """Where heartbeats go: the replica that took the registration."""
+    """Where heartbeats go: the replica that took the registration, or the one
+    that took it over since."""
+    former: tuple[Any, ...] | None = None
+    """The replica heartbeats went to before (a takeover): its introductions,
+    sent before it learnt of the move, are still taken."""
     counter: int = field(default_factory=hb.first_counter)
     """The last counter sent; starts at random so that no one off the path can
     guess the counters a NOT_REGISTERED must echo."""
@@ -281,6 +293,12 @@ class MatchmakerClient:
         """Introductions for a registered host: clients that want to join."""
         self.registrations = 0
         """How many times `Register` succeeded (re-registrations included)."""
+        self.takeovers = 0
+        """How many times another replica took this host over on a heartbeat (no
+        registration: see "Failover" in the module doc)."""
+        self._replicas: dict[str, tuple[str, int]] = {}
+        """The replicas' datagram addresses by route label, as looked up by `to()`
+        (empty for bare connectors: heartbeats then have nowhere else to go)."""
         self.dropped: Counter[str] = Counter()
         """Datagrams on the host's socket dropped, by reason: ``wrong_source`` (not
         from the replica we heartbeat to), ``bad_mac``, ``stale`` (answers no
@@ -331,8 +349,10 @@ class MatchmakerClient:
                 raise ValueError("to([]): no matchmaker address")
         if via is not None:
             kwargs.setdefault("datagrams", via)
-        routes = _resolving_routes(replicas, via, config, matchmaker_key)
+        found: dict[str, tuple[str, int]] = {}
+        routes = _resolving_routes(replicas, via, config, matchmaker_key, found)
         client = cls(routes=routes, **kwargs)
+        client._replicas = found
         client._socket_of_its_own = via is None
         return client
 
@@ -581,27 +601,83 @@ class MatchmakerClient:
                 raise ConnectionLost("heartbeat not acknowledged") from None
 
     async def _heartbeat(self, beats: _Beats) -> None:
-        """One heartbeat datagram, resent until acknowledged or ``timeout`` runs out."""
+        """One heartbeat, resent until acknowledged or ``timeout`` runs out.  A
+        replica that does not answer (dead, cut off) or says NOT_REGISTERED
+        (stopping) is replaced by the next that takes the heartbeat over."""
+        # With another replica to turn to, two heartbeats unanswered for half of
+        # ``timeout`` are enough: moving costs one datagram, and staying on a dead
+        # replica costs the listing.
+        patience = self._timeout / 2 if len(self._replicas) > 1 else self._timeout
+        if await self._beat_round(beats, patience):
+            return
+        refused = self._needs_register.is_set()
+        if await self._move(beats) or self._needs_register.is_set():
+            return  # taken over; or to register with the replica that said NOT_REGISTERED
+        if refused:
+            self._needs_register.set()  # no other replica answered: register again
+            return
+        # A replica that does not answer is dead (or cut off), and no other took
+        # the registration over: register again.
+        self._abandon()
+        raise ConnectionLost("heartbeat not acknowledged")
+
+    async def _beat_round(
+        self, beats: _Beats, patience: float, kind: hb.Kind = hb.Kind.HEARTBEAT
+    ) -> bool:
+        """Heartbeats of `kind` to `beats.replica`, one every ``timeout / 4``, until
+        one is acknowledged (True), NOT_REGISTERED comes back or `patience` runs out."""
         port = self._port
         assert port is not None
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout
+        deadline = loop.time() + patience
         beats.round_start = beats.counter + 1
         while True:
             beats.counter += 1
             beats.answered.clear()
-            data = hb.encode_beat(beats.secret, beats.address, beats.counter)
+            data = hb.encode_beat(beats.secret, beats.address, beats.counter, kind)
             with contextlib.suppress(*TRANSPORT_ERRORS):
                 port.send_datagram(data, beats.replica)
             wait = min(self._timeout / 4, deadline - loop.time())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(beats.answered.wait(), max(wait, 0.0))
-            if self._needs_register.is_set() or beats.acked >= beats.round_start:
-                return
+            if self._needs_register.is_set():
+                return False
+            if beats.acked >= beats.round_start:
+                return True
             if loop.time() >= deadline:
-                # A replica that does not answer is dead (or cut off): move on.
-                self._abandon()
-                raise ConnectionLost("heartbeat not acknowledged")
+                return False
+
+    async def _move(self, beats: _Beats) -> bool:
+        """Heartbeat the other replicas in turn until one takes the registration
+        over (True: it is our replica now, for heartbeats, requests and
+        introductions).  Any replica can check our heartbeat: one datagram
+        instead of a new registration.  Only these heartbeats are MOVING, the kind
+        a replica takes a host over on (a copy of a plain one moves nothing).  One
+        that does not list us answers NOT_REGISTERED: we register there (False);
+        a stopping one does not answer, and the next is tried."""
+        left = beats.replica
+        others = [label for label in self._replicas if not _same_place(self._replicas[label], left)]
+        # From a random one of them (fixed per client), so that the hosts of a
+        # dead replica spread over the others.
+        first = self._start % len(others) if others else 0
+        order = others[first:] + others[:first]
+        for n, label in enumerate(order):
+            replica = self._replicas[label]
+            self._needs_register.clear()
+            beats.replica = replica
+            # Half of ``timeout`` while another replica is left to try (a stopping
+            # one stays silent), all of it for the last.
+            patience = self._timeout / 2 if n + 1 < len(order) else self._timeout
+            taken = await self._beat_round(beats, patience, hb.Kind.MOVING)
+            if taken or self._needs_register.is_set():
+                self._route, self._avoid = label, None  # a live replica: next requests go there
+                if taken:
+                    beats.former = left
+                    self.takeovers += 1
+                    log.info("taken_over address=%s", label)
+                return taken
+        beats.replica = left
+        return False
 
     def _listen(self, on: bool = True) -> None:
         """Route the matchmaker's datagrams on the host's socket to this client
@@ -616,6 +692,10 @@ class MatchmakerClient:
         if beats is None or not data:
             return []
         if not _same_place(source, beats.replica):
+            former = beats.former
+            if data[0] == hb.Kind.INTRODUCTION and former and _same_place(source, former):
+                # Authenticated by its MAC; sent before that replica saw us move.
+                return self._on_introduction_datagram(beats, data)
             # Only the replica we heartbeat to speaks for the registration.
             self.dropped["wrong_source"] += 1
             return []
@@ -962,6 +1042,7 @@ def _resolving_routes(
     via: rudp.Server | None,
     config: rudp.Config | None,
     server_key: bytes | None = None,
+    found: dict[str, tuple[str, int]] | None = None,
 ) -> Routes:
     """Every address each replica name resolves to, looked up per attempt (DNS
     round robin, a name whose records change as replicas come and go)."""
@@ -989,6 +1070,8 @@ def _resolving_routes(
                     continue
                 seen.add((ip, port))
                 label = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                if found is not None:
+                    found[label] = (ip, port)  # where heartbeats go on failover
                 connector = rudp_connector(ip, port, via=via, config=config, server_key=server_key)
                 routes.append((label, connector))
         return routes

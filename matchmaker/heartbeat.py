@@ -31,17 +31,21 @@ B3    NOT_REGISTERED      counter (8), and mac (16) when the matchmaker lists th
 B4    LEAVE               as HEARTBEAT; the host leaves the list
 B5    INTRODUCTION        id (8), payload (an `Introduction` message), mac (16)
 B6    INTRODUCTION_ACK    id (8), mac (16): 25 bytes
+B7    MOVING              as HEARTBEAT; sent only by a host moving to another
+                          replica (its own did not answer), which may take it over
 ====  ==================  ========================================================
 
 ``address`` is the host's public address as the matchmaker told it in
 `Registered`: family (1 byte, 4 or 6), port (2), IP (4 or 16).  Each ``mac`` is
 the first 16 bytes of HMAC-SHA256(secret, first byte + the fields before the
 mac + address), so a MAC made for one kind, one address or one host is
-worthless for another.  Replies to a heartbeat are never larger than it (no
-amplification towards a spoofed source): an ACK is 25 bytes, NOT_REGISTERED 9
-or 25.  NOT_REGISTERED carries a MAC when the matchmaker lists the address (the
-heartbeat came from elsewhere, or the replica is stopping); for an address it
-does not list it knows no secret, and the reply only echoes the counter.  That
+worthless for another: a HEARTBEAT can never pass for a MOVING one, which is
+what keeps a replayed heartbeat from moving a host (`matchmaker.liveness`).
+Replies to a heartbeat are never larger than it (no amplification towards a
+spoofed source): an ACK is 25 bytes, NOT_REGISTERED 9 or 25.  NOT_REGISTERED
+carries a MAC when the matchmaker lists the address (the heartbeat came from
+elsewhere, the replica is stopping or does not own the host); for an address
+it does not list it knows no secret, and the reply only echoes the counter.  That
 echo is no proof by itself: anyone can send the matchmaker a heartbeat naming
 an unlisted address with a chosen counter from a spoofed source.  What makes
 it hard to forge is that each registration's counter starts at a random
@@ -68,6 +72,8 @@ SECRET_BYTES = 32
 MAC_BYTES = 16
 _COUNTER = struct.Struct("!Q")
 _ADDRESS_HEAD = struct.Struct("!BH")
+_BEAT_KINDS = frozenset({0xB1, 0xB4, 0xB7})
+"""HEARTBEAT, LEAVE, MOVING: one layout."""
 MAX_COUNTER = (1 << 64) - 1
 
 
@@ -80,6 +86,7 @@ class Kind(enum.IntEnum):
     LEAVE = 0xB4
     INTRODUCTION = 0xB5
     INTRODUCTION_ACK = 0xB6
+    MOVING = 0xB7
 
 
 FIRST_BYTES: tuple[int, ...] = tuple(int(k) for k in Kind)
@@ -106,7 +113,7 @@ class BeatError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Beat:
-    """A decoded HEARTBEAT or LEAVE (its MAC not yet checked)."""
+    """A decoded HEARTBEAT, MOVING or LEAVE (its MAC not yet checked)."""
 
     kind: Kind
     counter: int
@@ -161,16 +168,16 @@ def mac_ok(secret: bytes, signed: bytes, tag: bytes) -> bool:
 def encode_beat(
     secret: bytes, address: Address, counter: int, kind: Kind = Kind.HEARTBEAT
 ) -> bytes:
-    """A HEARTBEAT (or LEAVE) for the host registered at `address`."""
-    if kind not in (Kind.HEARTBEAT, Kind.LEAVE):
+    """A HEARTBEAT (or LEAVE, or MOVING) for the host registered at `address`."""
+    if kind not in _BEAT_KINDS:
         raise ValueError(f"not a heartbeat kind: {kind!r}")
     signed = bytes((kind,)) + _COUNTER.pack(counter) + pack_address(address)
     return signed + mac(secret, signed)
 
 
 def decode_beat(data: bytes) -> Beat:
-    """A HEARTBEAT or LEAVE, its MAC unchecked; raises BeatError."""
-    if not data or data[0] not in (Kind.HEARTBEAT, Kind.LEAVE):
+    """A HEARTBEAT, MOVING or LEAVE, its MAC unchecked; raises BeatError."""
+    if not data or data[0] not in _BEAT_KINDS:
         raise BeatError("unknown_type")
     if len(data) < 1 + _COUNTER.size:
         raise BeatError("truncated")

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 `Liveness.receive` is the rudp socket's handler for the heartbeat bytes
-(``0xB1``-``0xB6``).  A HEARTBEAT is checked in this order, and every refusal
+(``0xB1``-``0xB7``).  A HEARTBEAT (or MOVING) is checked in this order, and every refusal
 is counted in ``matchmaker_heartbeats_total`` under its reason:
 
 1. it decodes (``truncated``, ``malformed``, ``unknown_type``);
@@ -20,11 +20,13 @@ is counted in ``matchmaker_heartbeats_total`` under its reason:
    (``replayed``; no answer).
 
 A stopping replica answers a genuine heartbeat with an authenticated
-NOT_REGISTERED too (``stopping``).  NOT_REGISTERED replies are rate limited per
-source (`reply_limiter`, keyed like every other per-source limit by
-`addresses.rate_key`): they go to wherever a datagram claims to come from, so
-the matchmaker does not become a reflector of them.  A heartbeat that would
-have had one beyond the limit is counted as ``unanswered`` instead.
+NOT_REGISTERED too (``stopping``).
+
+NOT_REGISTERED replies are rate limited per source (`reply_limiter`, keyed like
+every other per-source limit by `addresses.rate_key`): they go to wherever a
+datagram claims to come from, so the matchmaker does not become a reflector of
+them.  A heartbeat that would have had one beyond the limit is counted as
+``unanswered`` instead.
 
 Then the host is marked seen (written to the registry in one batch per
 sweep, as before) and gets a HEARTBEAT_ACK, no larger than the heartbeat.  The
@@ -32,7 +34,42 @@ only per-host state is the registry entry itself: the secret is derived from
 the shared key (`heartbeat.derive_secret`), the last counter lives in the
 record (`HostRecord.beat`).  The counter is checked per replica: a heartbeat
 recorded at one replica and replayed at another once can only keep a host
-listed that was heartbeating anyway.
+listed that was heartbeating anyway.  A shared registry also keeps the highest
+counter accepted (written with the batch of each sweep), for takeovers.
+
+**Takeover.**  A host whose replica does not answer (it died, or stopped, or
+its answers were lost) sends its heartbeats to another replica as MOVING, a
+kind only its move sends and its MAC covers: a genuine MOVING heartbeat makes
+this replica the host's owner, for one datagram instead of a new registration.
+It passed every check above (the MAC proves the registration, the address and
+the intent to move; the counter is above the last one this replica accepted),
+and `Registry.take_over` then checks, in one atomic step for a whole batch,
+that the registration still stands (its token: a removed host is never put
+back) and that its counter is above every one any replica accepted, and
+writes that counter at once (``takeover_replayed`` otherwise).  Only then does
+the host get its HEARTBEAT_ACK (``taken_over``); a registration that is gone
+gets an authenticated NOT_REGISTERED (``not_registered``), and the host
+registers.  While the registry cannot answer, the heartbeat goes unanswered
+(``takeover_unavailable``) and the host's resend tries again.  A MOVING
+heartbeat to the host's own replica goes the same way, so that one still in
+flight when the host was taken over has its counter written too.
+
+A plain HEARTBEAT never moves a host: one that reaches a replica that does not
+own the host (a copy of a heartbeat on its way to the owner, replayed before
+the owner wrote its counter at the next sweep) is counted ``not_owner`` and
+answered like a stopping replica's (an authenticated NOT_REGISTERED, rate
+limited per source, no larger than the heartbeat): the host only takes it from
+the replica it heartbeats to, which then lost it, and moves.  A replayed MOVING
+heartbeat is refused by the counter the takeover before it wrote.
+
+Takeovers are limited per host (`takeover_limiter`, ``TAKEOVER_RATE``): each
+costs a registry write and a stream event, and a host moving needs one or two;
+the excess is counted ``takeover_limited`` and not answered (the host's resend
+asks again).  A MOVING heartbeat replaced by a later one of the same host
+before its batch ran is counted ``takeover_superseded`` (the later one is
+answered).  A stopping replica neither takes a host over nor answers
+(``takeover_stopping``): the host moves on to the next replica instead of
+registering with one that would refuse it.
 
 Introductions for a host go to its listed address as INTRODUCTION datagrams,
 sent again every ``resend_interval`` seconds until the host acknowledges one
@@ -55,12 +92,15 @@ from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address, from_sockaddr, rate_key
 from matchmaker.metrics import Metrics
 from matchmaker.ratelimit import Rate, RateLimiter
-from matchmaker.registry import HostRecord, Registry
+from matchmaker.registry import HostRecord, Registry, Takeover, TakeoverResult
 
 Send = Callable[[bytes, Address], None]
 """Sends one datagram from the daemon's rudp socket."""
 REPLY_RATE = Rate(rate=2.0, burst=8.0)
 """NOT_REGISTERED replies per source: a genuine host needs one per re-registration."""
+TAKEOVER_RATE = Rate(rate=1.0, burst=2.0)
+"""Takeovers per host: a moving host needs one, two when a MOVING heartbeat was
+still in flight when the first was taken."""
 
 
 @dataclass(slots=True)
@@ -79,30 +119,42 @@ class Liveness:
         metrics: Metrics,
         *,
         on_leave: Callable[[HostRecord], None],
+        on_takeover: Callable[[], None] = lambda: None,
         resend_interval: float = 0.5,
         attempts: int = 8,
         max_pending: int = 10_000,
         reply_limiter: RateLimiter | None = None,
+        takeover_limiter: RateLimiter | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
         self._on_leave = on_leave
+        self._on_takeover = on_takeover
+        """Called when a takeover starts waiting (`take_takeovers` has work)."""
         self.resend_interval = resend_interval
         self.attempts = attempts
         self.max_pending = max_pending
-        self.reply_limiter = reply_limiter or RateLimiter(REPLY_RATE)
+        # `is None`, not `or`: an empty RateLimiter is falsy (it has a length).
+        self.reply_limiter = RateLimiter(REPLY_RATE) if reply_limiter is None else reply_limiter
         """NOT_REGISTERED replies per source (module doc)."""
+        self.takeover_limiter = (
+            RateLimiter(TAKEOVER_RATE) if takeover_limiter is None else takeover_limiter
+        )
+        """Takeovers per host, keyed by its address (module doc)."""
         self.send: Send | None = None
         """Set once the socket exists; until then introductions are not sent."""
-        self._seen: set[Address] = set()
+        self._seen: dict[Address, int] = {}
+        """Hosts that proved themselves since the last flush, and their last counter."""
+        self._takeovers: dict[Address, tuple[Takeover, tuple[Any, ...]]] = {}
+        """Heartbeats of hosts another replica owns, waiting for `Registry.take_over`,
+        with the source to answer."""
         self._pending: dict[int, _Pending] = {}
         # Ids start at random: a host that moved from another replica does not
         # take a new introduction for one it already had.
         self._ids = itertools.count(secrets.randbits(48) + 1)
         self.stopping = False
         """Set when the replica stops: heartbeats get NOT_REGISTERED, so that their
-        hosts register again, which a stopping replica refuses (``shutting_down``),
-        and so move to another replica at once."""
+        hosts move to another replica at once; MOVING heartbeats get no answer."""
         self._count = metrics.heartbeats.labels
         self._deliveries = metrics.introduction_datagrams.labels
 
@@ -110,10 +162,44 @@ class Liveness:
         """The heartbeat secret of `record`'s registration (what `Registered` hands out)."""
         return hb.derive_secret(self.registry.heartbeat_key, record.token, record.address)
 
-    def take_seen(self) -> set[Address]:
-        """The hosts that proved themselves since the last call."""
-        seen, self._seen = self._seen, set()
+    def take_seen(self) -> dict[Address, int]:
+        """The hosts that proved themselves since the last call, with the counter of
+        the last heartbeat accepted (kept by a shared registry for takeovers)."""
+        seen, self._seen = self._seen, {}
         return seen
+
+    def take_takeovers(self) -> list[tuple[Takeover, tuple[Any, ...]]]:
+        """The takeovers waiting (each host once, its latest heartbeat), for one
+        `Registry.take_over`; `settle` answers them."""
+        waiting, self._takeovers = self._takeovers, {}
+        return list(waiting.values())
+
+    def settle(
+        self,
+        waiting: list[tuple[Takeover, tuple[Any, ...]]],
+        results: list[TakeoverResult] | None,
+    ) -> None:
+        """Answer the heartbeats of `waiting` (None: the registry could not say)."""
+        for n, (t, sockaddr) in enumerate(waiting):
+            if results is None:
+                self._count("takeover_unavailable").inc()  # the host's resend asks again
+                continue
+            secret = hb.derive_secret(self.registry.heartbeat_key, t.token, t.address)
+            if results[n] is TakeoverResult.TAKEN:
+                self._count("taken_over").inc()
+                self._reply(hb.encode_ack(secret, t.address, t.beat), sockaddr)
+            elif results[n] is TakeoverResult.REPLAYED:
+                self._count("takeover_replayed").inc()
+            else:
+                for reply in self._not_registered(
+                    "not_registered", sockaddr, t.beat, secret, t.address
+                ):
+                    self._reply(reply, sockaddr)
+
+    def _reply(self, datagram: bytes, sockaddr: tuple[Any, ...]) -> None:
+        source = _source(sockaddr)
+        if source is not None:
+            self._send(datagram, source)
 
     # -- incoming
 
@@ -138,20 +224,45 @@ class Liveness:
             self._count("bad_mac").inc()
             return []
         if _source(sockaddr) != beat.address:
-            return self._not_registered("wrong_address", sockaddr, beat.counter, secret, record)
+            return self._not_registered(
+                "wrong_address", sockaddr, beat.counter, secret, record.address
+            )
         if beat.counter <= record.beat:
             self._count("replayed").inc()
             return []
         record.beat = beat.counter
+        if beat.kind is hb.Kind.MOVING:
+            return self._moving(beat, record, sockaddr)
         if self.stopping and beat.kind is hb.Kind.HEARTBEAT:
-            return self._not_registered("stopping", sockaddr, beat.counter, secret, record)
+            return self._not_registered("stopping", sockaddr, beat.counter, secret, record.address)
         if beat.kind is hb.Kind.LEAVE:
             self._count("left").inc()
             self._on_leave(record)
+        elif record.owner != self.registry.replica_id:
+            # Only a MOVING heartbeat moves a host: this may be a copy of one on
+            # its way to the owner (module doc).
+            return self._not_registered("not_owner", sockaddr, beat.counter, secret, record.address)
         else:
             self._count("ok").inc()
-            self._seen.add(record.address)
+            self._seen[record.address] = beat.counter
         return [hb.encode_ack(secret, record.address, beat.counter)]
+
+    def _moving(self, beat: hb.Beat, record: HostRecord, sockaddr: tuple[Any, ...]) -> list[bytes]:
+        """A genuine MOVING heartbeat: queued for `Registry.take_over` (module doc)."""
+        if self.stopping:
+            self._count("takeover_stopping").inc()  # the host tries the next replica
+            return []
+        if not self.takeover_limiter.allow(record.address.key):
+            self._count("takeover_limited").inc()
+            return []
+        if record.address in self._takeovers:
+            self._count("takeover_superseded").inc()  # the later one is answered
+        self._takeovers[record.address] = (
+            Takeover(record.address, record.token, beat.counter),
+            sockaddr,
+        )
+        self._on_takeover()
+        return []
 
     def _not_registered(
         self,
@@ -159,15 +270,15 @@ class Liveness:
         sockaddr: tuple[Any, ...],
         counter: int,
         secret: bytes | None = None,
-        record: HostRecord | None = None,
+        address: Address | None = None,
     ) -> list[bytes]:
-        """A NOT_REGISTERED for `sockaddr`, unless that source had its share."""
+        """A NOT_REGISTERED for `sockaddr` (authenticated for the registration at
+        `address` with `secret`), unless that source had its share."""
         source = _source(sockaddr)
         if source is None or not self.reply_limiter.allow(rate_key(source.ip)):
             self._count("unanswered").inc()
             return []
         self._count(reason).inc()
-        address = record.address if record is not None else None
         return [hb.encode_not_registered(counter, secret, address)]
 
     def _introduction_ack(self, data: bytes) -> None:

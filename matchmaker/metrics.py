@@ -46,12 +46,20 @@ HEARTBEAT_RESULTS = (
     "malformed",
     "unknown_type",
     "stopping",
+    "not_owner",
+    "taken_over",
+    "takeover_replayed",
+    "takeover_unavailable",
+    "takeover_limited",
+    "takeover_superseded",
+    "takeover_stopping",
 )
 INTRODUCTION_DELIVERIES = ("sent", "resent", "acked", "unacked", "bad_ack", "late_ack", "overflow")
 REGISTRY_OPS = (
     "upsert",
     "update",
     "touch",
+    "take_over",
     "remove",
     "expire",
     "publish",

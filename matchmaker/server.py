@@ -183,6 +183,7 @@ class Matchmaker:
             await self._start_master()
         self._spawn(self.service.run_sweeper(), "sweeper")
         self._spawn(self.service.run_notices(), "notices")
+        self._spawn(self.service.run_takeovers(), "takeovers")
         self._spawn(self.service.run_introductions(), "introductions")
         log.info(
             "matchmaker_started",

@@ -31,11 +31,12 @@ datagram, or by going silent until ``expire_after``.  `Update` and
 connection carried the registration.  On shutdown the replica first stops
 accepting (new connections are closed at once, `Register` is refused with
 ``shutting_down``), then closes its connections and no longer acknowledges
-heartbeats: the hosts re-register with another replica (which takes the entry
-over), and lists do not flicker meanwhile.
+heartbeats: the hosts send their heartbeats to another replica, which takes
+the entry over (`run_takeovers`), or register there, and lists do not flicker
+meanwhile.
 
-List answers are cut into pages (`listing.paginate`, then by encoded size) and
-sent by a task of their own with at most ``pages_in_flight`` unacknowledged
+List answers are cut into pages (`listing.paginate_positions`, then by encoded
+size) and sent by a task of their own with at most ``pages_in_flight`` unacknowledged
 pages, so a long list neither blocks the connection's other requests nor
 floods a slow client.
 
@@ -54,6 +55,7 @@ host's NAT.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import secrets
@@ -72,7 +74,7 @@ from matchmaker.addresses import (
     source_key,
 )
 from matchmaker.listing import paginate_positions, size_cuts
-from matchmaker.liveness import REPLY_RATE, Liveness
+from matchmaker.liveness import REPLY_RATE, TAKEOVER_RATE, Liveness
 from matchmaker.messages import (
     DEFAULT_LIMITS,
     NONCE_BYTES,
@@ -179,13 +181,16 @@ class MatchmakerService:
         self._list_limit = RateLimiter(settings.list_bucket, max_keys=keys, clock=clock)
         self._introduce_limit = RateLimiter(settings.introduce_bucket, max_keys=keys, clock=clock)
         self._sessions: dict[Address, _Session] = {}
+        self._takeover_due = asyncio.Event()
         self._beats: set[Address] = set()
         """Hosts that sent a `Heartbeat` message since the last flush."""
         self.liveness = Liveness(
             registry,
             metrics,
             on_leave=self._leave,
+            on_takeover=self._takeover_due.set,
             reply_limiter=RateLimiter(REPLY_RATE, max_keys=keys, clock=clock),
+            takeover_limiter=RateLimiter(TAKEOVER_RATE, max_keys=keys, clock=clock),
         )
         """The connectionless heartbeats and introductions (the socket's handler)."""
         self._background: set[asyncio.Task[None]] = set()
@@ -455,12 +460,13 @@ class MatchmakerService:
 
     async def flush_heartbeats(self) -> None:
         """Write the heartbeats received since the last flush; tell unknown hosts."""
-        live, self._beats = self._beats, set()
-        live |= self.liveness.take_seen()
+        beats, self._beats = self._beats, set()
+        live = dict.fromkeys(beats, 0)  # a `Heartbeat` message has no counter
+        live.update(self.liveness.take_seen())
         if not live:
             return
         try:
-            missing = await self.registry.touch(list(live))
+            missing = await self.registry.touch(live)
         except RegistryUnavailable:
             return
         # A datagram heartbeater learns it from its next heartbeat (NOT_REGISTERED).
@@ -658,8 +664,35 @@ class MatchmakerService:
         while True:
             notice = await self.registry.next_notice()
             target = self.registry.get(notice.target)
-            if target is not None:
-                self._deliver(target, notice.payload)
+            if target is None:
+                continue
+            if target.owner != self.registry.replica_id and not notice.forwarded:
+                # The host moved to another replica (a takeover) after the sender
+                # looked: only the new owner's datagrams are sure to pass its NAT.
+                moved = Notice(notice.target, notice.payload, forwarded=True)
+                with contextlib.suppress(RegistryUnavailable):
+                    await self.registry.deliver(target.owner, moved)
+                continue
+            self._deliver(target, notice.payload)
+
+    async def run_takeovers(self) -> None:
+        """Take over the hosts whose heartbeats came here instead of to their
+        replica (`matchmaker.liveness`), until cancelled: what waits is written in
+        one registry call, answered when it returns, while the next batch gathers."""
+        while True:
+            await self._takeover_due.wait()
+            self._takeover_due.clear()
+            waiting = self.liveness.take_takeovers()
+            if not waiting:
+                continue
+            try:
+                results = await self.registry.take_over([t for t, _ in waiting])
+            except RegistryUnavailable:
+                results = None
+            except Exception:  # a bug must cost this batch, not every later takeover
+                log.exception("takeover_failed", hosts=len(waiting))
+                results = None
+            self.liveness.settle(waiting, results)
 
     async def run_introductions(self) -> None:
         """Send unacknowledged introductions again when due, until cancelled."""

@@ -18,7 +18,8 @@ The protocol core (``rudp.connection``, ``rudp.endpoint``) is sans-IO; the
 asyncio layer lives in ``rudp.aio``. See docs/api.md and docs/protocol.md.
 
 ``rudp.compiled`` tells which build is installed: True when the sans-IO core was
-compiled with mypyc (``RUDP_COMPILE=1 pip install .``), False for pure Python.
+compiled with mypyc (``RUDP_COMPILE=1 pip install .``), False for pure Python;
+``rudp.native``, whether the C extension that batches system calls came with it.
 
 The submodules outside the import path of the API above (``rudp.metrics``,
 ``rudp.lan``, ``rudp.lockstep``, ``rudp.netsim``) are imported on first use, so
@@ -101,6 +102,18 @@ def _core_is_compiled() -> bool:
 compiled: bool = _core_is_compiled()
 """True when the sans-IO core is the mypyc-compiled build, False when it is pure Python."""
 
+
+def _native_is_present() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("rudp._batch") is not None
+
+
+native: bool = _native_is_present()
+"""True when the C extension ``rudp._batch`` (``recvmmsg``/``sendmmsg``, Linux) is
+installed. The asyncio layer then moves many datagrams per system call, unless
+``RUDP_NO_NATIVE=1`` was set when it was imported."""
+
 __all__ = [
     "Config",
     "ConnectError",
@@ -126,6 +139,7 @@ __all__ = [
     "compiled",
     "connect",
     "generate_key",
+    "native",
     "open_endpoint",
     "public_key",
     "run",

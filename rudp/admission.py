@@ -139,7 +139,7 @@ class CookieJar:
     def __init__(self, lifetime: float, rng: random.Random) -> None:
         self._lifetime = lifetime
         self._master = rng.randbytes(32)
-        self._keys: dict[int, bytes] = {}
+        self._keys: dict[int, hmac.HMAC] = {}
         self._used: OrderedDict[tuple[Address, int], float] = OrderedDict()
         # The REJECT text of the cookies whose connection was refused (a connect
         # token's refusal), to answer a resent CONNECT again: a subset of _used.
@@ -180,18 +180,18 @@ class CookieJar:
         connection (or was not used)."""
         return self._refusals.get((address, salt))
 
-    def _key(self, slot: int) -> bytes:
+    def _key(self, slot: int) -> hmac.HMAC:
         key = self._keys.get(slot)
         if key is None:
             if len(self._keys) > _ROTATED_KEYS:
                 self._keys.clear()
-            key = hmac.digest(self._master, _SLOT.pack(slot & 0xFFFFFFFF), hashlib.sha256)
-            self._keys[slot] = key
+            raw = hmac.digest(self._master, _SLOT.pack(slot & 0xFFFFFFFF), hashlib.sha256)
+            key = self._keys[slot] = hmac.new(raw, digestmod=hashlib.sha256)
         return key
 
     def _mac(self, slot: int, address: Address, salt: int) -> bytes:
         msg = f"{address[0]}|{address[1]}|{salt}".encode()
-        return hmac.digest(self._key(slot), msg, hashlib.sha256)[:COOKIE_MAC]
+        return _keyed_digest(self._key(slot), msg)[:COOKIE_MAC]
 
     def _slot(self, now: float) -> int:
         return int(now // self._lifetime) & 0xFFFFFFFF
@@ -202,9 +202,19 @@ class ResetTokens:
 
     def __init__(self, static_key: bytes | None, rng: random.Random) -> None:
         if static_key is not None:
-            self._secret = hmac.digest(static_key, _RESET_LABEL, hashlib.sha256)
+            secret = hmac.digest(static_key, _RESET_LABEL, hashlib.sha256)
         else:
-            self._secret = rng.randbytes(32)
+            secret = rng.randbytes(32)
+        self._key = hmac.new(secret, digestmod=hashlib.sha256)
 
     def token(self, cid: int) -> bytes:
-        return hmac.digest(self._secret, _SLOT.pack(cid), hashlib.sha256)[:16]
+        return _keyed_digest(self._key, _SLOT.pack(cid))[:16]
+
+
+def _keyed_digest(key: hmac.HMAC, msg: bytes) -> bytes:
+    """HMAC-SHA256 of ``msg`` under ``key``, an HMAC object keyed once and never fed:
+    a copy of it is keyed already, which makes each MAC a third cheaper than
+    ``hmac.digest`` keying OpenSSL's HMAC anew (one per CONNECT, spoofed or not)."""
+    mac = key.copy()
+    mac.update(msg)
+    return mac.digest()

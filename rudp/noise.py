@@ -28,17 +28,14 @@ cover them, which checks the token machinery from more sides.
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import hmac
 import random
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 DHLEN: Final = 32
 TAGLEN: Final = 16
@@ -66,11 +63,14 @@ _PATTERNS: Final[
     "IX": ((), (), (("e", "s"), ("e", "ee", "se", "s", "es"))),
 }
 
-_HASHES: Final[dict[str, Callable[[bytes], bytes]]] = {
-    "SHA256": lambda data: hashlib.sha256(data).digest(),
-    "BLAKE2s": lambda data: hashlib.blake2s(data).digest(),
+# The hash constructors; both have a 64-byte block (HMAC's pads, RFC 2104).
+_HASHES: Final[dict[str, Callable[[bytes], Any]]] = {
+    "SHA256": hashlib.sha256,
+    "BLAKE2s": hashlib.blake2s,
 }
-_HMAC_DIGESTS: Final = {"SHA256": "sha256", "BLAKE2s": "blake2s"}
+_BLOCKLEN: Final = 64
+_IPAD: Final = bytes(x ^ 0x36 for x in range(256))
+_OPAD: Final = bytes(x ^ 0x5C for x in range(256))
 
 
 class NoiseError(Exception):
@@ -79,7 +79,7 @@ class NoiseError(Exception):
 
 def public_bytes(key: X25519PrivateKey) -> bytes:
     """The 32-byte raw public key of a private key."""
-    raw: bytes = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    raw: bytes = key.public_key().public_bytes_raw()
     return raw
 
 
@@ -135,6 +135,13 @@ class CipherState:
         if key is not None:
             self.initialize_key(key)
 
+    def copy(self) -> CipherState:
+        twin = CipherState()
+        twin.key = self.key
+        twin.n = self.n
+        twin._aead = self._aead  # stateless: the nonce is given with each call
+        return twin
+
     def initialize_key(self, key: bytes) -> None:
         self.key = key
         self.n = 0
@@ -166,12 +173,24 @@ class CipherState:
         return out
 
 
+def _hmac(new: Callable[[bytes], Any], key: bytes, data: bytes) -> bytes:
+    """HMAC (RFC 2104) over the hash constructor ``new``: the same bytes as
+    ``hmac.digest``, without its per-call lookup of the hash by name (a third of an
+    HKDF's cost). Noise keys it with chaining and temporary keys, never longer
+    than a block."""
+    if len(key) > _BLOCKLEN:
+        key = new(key).digest()
+    key = key.ljust(_BLOCKLEN, b"\x00")
+    inner: bytes = new(key.translate(_IPAD) + data).digest()
+    outer: bytes = new(key.translate(_OPAD) + inner).digest()
+    return outer
+
+
 class SymmetricState:
     """The chaining key and transcript hash (Noise section 5.2)."""
 
     def __init__(self, protocol_name: bytes, hash_name: str) -> None:
-        self._hash = _HASHES[hash_name]
-        self._digest = _HMAC_DIGESTS[hash_name]
+        self._new = _HASHES[hash_name]
         if len(protocol_name) <= HASHLEN:
             self.h = protocol_name.ljust(HASHLEN, b"\x00")
         else:
@@ -179,12 +198,33 @@ class SymmetricState:
         self.ck = self.h
         self.cipher = CipherState()
 
+    def copy(self) -> SymmetricState:
+        twin = SymmetricState(b"", "BLAKE2s")
+        twin._new = self._new
+        twin.h = self.h
+        twin.ck = self.ck
+        twin.cipher = self.cipher.copy()
+        return twin
+
+    @staticmethod
+    def starting(script: _Script) -> SymmetricState:
+        """The state ``InitializeSymmetric`` gives for ``script``'s protocol name."""
+        state = SymmetricState(b"", "BLAKE2s")
+        state._new = script.new
+        state.h = state.ck = script.h
+        return state
+
+    def _hash(self, data: bytes) -> bytes:
+        digest: bytes = self._new(data).digest()
+        return digest
+
     def _hkdf(self, ikm: bytes, outputs: int) -> list[bytes]:
-        temp = hmac.digest(self.ck, ikm, self._digest)
+        new = self._new
+        temp = _hmac(new, self.ck, ikm)
         out: list[bytes] = []
         previous = b""
         for i in range(1, outputs + 1):
-            previous = hmac.digest(temp, previous + bytes((i,)), self._digest)
+            previous = _hmac(new, temp, previous + bytes((i,)))
             out.append(previous)
         return out
 
@@ -246,6 +286,41 @@ def parse_protocol_name(
     return pre_i, pre_r, tuple(tuple(m) for m in script), parts[4]
 
 
+class _Script:
+    """What a protocol name fixes, worked out once per name (``_script``): every
+    handshake of the name starts from the same hash and chaining key."""
+
+    def __init__(self, name: str) -> None:
+        pre_i, pre_r, messages, hash_name = parse_protocol_name(name)
+        self.pre_i = pre_i
+        self.pre_r = pre_r
+        self.messages = messages
+        self.new = _HASHES[hash_name]
+        self.psk_mode = any("psk" in m for m in messages)
+        self.initiator_needs_s = bool(pre_i) or any("s" in m for m in messages[0::2])
+        self.responder_needs_s = bool(pre_r) or any("s" in m for m in messages[1::2])
+        protocol = name.encode("ascii")
+        if len(protocol) <= HASHLEN:
+            self.h: bytes = protocol.ljust(HASHLEN, b"\x00")
+        else:
+            self.h = self.new(protocol).digest()
+
+
+_SCRIPTS: Final[dict[str, _Script]] = {}
+# Names worked out once and kept. rudp uses two; an application may build
+# HandshakeState with any valid name, and names beyond these are worked out each time.
+_SCRIPTS_KEPT: Final = 64
+
+
+def _script(name: str) -> _Script:
+    script = _SCRIPTS.get(name)
+    if script is None:
+        script = _Script(name)
+        if len(_SCRIPTS) < _SCRIPTS_KEPT:
+            _SCRIPTS[name] = script
+    return script
+
+
 class HandshakeState:
     """One side of a Noise handshake (section 5.3).
 
@@ -266,38 +341,47 @@ class HandshakeState:
         ephemeral: X25519PrivateKey | None = None,
         psks: Sequence[bytes] = (),
     ) -> None:
-        pre_i, pre_r, messages, hash_name = parse_protocol_name(protocol_name)
+        script = _script(protocol_name)
+        self._name = protocol_name
         self.initiator = initiator
-        self._messages = messages
+        self._messages = script.messages
         self._index = 0
-        self._symmetric = SymmetricState(protocol_name.encode("ascii"), hash_name)
+        self._symmetric = SymmetricState.starting(script)
         self._s = static
         self._e = ephemeral
         self._rs = remote_static
         self._re: bytes | None = None
         self._psks = list(psks)
-        self._psk_mode = any("psk" in m for m in messages)
+        self._psk_mode = script.psk_mode
         for psk in self._psks:
             if len(psk) != 32:
                 raise ValueError("a Noise pre-shared key is 32 bytes")
         self._symmetric.mix_hash(prologue)
         # Pre-messages: the initiator's keys are hashed first (section 7.1).
-        for owner_is_initiator, tokens in ((True, pre_i), (False, pre_r)):
+        for owner_is_initiator, tokens in ((True, script.pre_i), (False, script.pre_r)):
             for _static in tokens:  # every supported pre-message is one "s"
                 mine = owner_is_initiator == initiator
                 key = self._local_static_public() if mine else self._remote_static()
                 self._symmetric.mix_hash(key)
-        needs_s = any("s" in m and (i % 2 == 0) == initiator for i, m in enumerate(messages))
-        if (needs_s or (pre_i if initiator else pre_r)) and static is None:
+        needs_s = script.initiator_needs_s if initiator else script.responder_needs_s
+        if needs_s and static is None:
             raise ValueError(f"{protocol_name} needs this side's static key")
 
     def fork(self) -> HandshakeState:
         """An independent copy: read a message into it, and keep it only if the
         message authenticated (a forged message must not spoil the real state)."""
-        twin = copy.copy(self)
-        twin._symmetric = copy.copy(self._symmetric)
-        twin._symmetric.cipher = copy.copy(self._symmetric.cipher)
-        twin._psks = list(self._psks)
+        # Field by field: a compiled (native) class cannot be copied by ``copy.copy``.
+        twin = HandshakeState(
+            self._name,
+            initiator=self.initiator,
+            static=self._s,
+            remote_static=self._rs,
+            ephemeral=self._e,
+            psks=self._psks,
+        )
+        twin._index = self._index
+        twin._re = self._re
+        twin._symmetric = self._symmetric.copy()
         return twin
 
     def _local_static_public(self) -> bytes:

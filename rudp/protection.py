@@ -91,13 +91,18 @@ class ReplayWindow:
     ``accepted`` counts the numbers accepted: with ``largest``, what arrived of what
     the peer sent (its numbers start at 0 and count every packet), which
     ``ConnectionStats`` reports.
+
+    The slots grow with the first numbers accepted instead of being made whole
+    at once: a slot not there yet holds nothing, as -1 would. A short connection
+    (a handshake, a request, a close) uses a handful, and the 1,024 it allocated
+    before were 8 KB to fill, free, and walk at each garbage collection.
     """
 
     __slots__ = ("_slots", "accepted", "largest")
 
     def __init__(self) -> None:
         self.largest = -1
-        self._slots = [-1] * REPLAY_WINDOW
+        self._slots: list[int] = []
         self.accepted = 0
 
     def seen(self, number: int) -> bool:
@@ -107,22 +112,30 @@ class ReplayWindow:
             return False
         if largest - number >= REPLAY_WINDOW:
             return True
-        return self._slots[number & _SLOT_MASK] == number
+        slot = number & _SLOT_MASK
+        slots = self._slots
+        return slot < len(slots) and slots[slot] == number
 
     def accept(self, number: int) -> None:
         """Record ``number`` as received (after it authenticated)."""
         self.accepted += 1
         if number > self.largest:
             self.largest = number
-        self._slots[number & _SLOT_MASK] = number
+        slot = number & _SLOT_MASK
+        slots = self._slots
+        while len(slots) <= slot:  # (only while the first REPLAY_WINDOW numbers arrive)
+            slots.append(-1)
+        slots[slot] = number
 
     @property
     def bits(self) -> int:
         """Bit ``i`` set when ``largest - i`` was accepted (for tests and tools)."""
         largest = self.largest
         out = 0
+        slots = self._slots
         for i in range(min(REPLAY_WINDOW, largest + 1)):
-            if self._slots[(largest - i) & _SLOT_MASK] == largest - i:
+            slot = (largest - i) & _SLOT_MASK
+            if slot < len(slots) and slots[slot] == largest - i:
                 out |= 1 << i
         return out
 

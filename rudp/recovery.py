@@ -92,6 +92,12 @@ LOSS_DELAY_FLOOR: Final = 0.005
 # sends one; the resend timeout takes over when its acknowledgment does not come).
 TAIL_PROBES: Final = 1
 
+# The least a tail-loss probe waits past ``2 * SRTT`` and the peer's ack delay: on a
+# path of a millisecond, event-loop timers run later than that under load, and the
+# probe would resend what merely waits for its acknowledgment (Linux's TLP keeps
+# the same floor).
+TAIL_PROBE_FLOOR: Final = 0.010
+
 
 class RttEstimator:
     """RFC 6298 smoothed RTT, variance, RTO and backoff."""
@@ -489,15 +495,16 @@ class PacketRecovery:
         return max(self.last_eliciting, self.last_probe) + self.rtt.backed_off_rto
 
     def tail_probe_deadline(self) -> float:
-        """When a tail-loss probe is due: ``2 * SRTT`` plus the peer's ``max_ack_delay``
-        after the newest ack-eliciting packet (RFC 8985, section 7.2: long enough that
-        the acknowledgment of a packet that arrived would have come), or never: before
+        """When a tail-loss probe is due: ``2 * SRTT`` (at least ``TAIL_PROBE_FLOOR``)
+        plus the peer's ``max_ack_delay`` after the newest ack-eliciting packet (RFC
+        8985, section 7.2: long enough that the acknowledgment of a packet that
+        arrived would have come), or never: before
         the first RTT sample, once ``TAIL_PROBES`` went out with no new data
         acknowledged since, and while the resend timer backs off (it probes then)."""
         rtt = self.rtt
         if self.tail_probes >= TAIL_PROBES or rtt.backoff or not rtt.samples:
             return _NEVER
-        return self.last_eliciting + 2 * rtt.srtt + rtt.peer_ack_delay
+        return self.last_eliciting + max(2 * rtt.srtt, TAIL_PROBE_FLOOR) + rtt.peer_ack_delay
 
     def on_timer(self, now: float, tx_next: int) -> bool:
         """The loss timers; returns whether a probe is due (the tail-loss probe's or the

@@ -412,7 +412,10 @@ class EndpointStats:
         """Fold an ended connection's counters into the endpoint totals."""
         totals = self.closed_totals
         for name in COUNTERS:
-            totals[name] += getattr(conn, name)
+            # Most of a short connection's counters are zero: no dict update for them.
+            value = getattr(conn, name)
+            if value:
+                totals[name] += value
 
     @property
     def datagrams_dropped(self) -> int:

@@ -21,6 +21,8 @@ from matchmaker.registry.base import (
     RegistryUnavailable,
     RemovalReason,
     Subscription,
+    Takeover,
+    TakeoverResult,
     TooManyHosts,
 )
 from matchmaker.registry.memory import MemoryRegistry
@@ -43,5 +45,7 @@ __all__ = [
     "RegistryUnavailable",
     "RemovalReason",
     "Subscription",
+    "Takeover",
+    "TakeoverResult",
     "TooManyHosts",
 ]

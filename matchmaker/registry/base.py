@@ -89,6 +89,28 @@ class ChangeKind(enum.StrEnum):
     REMOVE = "remove"
 
 
+class TakeoverResult(enum.StrEnum):
+    """What became of a heartbeat another replica's host sent here (`Registry.take_over`)."""
+
+    TAKEN = "taken_over"
+    """This replica owns the host now."""
+    REPLAYED = "takeover_replayed"
+    """A replica accepted this counter or a later one already: nothing moved."""
+    NOT_REGISTERED = "not_registered"
+    """The registration the heartbeat proves is gone (removed, expired or replaced)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """A genuine heartbeat from a host another replica owns."""
+
+    address: Address
+    token: str
+    """The registration its MAC proves (the secret derives from it)."""
+    beat: int
+    """Its counter."""
+
+
 @dataclass(slots=True, kw_only=True)
 class HostRecord:
     """One registered host.
@@ -104,7 +126,8 @@ class HostRecord:
     """Observed public address: the key."""
     info: HostInfo
     owner: str
-    """Id of the replica holding the host's connection."""
+    """Id of the replica the host heartbeats to (where it registered, or the one
+    that took it over: `Registry.take_over`, the one change made in place)."""
     token: str
     """Registration id; removal by a stale connection must name it."""
     registered_at: float
@@ -146,6 +169,8 @@ class Notice:
 
     target: Address
     payload: bytes
+    forwarded: bool = False
+    """Sent on by a replica that no longer owned the host (it moved): not again."""
 
 
 _TAG_SETS: dict[tuple[str, ...], tuple[str, ...]] = {(): ()}
@@ -493,7 +518,23 @@ class Registry(abc.ABC):
 
     @abc.abstractmethod
     async def touch(self, addresses: Collection[Address]) -> set[Address]:
-        """Mark hosts as alive now; returns those that are not registered."""
+        """Mark hosts as alive now; returns those that are not registered.  Given a
+        mapping, its values are the hosts' last heartbeat counters (0: none), which
+        a shared registry keeps for `take_over`'s replay check."""
+
+    async def take_over(self, beats: Sequence[Takeover]) -> list[TakeoverResult]:
+        """Make this replica the owner of hosts another one owned, one result per
+        heartbeat.  A registry of one replica owns every host, so nothing here
+        names another owner; this only checks that each registration still stands."""
+        results = []
+        for t in beats:
+            rec = self.get(t.address)
+            if rec is None or rec.token != t.token:
+                results.append(TakeoverResult.NOT_REGISTERED)
+                continue
+            rec.owner = self.replica_id
+            results.append(TakeoverResult.TAKEN)
+        return results
 
     @abc.abstractmethod
     async def remove(

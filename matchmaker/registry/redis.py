@@ -9,7 +9,8 @@ Redis Cluster hash tag, so every key lands in one slot):
 key                 type    content
 ==================  ======  =====================================================
 ``h:<addr>``        hash    ``info`` (msgpack HostInfo), ``owner``, ``token``, ``reg``,
-                            ``cap`` (the key of its ``ip:`` set)
+                            ``cap`` (the key of its ``ip:`` set), ``beat`` (the highest
+                            heartbeat counter a replica accepted, 20 decimal digits)
 ``seen``            zset    addr -> last seen, ms of Redis ``TIME``
 ``ip:<source>``     set     addrs registered from one source, an IPv4 address or
                             an IPv6 /64 (the per-IP cap)
@@ -25,6 +26,13 @@ key                 type    content
 Every write is one Lua script that reads ``TIME`` inside Redis, changes the
 keys and appends the change to ``events`` atomically, so the stream order *is*
 the commit order and replica clocks never matter.
+
+**Takeover.**  A replica that accepts a heartbeat for a host another replica
+owns makes itself the owner (``take_over``: one script per batch, which moves
+``owner`` only for the registration the heartbeat proves and a counter above
+the ``beat`` every replica wrote with its heartbeat batches, and appends one
+``owner`` event); every replica changes the record's owner in place, and the
+replica the host left stops counting it among the hosts it re-asserts.
 
 **Reads.**  Each replica keeps a `LocalIndex`, loaded once at start (and after
 every reconnection) and then fed by ``XREAD BLOCK`` on the stream.  List
@@ -76,7 +84,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -109,6 +117,8 @@ from matchmaker.registry.base import (
     RegistryBusy,
     RegistryUnavailable,
     RemovalReason,
+    Takeover,
+    TakeoverResult,
     TooManyHosts,
     new_token,
 )
@@ -160,6 +170,8 @@ elseif redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then
   end
   if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, ''} end
 end
+-- A new registration's counters start afresh (at random): the old one's last is void.
+if cur ~= ARGV[4] then redis.call('HDEL', KEYS[1], 'beat') end
 redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now,
   'cap', KEYS[3])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
@@ -184,17 +196,24 @@ return {1, now, id, h[1], tonumber(h[2])}
 """
 )
 
-# KEYS: seen, events.  ARGV: maxlen, addr...
+# KEYS: seen, events.  ARGV: maxlen, prefix, then addr, beat pairs (beat: the
+# heartbeat counter as 20 digits, so that strings compare as the numbers do; '' for none).
 _TOUCH = (
     _NOW
     + """
 local touched, missing = {}, {}
-for i = 2, #ARGV do
-  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
-    redis.call('ZADD', KEYS[1], now, ARGV[i])
-    touched[#touched + 1] = ARGV[i]
+for i = 3, #ARGV, 2 do
+  local addr, beat = ARGV[i], ARGV[i + 1]
+  if redis.call('ZSCORE', KEYS[1], addr) then
+    redis.call('ZADD', KEYS[1], now, addr)
+    if beat ~= '' then
+      local hk = ARGV[2] .. 'h:' .. addr
+      local last = redis.call('HGET', hk, 'beat')
+      if not last or last < beat then redis.call('HSET', hk, 'beat', beat) end
+    end
+    touched[#touched + 1] = addr
   else
-    missing[#missing + 1] = ARGV[i]
+    missing[#missing + 1] = addr
   end
 end
 if #touched > 0 then
@@ -202,6 +221,43 @@ if #touched > 0 then
     'addrs', table.concat(touched, ' '), 'seen', now)
 end
 return {now, missing}
+"""
+)
+
+# KEYS: seen, events.  ARGV: prefix, maxlen, owner, then addr, token, beat triples.
+# A heartbeat taken over (`RedisRegistry.take_over`): the registration must still be
+# the one the heartbeat's MAC proves (its token: a removed or replaced host is never
+# put back), and its counter above every one accepted before, by any replica (a
+# replayed heartbeat moves nothing).  Result per host: 1 taken, 0 not registered,
+# 2 replayed.
+_TAKE_OVER = (
+    _NOW
+    + """
+local out, moved, first = {}, {}, nil
+for i = 4, #ARGV, 3 do
+  local addr, token, beat = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local hk = ARGV[1] .. 'h:' .. addr
+  local h = redis.call('HMGET', hk, 'token', 'beat')
+  if h[1] ~= token then
+    out[#out + 1] = 0
+  elseif h[2] and h[2] >= beat then
+    out[#out + 1] = 2
+  else
+    redis.call('HSET', hk, 'owner', ARGV[3], 'beat', beat)
+    redis.call('ZADD', KEYS[1], now, addr)
+    moved[#moved + 1] = addr .. ' ' .. token
+    first = first or addr
+    out[#out + 1] = 1
+  end
+end
+local id = ''
+if #moved > 0 then
+  -- 'addr' (the first host) only lets a replica of an older release, which knows no
+  -- 'owner' op, read past the event during a rolling upgrade.
+  id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'owner', 'addr', first,
+    'owner', ARGV[3], 'addrs', table.concat(moved, ' '), 'seen', now)
+end
+return {now, out, id}
 """
 )
 
@@ -350,6 +406,7 @@ class RedisRegistry(Registry):
                 ("upsert", _UPSERT),
                 ("update", _UPDATE),
                 ("touch", _TOUCH),
+                ("take_over", _TAKE_OVER),
                 ("remove", _REMOVE),
                 ("expire", _EXPIRE),
             )
@@ -619,7 +676,13 @@ class RedisRegistry(Registry):
         return {a for a in addresses if not self._index.touch(a, now)}
 
     async def _touch_remote(self, addresses: Collection[Address]) -> set[Address]:
-        args: list[Any] = [self._maxlen, *(a.key for a in addresses)]
+        # A mapping gives each host's last heartbeat counter, kept in Redis so that
+        # another replica taking the host over refuses it replayed (`take_over`).
+        beats: Mapping[Address, int] = addresses if isinstance(addresses, Mapping) else {}
+        args: list[Any] = [self._maxlen, self._p]
+        for a in addresses:
+            beat = beats.get(a, 0)
+            args += [a.key, _beat_text(beat) if beat else ""]
         now_ms, missing = await self._script("touch", [self._k("seen"), self._k("events")], args)
         self._set_redis_now(now_ms)
         gone = {parse_key(m.decode()) for m in missing}
@@ -627,6 +690,45 @@ class RedisRegistry(Registry):
             if a not in gone:
                 self._index.touch(a, now_ms / 1000.0)
         return gone
+
+    async def take_over(self, beats: Sequence[Takeover]) -> list[TakeoverResult]:
+        """Make this replica the owner of each host whose heartbeat it accepted,
+        in one script (`_TAKE_OVER`): only for the registration the heartbeat
+        proves, and only with a counter above every one accepted before."""
+        if not beats:
+            return []
+        if self.stale:
+            raise RegistryUnavailable("take_over")
+        args: list[Any] = [self._p, self._maxlen, self.replica_id]
+        for t in beats:
+            args += [t.address.key, t.token, _beat_text(t.beat)]
+        now_ms, codes, sid = await self._script(
+            "take_over", [self._k("seen"), self._k("events")], args
+        )
+        self._set_redis_now(now_ms)
+        results = [_TAKEOVER_CODES[int(c)] for c in codes]
+        taken = [t for t, r in zip(beats, results, strict=True) if r is TakeoverResult.TAKEN]
+        if taken and _sid(sid) > self._last_id_tuple():
+            # Not yet applied by the follower (which may be past it already: then
+            # newer writes are in the index and must stay).
+            pairs = [(t.address, t.token) for t in taken]
+            self._apply_owner(self.replica_id, pairs, now_ms / 1000.0)
+        return results
+
+    def _apply_owner(self, owner: str, pairs: list[tuple[Address, str]], seen: float) -> None:
+        """Hosts taken over by replica `owner` (the same registrations: their token)."""
+        for address, token in pairs:
+            rec = self._index.get(address)
+            if rec is None or rec.token != token:
+                continue  # replaced or removed since
+            rec.owner = owner
+            self._index.touch(address, seen)
+            if owner == self.replica_id:
+                self._owned[address] = rec
+            else:
+                mine = self._owned.get(address)
+                if mine is not None and mine.token == token:
+                    del self._owned[address]  # not ours to re-assert any more
 
     async def remove(
         self, address: Address, reason: RemovalReason, *, token: str | None = None
@@ -694,7 +796,12 @@ class RedisRegistry(Registry):
         if owner == self.replica_id:
             self._receive_notice(notice)
             return
-        payload = msgpack.packb([notice.target.key, notice.payload], use_bin_type=True)
+        # Two fields unless forwarded: what a replica of the previous release reads
+        # (it unpacks exactly two), so that introductions cross a rolling upgrade.
+        fields: list[Any] = [notice.target.key, notice.payload]
+        if notice.forwarded:
+            fields.append(True)
+        payload = msgpack.packb(fields, use_bin_type=True)
         await self._op("publish", self._redis.publish(self._k("notice", owner), payload))
 
     async def _notice_loop(self) -> None:
@@ -720,8 +827,9 @@ class RedisRegistry(Registry):
 
     def _on_notice(self, data: object) -> None:
         try:
-            key, payload = msgpack.unpackb(data, raw=False)  # type: ignore[arg-type]
-            self._receive_notice(Notice(parse_key(key), payload))
+            key, payload, *rest = msgpack.unpackb(data, raw=False)  # type: ignore[arg-type]
+            forwarded = bool(rest[0]) if rest else False  # a replica of an older release
+            self._receive_notice(Notice(parse_key(key), payload, forwarded))
         except Exception as exc:  # another replica's bug must not kill the loop
             log.warning("bad_notice", error=type(exc).__name__)
 
@@ -917,6 +1025,11 @@ class RedisRegistry(Registry):
             for key in fields[b"addrs"].decode().split():
                 self._index.touch(parse_key(key), seen)
             return
+        if op == b"owner":
+            words = fields[b"addrs"].decode().split()
+            pairs = [(parse_key(k), t) for k, t in zip(words[::2], words[1::2], strict=True)]
+            self._apply_owner(fields[b"owner"].decode(), pairs, int(fields[b"seen"]) / 1000.0)
+            return
         address = parse_key(fields[b"addr"].decode())
         mine = self._ahead.get(address)
         if mine is not None:
@@ -957,6 +1070,19 @@ def _carry_beats(old: LocalIndex, fresh: LocalIndex) -> None:
             rec.beat = max(rec.beat, before.beat)
 
 
+def _beat_text(beat: int) -> str:
+    """A heartbeat counter as Redis keeps it: 20 digits, so that Lua compares the
+    strings as the numbers (its numbers are doubles, short of 64 bits)."""
+    return f"{beat:020d}"
+
+
+_TAKEOVER_CODES = {
+    0: TakeoverResult.NOT_REGISTERED,
+    1: TakeoverResult.TAKEN,
+    2: TakeoverResult.REPLAYED,
+}
+
+
 def _record(key: str, row: dict[bytes, bytes], seen: float, limits: Limits) -> HostRecord | None:
     """A HostRecord from a stored hash, or None if it is incomplete or invalid."""
     try:
@@ -967,6 +1093,7 @@ def _record(key: str, row: dict[bytes, bytes], seen: float, limits: Limits) -> H
             token=row[b"token"].decode(),
             registered_at=int(row[b"reg"]) / 1000.0,
             last_seen=seen,
+            beat=int(row.get(b"beat", b"0")),
         )
     except (KeyError, ValueError, MessageError) as exc:
         log.warning("bad_record", host=key, error=type(exc).__name__)

@@ -259,15 +259,18 @@ class Connection:
                 raise self._receiver_set()
             if self._closed_future.done():
                 raise self._closed_error()
-            waiter = self._loop.create_future()
-            self._recv_waiters.append(waiter)
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                if waiter in self._recv_waiters:
-                    self._recv_waiters.remove(waiter)
-                raise
+            await self._message_arrival()
         return self._take()
+
+    async def _message_arrival(self) -> None:
+        waiter = self._loop.create_future()
+        self._recv_waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter in self._recv_waiters:
+                self._recv_waiters.remove(waiter)
+            raise
 
     def recv_nowait(self) -> MessageReceived | None:
         """The next message if one is waiting, else None."""
@@ -333,10 +336,15 @@ class Connection:
         return self
 
     async def __anext__(self) -> MessageReceived:
-        try:
-            return await self.recv()
-        except ConnectionClosed:
-            raise StopAsyncIteration from None
+        # recv()'s loop, ending the iteration without the ConnectionClosed it would
+        # build and raise through two coroutines only to be dropped here.
+        while not self._inbox:
+            if self._receiver is not None:
+                raise self._receiver_set()
+            if self._closed_future.done():
+                raise StopAsyncIteration
+            await self._message_arrival()
+        return self._take()
 
     # -- closing ------------------------------------------------------------------------
 
@@ -425,13 +433,14 @@ class Connection:
             self._established_future.set_exception(
                 connect_error(event, self.remote_address, self._endpoint.config.connect_timeout)
             )
-        error = self._closed_error(event)
-        for msg in self._waiting:
-            future = msg.user
-            if isinstance(future, asyncio.Future) and not future.done():
-                future.set_exception(error)
-                future.exception()  # an abandoned waiter must not log "never retrieved"
-        self._waiting.clear()
+        if self._waiting:
+            error = self._closed_error(event)
+            for msg in self._waiting:
+                future = msg.user
+                if isinstance(future, asyncio.Future) and not future.done():
+                    future.set_exception(error)
+                    future.exception()  # an abandoned waiter must not log "never retrieved"
+            self._waiting.clear()
         if not self._closed_future.done():
             self._closed_future.set_result(event)
         self._wake_receivers()

@@ -169,6 +169,21 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait(5)
 
+    async def metric(self, sample: str) -> float:
+        """The value of one sample of /metrics, written as exposed (``name{labels}``);
+        0 when absent."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.http_port)
+        try:
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            body = await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
+        for line in body.decode().splitlines():
+            name, _, value = line.rpartition(" ")
+            if name == sample:
+                return float(value)
+        return 0.0
+
 
 # -- a bounded wait ------------------------------------------------------------------------
 

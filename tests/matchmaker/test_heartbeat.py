@@ -31,7 +31,7 @@ SECRET = b"k" * 32
 
 
 @pytest.mark.parametrize("address", [HOST, V6])
-@pytest.mark.parametrize("kind", [hb.Kind.HEARTBEAT, hb.Kind.LEAVE])
+@pytest.mark.parametrize("kind", [hb.Kind.HEARTBEAT, hb.Kind.LEAVE, hb.Kind.MOVING])
 def test_beat_round_trip(address: Address, kind: hb.Kind) -> None:
     data = hb.encode_beat(SECRET, address, 12345, kind)
     assert len(data) == (32 if address.family == 4 else 44)
@@ -39,6 +39,15 @@ def test_beat_round_trip(address: Address, kind: hb.Kind) -> None:
     assert (beat.kind, beat.counter, beat.address) == (kind, 12345, address)
     assert hb.mac_ok(SECRET, beat.signed, beat.mac)
     assert not hb.mac_ok(b"x" * 32, beat.signed, beat.mac)
+
+
+def test_a_heartbeat_cannot_pass_for_a_moving_one() -> None:
+    """The kind is under the MAC: a recorded HEARTBEAT with its first byte changed
+    does not ask a replica to take the host over."""
+    plain = hb.encode_beat(SECRET, HOST, 7)
+    beat = hb.decode_beat(bytes((hb.Kind.MOVING,)) + plain[1:])
+    assert beat.kind is hb.Kind.MOVING
+    assert not hb.mac_ok(SECRET, beat.signed, beat.mac)
 
 
 @pytest.mark.parametrize("address", [HOST, V6])

@@ -453,6 +453,7 @@ async def test_hostile_input_loses_nothing_counts_every_drop_and_never_amplifies
     captured: list[list[bytes]] = [[] for _ in clients]
     for k, c in enumerate(clients):
         ep = c._endpoint
+        ep._batch = None  # every datagram through _sendto (no sendmmsg), to capture it
         original = ep._sendto
 
         def capture(data: bytes, address: Any, k: int = k, original: Any = original) -> None:

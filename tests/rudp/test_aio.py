@@ -719,11 +719,12 @@ async def test_ip_literals_resolve_without_the_thread_pool_and_ports_are_checked
 
 
 async def test_a_read_drains_a_burst_and_stops_when_nothing_else_waits() -> None:
-    # After the first datagram of a wake-up the endpoint asks the socket whether
-    # another waits (FIONREAD) instead of reading until a refused recvfrom. A burst
-    # is still read whole in one callback; a datagram the probe cannot see (an empty
-    # one: FIONREAD reports its size, 0) is left for the next wake-up, which the
-    # loop's level-triggered readiness brings.
+    # One datagram per system call (no rudp._batch): after the first datagram of a
+    # wake-up the endpoint asks the socket whether another waits (FIONREAD) instead
+    # of reading until a refused recvfrom. A burst is still read whole in one
+    # callback; a datagram the probe cannot see (an empty one: FIONREAD reports its
+    # size, 0) is left for the next wake-up, which the loop's level-triggered
+    # readiness brings. (With rudp._batch, recvmmsg reads it at once: test_batch.py.)
     got: list[bytes] = []
 
     def mine(data: bytes, address: object) -> list[bytes]:
@@ -736,6 +737,7 @@ async def test_a_read_drains_a_burst_and_stops_when_nothing_else_waits() -> None
     async with await rudp.serve(idle, "127.0.0.1", 0) as server:
         server.set_datagram_handler(0xB1, mine)
         endpoint = server.endpoint
+        endpoint._batch = None
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.bind(("127.0.0.1", 0))
             # Loopback queues each datagram during sendto; no await below lets the

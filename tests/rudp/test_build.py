@@ -1,4 +1,5 @@
-"""Which build is installed: pure Python, or the sans-IO core compiled with mypyc.
+"""Which build is installed: pure Python, or the sans-IO core compiled with mypyc (and,
+on Linux, the C extension ``rudp._batch``).
 
 Runs against both builds. ``RUDP_EXPECT_COMPILED=1`` (or ``0``) makes it also
 check that the build under test is the one intended, so that a test run meant
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from importlib.machinery import EXTENSION_SUFFIXES
 
 import pytest
@@ -23,6 +25,8 @@ CORE = [
     "rudp.frames",
     "rudp.wire_v1",
     "rudp.protection",
+    "rudp.noise",
+    "rudp.handshake",
     "rudp.seqnum",
     "rudp.sending",
     "rudp.packet_builder",
@@ -52,8 +56,6 @@ INTERPRETED = [
     "rudp.errors",
     "rudp.aio.server",
     "rudp.metrics",
-    "rudp.noise",
-    "rudp.handshake",
 ]
 
 
@@ -79,3 +81,25 @@ def test_the_rest_stays_interpreted() -> None:
 def test_the_intended_build_is_under_test() -> None:
     expected = os.environ["RUDP_EXPECT_COMPILED"].strip() not in ("", "0")
     assert rudp.compiled is expected, rudp.__file__
+
+
+def test_native_says_whether_the_batch_extension_is_there() -> None:
+    assert isinstance(rudp.native, bool)
+    assert "native" in rudp.__all__
+    try:
+        importlib.import_module("rudp._batch")
+    except ImportError:
+        assert rudp.native is False
+    else:
+        assert rudp.native is True and _is_extension("rudp._batch")
+
+
+@pytest.mark.skipif("RUDP_EXPECT_COMPILED" not in os.environ, reason="RUDP_EXPECT_COMPILED unset")
+def test_the_compiled_build_has_the_batch_extension_on_linux() -> None:
+    # RUDP_COMPILE=1 builds rudp._batch wherever recvmmsg and sendmmsg exist.
+    expected = os.environ["RUDP_EXPECT_COMPILED"].strip() not in ("", "0")
+    if expected and sys.platform.startswith("linux"):
+        assert rudp.native is True
+        from rudp.aio import endpoint
+
+        assert endpoint._batch is not None or os.environ.get("RUDP_NO_NATIVE")

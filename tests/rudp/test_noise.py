@@ -183,3 +183,14 @@ def test_cipher_state_refuses_an_exhausted_nonce() -> None:
     cipher.n = (1 << 64) - 1
     with pytest.raises(NoiseError):
         cipher.encrypt_with_ad(b"", b"x")
+
+
+def test_the_names_worked_out_once_are_bounded() -> None:
+    # Valid names are unbounded (psk0, psk00, ... and any number of modifiers); a
+    # program building states from names it was sent must not grow the table.
+    from rudp import noise
+
+    for i in range(1, 200):
+        name = "Noise_NNpsk" + "0" * i + "_25519_ChaChaPoly_SHA256"
+        HandshakeState(name, initiator=True, psks=[bytes(32)] * i)
+    assert len(noise._SCRIPTS) <= noise._SCRIPTS_KEPT

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rudp.config import Config
 from rudp.connection import Connection
+from rudp.recovery import TAIL_PROBE_FLOOR
 
 from .harness import CLIENT, SERVER, Link, Network, frames_of, pair, server_conn
 
@@ -128,3 +129,23 @@ def test_no_probe_when_the_resend_timeout_comes_first() -> None:
     net.run_until(lambda: b"the tail" in server.received(), timeout=5)
     assert (stats.tail_probes, stats.timeouts) == (probes, timeouts + 1)
     assert server_conn(server).stats.tail_probes == 0
+
+
+def test_on_a_fast_path_the_probe_waits_at_least_the_floor() -> None:
+    # On loopback 2 SRTT is a millisecond or two: under load the event loop's timers
+    # run later than that, and a probe at 2 SRTT + max_ack_delay would resend
+    # messages whose acknowledgment is merely on its way.
+    net, server, _client, conn = pair(Link(delay=0.0002))
+    for i in range(10):
+        conn.send(f"warm{i}".encode())
+        net.run(0.05)
+    recovery = conn._recovery
+    assert 0 < 2 * recovery.rtt.srtt < TAIL_PROBE_FLOOR
+    conn.send(b"one")
+    net.run(0.0001)  # sent, not yet acknowledged
+    assert recovery.sent
+    wait = recovery.tail_probe_deadline() - recovery.last_eliciting
+    assert wait >= TAIL_PROBE_FLOOR + recovery.rtt.peer_ack_delay - 1e-9
+    net.run(0.1)
+    assert b"one" in server.received()
+    assert conn.stats.tail_probes == 0
