@@ -21,34 +21,36 @@ So the index keeps a host as a *row*: one exact tuple of strings, ints,
 floats, bytes and tuples of those (the tags; the LAN address), which CPython
 stops tracking once a collection has seen it (``gc.is_tracked`` is then
 False; a row met before its new tag tuple in one pass, by the next).  What
-moves (the last heartbeat's time and counter) and what a list reads (the
-encoded list entry, the source) live in lists and arrays indexed by the row's
-*slot*, and the index's per-game and per-key arrays hold slots as C ints
-(`array.array`), which the collector does not look into.  The dict by address
-maps a string to a slot, so it is never tracked.  What a full collection
-still walks is one pointer per host in each list by slot (rows, entries,
-sources): ~10 ms at 100,000 hosts; a young or middle one, nothing of the
-fleet.  Records
-are freed by reference counting alone (a row holds no reference to anything
-that could lead back to it).
+moves (the last heartbeat's time and counter, the player count) and what a
+list reads (the encoded list entry, the source) live in lists and arrays
+indexed by the row's *slot*, and the index's per-game and per-key arrays hold
+slots as C ints (`array.array`), which the collector does not look into.  The
+dict by address maps a string to a slot, so it is never tracked.  What a full
+collection still walks is one pointer per host in each list by slot (rows,
+entries, sources): ~10 ms at 100,000 hosts; a young or middle one, nothing of
+the fleet.  Records are freed by reference counting alone (a row holds no
+reference to anything that could lead back to it).
 
 A list reads the rows in place: `MemoryRegistry.sample_listing` draws slots
 and returns each one's entry and source, with no object per host (a view per
 host sent made the young collections that fell inside a list dearer).  An
-update that moves no index key replaces the row in its slot and encodes
-nothing: the service hands over the entry it encoded to check the size (a
-registration too), and an entry nobody handed over is encoded when first
-listed.
+update encodes nothing: the service hands over the entry it encoded to check
+the size (a registration too), and an entry nobody handed over is encoded
+when first listed.  One that moves no index key keeps its slot, and one that
+moves the player count alone (players joining and leaving, the common
+update) leaves the row as it is and allocates nothing that survives it.
 
 Callers that want one record get `StoredRecord`, a short-lived view of a row
 with the interface of `HostRecord`: ``beat``, ``last_seen`` and ``entry`` read
-and write the row's slot while the row is current, so the service and the
-heartbeat code do not know the difference.
+and write the row's slot while the row is current (``info`` reads the player
+count there), so the service and the heartbeat code do not know the
+difference.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -85,9 +87,10 @@ Row = tuple[Any, ...]
 
 # A row's fields, in order.  Every value is atomic or an exact tuple of atomic
 # values (the tags; the LAN address as (ip, port) or None), so the row is untracked.
+# The player count is not one: it lives in an array by slot (`RowIndex._players`).
 _IP, _PORT, _SLOT, _OWNER, _TOKEN, _REGISTERED = 0, 1, 2, 3, 4, 5
-_NAME, _GAME, _VERSION, _MAX_PLAYERS, _MAP, _PLAYERS, _PASSWORD = 6, 7, 8, 9, 10, 11, 12
-_TAGS, _REGION, _INFO, _LAN, _KEY, _SOURCE = 13, 14, 15, 16, 17, 18
+_NAME, _GAME, _VERSION, _MAX_PLAYERS, _MAP, _PASSWORD = 6, 7, 8, 9, 10, 11
+_TAGS, _REGION, _INFO, _LAN, _KEY, _SOURCE = 12, 13, 14, 15, 16, 17
 
 
 def _row(
@@ -98,9 +101,13 @@ def _row(
     lan = None if h.lan is None else (h.lan.ip, h.lan.port)
     return (
         a.ip, a.port, slot, owner, token, registered_at,
-        h.name, h.game, h.version, h.max_players, h.map, h.players, h.password,
+        h.name, h.game, h.version, h.max_players, h.map, h.password,
         h.tags, h.region, h.info, lan, h.key, source,
     )  # fmt: skip
+
+
+_NEVER = float("-inf")
+"""``last_seen`` of a slot that holds no row: never visible."""
 
 
 def _key(ip: str, port: int) -> str:
@@ -108,14 +115,14 @@ def _key(ip: str, port: int) -> str:
     return f"{ip} {port}"
 
 
-def _row_keys(row: Row) -> list[IndexKey]:
-    """`listing.index_keys` of the row's info."""
+def _row_keys(row: Row, players: int) -> list[IndexKey]:
+    """`listing.index_keys` of the row's info, with `players`."""
     return index_keys_of(
-        row[_VERSION], row[_MAP], row[_REGION], row[_TAGS], row[_PLAYERS], row[_MAX_PLAYERS]
+        row[_VERSION], row[_MAP], row[_REGION], row[_TAGS], players, row[_MAX_PLAYERS]
     )
 
 
-def _info(row: Row) -> HostInfo:
+def _info(row: Row, players: int) -> HostInfo:
     lan = row[_LAN]
     return HostInfo(
         name=row[_NAME],
@@ -123,7 +130,7 @@ def _info(row: Row) -> HostInfo:
         version=row[_VERSION],
         max_players=row[_MAX_PLAYERS],
         map=row[_MAP],
-        players=row[_PLAYERS],
+        players=players,
         password=row[_PASSWORD],
         tags=row[_TAGS],
         region=row[_REGION],
@@ -133,7 +140,7 @@ def _info(row: Row) -> HostInfo:
     )
 
 
-def _row_matches(row: Row, f: ListFilter) -> bool:
+def _row_matches(row: Row, players: int, f: ListFilter) -> bool:
     """`listing.matches` on a row (the same tests, in the same order)."""
     if row[_GAME] != f.game:
         return False
@@ -143,9 +150,9 @@ def _row_matches(row: Row, f: ListFilter) -> bool:
         return False
     if f.region is not None and row[_REGION] != f.region:
         return False
-    if f.not_full and row[_PLAYERS] >= row[_MAX_PLAYERS]:
+    if f.not_full and players >= row[_MAX_PLAYERS]:
         return False
-    if f.not_empty and row[_PLAYERS] <= 0:
+    if f.not_empty and players <= 0:
         return False
     if f.password is not None and row[_PASSWORD] != f.password:
         return False
@@ -163,13 +170,14 @@ class StoredRecord(HostRecord):
     """A `HostRecord` read from a `RowIndex` row (see the module docstring).
 
     The fixed fields come from the row (``source`` copied, the rest read when
-    asked); ``last_seen``, ``beat`` and ``entry`` from the row's slot while the row
-    is current in its index, written through to it; once the row has left, what
-    they were when it left (if the view was the one `RowIndex.pop` returned) or
-    its registration time, 0 and what was written to this view.
+    asked); ``last_seen``, ``beat``, ``entry`` and the player count from the row's
+    slot while the row is current in its index, written through to it; once the
+    row has left, what they were when it left (if the view was the one
+    `RowIndex.pop` returned) or its registration time, 0, what was written to
+    this view and the count when it was made.
     """
 
-    __slots__ = ("_address", "_entry", "_index", "_info", "_left_at", "_row")
+    __slots__ = ("_address", "_entry", "_index", "_info", "_left_at", "_players", "_row")
 
     def __init__(self, index: RowIndex, row: Row) -> None:  # no super(): fields are views
         self._index = index
@@ -178,6 +186,7 @@ class StoredRecord(HostRecord):
         self._address: Address | None = None
         self._left_at: tuple[float, int] | None = None  # (last_seen, beat), set by pop
         self._entry = b""
+        self._players: int = index._players[row[_SLOT]]  # as it was: for once it has left
         self.source = row[_SOURCE]
 
     def _slot(self) -> int:
@@ -193,8 +202,10 @@ class StoredRecord(HostRecord):
 
     @property
     def info(self) -> HostInfo:  # type: ignore[override]
-        if self._info is None:
-            self._info = _info(self._row)
+        slot = self._slot()
+        players = self._index._players[slot] if slot >= 0 else self._players
+        if self._info is None or self._info.players != players:
+            self._info = _info(self._row, players)
         return self._info
 
     @property
@@ -299,11 +310,12 @@ class RowIndex:
     that readers sample, ghosts compacted at an eighth), without an object per host
     for the collector to trace.  Not thread-safe; no I/O.
 
-    Each row has a *slot*: its position in ``_rows`` and in the arrays of what
-    moves (``_seen``, ``_beat``); the index's arrays hold slots.  A removed row's
-    slot holds None until every array that held it has been compacted (``_ghosts``
-    counts those), and only then takes another row: a slot found in an array is
-    current if it holds a row.
+    Each row has a *slot*: its position in ``_rows`` and in the arrays and lists
+    of what moves or what lists read (``_seen``, ``_beat``, ``_players``,
+    ``_entries``, ``_sources``); the index's arrays hold slots.  A removed row's
+    slot holds None (and was seen `_NEVER`) until every array that held it has
+    been compacted (``_ghosts`` counts those), and only then takes another row: a
+    slot found in an array is current if it holds a row.
     """
 
     def __init__(self) -> None:
@@ -316,6 +328,7 @@ class RowIndex:
         self._free: list[int] = []
         self._seen = array("d")  # last_seen, by slot
         self._beat = array("q")  # the last heartbeat counter accepted, by slot
+        self._players = array("q")  # the player count, by slot: an update moves it in place
         self._entries: list[bytes] = []  # the list entry (b"": none yet), by slot
         self._sources: list[str] = []  # the row's source, by slot: what a list reads
         self._ghosts = array("i")  # arrays still holding a removed row's slot, by slot
@@ -376,16 +389,25 @@ class RowIndex:
         """Give the registration `token` at `address` a new info, seen at `now`; None
         if it is not listed.  Its list entry is cleared: the caller sets the one it
         encoded (`StoredRecord.entry`), or the first list encodes it.  Nothing else is
-        encoded again, and a row that stays in the same index arrays (a change of
-        players, name or info that moves no `listing.index_keys`) keeps its slot."""
+        encoded again.  A row that stays in the same index arrays (a change of
+        players, name or info that moves no `listing.index_keys`) keeps its slot, and
+        one whose player count alone moved stays as it is: nothing is left for the
+        collector to see."""
         old = self._find(address)
         if old is None or old[_TOKEN] != token:
             return None
         slot = old[_SLOT]
         fields = (old[_OWNER], token, old[_REGISTERED])
         row = _row(address, info, *fields, slot, old[_SOURCE])
-        if row[_GAME] == old[_GAME] and _row_keys(row) == _row_keys(old):
-            self._rows[slot] = row
+        players = self._players
+        if row[_GAME] == old[_GAME] and _row_keys(row, info.players) == _row_keys(
+            old, players[slot]
+        ):
+            if row != old:
+                self._rows[slot] = row
+            else:
+                row = old  # the player count moved, or nothing: the row stays
+            players[slot] = info.players
             self._entries[slot] = b""
         else:
             beat = self._beat[slot]
@@ -403,13 +425,14 @@ class RowIndex:
         slot = self._free.pop() if self._free else self._grow()
         row = _row(address, info, *fields, slot, source)
         self._rows[slot] = row
+        self._players[slot] = info.players
         self._sources[slot] = source
         self._by_address[_key(address.ip, address.port)] = slot
         game = self._by_game.get(row[_GAME])
         if game is None:
             game = self._by_game[row[_GAME]] = _Game()
         game.all.items.append(slot)
-        for key in _row_keys(row):
+        for key in _row_keys(row, info.players):
             keyed = game.keys.get(key)
             if keyed is None:
                 keyed = game.keys[key] = _Slots()
@@ -421,6 +444,7 @@ class RowIndex:
         self._rows.append(None)
         self._seen.append(0.0)
         self._beat.append(0)
+        self._players.append(0)
         self._ghosts.append(0)
         self._entries.append(b"")
         self._sources.append("")
@@ -450,8 +474,9 @@ class RowIndex:
         del self._by_address[_key(row[_IP], row[_PORT])]
         slot = row[_SLOT]
         self._rows[slot] = None
+        self._seen[slot] = _NEVER  # readers' visibility test fails for its ghosts
         self._entries[slot] = b""
-        keys = _row_keys(row)
+        keys = _row_keys(row, self._players[slot])
         self._ghosts[slot] = 1 + len(keys)  # its game's array and one per key
         game = self._by_game[row[_GAME]]
         game.all.bury(self)
@@ -483,7 +508,8 @@ class RowIndex:
                 if not found[i]:
                     row: Row = rows[slot]  # type: ignore[assignment]
                     a = Address(row[_IP], row[_PORT])
-                    found[i] = entries[slot] = encode_entry(HostEntry(address=a, info=_info(row)))
+                    info = _info(row, self._players[slot])
+                    found[i] = entries[slot] = encode_entry(HostEntry(address=a, info=info))
         return found
 
     def touch(self, address: Address, now: float) -> bool:
@@ -537,6 +563,7 @@ class RowIndex:
         self._free.clear()
         del self._seen[:]
         del self._beat[:]
+        del self._players[:]
         del self._ghosts[:]
         self._entries.clear()
         self._sources.clear()
@@ -632,14 +659,23 @@ class MemoryRegistry(Registry):
         index = self._index
         candidates, rest = index.candidates(f)
         now = self.now()
-        hide = self.hidden_after(now)
-        rows, seen = index._rows, index._seen
+        # A ghost's slot was seen _NEVER, which fails the visibility test first: no
+        # look at the row (an infinite hide_after is capped for that).
+        hide = min(self.hidden_after(now), sys.float_info.max)
+        rows, seen, players = index._rows, index._seen, index._players
         if rest is None:
-            return candidates, lambda s: rows[s] is not None and now - seen[s] <= hide
+            return candidates, lambda s: now - seen[s] <= hide
+        if not (rest.not_full or rest.not_empty):  # the player count is not read
+            return (
+                candidates,
+                lambda s: (
+                    now - seen[s] <= hide and _row_matches(rows[s], 0, rest)  # type: ignore[arg-type]
+                ),
+            )
         return (
             candidates,
             lambda s: (
-                (r := rows[s]) is not None and now - seen[s] <= hide and _row_matches(r, rest)
+                now - seen[s] <= hide and _row_matches(rows[s], players[s], rest)  # type: ignore[arg-type]
             ),
         )
 
@@ -672,11 +708,11 @@ class MemoryRegistry(Registry):
     def visible(self, f: ListFilter) -> list[HostRecord]:
         index = self._index
         now, hide, seen = self.now(), self.hidden_after(self.now()), index._seen
-        view = index.view
+        players, view = index._players, index.view
         return [
             view(r)
             for r in index.game_rows(f.game)
-            if now - seen[r[_SLOT]] <= hide and _row_matches(r, f)
+            if now - seen[s := r[_SLOT]] <= hide and _row_matches(r, players[s], f)
         ]
 
     def game_names(self) -> list[str]:

@@ -278,7 +278,11 @@ async def test_an_update_moves_a_host_between_index_arrays_only_when_its_keys_mo
     await reg.update(rec.address, rec.token, replace(rec.info, players=2, name="renamed"))
     assert reg.index()._by_address[f"{rec.address.ip} {rec.address.port}"] == slot  # same arrays
     renamed = reg.get(rec.address)
-    assert renamed is not None
+    assert renamed is not None and renamed.info.players == 2
+    row = reg.index()._rows[slot]
+    await reg.update(rec.address, rec.token, replace(renamed.info, players=3))
+    assert reg.index()._rows[slot] is row  # the player count alone: the row stays
+    assert renamed.info.players == 3  # read from the slot, as last_seen
     await reg.update(rec.address, rec.token, replace(renamed.info, region="us"))
     moved = reg.get(rec.address)
     assert moved is not None and moved.beat == 9 and moved.info.name == "renamed"
