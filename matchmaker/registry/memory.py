@@ -483,7 +483,10 @@ class RowIndex:
         for key in keys:
             keyed = game.keys[key]
             keyed.bury(self)
-            if not keyed.items:
+            if len(keyed.items) == keyed.dead:
+                # No row left under this key (tags, map, region and version are the
+                # host's to choose): the array goes, not only once it is compacted.
+                self._release(keyed.items)
                 del game.keys[key]
         if len(game.all.items) == game.all.dead:
             # Every row of the game left: its arrays hold ghosts only.

@@ -434,9 +434,20 @@ def test_the_row_index_compacts_what_left_and_lists_each_host_once() -> None:
     # Every slot is free again (none held by a ghost), and reused before the table grows.
     assert sorted(index._free) == list(range(len(index._rows)))
     assert max(index._ghosts) == 0
-    # Every slot is free again (none held by a ghost), and reused before the table grows.
-    assert sorted(index._free) == list(range(len(index._rows)))
-    assert max(index._ghosts) == 0
+
+
+def test_a_key_no_row_holds_any_more_leaves_the_index() -> None:
+    # Tags, map and region are the host's to choose: one host that keeps changing
+    # them (while another keeps its game alive) must not leave an array per value.
+    index = RowIndex()
+    index.put(_index_record(0, region="eu"))
+    for step in range(500):
+        r = _index_record(1, region=f"r{step}", map=f"m{step}", tags=(f"t{step}",))
+        index.pop(r.address)
+        index.put(r)
+    game = index._by_game["q3"]
+    assert len(game.keys) <= 16  # host 0's keys and host 1's current ones
+    assert len(index._rows) <= 2 * COMPACT_MIN  # slots are reused once compacted
 
 
 async def test_a_list_sample_reads_about_limit_hosts_whatever_the_registry_size(
