@@ -103,6 +103,8 @@ class PacketBuilder:
         "recent",
         "tx_next",
     )
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(
         self,

@@ -104,6 +104,8 @@ class PacketReader:
         "rx_largest",
         "rx_largest_time",
     )
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(
         self,
@@ -125,7 +127,6 @@ class PacketReader:
         self._stats = stats
         self.opener: Opener | None = None  # set when the handshake completes
         self.parity: Parity | None = None  # the peer's REPAIRs are read (rudp.parity)
-        stats.reader = self  # what arrived of the peer's packets: see ConnectionStats
         self.rx_largest = -1
         self.rx_bits = 0  # bit i: packet (largest - i) was received
         self.rx_largest_time = 0.0  # when it arrived (for the ACK_DELAY frame)

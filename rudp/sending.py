@@ -205,6 +205,8 @@ class Sender:
         "unacked_reliable",
         "unrel_queue",
     )
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(
         self, conn: Connection, sink: EndpointSink, stats: ConnectionStats, config: Config

@@ -420,7 +420,16 @@ class Connection:
     async def wait_established(self) -> None:
         """Used by the endpoint's ``connect()``: until the handshake completes, or raise
         what ``connect()`` raises when it does not."""
-        await self._established_future
+        try:
+            await self._established_future
+        except BaseException:
+            # What is raised holds this frame, and so this connection, in its
+            # traceback, and the future holds what is raised: a cycle that only the
+            # cyclic collector would free. The ended attempt keeps a future without it.
+            ended: asyncio.Future[None] = self._loop.create_future()
+            ended.cancel()
+            self._established_future = ended
+            raise
 
     @property
     def closed_future(self) -> asyncio.Future[Disconnected]:
