@@ -12,9 +12,9 @@ Another protocol may share the socket (``on_foreign``): a datagram starting with
 ``FF FF FF FF`` (Valve's A2S queries, Quake's out-of-band packets) then goes to
 that handler before any rudp decoding. Other first bytes that no rudp datagram
 starts with can be handed elsewhere the same way (``set_datagram_handler``; the
-matchmaker's heartbeats use ``0xB1``-``0xB6``). The hook is chosen once, when a
-handler is set, so the read loop's per-datagram cost is the same with and
-without one.
+matchmaker's heartbeats use ``0xB1``-``0xB6``). Without such a handler, the read
+loop's only cost for the hook is one test of an empty dictionary per datagram;
+compiled, the datagram then goes to the core by a direct call.
 
 Where the C extension ``rudp._batch`` is present (Linux, built with
 ``RUDP_COMPILE``; ``rudp.native`` says so), the socket is read with ``recvmmsg``
@@ -97,7 +97,6 @@ Handler = Callable[[Connection], Awaitable[None]]
 QueryHandler = Callable[[bytes, Address], "bytes | None"]
 ForeignHandler = Callable[[bytes, Address], "Sequence[bytes]"]
 """``fn(datagram, addr) -> replies``: each reply is sent to ``addr`` as one datagram."""
-Receive = Callable[[bytes, Address, float], object]
 FOREIGN_PREFIX = b"\xff\xff\xff\xff"
 """What starts a datagram of another protocol sharing the socket (A2S, Quake)."""
 RUDP_FIRST_BYTES = range(0xA0, 0xB0)
@@ -203,9 +202,6 @@ class AioEndpoint:
         # set_foreign_handler() and set_datagram_handler().
         self._foreign: dict[int, ForeignHandler] = {}
         self.foreign_errors = 0  # foreign handlers that raised
-        # What each datagram read goes to: the core, or _receive_checked while a
-        # foreign handler is set.
-        self._receive: Receive = self.core.receive_datagram
         self._conns: dict[CoreConnection, Connection] = {}
         # Connections with a drain() waiter, re-checked after each flush.
         self.draining: set[Connection] = set()
@@ -293,7 +289,8 @@ class AioEndpoint:
     def _read_each(self) -> None:
         """One ``recvfrom`` per datagram (no ``rudp._batch``)."""
         sock = self._sock
-        receive = self._receive
+        core = self.core
+        foreign = self._foreign
         inbound = self._inbound
         now = monotonic()
         first = self._probe
@@ -307,8 +304,10 @@ class AioEndpoint:
                 break
             if inbound is not None:
                 inbound.send(data, address)
+            elif foreign:
+                self._receive_checked(data, address, now)
             else:
-                receive(data, address, now)
+                core.receive_datagram(data, address, now)
             if first:
                 # One datagram per wake-up is the common case (a round trip, a game
                 # tick): stop when nothing else waits. The loop polls the socket
@@ -321,7 +320,10 @@ class AioEndpoint:
         """``recvmmsg``: up to ``rudp._batch.BATCH`` datagrams per system call. A call that
         returns fewer than it asked for found the socket empty, so no probe is needed."""
         recv_many = self._batch.recv_many
-        receive = self._receive
+        core = self.core
+        # (A handler may set or clear a foreign handler in mid-batch: the dictionary
+        # itself is tested, per datagram.)
+        foreign = self._foreign
         inbound = self._inbound
         fd = self._fd
         cache = self._addresses
@@ -347,7 +349,10 @@ class AioEndpoint:
                 for data, address in got:
                     if self._closed:
                         return
-                    receive(data, address, now)
+                    if foreign:
+                        self._receive_checked(data, address, now)
+                    else:
+                        core.receive_datagram(data, address, now)
             if len(got) < want:
                 break
             left -= want
@@ -365,7 +370,7 @@ class AioEndpoint:
     def _receive_one(self, data: bytes, address: Address) -> None:
         """Deliver one datagram released by the inbound link conditioner."""
         if not self._closed:
-            self._receive(data, address, monotonic())
+            self.receive_datagram(data, address, monotonic())
             self.after_core_call()
 
     @property
@@ -389,7 +394,14 @@ class AioEndpoint:
             self._foreign.pop(first_byte, None)
         else:
             self._foreign[first_byte] = handler
-        self._receive = self._receive_checked if self._foreign else self.core.receive_datagram
+
+    def receive_datagram(self, data: bytes, address: Address, now: float) -> None:
+        """One datagram read: to the handler of its first byte if another protocol has
+        one (see `set_datagram_handler`), else to the core."""
+        if self._foreign:
+            self._receive_checked(data, address, now)
+        else:
+            self.core.receive_datagram(data, address, now)
 
     def send_datagram(self, data: bytes, address: Address) -> None:
         """Send one datagram of another protocol sharing the socket (not rudp).

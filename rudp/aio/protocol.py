@@ -74,7 +74,7 @@ class DatagramLink(asyncio.DatagramProtocol):
         if endpoint._inbound is not None:
             endpoint._inbound.send(data, addr)
             return
-        endpoint._receive(data, addr, monotonic())
+        endpoint.receive_datagram(data, addr, monotonic())
         endpoint.after_core_call()
 
     def error_received(self, exc: Exception) -> None:
