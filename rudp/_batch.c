@@ -196,11 +196,30 @@ parse_address(PyObject *address, int family, struct sockaddr_storage *ss, sockle
     return 0;
 }
 
+/* Whether ``address`` is a plain tuple of a str and ints, the only form looked up in
+   the cache: a key equal to a cached one but of another type (a float or bool port, a
+   tuple subclass) must reach socket.sendto, which may treat it differently. */
+static int
+plain_address(PyObject *address)
+{
+    if (!PyTuple_CheckExact(address))
+        return 0;
+    Py_ssize_t size = PyTuple_GET_SIZE(address);
+    if (size < 2 || size > 4 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(address, 0)))
+        return 0;
+    for (Py_ssize_t i = 1; i < size; i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(address, i)))
+            return 0;
+    return 1;
+}
+
 /* The sockaddr of ``address`` from the cache, converted and cached on a miss. */
 static int
 sockaddr_of(PyObject *cache, PyObject *address, int family, struct sockaddr_storage *ss,
             socklen_t *len)
 {
+    if (!plain_address(address))
+        return 0;
     PyObject *found = PyDict_GetItemWithError(cache, address);
     if (found != NULL && PyBytes_CheckExact(found)) {
         *len = (socklen_t)PyBytes_GET_SIZE(found);

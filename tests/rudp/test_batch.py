@@ -195,7 +195,7 @@ def test_the_address_cache_stays_bounded(sockets: list[socket.socket]) -> None:
 
 
 class _Shrinking(tuple):  # type: ignore[type-arg]
-    """An address whose comparison empties the list being sent (a caller's misuse)."""
+    """A cache key whose comparison empties the list being sent (a caller's misuse)."""
 
     victim: list[Any] = []
 
@@ -207,20 +207,39 @@ class _Shrinking(tuple):  # type: ignore[type-arg]
 
 
 def test_send_many_sends_from_a_snapshot_of_the_list(sockets: list[socket.socket]) -> None:
-    # Python code may run inside send_many (an address's __eq__ in the cache lookup):
-    # a list emptied under it must not be read past its end (it used to crash).
+    # Python code may run inside send_many (a cache key's __eq__ in the lookup): a
+    # list emptied under it must not be read past its end (it used to crash).
     sender, receiver = _udp(socket.AF_INET, V4), _udp(socket.AF_INET, V4)
     sockets += [sender, receiver]
     address = receiver.getsockname()
-    cache: dict[object, object] = {}
-    assert batch.send_many(sender.fileno(), socket.AF_INET, [(b"", address)], 0, cache) == (1, 0)
     datagrams: list[Any] = [(b"%d" % i, address) for i in range(40)]
-    datagrams[1] = (b"1", _Shrinking(address))  # found in the cache through its __eq__
+    cache: dict[object, object] = {_Shrinking(address): None}
     _Shrinking.victim = datagrams
     assert batch.send_many(sender.fileno(), socket.AF_INET, datagrams, 0, cache) == (40, 0)
     assert datagrams == []
     got = [data for data, _ in _recvfrom_all(receiver)]
-    assert got == [b""] + [b"%d" % i for i in range(40)]
+    assert got == [b"%d" % i for i in range(40)]
+
+
+def test_an_address_equal_to_a_cached_one_but_not_plain_goes_to_sendto(
+    sockets: list[socket.socket],
+) -> None:
+    # (host, 5000.0) and (host, True) hash and compare equal to ints; sendto refuses a
+    # float port and reads True as 1, so the cached sockaddr must not be used for them.
+    sender, receiver = _udp(socket.AF_INET, V4), _udp(socket.AF_INET, V4)
+    sockets += [sender, receiver]
+    host, port = receiver.getsockname()
+    fd, cache = sender.fileno(), {}
+    assert batch.send_many(fd, socket.AF_INET, [(b"a", (host, port))], 0, cache) == (1, 0)
+    cache[(host, 1)] = cache[(host, port)]  # port 1's key now names the receiver's sockaddr
+    odd: list[Any] = [
+        (b"b", (host, float(port))),
+        (b"c", (host, True)),
+        (b"d", _Shrinking((host, port))),
+    ]
+    for i in range(len(odd)):
+        assert batch.send_many(fd, socket.AF_INET, odd, i, cache) == (i, -1)
+    assert [d for d, _ in _recvfrom_all(receiver)] == [b"a"]
 
 
 # -- the asyncio endpoint's handling of a batch's errors ------------------------------------
