@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rudp import frames, wire
+from rudp import Delivery, frames, wire
 from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.errors import ConnectionClosed
@@ -78,6 +78,7 @@ def assert_freed(drop: Callable[[], None], connections: int) -> None:
 def check_readable_after_end(conn: Connection, reason: DisconnectReason) -> None:
     """What a user or a late datagram may still do to an ended connection."""
     assert conn.state is State.CLOSED
+    assert conn._released  # by the call that ended it, not by the calls below
     assert conn.close_reason is not None and conn.close_reason.reason is reason
     stats = conn.stats
     assert stats.as_dict()["path_mtu"] >= 0
@@ -231,3 +232,36 @@ def test_a_connection_closed_while_connecting_is_freed() -> None:
     held = [conn]
     del conn
     assert_freed(dropping(held, client, server), 1)
+
+
+def garbage_holding(*conns: Connection) -> int:
+    """How many objects of the cyclic garbage point at ``conns``: such garbage keeps
+    them alive until the collector runs, however they end."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        ids = {id(c) for c in conns}
+        return sum(any(id(r) in ids for r in gc.get_referents(o)) for o in gc.garbage)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+
+
+def test_graph_messages_leave_no_cycle_through_the_connection() -> None:
+    # A graph message's node, its fragments and its dependents point at each other,
+    # and become garbage once acknowledged: none of them may point at the connection.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    gc.collect()
+    first = conn.send(b"a", delivery=Delivery.DEPENDENCY_ORDERED)
+    conn.send(b"b", depends_on=[first])
+    conn.send(b"x" * 5000, delivery=Delivery.DEPENDENCY_ORDERED)  # fragmented
+    del first
+    net.run(2)
+    assert garbage_holding(conn, sconn) == 0
+    conn.close(net.now)
+    net.run(5)
+    check_readable_after_end(conn, DisconnectReason.CLOSED)
+    held = [conn, sconn]
+    del conn, sconn
+    assert_freed(dropping(held, server, client), 2)
