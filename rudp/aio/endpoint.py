@@ -427,8 +427,14 @@ class AioEndpoint:
             self.core.receive_datagram(data, address, now)
 
     def _foreign_datagram(self, handler: ForeignHandler, data: bytes, address: Address) -> None:
+        # Whatever the handler does wrong (raises, returns something that is not a
+        # sequence of bytes) stays here: it is the user's code, called from a read
+        # that still has other datagrams to give the core.
         try:
-            replies = handler(data, address)
+            replies = list(handler(data, address))
+            for reply in replies:
+                if not isinstance(reply, bytes | bytearray | memoryview):
+                    raise TypeError(f"a reply must be bytes, got {type(reply).__name__}")
         except Exception:
             self.foreign_errors += 1
             log.exception("foreign_handler_failed peer=%s", format_address(address))
@@ -477,7 +483,8 @@ class AioEndpoint:
         self._schedule_flush()
 
     def set_path(self, path: DatagramPath | None) -> None:
-        """Send datagrams and release the socket through `path` (None: the socket)."""
+        """Send datagrams and release the socket through `path` (None: the socket);
+        every datagram then goes through it, batched sends (``sendmmsg``) included."""
         self._path = path
 
     def _sendto(self, data: bytes, address: Address) -> None:
@@ -505,7 +512,12 @@ class AioEndpoint:
         if self._outbound is not None:
             for data, address in datagrams:
                 self._outbound.send(data, address)
-        elif self._batch is not None and len(datagrams) > 1 and not self._send_buffer:
+        elif (
+            self._batch is not None
+            and self._path is None
+            and len(datagrams) > 1
+            and not self._send_buffer
+        ):
             self._send_batches(datagrams)
         else:
             for data, address in datagrams:
