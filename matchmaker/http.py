@@ -97,6 +97,9 @@ class BadRequest(Exception):
 
 
 ListServers = Callable[[ListRequest], Awaitable[list[dict[str, Any]]]]
+Exposition = Callable[[], Awaitable[bytes]]
+"""The /metrics body: by default this process's registry; with several workers, every
+worker's series with a ``worker`` label (`matchmaker.workers`)."""
 
 
 class HttpApi:
@@ -111,7 +114,9 @@ class HttpApi:
         limits: Limits,
         list_limiter: RateLimiter,
         is_shutting_down: Callable[[], bool],
+        exposition: Exposition | None = None,
     ) -> None:
+        self._exposition = exposition
         self._registry = registry
         self._metrics = metrics
         self._list_servers = list_servers
@@ -124,7 +129,10 @@ class HttpApi:
         parts = urlsplit(target)
         path = parts.path
         if path == "/metrics":
-            body = generate_latest(self._metrics.registry)
+            if self._exposition is not None:
+                body = await self._exposition()
+            else:
+                body = generate_latest(self._metrics.registry)
             return path, Response(200, body, CONTENT_TYPE_LATEST)
         if path == "/healthz":
             return path, Response.json(200, {"status": "ok"})
@@ -227,7 +235,12 @@ class HttpServer:
         sockname = self._server.sockets[0].getsockname()
         return sockname[0], sockname[1]
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, *, sock: socket.socket | None = None) -> None:
+        """Listen on ``host:port``, or accept on ``sock``, a listening socket the
+        caller made (shared by every worker of a replica)."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._client, sock=sock, limit=MAX_HEAD_BYTES)
+            return
         self._server = await asyncio.start_server(
             self._client, host, port, limit=MAX_HEAD_BYTES, reuse_address=True
         )

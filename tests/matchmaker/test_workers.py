@@ -1,0 +1,249 @@
+"""Several worker processes behind one address (``--workers``): real supervisors and
+workers on loopback sharing a real redis-server, game hosts on the stock client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+import rudp
+from matchmaker.addresses import Address
+from matchmaker.client import MatchmakerClient
+from matchmaker.workers import merge_expositions
+from tests.matchmaker.helpers import HOST, DaemonProcess, RedisProcess
+
+N_HOSTS = 100
+REHOME_WITHIN = 15.0
+FLAGS = (
+    "--workers", "2", "--max-hosts-per-ip", "10000", "--register-rate", "10000",
+    "--register-burst", "10000", "--list-rate", "100", "--list-burst", "100",
+    "--page-per-ip", "32", "--shutdown-timeout", "5",
+)  # fmt: skip
+
+
+def events(log: Path, name: str) -> list[dict[str, object]]:
+    """The JSON log lines of one event."""
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("event") == name]
+
+
+async def until(check: object, timeout: float, what: str) -> None:
+    """Poll an async predicate (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not await check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+async def replica(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[DaemonProcess]:
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS)
+    try:
+        await daemon.start()
+
+        async def both_up() -> bool:
+            up = [await daemon.metric(f'matchmaker_worker_up{{worker="{i}"}}') for i in (0, 1)]
+            return up == [1.0, 1.0]
+
+        await until(both_up, 20, "both workers serving")
+        yield daemon
+    finally:
+        # A SIGTERM first: a supervisor killed outright leaves its workers to notice
+        # (within a second) and stop on their own.
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            daemon.signal(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):
+                await daemon.wait()
+        daemon.kill()
+
+
+async def register_hosts(
+    daemon: DaemonProcess, n: int
+) -> tuple[list[MatchmakerClient], list[rudp.Server], list[Address]]:
+    sockets = [
+        await rudp.open_endpoint("127.0.0.1", 0, config=rudp.Config(channels=1)) for _ in range(n)
+    ]
+    hosts = [MatchmakerClient.to([daemon.address], via=s) for s in sockets]
+    addresses = list(await asyncio.gather(*(h.register(**HOST) for h in hosts)))
+    return hosts, sockets, addresses
+
+
+async def close_hosts(hosts: list[MatchmakerClient], sockets: list[rudp.Server]) -> None:
+    await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
+    for s in sockets:
+        s.endpoint.close_now()
+
+
+async def listed(daemon: DaemonProcess) -> set[Address]:
+    async with MatchmakerClient.to(*daemon.address, timeout=10.0) as lister:
+        return {e.address for e in await lister.list_servers(game=HOST["game"], limit=N_HOSTS)}
+
+
+async def owners(url: str, addresses: list[Address]) -> list[str | None]:
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        async with client.pipeline(transaction=False) as pipe:
+            for address in addresses:
+                pipe.hget(f"{{mm}}:h:{address.key}", "owner")
+            raw = await pipe.execute()
+    finally:
+        await client.aclose()
+    return [None if r is None else r.decode() for r in raw]
+
+
+def created(worker: int) -> str:
+    return f'matchmaker_registrations_total{{result="created",worker="{worker}"}}'
+
+
+async def test_registrations_land_on_both_workers_and_a_list_sees_every_host(
+    replica: DaemonProcess, redis_server: RedisProcess
+) -> None:
+    hosts, sockets, addresses = await register_hosts(replica, N_HOSTS)
+    try:
+        per_worker = [await replica.metric(created(i)) for i in (0, 1)]
+        assert sum(per_worker) == N_HOSTS
+        assert min(per_worker) > 0, f"one worker got every host: {per_worker}"
+        assert await listed(replica) == set(addresses)
+        assert set(await owners(redis_server.url, addresses)) == {"r-w0", "r-w1"}
+        # Each host heartbeats to the worker it registered with: its 4-tuple is the same.
+        assert (
+            await replica.metric('matchmaker_heartbeats_total{result="not_owner",worker="0"}') == 0
+        )
+        assert (
+            await replica.metric('matchmaker_heartbeats_total{result="not_owner",worker="1"}') == 0
+        )
+        print(f"registrations per worker: {per_worker}")
+    finally:
+        await close_hosts(hosts, sockets)
+
+
+async def test_a_killed_worker_is_restarted_and_its_hosts_stay_listed(
+    replica: DaemonProcess, redis_server: RedisProcess
+) -> None:
+    hosts, sockets, addresses = await register_hosts(replica, N_HOSTS)
+    try:
+        victim = next(e for e in events(replica.log_path, "worker_started") if e["index"] == 1)
+        held = sum(o == "r-w1" for o in await owners(redis_server.url, addresses))
+        assert held > 0
+        os.kill(int(str(victim["pid"])), signal.SIGKILL)
+        killed = time.monotonic()
+
+        async def restarted() -> bool:
+            return await replica.metric('matchmaker_worker_restarts{worker="1"}') == 1.0
+
+        async def served_again() -> bool:
+            # The restarted worker (same socket, same replica id) answers its hosts.
+            beats = await replica.metric('matchmaker_heartbeats_total{result="ok",worker="1"}')
+            moved = await replica.metric(
+                'matchmaker_heartbeats_total{result="taken_over",worker="1"}'
+            )
+            return beats + moved > 0
+
+        await until(restarted, REHOME_WITHIN, "worker 1 not restarted")
+        await until(served_again, REHOME_WITHIN, "worker 1's hosts not served again")
+        live = {"r-w0", "r-w1"}
+        assert set(await owners(redis_server.url, addresses)) <= live
+        assert await listed(replica) == set(addresses)
+        assert time.monotonic() - killed < REHOME_WITHIN
+        exits = events(replica.log_path, "worker_exited")
+        assert [(e["index"], e["status"]) for e in exits] == [(1, -signal.SIGKILL)]
+        again = sum(h.registrations > 1 for h in hosts)
+        print(f"{held} hosts on the killed worker, {again} registered again, "
+              f"served again {time.monotonic() - killed:.1f} s after SIGKILL")  # fmt: skip
+    finally:
+        await close_hosts(hosts, sockets)
+
+
+async def test_sigterm_drains_every_worker_and_exits_0(replica: DaemonProcess) -> None:
+    hosts, sockets, _ = await register_hosts(replica, 10)
+    try:
+        replica.signal(signal.SIGTERM)
+        assert await replica.wait() == 0
+    finally:
+        await close_hosts(hosts, sockets)
+    stopped = events(replica.log_path, "matchmaker_stopped")
+    assert sorted(e["worker"] for e in stopped) == [0, 1]  # type: ignore[type-var]
+    assert events(replica.log_path, "workers_stopped")[0]["statuses"] == "0,0"
+
+
+def test_workers_need_the_redis_store() -> None:
+    cmd = [sys.executable, "-m", "matchmaker", "--workers", "2", "--port", "0", "--http-port", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--workers (MATCHMAKER_WORKERS): more than 1 needs a redis:// store" in done.stderr
+
+
+def test_reuseport_keeps_flows_on_their_member_while_the_group_keeps_its_size() -> None:
+    """Why the supervisor holds every worker's socket: measured on this kernel."""
+
+    def member(n: int, port: int = 0) -> list[socket.socket]:
+        out = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind(("127.0.0.1", port))
+            port = s.getsockname()[1]
+            s.settimeout(5)
+            out.append(s)
+        return out
+
+    def mapping(group: list[socket.socket], flows: list[socket.socket]) -> list[int]:
+        port = group[0].getsockname()[1]
+        where = {}
+        for f in flows:
+            f.sendto(b"x", ("127.0.0.1", port))
+        for i, s in enumerate(group):
+            s.setblocking(False)
+            while True:
+                try:
+                    _, source = s.recvfrom(16)
+                except BlockingIOError:
+                    break
+                where[source] = i
+        return [where[f.getsockname()] for f in flows]
+
+    group = member(3)
+    flows = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(64)]
+    try:
+        for f in flows:
+            f.bind(("127.0.0.1", 0))
+        before = mapping(group, flows)
+        assert set(before) == {0, 1, 2}
+        # A worker dies, its socket held: the group keeps its size, no flow moves.
+        assert mapping(group, flows) == before
+        # Closed and bound again instead: the kernel remaps flows of members that lived.
+        group[0].close()
+        group[0] = member(1, group[1].getsockname()[1])[0]
+        after = mapping(group, flows)
+        moved = sum(a != b for a, b in zip(before, after, strict=True) if b != 0)
+        assert moved > 0
+    finally:
+        for s in group + flows:
+            s.close()
+
+
+def test_merge_expositions_labels_every_series_by_worker() -> None:
+    a = b'# HELP x_total X.\n# TYPE x_total counter\nx_total{r="a"} 1.0\n'
+    b = b'# HELP x_total X.\n# TYPE x_total counter\nx_total{r="a"} 2.0\n'
+    text = merge_expositions([("0", a), ("2", b)], 3).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert [(s.labels, s.value) for s in families["x"].samples] == [
+        ({"r": "a", "worker": "0"}, 1.0),
+        ({"r": "a", "worker": "2"}, 2.0),
+    ]
+    up = {s.labels["worker"]: s.value for s in families["matchmaker_worker_up"].samples}
+    assert up == {"0": 1.0, "1": 0.0, "2": 1.0}
+    assert text.count("# TYPE x_total counter") == 1
