@@ -382,10 +382,18 @@ class Supervisor:
     """Starts, watches, restarts and stops the workers of one replica."""
 
     def __init__(
-        self, settings: Settings, argv: Sequence[str], env: Mapping[str, str] | None = None
+        self,
+        settings: Settings,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        worker_command: Sequence[str] = (),
     ) -> None:
+        """``argv``: the daemon's flags, passed on to every worker;
+        ``worker_command``: what runs a worker (tests), by default this module."""
         self.settings = settings
         self._argv = list(argv)
+        self._command = list(worker_command) or [sys.executable, "-m", "matchmaker.workers"]
         self._env = {**os.environ, **(env or {})}
         base = settings.replica_id or default_replica_id()
         self._slots = [_Slot(i, f"{base}-w{i}") for i in range(settings.workers)]
@@ -395,8 +403,10 @@ class Supervisor:
 
     def run(self) -> int:
         """Run until SIGTERM/SIGINT (0 when every worker drained) or a failed start (1)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop.set())
+        previous = {
+            sig: signal.signal(sig, lambda *_: self._stop.set())
+            for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             self._sockets = bind_sockets(self.settings)
             self._log_started()
@@ -410,6 +420,8 @@ class Supervisor:
             if self._sockets is not None:
                 self._sockets.close()
             shutil.rmtree(self._directory, ignore_errors=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _log_started(self) -> None:
         assert self._sockets is not None
@@ -443,7 +455,7 @@ class Supervisor:
             restarts=slot.restarts,
         )
         fds = [spec.udp_fd, spec.http_fd, write_end] + ([master] if master >= 0 else [])
-        cmd = [sys.executable, "-m", "matchmaker.workers", *spec.argv(), "--", *self._argv]
+        cmd = [*self._command, *spec.argv(), "--", *self._argv]
         try:
             # A session of its own: a terminal's Ctrl-C reaches the supervisor alone,
             # which forwards one SIGTERM (a second signal would end a drain early).

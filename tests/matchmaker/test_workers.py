@@ -22,8 +22,15 @@ from prometheus_client.parser import text_string_to_metric_families
 import rudp
 from matchmaker.addresses import Address
 from matchmaker.client import MatchmakerClient
-from matchmaker.workers import merge_expositions
-from tests.matchmaker.helpers import HOST, DaemonProcess, RedisProcess
+from matchmaker.master import STEAM_REPLY
+from matchmaker.workers import Supervisor, merge_expositions
+from tests.matchmaker.helpers import (
+    HOST,
+    DaemonProcess,
+    RedisProcess,
+    free_udp_port,
+    settings,
+)
 
 N_HOSTS = 100
 REHOME_WITHIN = 15.0
@@ -50,7 +57,8 @@ async def until(check: object, timeout: float, what: str) -> None:
 
 @pytest.fixture
 async def replica(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[DaemonProcess]:
-    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS)
+    master = ("--master", "--master-port", str(free_udp_port()))
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS, *master)
     try:
         await daemon.start()
 
@@ -179,11 +187,50 @@ async def test_sigterm_drains_every_worker_and_exits_0(replica: DaemonProcess) -
     assert events(replica.log_path, "workers_stopped")[0]["statuses"] == "0,0"
 
 
+def master_port(daemon: DaemonProcess) -> int:
+    return int(daemon.args[daemon.args.index("--master-port") + 1])
+
+
+async def test_the_master_port_answers_from_every_worker(replica: DaemonProcess) -> None:
+    """Its sockets are a group like the rudp port's: a worker that did not read
+    its own would leave about half of these queries unanswered."""
+    hosts, sockets, _ = await register_hosts(replica, 5)
+
+    async def both_see_them() -> bool:
+        name = f'matchmaker_hosts_listed{{game="{HOST["game"]}",worker='
+        return [await replica.metric(f'{name}"{i}"}}') for i in (0, 1)] == [5.0, 5.0]
+
+    await until(both_see_them, 10, "a worker does not list the hosts the other registered")
+    queries = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(16)]
+    try:
+        for q in queries:
+            q.settimeout(10)
+            q.sendto(b"\x31\xff0.0.0.0:0\x00\x00", ("127.0.0.1", master_port(replica)))
+        replies = [await asyncio.to_thread(q.recv, 1400) for q in queries]
+        # Each answer is no larger than its query (no amplification): one entry here.
+        assert [r[: len(STEAM_REPLY)] for r in replies] == [STEAM_REPLY] * len(queries)
+    finally:
+        for q in queries:
+            q.close()
+        await close_hosts(hosts, sockets)
+
+
 def test_workers_need_the_redis_store() -> None:
     cmd = [sys.executable, "-m", "matchmaker", "--workers", "2", "--port", "0", "--http-port", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--workers (MATCHMAKER_WORKERS): more than 1 needs a redis:// store" in done.stderr
+
+
+def test_workers_that_keep_dying_at_start_end_the_supervisor(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = settings(workers=2, store=redis_server.url, port=0, http_port=0)
+    crash = [sys.executable, "-c", "import sys; sys.exit(7)"]
+    supervisor = Supervisor(config, [], worker_command=crash)
+    assert supervisor.run() == 1
+    err = capsys.readouterr().err
+    assert "exited 3 times in a row before serving (last exit status 7)" in err
 
 
 def test_reuseport_keeps_flows_on_their_member_while_the_group_keeps_its_size() -> None:
