@@ -162,6 +162,10 @@ async def test_a_killed_worker_is_restarted_and_its_hosts_stay_listed(
 
         await until(restarted, REHOME_WITHIN, "worker 1 not restarted")
         await until(served_again, REHOME_WITHIN, "worker 1's hosts not served again")
+        # Worker 1's hosts waited on its socket: none of them reached worker 0.
+        for result in ("not_owner", "taken_over", "not_registered"):
+            sample = f'matchmaker_heartbeats_total{{result="{result}",worker="0"}}'
+            assert await replica.metric(sample) == 0, result
         live = {"r-w0", "r-w1"}
         assert set(await owners(redis_server.url, addresses)) <= live
         assert await listed(replica) == set(addresses)
