@@ -63,7 +63,7 @@ import time
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -71,12 +71,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from matchmaker import logging as mm_logging
+from matchmaker.cli import parse_args
 from matchmaker.metrics import Metrics
 from matchmaker.registry.redis import default_replica_id
+from matchmaker.server import ListeningSockets, Matchmaker
 from matchmaker.settings import Settings
-
-if TYPE_CHECKING:
-    from matchmaker.server import Matchmaker
 
 log = structlog.get_logger("matchmaker.workers")
 
@@ -301,10 +301,8 @@ class WorkerSpec:
 
 def worker_main(argv: Sequence[str]) -> int:
     """A worker: ``python -m matchmaker.workers <spec> -- <the daemon's flags>``."""
-    from matchmaker import __main__ as daemon  # the exit codes and error handling
-    from matchmaker import logging as mm_logging
-    from matchmaker.cli import parse_args
-    from matchmaker.server import ListeningSockets, Matchmaker
+    # Here, not at the top: the supervisor runs as ``__main__`` and imports this module.
+    from matchmaker.__main__ import run_daemon
 
     args = list(argv)
     split = args.index("--") if "--" in args else len(args)
@@ -331,7 +329,7 @@ def worker_main(argv: Sequence[str]) -> int:
         mm = Matchmaker(settings, metrics=metrics, sockets=sockets, exposition=siblings.exposition)
         return _serve_worker(mm, siblings, spec.ready_fd)
 
-    return daemon.run_daemon(settings, serve)
+    return run_daemon(settings, serve)
 
 
 async def _serve_worker(mm: Matchmaker, siblings: Siblings, ready_fd: int) -> None:
