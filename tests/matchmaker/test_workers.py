@@ -43,7 +43,11 @@ FLAGS = (
 
 def events(log: Path, name: str) -> list[dict[str, object]]:
     """The JSON log lines of one event."""
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return events_of(log.read_text(), name)
+
+
+def events_of(text: str, name: str) -> list[dict[str, object]]:
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     return [line for line in lines if line.get("event") == name]
 
 
@@ -224,6 +228,22 @@ def test_workers_need_the_redis_store() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--workers (MATCHMAKER_WORKERS): more than 1 needs a redis:// store" in done.stderr
+
+
+def test_a_port_another_group_holds_is_refused_not_shared() -> None:
+    """A second replica started on the port of a running one (its group set
+    SO_REUSEPORT) fails at once instead of taking half its traffic."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        port = str(held.getsockname()[1])
+        cmd = [sys.executable, "-m", "matchmaker", "--workers", "2", "--bind", "127.0.0.1"]
+        cmd += ["--port", port, "--http-bind", "127.0.0.1", "--http-port", "0"]
+        cmd += ["--store", "redis://127.0.0.1:1/0", "--log-format", "json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    line = events_of(done.stdout + done.stderr, "port_unavailable")[0]
+    assert line["port"] == f"udp 127.0.0.1:{port} (--port)"
 
 
 def test_workers_that_keep_dying_at_start_end_the_supervisor(
