@@ -47,8 +47,8 @@ def events(log: Path, name: str) -> list[dict[str, object]]:
 
 
 def events_of(text: str, name: str) -> list[dict[str, object]]:
-    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    return [line for line in lines if line.get("event") == name]
+    lines = [line for line in text.splitlines() if line.startswith("{") and line.endswith("}")]
+    return [e for e in map(json.loads, lines) if e.get("event") == name]
 
 
 async def until(check: object, timeout: float, what: str) -> None:
@@ -104,6 +104,24 @@ async def listed(daemon: DaemonProcess) -> set[Address]:
         return {e.address for e in await lister.list_servers(game=HOST["game"], limit=N_HOSTS)}
 
 
+async def lists_all(daemon: DaemonProcess, addresses: list[Address]) -> None:
+    """Wait (bounded) until a list shows every host: the lister's worker follows the
+    other's registrations through Redis."""
+
+    async def every() -> bool:
+        return await listed(daemon) == set(addresses)
+
+    await until(every, 15, "a list does not show every registered host")
+
+
+async def both_answered(daemon: DaemonProcess) -> dict[str, float]:
+    """One scrape holding both workers' series (so an absent one is really absent)."""
+    samples = await daemon.samples()
+    for i in (0, 1):
+        assert samples[f'matchmaker_worker_up{{worker="{i}"}}'] == 1.0, f"worker {i} missing"
+    return samples
+
+
 async def owners(url: str, addresses: list[Address]) -> list[str | None]:
     client = redis.asyncio.Redis.from_url(url)
     try:
@@ -128,15 +146,13 @@ async def test_registrations_land_on_both_workers_and_a_list_sees_every_host(
         per_worker = [await replica.metric(created(i)) for i in (0, 1)]
         assert sum(per_worker) == N_HOSTS
         assert min(per_worker) > 0, f"one worker got every host: {per_worker}"
-        assert await listed(replica) == set(addresses)
+        await lists_all(replica, addresses)
         assert set(await owners(redis_server.url, addresses)) == {"r-w0", "r-w1"}
         # Each host heartbeats to the worker it registered with: its 4-tuple is the same.
-        assert (
-            await replica.metric('matchmaker_heartbeats_total{result="not_owner",worker="0"}') == 0
-        )
-        assert (
-            await replica.metric('matchmaker_heartbeats_total{result="not_owner",worker="1"}') == 0
-        )
+        samples = await both_answered(replica)
+        for i in (0, 1):
+            sample = f'matchmaker_heartbeats_total{{result="not_owner",worker="{i}"}}'
+            assert samples.get(sample, 0.0) == 0
         print(f"registrations per worker: {per_worker}")
     finally:
         await close_hosts(hosts, sockets)
@@ -145,37 +161,39 @@ async def test_registrations_land_on_both_workers_and_a_list_sees_every_host(
 async def test_a_killed_worker_is_restarted_and_its_hosts_stay_listed(
     replica: DaemonProcess, redis_server: RedisProcess
 ) -> None:
+    """Worker 0 dies: a group that lost a member (a socket the supervisor did not
+    hold) would move the last member into its slot and remap worker 1's flows."""
     hosts, sockets, addresses = await register_hosts(replica, N_HOSTS)
     try:
-        victim = next(e for e in events(replica.log_path, "worker_started") if e["index"] == 1)
-        held = sum(o == "r-w1" for o in await owners(redis_server.url, addresses))
+        victim = next(e for e in events(replica.log_path, "worker_started") if e["index"] == 0)
+        held = sum(o == "r-w0" for o in await owners(redis_server.url, addresses))
         assert held > 0
         os.kill(int(str(victim["pid"])), signal.SIGKILL)
         killed = time.monotonic()
 
         async def restarted() -> bool:
-            return await replica.metric('matchmaker_worker_restarts{worker="1"}') == 1.0
+            return await replica.metric('matchmaker_worker_restarts{worker="0"}', 0.0) == 1.0
 
         async def served_again() -> bool:
             # The restarted worker (same socket, same replica id) answers its hosts.
-            beats = await replica.metric('matchmaker_heartbeats_total{result="ok",worker="1"}')
-            moved = await replica.metric(
-                'matchmaker_heartbeats_total{result="taken_over",worker="1"}'
-            )
+            samples = await replica.samples()
+            beats = samples.get('matchmaker_heartbeats_total{result="ok",worker="0"}', 0.0)
+            moved = samples.get('matchmaker_heartbeats_total{result="taken_over",worker="0"}', 0.0)
             return beats + moved > 0
 
-        await until(restarted, REHOME_WITHIN, "worker 1 not restarted")
-        await until(served_again, REHOME_WITHIN, "worker 1's hosts not served again")
-        # Worker 1's hosts waited on its socket: none of them reached worker 0.
+        await until(restarted, REHOME_WITHIN, "worker 0 not restarted")
+        await until(served_again, REHOME_WITHIN, "worker 0's hosts not served again")
+        # Worker 0's hosts waited on its socket: none of them reached worker 1.
+        samples = await both_answered(replica)
         for result in ("not_owner", "taken_over", "not_registered"):
-            sample = f'matchmaker_heartbeats_total{{result="{result}",worker="0"}}'
-            assert await replica.metric(sample) == 0, result
+            sample = f'matchmaker_heartbeats_total{{result="{result}",worker="1"}}'
+            assert samples.get(sample, 0.0) == 0, result
         live = {"r-w0", "r-w1"}
         assert set(await owners(redis_server.url, addresses)) <= live
-        assert await listed(replica) == set(addresses)
+        await lists_all(replica, addresses)
         assert time.monotonic() - killed < REHOME_WITHIN
         exits = events(replica.log_path, "worker_exited")
-        assert [(e["index"], e["status"]) for e in exits] == [(1, -signal.SIGKILL)]
+        assert [(e["index"], e["status"]) for e in exits] == [(0, -signal.SIGKILL)]
         again = sum(h.registrations > 1 for h in hosts)
         print(f"{held} hosts on the killed worker, {again} registered again, "
               f"served again {time.monotonic() - killed:.1f} s after SIGKILL")  # fmt: skip
@@ -318,3 +336,12 @@ def test_merge_expositions_labels_every_series_by_worker() -> None:
     up = {s.labels["worker"]: s.value for s in families["matchmaker_worker_up"].samples}
     assert up == {"0": 1.0, "1": 0.0, "2": 1.0}
     assert text.count("# TYPE x_total counter") == 1
+
+
+async def test_rudp_series_carry_the_worker_label(replica: DaemonProcess) -> None:
+    samples = await both_answered(replica)
+    rudp_samples = [name for name in samples if name.startswith("rudp_")]
+    assert rudp_samples
+    for i in (0, 1):
+        assert any(f'worker="{i}"' in name for name in rudp_samples), i
+    assert all("worker=" in name for name in rudp_samples)
