@@ -3,9 +3,12 @@
 Endpoints
 ---------
 ``/metrics``   Prometheus text exposition (``prometheus_client.generate_latest``).
-``/healthz``   200 while the process runs its event loop (liveness).
-``/readyz``    200 once the registry is loaded and the daemon is not shutting
-               down, else 503; the JSON body says whether the list is stale.
+``/healthz``   200 while the process runs its event loop (liveness); with
+               workers, ``"degraded"`` and ``workers_down`` name the siblings the
+               supervisor sees down (not serving yet, or silent).
+``/readyz``    200 once the registry is loaded, the daemon is not shutting
+               down and no sibling worker is down, else 503; the JSON body
+               says whether the list is stale.
 ``/servers``   The server list as JSON; query parameters are the list filters
                (without ``game``: every game's hosts, with the same limit and
                paging; ``tags_all``/``tags_any`` comma-separated or repeated;
@@ -115,6 +118,7 @@ class HttpApi:
         list_limiter: RateLimiter,
         is_shutting_down: Callable[[], bool],
         exposition: Exposition | None = None,
+        workers_down: Callable[[], list[int]] | None = None,
     ) -> None:
         self._exposition = exposition
         self._registry = registry
@@ -123,6 +127,7 @@ class HttpApi:
         self._limits = limits
         self._limiter = list_limiter
         self._shutting_down = is_shutting_down
+        self._workers_down = workers_down or (lambda: [])
 
     async def route(self, target: str, client_ip: str) -> tuple[str, Response]:
         """(path label, response) for a GET of `target`."""
@@ -135,7 +140,12 @@ class HttpApi:
                 body = generate_latest(self._metrics.registry)
             return path, Response(200, body, CONTENT_TYPE_LATEST)
         if path == "/healthz":
-            return path, Response.json(200, {"status": "ok"})
+            # 200 while a sibling worker is down too: the supervisor restarts it.
+            down = self._workers_down()
+            health: dict[str, object] = {"status": "degraded" if down else "ok"}
+            if down:
+                health["workers_down"] = down
+            return path, Response.json(200, health)
         if path == "/readyz":
             return path, self._ready()
         if path == "/servers":
@@ -143,8 +153,15 @@ class HttpApi:
         return "other", Response.json(404, {"error": "not_found"})
 
     def _ready(self) -> Response:
-        ready = self._registry.ready and not self._shutting_down()
-        body = {"ready": ready, "stale": self._registry.stale, "hosts": len(self._registry.index())}
+        down = self._workers_down()
+        ready = self._registry.ready and not self._shutting_down() and not down
+        body: dict[str, object] = {
+            "ready": ready,
+            "stale": self._registry.stale,
+            "hosts": len(self._registry.index()),
+        }
+        if down:
+            body["workers_down"] = down
         return Response.json(200 if ready else 503, body)
 
     async def _servers(self, query: str, client_ip: str) -> Response:

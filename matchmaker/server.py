@@ -94,13 +94,16 @@ class Matchmaker:
         rng: random.Random | None = None,
         sockets: ListeningSockets | None = None,
         exposition: Exposition | None = None,
+        issuer: Issuer | None = None,
+        workers_down: Callable[[], list[int]] | None = None,
     ) -> None:
         self.settings = settings
         self._sockets = sockets
         self._exposition = exposition
+        self._workers_down = workers_down
         self.metrics = metrics or Metrics()
         self.registry = registry or build_registry(settings, self.metrics)
-        self.issuer = build_issuer(settings)
+        self.issuer = issuer or build_issuer(settings)
         self.service = MatchmakerService(
             settings, self.registry, self.metrics, rng=rng, issuer=self.issuer
         )
@@ -201,6 +204,7 @@ class Matchmaker:
             list_limiter=RateLimiter(s.list_bucket, max_keys=s.rate_limit_keys),
             is_shutting_down=lambda: self.service.shutting_down,
             exposition=self._exposition,
+            workers_down=self._workers_down,
         )
         self._http = HttpServer(
             api, self.metrics, timeout=s.http_timeout, max_connections=s.http_max_connections
@@ -323,13 +327,19 @@ class Matchmaker:
         await self.registry.close()
 
     async def run(
-        self, stop: asyncio.Event | None = None, on_started: Callable[[], None] | None = None
+        self,
+        stop: asyncio.Event | None = None,
+        on_started: Callable[[], None] | None = None,
+        *,
+        signals: bool = True,
     ) -> None:
         """Start, wait for SIGTERM/SIGINT (or `stop`), shut down; ``on_started`` is
-        called once serving."""
+        called once serving.  ``signals=False``: the caller handles the signals and
+        sets `stop` (a worker, which must outlive a repeated SIGTERM)."""
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        handled = (signal.SIGTERM, signal.SIGINT) if signals else ()
+        for sig in handled:
             # Handlers only set the flag; the shutdown itself runs here.
             loop.add_signal_handler(sig, stop.set)
         started = False
@@ -341,7 +351,7 @@ class Matchmaker:
                 on_started()
             await stop.wait()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in handled:
                 loop.remove_signal_handler(sig)
             if started:
                 await self.shutdown()

@@ -115,6 +115,9 @@ class Settings:
     workers: int = _s(
         1, "worker processes behind the one address (SO_REUSEPORT); > 1 needs a redis:// store"
     )
+    worker_watchdog: float = _s(
+        10.0, "seconds a worker may go without a sign of life before it is killed and restarted"
+    )
     shutdown_timeout: float = _s(10.0, "seconds to close connections on SIGTERM before cancelling")
     log_format: str = _s("auto", "auto (console on a TTY, else JSON), json or console")
     log_level: str = _s("info", "debug, info, warning or error")
@@ -353,6 +356,7 @@ _RULES: list[Check] = [
         "must be a file with one line of 64 hex digits (a random 32-byte key)",
     ),
     ("workers", lambda s: 1 <= s.workers <= MAX_WORKERS, f"must be 1..{MAX_WORKERS}"),
+    ("worker_watchdog", lambda s: 3 <= s.worker_watchdog <= 3600, "must be 3..3600"),
     (
         "workers",
         lambda s: s.workers == 1 or s.uses_redis,

@@ -7,9 +7,10 @@ so one replica on one core registers about 2,100-2,500 hosts a second.  With
 ``--workers N`` the replica is N processes: each **worker** is a whole daemon
 (`matchmaker.server.Matchmaker`) and a replica of the shared Redis registry with a
 replica id of its own (``<replica-id>-w<i>``), exactly as separate replicas are:
-heartbeat secrets and cookies derive from the key replicas share, introductions
-for a host another worker holds are relayed through Redis, and a host whose
-worker does not answer moves to another by the MOVING-heartbeat takeover.
+heartbeat secrets and cookies derive from the key replicas share, and
+introductions for a host another worker holds are relayed through Redis.  A
+host's datagrams reach its worker's socket only (see below), so a host whose
+worker is down waits for the worker restarted on that socket.
 
 The **supervisor** (this module, the process ``python -m matchmaker`` runs)
 binds every listening socket itself and hands them down (inherited file
@@ -37,12 +38,39 @@ once its predecessor has exited, so two processes never hold one id.
 
 A worker that dies is restarted after a backoff (`BACKOFF_FIRST` doubling to
 `BACKOFF_MAX`, back to the first once a worker has served `STABLE_AFTER`
-seconds), logged (``worker_exited``) and counted (``matchmaker_worker_restarts``).
-One that exits `START_ATTEMPTS` times in a row before serving (a bad config, a
-port, a crash at start) ends the supervisor with exit status 1 and a line saying
-so.  SIGTERM/SIGINT are forwarded: every worker drains as a stopping replica does,
-and the supervisor exits 0 when all of them did.  A worker whose supervisor is
-gone stops too.
+seconds), logged (``worker_exited``) and counted (``matchmaker_worker_restarts``);
+a start the system refuses (``fork`` failing: EAGAIN, ENOMEM) is logged
+(``worker_spawn_failed``) and retried the same way.  One that exits
+`START_ATTEMPTS` times in a row before serving (a bad config, a port, a crash at
+start) ends the supervisor with exit status 1 and a line saying so; so does an
+error of the supervisor itself, after draining the workers.
+
+Three pipes tie a worker to its supervisor:
+
+* the **beat pipe**: the worker writes a byte once serving, then one every `BEAT`
+  seconds from its event loop.  A serving worker silent for `SILENT` seconds is
+  reported down (``/healthz`` says ``degraded`` with ``workers_down``, ``/readyz``
+  is 503, through the ``down`` file of the private directory), and one silent for
+  ``--worker-watchdog`` seconds (a stuck loop, SIGSTOP) is killed (SIGKILL,
+  ``worker_hung``) and restarted: its flows wait on its socket meanwhile;
+* the **lifeline**: the worker inherits the read end of a pipe whose write end
+  only the supervisor holds.  When the supervisor dies, however (SIGKILL
+  included) and whenever (during the worker's start too: the EOF stays until
+  read), a thread of the worker's sees EOF and stops it as SIGTERM does;
+* with ``--ephemeral-issuer-key``, a pipe holding the one key the supervisor
+  made, so every worker (and every restart) signs with the same key; secrets
+  never go on a command line, where ``ps`` would show them.
+
+Stopping.  SIGTERM, SIGINT or SIGHUP to the supervisor is forwarded once (SIGTERM)
+to every worker; each drains as a stopping replica does and the supervisor exits 0
+when all of them did, killing one still running ``shutdown_timeout`` +
+`KILL_MARGIN` seconds later.  A worker takes one stop only: repeated signals
+(systemd's default ``KillMode=control-group`` signals every process of the unit,
+and the supervisor forwards its own) are logged (``stop_repeated``) and change
+nothing.  A stop that reaches a worker before it serves ends it at once (nothing
+to drain; one killed by SIGTERM during Python's start-up counts as a clean stop).
+A supervisor killed outright leaves its private directory behind; the next
+supervisor of the same user removes those whose supervisor is gone.
 """
 
 from __future__ import annotations
@@ -77,6 +105,7 @@ from matchmaker.metrics import Metrics
 from matchmaker.registry.redis import default_replica_id
 from matchmaker.server import ListeningSockets, Matchmaker
 from matchmaker.settings import Settings
+from rudp.tokens import Issuer, generate_issuer_key
 
 log = structlog.get_logger("matchmaker.workers")
 
@@ -88,10 +117,19 @@ START_ATTEMPTS = 3
 """Exits in a row before serving after which the supervisor gives up."""
 SIBLING_TIMEOUT = 2.0
 """Seconds to read one sibling's exposition for /metrics."""
+BACKOFF_STEPS = 5
+"""Doublings of the backoff at most: `BACKOFF_MAX` is reached before, and the
+factor stays small after any number of deaths."""
 POLL = 0.1
 KILL_MARGIN = 5.0
 """Seconds past ``shutdown_timeout`` before a worker that does not stop is killed."""
-PARENT_CHECK = 1.0
+BEAT = 1.0
+"""Seconds between a serving worker's signs of life (a byte on its beat pipe)."""
+SILENT = 3.0
+"""Seconds without one after which /healthz and /readyz report the worker down
+(``--worker-watchdog`` seconds, it is killed and restarted)."""
+DOWN_FILE = "down"
+DIRECTORY_PREFIX = "matchmaker-"
 
 
 # -- sockets -------------------------------------------------------------------------------
@@ -230,6 +268,14 @@ class Siblings:
     def path(self, index: int) -> Path:
         return self.directory / f"w{index}.sock"
 
+    def down(self) -> list[int]:
+        """The siblings the supervisor last saw down (not serving, or silent)."""
+        try:
+            text = (self.directory / DOWN_FILE).read_text()
+        except OSError:
+            return []
+        return [i for i in map(int, filter(None, text.split(","))) if i != self.index]
+
     async def exposition(self) -> bytes:
         reads = [self._read(i) for i in range(self.workers) if i != self.index]
         others = await asyncio.gather(*reads)
@@ -271,7 +317,8 @@ class Siblings:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """What the supervisor tells worker ``index`` on its command line."""
+    """What the supervisor tells worker ``index`` on its command line (no secrets:
+    the ephemeral issuer key comes through the inherited ``key_fd``)."""
 
     index: int
     workers: int
@@ -280,7 +327,12 @@ class WorkerSpec:
     http_fd: int
     master_fd: int
     """-1: no --master."""
-    ready_fd: int
+    beat_fd: int
+    """Write end: one byte once serving, then one every `BEAT` (the watchdog's)."""
+    lifeline_fd: int
+    """Read end of a pipe whose write end only the supervisor holds: EOF means it is gone."""
+    key_fd: int
+    """-1, or a pipe holding the replica's ephemeral issuer key (32 bytes)."""
     directory: str
     restarts: int
 
@@ -299,11 +351,30 @@ class WorkerSpec:
         return cls(**vars(parser.parse_args(argv)))
 
 
+def _exit_now(event: str) -> None:
+    """End a worker that has not served yet: nothing to drain."""
+    with contextlib.suppress(Exception):
+        log.info(event)
+        sys.stdout.flush()
+    os._exit(0)
+
+
+def _watch_lifeline(fd: int) -> None:
+    """SIGTERM ourselves when the supervisor is gone, whenever that happens: the
+    pipe's EOF stays until read, so a death during our start is seen too."""
+
+    def wait() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(fd, 64):
+                pass
+        log.warning("supervisor_gone")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="lifeline", daemon=True).start()
+
+
 def worker_main(argv: Sequence[str]) -> int:
     """A worker: ``python -m matchmaker.workers <spec> -- <the daemon's flags>``."""
-    # Here, not at the top: the supervisor runs as ``__main__`` and imports this module.
-    from matchmaker.__main__ import run_daemon
-
     args = list(argv)
     split = args.index("--") if "--" in args else len(args)
     spec = WorkerSpec.parse(args[:split])
@@ -311,6 +382,14 @@ def worker_main(argv: Sequence[str]) -> int:
     settings = dataclasses.replace(settings, replica_id=spec.replica_id)
     mm_logging.configure(settings.log_level, settings.log_format)
     structlog.contextvars.bind_contextvars(worker=spec.index)
+    # Until the event loop serves, a stop (the supervisor's, or its death) ends us at once.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: _exit_now("worker_stopped_starting"))
+    _watch_lifeline(spec.lifeline_fd)
+    # Here, not at the top: the supervisor runs as ``__main__`` and imports this module.
+    from matchmaker.__main__ import run_daemon
+
+    issuer = Issuer(_read_key(spec.key_fd)) if spec.key_fd >= 0 else None
     sockets = ListeningSockets(
         udp=socket.socket(fileno=spec.udp_fd),
         http=socket.socket(fileno=spec.http_fd),
@@ -326,36 +405,71 @@ def worker_main(argv: Sequence[str]) -> int:
     siblings = Siblings(Path(spec.directory), spec.index, spec.workers, metrics)
 
     def serve() -> Coroutine[Any, Any, None]:
-        mm = Matchmaker(settings, metrics=metrics, sockets=sockets, exposition=siblings.exposition)
-        return _serve_worker(mm, siblings, spec.ready_fd)
+        mm = Matchmaker(
+            settings, metrics=metrics, sockets=sockets, exposition=siblings.exposition,
+            issuer=issuer, workers_down=siblings.down,
+        )  # fmt: skip
+        return _serve_worker(mm, siblings, spec.beat_fd)
 
     return run_daemon(settings, serve)
 
 
-async def _serve_worker(mm: Matchmaker, siblings: Siblings, ready_fd: int) -> None:
+def _read_key(fd: int) -> bytes:
+    with os.fdopen(fd, "rb") as pipe:
+        key = pipe.read()
+    if len(key) != 32:
+        raise RuntimeError(f"the supervisor handed down a key of {len(key)} bytes, not 32")
+    return key
+
+
+async def _serve_worker(mm: Matchmaker, siblings: Siblings, beat_fd: int) -> None:
+    """Serve until SIGTERM/SIGINT or the supervisor's death, then drain.
+
+    A repeated signal (systemd's default ``KillMode=control-group`` signals every
+    process of the unit, and the supervisor forwards its own) is logged and does
+    not cut the drain short; before serving, a stop ends the worker at once."""
     stop = asyncio.Event()
-    parent = os.getppid()
+    loop = asyncio.get_running_loop()
+    serving = False
+    os.set_blocking(beat_fd, False)
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not serving:
+            _exit_now("worker_stopped_starting")
+        elif stop.is_set():
+            log.info("stop_repeated", signal=sig.name)
+        else:
+            stop.set()
+
+    def beat() -> None:
+        with contextlib.suppress(OSError):  # full (a stuck supervisor) or gone
+            os.write(beat_fd, b"1")
+
+    async def beating() -> None:
+        while True:
+            beat()
+            await asyncio.sleep(BEAT)
 
     def started() -> None:
-        with contextlib.suppress(OSError):
-            os.write(ready_fd, b"1")
-            os.close(ready_fd)
+        nonlocal serving
+        serving = True
+        beats.append(asyncio.create_task(beating(), name="watchdog-beat"))
 
-    async def watch_parent() -> None:
-        while os.getppid() == parent:
-            await asyncio.sleep(PARENT_CHECK)
-        log.warning("supervisor_gone")
-        stop.set()
-
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    beats: list[asyncio.Task[None]] = []
     server = await siblings.serve()
-    watcher = asyncio.create_task(watch_parent(), name="watch-supervisor")
     try:
-        await mm.run(stop, on_started=started)
+        await mm.run(stop, on_started=started, signals=False)
     finally:
-        watcher.cancel()
+        for task in beats:
+            task.cancel()
         server.close()
         with contextlib.suppress(FileNotFoundError):
             siblings.path(siblings.index).unlink()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)  # restores the default action: ignore instead
+            signal.signal(sig, signal.SIG_IGN)
 
 
 # -- the supervisor ----------------------------------------------------------------------
@@ -366,14 +480,24 @@ class _Slot:
     index: int
     replica_id: str
     proc: subprocess.Popen[bytes] | None = None
-    ready_fd: int | None = None
+    beat_fd: int | None = None
+    lifeline_fd: int | None = None
+    """The write end the supervisor holds (never writes) while the worker runs."""
     started: float = 0.0
     serving: float | None = None
     """When it said it was serving (None: not yet)."""
+    last_beat: float = 0.0
+    last_status: int = 0
+    killed: bool = False
+    """Killed by the watchdog (it exits -9 soon)."""
     failed_starts: int = 0
     quick_deaths: int = 0
     restarts: int = 0
     restart_at: float | None = field(default=None)
+
+    def down(self, now: float) -> bool:
+        """Not serving, or silent for longer than a few beats."""
+        return self.proc is None or self.serving is None or now - self.last_beat > SILENT
 
 
 class Supervisor:
@@ -396,28 +520,49 @@ class Supervisor:
         base = settings.replica_id or default_replica_id()
         self._slots = [_Slot(i, f"{base}-w{i}") for i in range(settings.workers)]
         self._stop = threading.Event()
-        self._directory = Path(tempfile.mkdtemp(prefix="matchmaker-"))
+        # One key for every worker and every restart (--ephemeral-issuer-key).
+        self._issuer_key = generate_issuer_key() if settings.ephemeral_issuer_key else None
+        self._directory: Path | None = None
         self._sockets: SocketGroup | None = None
+        self._down: list[int] | None = None
+
+    @property
+    def directory(self) -> Path:
+        """The private directory of the siblings' sockets and the ``down`` file."""
+        if self._directory is None:
+            remove_stale_directories()
+            self._directory = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX))
+            (self._directory / "pid").write_text(str(os.getpid()))
+        return self._directory
 
     def run(self) -> int:
-        """Run until SIGTERM/SIGINT (0 when every worker drained) or a failed start (1)."""
+        """Run until SIGTERM/SIGINT/SIGHUP (0 when every worker drained) or a failed
+        start (1)."""
         previous = {
             sig: signal.signal(sig, lambda *_: self._stop.set())
-            for sig in (signal.SIGTERM, signal.SIGINT)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         }
         try:
             self._sockets = bind_sockets(self.settings)
             self._log_started()
+            now = time.monotonic()
             for slot in self._slots:
-                self._spawn(slot)
-            failed = self._watch()
+                self._spawn(slot, now)
+            try:
+                failed = self._watch()
+            except Exception:
+                # Drain the workers that serve rather than kill them with the supervisor.
+                log.exception("supervisor_failed")
+                failed = "the supervisor failed (its traceback is logged as supervisor_failed)"
             return self._stop_all(failed)
         finally:
             for slot in self._slots:
                 self._kill(slot)
+                self._closed(slot)
             if self._sockets is not None:
                 self._sockets.close()
-            shutil.rmtree(self._directory, ignore_errors=True)
+            if self._directory is not None:
+                shutil.rmtree(self._directory, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -436,36 +581,47 @@ class Supervisor:
             fields["master"] = f"{master[0]}:{master[1]}"
         log.info("workers_started", **fields)
 
-    def _spawn(self, slot: _Slot) -> None:
+    def _spawn(self, slot: _Slot, now: float) -> None:
+        """Start worker ``slot``; if the system refuses (EAGAIN, ENOMEM, EMFILE...),
+        log it and try again after the backoff, as after a death."""
         assert self._sockets is not None
-        read_end, write_end = os.pipe()
-        os.set_blocking(read_end, False)
-        master = self._sockets.master[slot.index].fileno() if self._sockets.master else -1
-        spec = WorkerSpec(
-            index=slot.index,
-            workers=len(self._slots),
-            replica_id=slot.replica_id,
-            udp_fd=self._sockets.udp[slot.index].fileno(),
-            http_fd=self._sockets.http.fileno(),
-            master_fd=master,
-            ready_fd=write_end,
-            directory=str(self._directory),
-            restarts=slot.restarts,
-        )
-        fds = [spec.udp_fd, spec.http_fd, write_end] + ([master] if master >= 0 else [])
-        cmd = [*self._command, *spec.argv(), "--", *self._argv]
+        child: list[int] = []  # the ends the worker inherits: closed here once it has them
+        ours: list[int] = []
         try:
+            beat_read, beat_write = _pipe(child, ours, keep="read")
+            life_read, life_write = _pipe(child, ours, keep="write")
+            key_read = -1
+            if self._issuer_key is not None:
+                key_read, key_write = _pipe(child, ours, keep="write")
+                ours.remove(key_write)
+                with os.fdopen(key_write, "wb") as pipe:
+                    pipe.write(self._issuer_key)
+            master = self._sockets.master[slot.index].fileno() if self._sockets.master else -1
+            spec = WorkerSpec(
+                index=slot.index, workers=len(self._slots), replica_id=slot.replica_id,
+                udp_fd=self._sockets.udp[slot.index].fileno(),
+                http_fd=self._sockets.http.fileno(), master_fd=master, beat_fd=beat_write,
+                lifeline_fd=life_read, key_fd=key_read, directory=str(self.directory),
+                restarts=slot.restarts,
+            )  # fmt: skip
+            fds = [spec.udp_fd, spec.http_fd, *child] + ([master] if master >= 0 else [])
+            cmd = [*self._command, *spec.argv(), "--", *self._argv]
             # A session of its own: a terminal's Ctrl-C reaches the supervisor alone,
-            # which forwards one SIGTERM (a second signal would end a drain early).
+            # which forwards one SIGTERM.
             slot.proc = subprocess.Popen(cmd, env=self._env, pass_fds=fds, start_new_session=True)
+        except OSError as exc:
+            for fd in ours:
+                os.close(fd)
+            log.error("worker_spawn_failed", index=slot.index, error=str(exc))
+            slot.failed_starts += 1
+            self._schedule(slot, now, exc.errno or 0)
+            return
         finally:
-            os.close(write_end)
-        slot.ready_fd, slot.started, slot.serving, slot.restart_at = (
-            read_end,
-            time.monotonic(),
-            None,
-            None,
-        )
+            for fd in child:
+                os.close(fd)
+        slot.beat_fd, slot.lifeline_fd = beat_read, life_write
+        slot.started, slot.last_beat, slot.serving = now, now, None
+        slot.restart_at, slot.killed = None, False
         log.info("worker_started", index=slot.index, pid=slot.proc.pid, replica_id=slot.replica_id)
 
     def _watch(self) -> str | None:
@@ -473,55 +629,98 @@ class Supervisor:
         while not self._stop.wait(POLL):
             now = time.monotonic()
             for slot in self._slots:
-                self._check_ready(slot, now)
+                self._read_beats(slot, now)
                 if slot.proc is not None and (code := slot.proc.poll()) is not None:
-                    failure = self._exited(slot, code, now)
-                    if failure is not None:
-                        return failure
+                    self._exited(slot, code, now)
+                elif slot.proc is not None:
+                    self._watchdog(slot, now)
+                if slot.failed_starts >= START_ATTEMPTS:
+                    return (
+                        f"worker {slot.index} exited {slot.failed_starts} times in a row "
+                        f"before serving (last exit status {slot.last_status}); its log "
+                        "lines above say why"
+                    )
                 if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:
-                    self._spawn(slot)
+                    self._spawn(slot, now)
+            self._publish_down(now)
         return None
 
-    def _check_ready(self, slot: _Slot, now: float) -> None:
-        if slot.ready_fd is None:
+    def _read_beats(self, slot: _Slot, now: float) -> None:
+        if slot.beat_fd is None:
             return
         try:
-            got = os.read(slot.ready_fd, 1)
+            got = os.read(slot.beat_fd, 4096)
         except BlockingIOError:
             return
-        os.close(slot.ready_fd)
-        slot.ready_fd = None
-        if got:
+        if not got:  # the worker is exiting
+            os.close(slot.beat_fd)
+            slot.beat_fd = None
+            return
+        slot.last_beat = now
+        if slot.serving is None:
             slot.serving, slot.failed_starts = now, 0
 
-    def _exited(self, slot: _Slot, code: int, now: float) -> str | None:
-        self._check_ready(slot, now)
-        if slot.ready_fd is not None:
-            os.close(slot.ready_fd)
-            slot.ready_fd = None
+    def _watchdog(self, slot: _Slot, now: float) -> None:
+        """SIGKILL a serving worker silent for ``--worker-watchdog`` seconds (a stuck
+        event loop, SIGSTOP): its flows wait on its socket for the restart."""
+        assert slot.proc is not None
+        silent = now - slot.last_beat
+        if slot.serving is None or slot.killed or silent < self.settings.worker_watchdog:
+            return
+        log.error("worker_hung", index=slot.index, pid=slot.proc.pid, silent=round(silent, 1))
+        slot.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            slot.proc.kill()
+
+    def _publish_down(self, now: float) -> None:
+        """Write the indices of the workers that are down for /healthz and /readyz."""
+        down = [s.index for s in self._slots if s.down(now)]
+        if down == self._down:
+            return
+        path = self.directory / DOWN_FILE
+        partial = path.with_suffix(".new")
+        partial.write_text(",".join(map(str, down)))
+        partial.replace(path)
+        self._down = down
+
+    def _exited(self, slot: _Slot, code: int, now: float) -> None:
+        self._read_beats(slot, now)
         pid = slot.proc.pid if slot.proc else 0
+        self._closed(slot)
         slot.proc = None
+        slot.last_status = code
         if slot.serving is None:
             slot.failed_starts += 1
-            if slot.failed_starts >= START_ATTEMPTS:
-                return (
-                    f"worker {slot.index} exited {slot.failed_starts} times in a row before "
-                    f"serving (last exit status {code}); its log lines above say why"
-                )
         if slot.serving is not None and now - slot.serving >= STABLE_AFTER:
             slot.quick_deaths = 0
-        delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2**slot.quick_deaths)
-        slot.quick_deaths += 1
-        slot.restarts += 1
-        slot.restart_at = now + delay
+        delay = self._schedule(slot, now, code)
         log.warning(
             "worker_exited", index=slot.index, pid=pid, status=code, restart_in=delay,
             restarts=slot.restarts, serving=slot.serving is not None,
         )  # fmt: skip
-        return None
+
+    @staticmethod
+    def _schedule(slot: _Slot, now: float, status: int) -> float:
+        """Restart ``slot`` after the backoff; the delay."""
+        delay = min(BACKOFF_MAX, BACKOFF_FIRST * (1 << min(slot.quick_deaths, BACKOFF_STEPS)))
+        slot.quick_deaths += 1
+        slot.restarts += 1
+        slot.restart_at = now + delay
+        slot.last_status = status
+        return delay
+
+    @staticmethod
+    def _closed(slot: _Slot) -> None:
+        """Close the supervisor's ends of a worker's pipes (it has exited)."""
+        for fd in (slot.beat_fd, slot.lifeline_fd):
+            if fd is not None:
+                os.close(fd)
+        slot.beat_fd = slot.lifeline_fd = None
 
     def _stop_all(self, failed: str | None) -> int:
-        """Forward the stop to every worker, wait for them to drain; the exit status."""
+        """Forward the stop once to every worker, wait for them to drain; the exit
+        status.  More signals to the supervisor meanwhile change nothing: a worker
+        still running ``shutdown_timeout`` + `KILL_MARGIN` seconds on is killed."""
         if failed is not None:
             log.error("workers_failed", reason=failed)
             print(f"matchmaker: {failed}", file=sys.stderr)
@@ -533,15 +732,19 @@ class Supervisor:
                 slot.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.settings.shutdown_timeout + KILL_MARGIN
         codes: list[int] = []
+        clean = True
         for slot in live:
             assert slot.proc is not None
             try:
-                codes.append(slot.proc.wait(max(0.0, deadline - time.monotonic())))
+                code = slot.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("worker_killed", index=slot.index, pid=slot.proc.pid)
                 self._kill(slot)
-                codes.append(-signal.SIGKILL)
-        clean = all(code == 0 for code in codes)
+                code = -signal.SIGKILL
+            self._read_beats(slot, time.monotonic())
+            codes.append(code)
+            # One still in Python's start-up dies of the signal: it had nothing to drain.
+            clean = clean and (code == 0 or (code == -signal.SIGTERM and slot.serving is None))
         log.info("workers_stopped", statuses=",".join(map(str, codes)))
         return 1 if failed is not None or not clean else 0
 
@@ -550,6 +753,32 @@ class Supervisor:
         if slot.proc is not None and slot.proc.poll() is None:
             slot.proc.kill()
             slot.proc.wait()
+
+
+def _pipe(child: list[int], ours: list[int], keep: str) -> tuple[int, int]:
+    """A pipe whose ``keep`` end ("read"/"write") the supervisor keeps (non-blocking
+    when it reads) and whose other end the worker inherits."""
+    read_end, write_end = os.pipe()
+    mine, theirs = (read_end, write_end) if keep == "read" else (write_end, read_end)
+    ours.append(mine)
+    child.append(theirs)
+    if keep == "read":
+        os.set_blocking(read_end, False)
+    return read_end, write_end
+
+
+def remove_stale_directories() -> None:
+    """Remove the private directories that supervisors of this user which died
+    without cleaning up (SIGKILL) left in the temporary directory."""
+    for path in Path(tempfile.gettempdir()).glob(DIRECTORY_PREFIX + "*"):
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int((path / "pid").read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # not ours, being created, or its supervisor lives
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ import rudp
 from matchmaker.addresses import Address
 from matchmaker.client import MatchmakerClient
 from matchmaker.master import STEAM_REPLY
-from matchmaker.workers import Supervisor, merge_expositions
+from matchmaker.workers import BACKOFF_MAX, Supervisor, merge_expositions
 from tests.matchmaker.helpers import (
     HOST,
     DaemonProcess,
@@ -336,6 +337,213 @@ def test_merge_expositions_labels_every_series_by_worker() -> None:
     up = {s.labels["worker"]: s.value for s in families["matchmaker_worker_up"].samples}
     assert up == {"0": 1.0, "1": 0.0, "2": 1.0}
     assert text.count("# TYPE x_total counter") == 1
+
+
+# -- the supervisor's death, stops, the watchdog ------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+async def started_workers(daemon: DaemonProcess) -> list[int]:
+    """The pids of both workers once the supervisor started them (bounded wait)."""
+
+    async def both() -> bool:
+        return len(events(daemon.log_path, "worker_started")) >= 2
+
+    await until(both, 20, "the supervisor did not start its workers")
+    return [int(str(e["pid"])) for e in events(daemon.log_path, "worker_started")]
+
+
+async def gone(pids: list[int], what: str) -> None:
+    async def none_alive() -> bool:
+        return not any(map(alive, pids))
+
+    await until(none_alive, 30, what)
+
+
+def same_ports(daemon: DaemonProcess, tmp_path: Path, redis_url: str) -> DaemonProcess:
+    again = DaemonProcess(tmp_path, "r2", redis_url)
+    again.args, again.port, again.http_port = daemon.args, daemon.port, daemon.http_port
+    return again
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+async def test_workers_stop_when_their_supervisor_is_killed(
+    when: str, redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    """Whenever the supervisor dies (before its workers serve, too), they stop and
+    free the port for the next supervisor."""
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS)
+    again = same_ports(daemon, tmp_path, redis_server.url)
+    pids: list[int] = []
+    try:
+        if when == "starting":
+            daemon.launch()
+            pids = await started_workers(daemon)
+        else:
+            await daemon.start()
+            pids = await started_workers(daemon)
+        daemon.kill()
+        await gone(pids, f"a worker outlived its supervisor killed while {when}")
+        await again.start()
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        daemon.kill()
+        again.kill()
+    supervisor_gone = events(daemon.log_path, "supervisor_gone")
+    assert len(supervisor_gone) == 2
+
+
+async def test_a_stop_to_every_process_at_once_still_drains(replica: DaemonProcess) -> None:
+    """systemd's default KillMode=control-group signals the supervisor and every
+    worker: the forwarded second SIGTERM must not cut a worker's drain short."""
+    hosts, sockets, _ = await register_hosts(replica, 10)
+    pids = [int(str(e["pid"])) for e in events(replica.log_path, "worker_started")]
+    try:
+        replica.signal(signal.SIGTERM)
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        replica.signal(signal.SIGTERM)
+        assert await replica.wait() == 0
+    finally:
+        await close_hosts(hosts, sockets)
+    assert events(replica.log_path, "workers_stopped")[0]["statuses"] == "0,0"
+    assert len(events(replica.log_path, "matchmaker_stopped")) == 2
+
+
+async def test_a_stop_while_the_workers_start_exits_0(
+    redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS)
+    try:
+        daemon.launch()
+        pids = await started_workers(daemon)
+        daemon.signal(signal.SIGTERM)
+        assert await daemon.wait() == 0
+        await gone(pids, "a worker outlived a stop during its start")
+    finally:
+        daemon.kill()
+
+
+@pytest.mark.parametrize("watchdog", ["3", "600"])
+async def test_a_hung_worker_is_reported_and_killed_by_the_watchdog(
+    watchdog: str, redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    """SIGSTOP: its flows black-holed; /healthz and /readyz say so, and after
+    --worker-watchdog seconds the supervisor kills and restarts it."""
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS, "--worker-watchdog", watchdog)
+    try:
+        await daemon.start()
+        pids = await started_workers(daemon)
+        os.kill(pids[1], signal.SIGSTOP)
+        if watchdog == "600":
+
+            async def reported() -> bool:
+                return await http_json(daemon, "/healthz") == (
+                    200,
+                    {"status": "degraded", "workers_down": [1]},
+                )
+
+            await until(reported, 20, "/healthz does not report the stopped worker")
+            status, ready = await http_json(daemon, "/readyz")
+            assert (status, ready["workers_down"]) == (503, [1])
+            os.kill(pids[1], signal.SIGCONT)
+
+            async def healthy() -> bool:
+                return await http_json(daemon, "/healthz") == (200, {"status": "ok"})
+
+            await until(healthy, 20, "/healthz still reports the resumed worker")
+            assert not events(daemon.log_path, "worker_hung")
+        else:
+
+            async def restarted() -> bool:
+                return await daemon.metric('matchmaker_worker_restarts{worker="1"}', 0.0) == 1
+
+            await until(restarted, 30, "the stopped worker was not restarted")
+            await both_answered(daemon)
+            assert events(daemon.log_path, "worker_hung")[0]["index"] == 1
+            exits = events(daemon.log_path, "worker_exited")
+            assert [(e["index"], e["status"]) for e in exits] == [(1, -signal.SIGKILL)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+        daemon.signal(signal.SIGTERM)
+        with contextlib.suppress(AssertionError):
+            await daemon.wait()
+        daemon.kill()
+
+
+async def http_json(daemon: DaemonProcess, path: str) -> tuple[int, dict[str, object]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.http_port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        body = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, text = body.decode().partition("\r\n\r\n")
+    return int(head.split(" ")[1]), json.loads(text)
+
+
+# -- the supervisor's own failures -------------------------------------------------------
+
+
+def test_the_backoff_stays_bounded_after_any_number_of_deaths(
+    redis_server: RedisProcess,
+) -> None:
+    supervisor = Supervisor(settings(workers=2, store=redis_server.url), [])
+    slot = supervisor._slots[0]
+    slot.serving, slot.quick_deaths = 100.0, 1024
+    supervisor._exited(slot, -signal.SIGKILL, 101.0)
+    assert slot.restart_at == 101.0 + BACKOFF_MAX
+
+
+def test_a_worker_that_cannot_be_spawned_is_retried_then_ends_the_supervisor(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = settings(workers=2, store=redis_server.url, port=0, http_port=0)
+    supervisor = Supervisor(config, [], worker_command=["/nonexistent/python"])
+    assert supervisor.run() == 1
+    err = capsys.readouterr().err
+    assert "exited 3 times in a row before serving" in err
+
+
+# -- what every worker shares --------------------------------------------------------------
+
+
+async def test_an_ephemeral_issuer_key_is_the_same_in_every_worker(
+    redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    flags = (*FLAGS, "--ephemeral-issuer-key")
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *flags)
+    try:
+        await daemon.start()
+        pids = await started_workers(daemon)
+
+        async def both_started() -> bool:
+            return len(events(daemon.log_path, "matchmaker_started")) == 2
+
+        await until(both_started, 20, "a worker did not log matchmaker_started")
+        keys = {e["issuer_public"] for e in events(daemon.log_path, "matchmaker_started")}
+        assert len(keys) == 1 and "" not in keys
+        # Neither on a command line (ps) nor in the environment: an inherited pipe.
+        for pid in pids:
+            for source in ("cmdline", "environ"):
+                text = Path(f"/proc/{pid}/{source}").read_bytes()
+                assert not re.search(rb"[0-9a-fA-F]{64}", text), source
+    finally:
+        daemon.signal(signal.SIGTERM)
+        with contextlib.suppress(AssertionError):
+            await daemon.wait()
+        daemon.kill()
 
 
 async def test_rudp_series_carry_the_worker_label(replica: DaemonProcess) -> None:
