@@ -10,7 +10,9 @@ replica id of its own (``<replica-id>-w<i>``), exactly as separate replicas are:
 heartbeat secrets and cookies derive from the key replicas share, and
 introductions for a host another worker holds are relayed through Redis.  A
 host's datagrams reach its worker's socket only (see below), so a host whose
-worker is down waits for the worker restarted on that socket.
+worker is down waits for the worker restarted on that socket, and a rudp
+connection whose client's source port changes (NAT rebinding) lands on another
+worker, which does not know it (docs/matchmaker.md, "Workers").
 
 The **supervisor** (this module, the process ``python -m matchmaker`` runs)
 binds every listening socket itself and hands them down (inherited file
