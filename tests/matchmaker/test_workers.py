@@ -368,6 +368,15 @@ async def gone(pids: list[int], what: str) -> None:
     await until(none_alive, 30, what)
 
 
+async def stop(daemon: DaemonProcess) -> None:
+    """SIGTERM (its workers drain and exit with it), then SIGKILL if need be."""
+    if daemon.proc is not None and daemon.proc.poll() is None:
+        daemon.signal(signal.SIGTERM)
+        with contextlib.suppress(AssertionError):
+            await daemon.wait()
+    daemon.kill()
+
+
 def same_ports(daemon: DaemonProcess, tmp_path: Path, redis_url: str) -> DaemonProcess:
     again = DaemonProcess(tmp_path, "r2", redis_url)
     again.args, again.port, again.http_port = daemon.args, daemon.port, daemon.http_port
@@ -398,7 +407,7 @@ async def test_workers_stop_when_their_supervisor_is_killed(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         daemon.kill()
-        again.kill()
+        await stop(again)
     supervisor_gone = events(daemon.log_path, "supervisor_gone")
     assert len(supervisor_gone) == 2
 
@@ -441,6 +450,7 @@ async def test_a_hung_worker_is_reported_and_killed_by_the_watchdog(
     """SIGSTOP: its flows black-holed; /healthz and /readyz say so, and after
     --worker-watchdog seconds the supervisor kills and restarts it."""
     daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS, "--worker-watchdog", watchdog)
+    pids: list[int] = []
     try:
         await daemon.start()
         pids = await started_workers(daemon)
@@ -474,12 +484,10 @@ async def test_a_hung_worker_is_reported_and_killed_by_the_watchdog(
             exits = events(daemon.log_path, "worker_exited")
             assert [(e["index"], e["status"]) for e in exits] == [(1, -signal.SIGKILL)]
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pids[1], signal.SIGCONT)
-        daemon.signal(signal.SIGTERM)
-        with contextlib.suppress(AssertionError):
-            await daemon.wait()
-        daemon.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        await stop(daemon)
 
 
 async def http_json(daemon: DaemonProcess, path: str) -> tuple[int, dict[str, object]]:
@@ -540,10 +548,7 @@ async def test_an_ephemeral_issuer_key_is_the_same_in_every_worker(
                 text = Path(f"/proc/{pid}/{source}").read_bytes()
                 assert not re.search(rb"[0-9a-fA-F]{64}", text), source
     finally:
-        daemon.signal(signal.SIGTERM)
-        with contextlib.suppress(AssertionError):
-            await daemon.wait()
-        daemon.kill()
+        await stop(daemon)
 
 
 async def test_rudp_series_carry_the_worker_label(replica: DaemonProcess) -> None:
