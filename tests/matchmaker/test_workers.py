@@ -351,6 +351,14 @@ def alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
+def is_worker(pid: int) -> bool:
+    """Whether ``pid`` is still a worker (not a process that reused its pid)."""
+    try:
+        return b"matchmaker.workers" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 async def started_workers(daemon: DaemonProcess) -> list[int]:
     """The pids of both workers once the supervisor started them (bounded wait)."""
 
@@ -403,7 +411,7 @@ async def test_workers_stop_when_their_supervisor_is_killed(
         await gone(pids, f"a worker outlived its supervisor killed while {when}")
         await again.start()
     finally:
-        for pid in pids:
+        for pid in filter(is_worker, pids):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         daemon.kill()
@@ -484,7 +492,7 @@ async def test_a_hung_worker_is_reported_and_killed_by_the_watchdog(
             exits = events(daemon.log_path, "worker_exited")
             assert [(e["index"], e["status"]) for e in exits] == [(1, -signal.SIGKILL)]
     finally:
-        for pid in pids:
+        for pid in filter(is_worker, pids):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         await stop(daemon)
