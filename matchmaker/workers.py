@@ -131,6 +131,7 @@ SILENT = 3.0
 """Seconds without one after which /healthz and /readyz report the worker down
 (``--worker-watchdog`` seconds, it is killed and restarted)."""
 DOWN_FILE = "down"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DIRECTORY_PREFIX = "matchmaker-"
 
 
@@ -366,6 +367,8 @@ def _watch_lifeline(fd: int) -> None:
     pipe's EOF stays until read, so a death during our start is seen too."""
 
     def wait() -> None:
+        # Signals go to the main thread only, which blocks them once it has drained.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         with contextlib.suppress(OSError):
             while os.read(fd, 64):
                 pass
@@ -385,7 +388,7 @@ def worker_main(argv: Sequence[str]) -> int:
     mm_logging.configure(settings.log_level, settings.log_format)
     structlog.contextvars.bind_contextvars(worker=spec.index)
     # Until the event loop serves, a stop (the supervisor's, or its death) ends us at once.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: _exit_now("worker_stopped_starting"))
     _watch_lifeline(spec.lifeline_fd)
     # Here, not at the top: the supervisor runs as ``__main__`` and imports this module.
@@ -457,7 +460,7 @@ async def _serve_worker(mm: Matchmaker, siblings: Siblings, beat_fd: int) -> Non
         serving = True
         beats.append(asyncio.create_task(beating(), name="watchdog-beat"))
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     beats: list[asyncio.Task[None]] = []
     server = await siblings.serve()
@@ -469,9 +472,11 @@ async def _serve_worker(mm: Matchmaker, siblings: Siblings, beat_fd: int) -> Non
         server.close()
         with contextlib.suppress(FileNotFoundError):
             siblings.path(siblings.index).unlink()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)  # restores the default action: ignore instead
-            signal.signal(sig, signal.SIG_IGN)
+        # Drained: a stop arriving from now on stays pending until the exit.  The
+        # loop's handlers stay: closing the loop restores the default action (to
+        # die of the signal), by when no thread that does not block it is left
+        # (the default executor's are joined first, the lifeline's blocks it).
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 # -- the supervisor ----------------------------------------------------------------------
