@@ -16,7 +16,8 @@ import errno
 import os
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any
 
 import structlog
 
@@ -49,8 +50,27 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"matchmaker: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     mm_logging.configure(settings.log_level, settings.log_format)
+    if settings.workers > 1:
+        from matchmaker.workers import Supervisor  # its workers run through run_daemon
+
+        return guarded(settings, Supervisor(settings, args, env).run)
+    return run_daemon(settings, lambda: Matchmaker(settings).run())
+
+
+def run_daemon(settings: Settings, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    """Run ``serve()`` on rudp's event loop; the exit status (`guarded`)."""
+
+    def body() -> int:
+        rudp.run(serve())
+        return EXIT_OK
+
+    return guarded(settings, body)
+
+
+def guarded(settings: Settings, body: Callable[[], int]) -> int:
+    """``body()``'s exit status, or the one of the failure it raised (logged)."""
     try:
-        rudp.run(Matchmaker(settings).run())
+        return body()
     except OSError as exc:
         if exc.errno not in BIND_ERRNOS:
             log.exception("matchmaker_failed")
@@ -63,7 +83,6 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # In the configured format (a JSON line), not as a bare traceback on stderr.
         log.exception("matchmaker_failed")
         return EXIT_FAILED
-    return EXIT_OK
 
 
 def sockets(settings: Settings) -> dict[str, tuple[str, int, socket.SocketKind]]:

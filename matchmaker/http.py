@@ -3,9 +3,12 @@
 Endpoints
 ---------
 ``/metrics``   Prometheus text exposition (``prometheus_client.generate_latest``).
-``/healthz``   200 while the process runs its event loop (liveness).
-``/readyz``    200 once the registry is loaded and the daemon is not shutting
-               down, else 503; the JSON body says whether the list is stale.
+``/healthz``   200 while the process runs its event loop (liveness); with
+               workers, ``"degraded"`` and ``workers_down`` name the siblings the
+               supervisor sees down (not serving yet, or silent).
+``/readyz``    200 once the registry is loaded, the daemon is not shutting
+               down and no sibling worker is down, else 503; the JSON body
+               says whether the list is stale.
 ``/servers``   The server list as JSON; query parameters are the list filters
                (without ``game``: every game's hosts, with the same limit and
                paging; ``tags_all``/``tags_any`` comma-separated or repeated;
@@ -97,6 +100,9 @@ class BadRequest(Exception):
 
 
 ListServers = Callable[[ListRequest], Awaitable[list[dict[str, Any]]]]
+Exposition = Callable[[], Awaitable[bytes]]
+"""The /metrics body: by default this process's registry; with several workers, every
+worker's series with a ``worker`` label (`matchmaker.workers`)."""
 
 
 class HttpApi:
@@ -111,23 +117,35 @@ class HttpApi:
         limits: Limits,
         list_limiter: RateLimiter,
         is_shutting_down: Callable[[], bool],
+        exposition: Exposition | None = None,
+        workers_down: Callable[[], list[int]] | None = None,
     ) -> None:
+        self._exposition = exposition
         self._registry = registry
         self._metrics = metrics
         self._list_servers = list_servers
         self._limits = limits
         self._limiter = list_limiter
         self._shutting_down = is_shutting_down
+        self._workers_down = workers_down or (lambda: [])
 
     async def route(self, target: str, client_ip: str) -> tuple[str, Response]:
         """(path label, response) for a GET of `target`."""
         parts = urlsplit(target)
         path = parts.path
         if path == "/metrics":
-            body = generate_latest(self._metrics.registry)
+            if self._exposition is not None:
+                body = await self._exposition()
+            else:
+                body = generate_latest(self._metrics.registry)
             return path, Response(200, body, CONTENT_TYPE_LATEST)
         if path == "/healthz":
-            return path, Response.json(200, {"status": "ok"})
+            # 200 while a sibling worker is down too: the supervisor restarts it.
+            down = self._workers_down()
+            health: dict[str, object] = {"status": "degraded" if down else "ok"}
+            if down:
+                health["workers_down"] = down
+            return path, Response.json(200, health)
         if path == "/readyz":
             return path, self._ready()
         if path == "/servers":
@@ -135,8 +153,15 @@ class HttpApi:
         return "other", Response.json(404, {"error": "not_found"})
 
     def _ready(self) -> Response:
-        ready = self._registry.ready and not self._shutting_down()
-        body = {"ready": ready, "stale": self._registry.stale, "hosts": len(self._registry.index())}
+        down = self._workers_down()
+        ready = self._registry.ready and not self._shutting_down() and not down
+        body: dict[str, object] = {
+            "ready": ready,
+            "stale": self._registry.stale,
+            "hosts": len(self._registry.index()),
+        }
+        if down:
+            body["workers_down"] = down
         return Response.json(200 if ready else 503, body)
 
     async def _servers(self, query: str, client_ip: str) -> Response:
@@ -227,7 +252,12 @@ class HttpServer:
         sockname = self._server.sockets[0].getsockname()
         return sockname[0], sockname[1]
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, *, sock: socket.socket | None = None) -> None:
+        """Listen on ``host:port``, or accept on ``sock``, a listening socket the
+        caller made (shared by every worker of a replica)."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._client, sock=sock, limit=MAX_HEAD_BYTES)
+            return
         self._server = await asyncio.start_server(
             self._client, host, port, limit=MAX_HEAD_BYTES, reuse_address=True
         )

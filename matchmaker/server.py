@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-from collections.abc import Coroutine
+import socket
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -25,7 +27,7 @@ from matchmaker.addresses import Address
 from matchmaker.catalog import EVERY_GAME, every_game_list
 from matchmaker.gctuning import tune_gc
 from matchmaker.heartbeat import FIRST_BYTES
-from matchmaker.http import HttpApi, HttpServer, entry_json
+from matchmaker.http import Exposition, HttpApi, HttpServer, entry_json
 from matchmaker.master import MasterProtocol, MasterResponder
 from matchmaker.messages import HostEntry, ListRequest, entry_fields
 from matchmaker.metrics import Metrics
@@ -66,6 +68,19 @@ def build_issuer(settings: Settings) -> Issuer | None:
     return None if private is None else Issuer(private)
 
 
+@dataclass(frozen=True, slots=True)
+class ListeningSockets:
+    """Sockets a worker process is handed, bound by its supervisor (`matchmaker.workers`)
+    instead of the daemon binding ``--bind``/``--port`` and the others itself."""
+
+    udp: socket.socket
+    """This worker's own UDP socket of the ``SO_REUSEPORT`` group on ``--port``."""
+    http: socket.socket
+    """The HTTP port's listening socket, shared by every worker."""
+    master: socket.socket | None
+    """This worker's own UDP socket of the group on ``--master-port`` (with ``--master``)."""
+
+
 class Matchmaker:
     """The whole daemon: rudp port, HTTP port, registry and background loops."""
 
@@ -77,11 +92,18 @@ class Matchmaker:
         registry: Registry | None = None,
         rudp_config: rudp.Config | None = None,
         rng: random.Random | None = None,
+        sockets: ListeningSockets | None = None,
+        exposition: Exposition | None = None,
+        issuer: Issuer | None = None,
+        workers_down: Callable[[], list[int]] | None = None,
     ) -> None:
         self.settings = settings
+        self._sockets = sockets
+        self._exposition = exposition
+        self._workers_down = workers_down
         self.metrics = metrics or Metrics()
         self.registry = registry or build_registry(settings, self.metrics)
-        self.issuer = build_issuer(settings)
+        self.issuer = issuer or build_issuer(settings)
         self.service = MatchmakerService(
             settings, self.registry, self.metrics, rng=rng, issuer=self.issuer
         )
@@ -161,7 +183,14 @@ class Matchmaker:
     async def start(self) -> None:
         s = self.settings
         await self.registry.start()
-        self._udp = await rudp.serve(self.service.handle, s.bind, s.port, config=self._rudp_config)
+        given = self._sockets
+        self._udp = await rudp.serve(
+            self.service.handle,
+            s.bind,
+            s.port,
+            config=self._rudp_config,
+            sock=given.udp if given else None,
+        )
         self._udp.on_query = self.service.answer_query
         for first_byte in FIRST_BYTES:
             self._udp.set_datagram_handler(first_byte, self.service.liveness.receive)
@@ -174,11 +203,13 @@ class Matchmaker:
             limits=s.limits,
             list_limiter=RateLimiter(s.list_bucket, max_keys=s.rate_limit_keys),
             is_shutting_down=lambda: self.service.shutting_down,
+            exposition=self._exposition,
+            workers_down=self._workers_down,
         )
         self._http = HttpServer(
             api, self.metrics, timeout=s.http_timeout, max_connections=s.http_max_connections
         )
-        await self._http.start(s.http_bind, s.http_port)
+        await self._http.start(s.http_bind, s.http_port, sock=given.http if given else None)
         if s.master:
             await self._start_master()
         self._spawn(self.service.run_sweeper(), "sweeper")
@@ -229,9 +260,16 @@ class Matchmaker:
             on_rate_limited=self.metrics.rate_limited.labels("list").inc,
         )
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: MasterProtocol(responder), local_addr=(s.bind, s.master_port)
-        )
+        given = self._sockets.master if self._sockets else None
+        if given is not None:
+            given.setblocking(False)
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: MasterProtocol(responder), sock=given
+            )
+        else:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: MasterProtocol(responder), local_addr=(s.bind, s.master_port)
+            )
         self._master = transport
         self.master_responder = responder
         host, port = self.master_address or ("", 0)
@@ -288,11 +326,20 @@ class Matchmaker:
             self._udp.endpoint.close_now()  # no-op after a graceful close
         await self.registry.close()
 
-    async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Start, wait for SIGTERM/SIGINT (or `stop`), shut down."""
+    async def run(
+        self,
+        stop: asyncio.Event | None = None,
+        on_started: Callable[[], None] | None = None,
+        *,
+        signals: bool = True,
+    ) -> None:
+        """Start, wait for SIGTERM/SIGINT (or `stop`), shut down; ``on_started`` is
+        called once serving.  ``signals=False``: the caller handles the signals and
+        sets `stop` (a worker, which must outlive a repeated SIGTERM)."""
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        handled = (signal.SIGTERM, signal.SIGINT) if signals else ()
+        for sig in handled:
             # Handlers only set the flag; the shutdown itself runs here.
             loop.add_signal_handler(sig, stop.set)
         started = False
@@ -300,9 +347,11 @@ class Matchmaker:
             await self.start()
             started = True
             tune_gc()  # once started: see matchmaker/gctuning.py
+            if on_started is not None:
+                on_started()
             await stop.wait()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in handled:
                 loop.remove_signal_handler(sig)
             if started:
                 await self.shutdown()

@@ -29,6 +29,7 @@ from matchmaker.registry import REDIS_SCHEMES
 ENV_PREFIX = "MATCHMAKER_"
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+MAX_WORKERS = 64
 
 
 class SettingsError(ValueError):
@@ -109,6 +110,14 @@ class Settings:
         "authenticate the matchmaker (Noise NK)",
     )
     # -- process
+    # Each worker is a process of its own with its own replica id in the shared
+    # registry, behind the one address (SO_REUSEPORT): see matchmaker/workers.py.
+    workers: int = _s(
+        1, "worker processes behind the one address (SO_REUSEPORT); > 1 needs a redis:// store"
+    )
+    worker_watchdog: float = _s(
+        10.0, "seconds a worker may go without a sign of life before it is killed and restarted"
+    )
     shutdown_timeout: float = _s(10.0, "seconds to close connections on SIGTERM before cancelling")
     log_format: str = _s("auto", "auto (console on a TTY, else JSON), json or console")
     log_level: str = _s("info", "debug, info, warning or error")
@@ -141,6 +150,7 @@ class Settings:
             "list_rate": f"{self.list_rate:g}/s burst {self.list_burst:g}",
             "introduce_rate": f"{self.introduce_rate:g}/s burst {self.introduce_burst:g}",
             "master": self.master_port if self.master else "off",
+            "workers": self.workers,
             "issuer": self.issuer_source,
         }
 
@@ -344,6 +354,14 @@ _RULES: list[Check] = [
         "static_key_file",
         lambda s: not s.static_key_file or _static_key_problem(s) is None,
         "must be a file with one line of 64 hex digits (a random 32-byte key)",
+    ),
+    ("workers", lambda s: 1 <= s.workers <= MAX_WORKERS, f"must be 1..{MAX_WORKERS}"),
+    ("worker_watchdog", lambda s: 3 <= s.worker_watchdog <= 3600, "must be 3..3600"),
+    (
+        "workers",
+        lambda s: s.workers == 1 or s.uses_redis,
+        "more than 1 needs a redis:// store: the workers share the registry as replicas "
+        "do, and memory:// is one process's own",
     ),
     ("shutdown_timeout", lambda s: s.shutdown_timeout > 0, "must be > 0"),
     ("log_format", lambda s: s.log_format in LOG_FORMATS, f"must be one of {LOG_FORMATS}"),

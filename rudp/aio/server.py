@@ -110,6 +110,14 @@ async def _open_socket(host: str | None, port: int, family: int, config: Config)
     return sock
 
 
+def _adopt_socket(sock: socket.socket, config: Config) -> None:
+    if sock.type != socket.SOCK_DGRAM:
+        raise ValueError("sock must be a UDP (SOCK_DGRAM) socket")
+    sock.setblocking(False)
+    _set_buffers(sock, config.socket_buffer_size)
+    _forbid_fragmentation(sock)
+
+
 class Endpoint:
     """One UDP socket: it connects out, and with a handler it accepts connections.
 
@@ -275,17 +283,24 @@ async def open_endpoint(
     handler: Handler | None = None,
     config: Config | None = None,
     family: int = 0,
+    sock: socket.socket | None = None,
 ) -> Endpoint:
     """Bind a UDP socket; with ``handler`` it accepts connections, else it only connects out.
 
     ``handler`` must be an ``async def`` (``await handler(conn)`` runs per connection;
     a plain ``def`` is a TypeError at once). Its connection is closed when it returns.
+    ``sock``: a UDP socket the caller has bound (one of an ``SO_REUSEPORT`` group, or
+    one inherited from a parent process) to use instead of binding ``host:port``;
+    the endpoint owns it from then on and closes it.
     """
     if handler is not None:
         check_handler(handler)
     loop = asyncio.get_running_loop()
     cfg = config or Config()
-    sock = await _open_socket(host, port, family, cfg)
+    if sock is None:
+        sock = await _open_socket(host, port, family, cfg)
+    else:
+        _adopt_socket(sock, cfg)
     accept = handler is not None
     try:
         if reads_with_add_reader(loop, sock):
@@ -301,7 +316,12 @@ async def open_endpoint(
 
 
 async def serve(
-    handler: Handler, host: str | None, port: int, *, config: Config | None = None
+    handler: Handler,
+    host: str | None,
+    port: int,
+    *,
+    config: Config | None = None,
+    sock: socket.socket | None = None,
 ) -> Endpoint:
     """Accept rudp connections on ``host:port``; run ``await handler(conn)`` for each.
 
@@ -309,9 +329,9 @@ async def serve(
     raises), its connection is closed gracefully, and the peer sees the text
     "server handler returned" (or "server handler failed"). A handler that hands
     the connection to a task of its own must wait for it (``await conn.wait_closed()``).
-    A plain ``def`` handler is a TypeError at once.
+    A plain ``def`` handler is a TypeError at once. ``sock``: as for ``open_endpoint``.
     """
-    return await open_endpoint(host, port, handler=handler, config=config)
+    return await open_endpoint(host, port, handler=handler, config=config, sock=sock)
 
 
 async def connect(

@@ -122,9 +122,14 @@ class DaemonProcess:
     def address(self) -> tuple[str, int]:
         return ("127.0.0.1", self.port)
 
-    async def start(self, timeout: float = 20.0) -> None:
+    def launch(self) -> None:
+        """Start the process, without waiting for it to serve."""
         with self.log_path.open("ab") as log_file:
             self.proc = subprocess.Popen(self.args, stdout=log_file, stderr=subprocess.STDOUT)
+
+    async def start(self, timeout: float = 20.0) -> None:
+        self.launch()
+        assert self.proc is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not await self.ready():
@@ -169,20 +174,29 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait(5)
 
-    async def metric(self, sample: str) -> float:
+    async def metric(self, sample: str, default: float | None = None) -> float:
         """The value of one sample of /metrics, written as exposed (``name{labels}``);
-        0 when absent."""
+        ``default`` when absent, an AssertionError if that is None."""
+        found = (await self.samples()).get(sample, default)
+        assert found is not None, f"no {sample} in /metrics"
+        return found
+
+    async def samples(self) -> dict[str, float]:
+        """Every sample of one /metrics scrape, by ``name{labels}`` as exposed."""
         reader, writer = await asyncio.open_connection("127.0.0.1", self.http_port)
         try:
             writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             body = await asyncio.wait_for(reader.read(), 10)
         finally:
             writer.close()
-        for line in body.decode().splitlines():
-            name, _, value = line.rpartition(" ")
-            if name == sample:
-                return float(value)
-        return 0.0
+        head, _, text = body.decode().partition("\r\n\r\n")
+        assert head.startswith("HTTP/1.1 200"), head
+        found = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                found[name] = float(value)
+        return found
 
 
 # -- a bounded wait ------------------------------------------------------------------------

@@ -90,8 +90,8 @@ async def test_sigkill_of_a_replica_rehomes_every_host_within_15_s(fleet: Fleet)
     victim, survivor = fleet.replicas
     moving = sum(o == "a" for o in owners)
 
-    registered = await survivor.metric(CREATED)
-    handshakes = await survivor.metric(ACCEPTED)
+    registered = await survivor.metric(CREATED, default=0.0)
+    handshakes = await survivor.metric(ACCEPTED, default=0.0)
 
     victim.signal(signal.SIGKILL)
     killed = time.monotonic()
@@ -105,9 +105,9 @@ async def test_sigkill_of_a_replica_rehomes_every_host_within_15_s(fleet: Fleet)
     # Each moved on one heartbeat: no registration, no handshake on the survivor.
     assert [h.registrations for h in hosts] == [1] * N_HOSTS
     assert sum(h.takeovers for h in hosts) == moving
-    assert await survivor.metric(TAKEN_OVER) == moving
-    assert await survivor.metric(CREATED) == registered
-    assert await survivor.metric(ACCEPTED) == handshakes + 1  # listed_by's connection
+    assert await survivor.metric(TAKEN_OVER, default=0.0) == moving
+    assert await survivor.metric(CREATED, default=0.0) == registered
+    assert await survivor.metric(ACCEPTED, default=0.0) == handshakes + 1  # listed_by's connection
 
     # An introduction reaches a host that moved, from the replica it moved to.
     moved = next(h for h, o in zip(hosts, owners, strict=True) if o == "a")
@@ -168,4 +168,7 @@ async def test_a_host_the_other_replica_no_longer_holds_registers_there(fleet: F
         await asyncio.sleep(0.2)
     assert (host.registrations, host.takeovers) == (2, 0)
     assert host.route == f"127.0.0.1:{survivor.port}"
-    assert await survivor.metric('matchmaker_heartbeats_total{result="not_registered"}') >= 1
+    assert (
+        await survivor.metric('matchmaker_heartbeats_total{result="not_registered"}', default=0.0)
+        >= 1
+    )

@@ -1,0 +1,568 @@
+"""Several worker processes behind one address (``--workers``): real supervisors and
+workers on loopback sharing a real redis-server, game hosts on the stock client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+import rudp
+from matchmaker.addresses import Address
+from matchmaker.client import MatchmakerClient
+from matchmaker.master import STEAM_REPLY
+from matchmaker.workers import BACKOFF_MAX, Supervisor, merge_expositions
+from tests.matchmaker.helpers import (
+    HOST,
+    DaemonProcess,
+    RedisProcess,
+    free_udp_port,
+    settings,
+)
+
+N_HOSTS = 100
+REHOME_WITHIN = 15.0
+FLAGS = (
+    "--workers", "2", "--max-hosts-per-ip", "10000", "--register-rate", "10000",
+    "--register-burst", "10000", "--list-rate", "100", "--list-burst", "100",
+    "--page-per-ip", "32", "--shutdown-timeout", "5",
+)  # fmt: skip
+
+
+def events(log: Path, name: str) -> list[dict[str, object]]:
+    """The JSON log lines of one event."""
+    return events_of(log.read_text(), name)
+
+
+def events_of(text: str, name: str) -> list[dict[str, object]]:
+    lines = [line for line in text.splitlines() if line.startswith("{") and line.endswith("}")]
+    return [e for e in map(json.loads, lines) if e.get("event") == name]
+
+
+async def until(check: object, timeout: float, what: str) -> None:
+    """Poll an async predicate (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not await check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+async def replica(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[DaemonProcess]:
+    master = ("--master", "--master-port", str(free_udp_port()))
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS, *master)
+    try:
+        await daemon.start()
+
+        async def both_up() -> bool:
+            up = [await daemon.metric(f'matchmaker_worker_up{{worker="{i}"}}') for i in (0, 1)]
+            return up == [1.0, 1.0]
+
+        await until(both_up, 20, "both workers serving")
+        yield daemon
+    finally:
+        # A SIGTERM first: a supervisor killed outright leaves its workers to notice
+        # (within a second) and stop on their own.
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            daemon.signal(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):
+                await daemon.wait()
+        daemon.kill()
+
+
+async def register_hosts(
+    daemon: DaemonProcess, n: int
+) -> tuple[list[MatchmakerClient], list[rudp.Server], list[Address]]:
+    sockets = [
+        await rudp.open_endpoint("127.0.0.1", 0, config=rudp.Config(channels=1)) for _ in range(n)
+    ]
+    hosts = [MatchmakerClient.to([daemon.address], via=s) for s in sockets]
+    addresses = list(await asyncio.gather(*(h.register(**HOST) for h in hosts)))
+    return hosts, sockets, addresses
+
+
+async def close_hosts(hosts: list[MatchmakerClient], sockets: list[rudp.Server]) -> None:
+    await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
+    for s in sockets:
+        s.endpoint.close_now()
+
+
+async def listed(daemon: DaemonProcess) -> set[Address]:
+    async with MatchmakerClient.to(*daemon.address, timeout=10.0) as lister:
+        return {e.address for e in await lister.list_servers(game=HOST["game"], limit=N_HOSTS)}
+
+
+async def lists_all(daemon: DaemonProcess, addresses: list[Address]) -> None:
+    """Wait (bounded) until a list shows every host: the lister's worker follows the
+    other's registrations through Redis."""
+
+    async def every() -> bool:
+        return await listed(daemon) == set(addresses)
+
+    await until(every, 15, "a list does not show every registered host")
+
+
+async def both_answered(daemon: DaemonProcess) -> dict[str, float]:
+    """One scrape holding both workers' series (so an absent one is really absent)."""
+    samples = await daemon.samples()
+    for i in (0, 1):
+        assert samples[f'matchmaker_worker_up{{worker="{i}"}}'] == 1.0, f"worker {i} missing"
+    return samples
+
+
+async def owners(url: str, addresses: list[Address]) -> list[str | None]:
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        async with client.pipeline(transaction=False) as pipe:
+            for address in addresses:
+                pipe.hget(f"{{mm}}:h:{address.key}", "owner")
+            raw = await pipe.execute()
+    finally:
+        await client.aclose()
+    return [None if r is None else r.decode() for r in raw]
+
+
+def created(worker: int) -> str:
+    return f'matchmaker_registrations_total{{result="created",worker="{worker}"}}'
+
+
+async def test_registrations_land_on_both_workers_and_a_list_sees_every_host(
+    replica: DaemonProcess, redis_server: RedisProcess
+) -> None:
+    hosts, sockets, addresses = await register_hosts(replica, N_HOSTS)
+    try:
+        per_worker = [await replica.metric(created(i)) for i in (0, 1)]
+        assert sum(per_worker) == N_HOSTS
+        assert min(per_worker) > 0, f"one worker got every host: {per_worker}"
+        await lists_all(replica, addresses)
+        assert set(await owners(redis_server.url, addresses)) == {"r-w0", "r-w1"}
+        # Each host heartbeats to the worker it registered with: its 4-tuple is the same.
+        samples = await both_answered(replica)
+        for i in (0, 1):
+            sample = f'matchmaker_heartbeats_total{{result="not_owner",worker="{i}"}}'
+            assert samples.get(sample, 0.0) == 0
+        print(f"registrations per worker: {per_worker}")
+    finally:
+        await close_hosts(hosts, sockets)
+
+
+async def test_a_killed_worker_is_restarted_and_its_hosts_stay_listed(
+    replica: DaemonProcess, redis_server: RedisProcess
+) -> None:
+    """Worker 0 dies: a group that lost a member (a socket the supervisor did not
+    hold) would move the last member into its slot and remap worker 1's flows."""
+    hosts, sockets, addresses = await register_hosts(replica, N_HOSTS)
+    try:
+        victim = next(e for e in events(replica.log_path, "worker_started") if e["index"] == 0)
+        held = sum(o == "r-w0" for o in await owners(redis_server.url, addresses))
+        assert held > 0
+        os.kill(int(str(victim["pid"])), signal.SIGKILL)
+        killed = time.monotonic()
+
+        async def restarted() -> bool:
+            return await replica.metric('matchmaker_worker_restarts{worker="0"}', 0.0) == 1.0
+
+        async def served_again() -> bool:
+            # The restarted worker (same socket, same replica id) answers its hosts.
+            samples = await replica.samples()
+            beats = samples.get('matchmaker_heartbeats_total{result="ok",worker="0"}', 0.0)
+            moved = samples.get('matchmaker_heartbeats_total{result="taken_over",worker="0"}', 0.0)
+            return beats + moved > 0
+
+        await until(restarted, REHOME_WITHIN, "worker 0 not restarted")
+        await until(served_again, REHOME_WITHIN, "worker 0's hosts not served again")
+        # Worker 0's hosts waited on its socket: none of them reached worker 1.
+        samples = await both_answered(replica)
+        for result in ("not_owner", "taken_over", "not_registered"):
+            sample = f'matchmaker_heartbeats_total{{result="{result}",worker="1"}}'
+            assert samples.get(sample, 0.0) == 0, result
+        live = {"r-w0", "r-w1"}
+        assert set(await owners(redis_server.url, addresses)) <= live
+        await lists_all(replica, addresses)
+        assert time.monotonic() - killed < REHOME_WITHIN
+        exits = events(replica.log_path, "worker_exited")
+        assert [(e["index"], e["status"]) for e in exits] == [(0, -signal.SIGKILL)]
+        again = sum(h.registrations > 1 for h in hosts)
+        print(f"{held} hosts on the killed worker, {again} registered again, "
+              f"served again {time.monotonic() - killed:.1f} s after SIGKILL")  # fmt: skip
+    finally:
+        await close_hosts(hosts, sockets)
+
+
+async def test_sigterm_drains_every_worker_and_exits_0(replica: DaemonProcess) -> None:
+    hosts, sockets, _ = await register_hosts(replica, 10)
+    try:
+        replica.signal(signal.SIGTERM)
+        assert await replica.wait() == 0
+    finally:
+        await close_hosts(hosts, sockets)
+    stopped = events(replica.log_path, "matchmaker_stopped")
+    assert sorted(e["worker"] for e in stopped) == [0, 1]  # type: ignore[type-var]
+    assert events(replica.log_path, "workers_stopped")[0]["statuses"] == "0,0"
+
+
+def master_port(daemon: DaemonProcess) -> int:
+    return int(daemon.args[daemon.args.index("--master-port") + 1])
+
+
+async def test_the_master_port_answers_from_every_worker(replica: DaemonProcess) -> None:
+    """Its sockets are a group like the rudp port's: a worker that did not read
+    its own would leave about half of these queries unanswered."""
+    hosts, sockets, _ = await register_hosts(replica, 5)
+
+    async def both_see_them() -> bool:
+        name = f'matchmaker_hosts_listed{{game="{HOST["game"]}",worker='
+        return [await replica.metric(f'{name}"{i}"}}') for i in (0, 1)] == [5.0, 5.0]
+
+    await until(both_see_them, 10, "a worker does not list the hosts the other registered")
+    queries = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(16)]
+    try:
+        for q in queries:
+            q.settimeout(10)
+            q.sendto(b"\x31\xff0.0.0.0:0\x00\x00", ("127.0.0.1", master_port(replica)))
+        replies = [await asyncio.to_thread(q.recv, 1400) for q in queries]
+        # Each answer is no larger than its query (no amplification): one entry here.
+        assert [r[: len(STEAM_REPLY)] for r in replies] == [STEAM_REPLY] * len(queries)
+    finally:
+        for q in queries:
+            q.close()
+        await close_hosts(hosts, sockets)
+
+
+def test_workers_need_the_redis_store() -> None:
+    cmd = [sys.executable, "-m", "matchmaker", "--workers", "2", "--port", "0", "--http-port", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--workers (MATCHMAKER_WORKERS): more than 1 needs a redis:// store" in done.stderr
+
+
+def test_a_port_another_group_holds_is_refused_not_shared() -> None:
+    """A second replica started on the port of a running one (its group set
+    SO_REUSEPORT) fails at once instead of taking half its traffic."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        port = str(held.getsockname()[1])
+        cmd = [sys.executable, "-m", "matchmaker", "--workers", "2", "--bind", "127.0.0.1"]
+        cmd += ["--port", port, "--http-bind", "127.0.0.1", "--http-port", "0"]
+        cmd += ["--store", "redis://127.0.0.1:1/0", "--log-format", "json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    line = events_of(done.stdout + done.stderr, "port_unavailable")[0]
+    assert line["port"] == f"udp 127.0.0.1:{port} (--port)"
+
+
+def test_workers_that_keep_dying_at_start_end_the_supervisor(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = settings(workers=2, store=redis_server.url, port=0, http_port=0)
+    crash = [sys.executable, "-c", "import sys; sys.exit(7)"]
+    supervisor = Supervisor(config, [], worker_command=crash)
+    assert supervisor.run() == 1
+    err = capsys.readouterr().err
+    assert "exited 3 times in a row before serving (last exit status 7)" in err
+
+
+def test_reuseport_keeps_flows_on_their_member_while_the_group_keeps_its_size() -> None:
+    """Why the supervisor holds every worker's socket: measured on this kernel."""
+
+    def member(n: int, port: int = 0) -> list[socket.socket]:
+        out = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind(("127.0.0.1", port))
+            port = s.getsockname()[1]
+            s.settimeout(5)
+            out.append(s)
+        return out
+
+    def mapping(group: list[socket.socket], flows: list[socket.socket]) -> list[int]:
+        port = group[0].getsockname()[1]
+        where = {}
+        for f in flows:
+            f.sendto(b"x", ("127.0.0.1", port))
+        for i, s in enumerate(group):
+            s.setblocking(False)
+            while True:
+                try:
+                    _, source = s.recvfrom(16)
+                except BlockingIOError:
+                    break
+                where[source] = i
+        return [where[f.getsockname()] for f in flows]
+
+    group = member(3)
+    flows = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(64)]
+    try:
+        for f in flows:
+            f.bind(("127.0.0.1", 0))
+        before = mapping(group, flows)
+        assert set(before) == {0, 1, 2}
+        # A worker dies, its socket held: the group keeps its size, no flow moves.
+        assert mapping(group, flows) == before
+        # Closed and bound again instead: the kernel remaps flows of members that lived.
+        group[0].close()
+        group[0] = member(1, group[1].getsockname()[1])[0]
+        after = mapping(group, flows)
+        moved = sum(a != b for a, b in zip(before, after, strict=True) if b != 0)
+        assert moved > 0
+    finally:
+        for s in group + flows:
+            s.close()
+
+
+def test_merge_expositions_labels_every_series_by_worker() -> None:
+    a = b'# HELP x_total X.\n# TYPE x_total counter\nx_total{r="a"} 1.0\n'
+    b = b'# HELP x_total X.\n# TYPE x_total counter\nx_total{r="a"} 2.0\n'
+    text = merge_expositions([("0", a), ("2", b)], 3).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert [(s.labels, s.value) for s in families["x"].samples] == [
+        ({"r": "a", "worker": "0"}, 1.0),
+        ({"r": "a", "worker": "2"}, 2.0),
+    ]
+    up = {s.labels["worker"]: s.value for s in families["matchmaker_worker_up"].samples}
+    assert up == {"0": 1.0, "1": 0.0, "2": 1.0}
+    assert text.count("# TYPE x_total counter") == 1
+
+
+# -- the supervisor's death, stops, the watchdog ------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def is_worker(pid: int) -> bool:
+    """Whether ``pid`` is still a worker (not a process that reused its pid)."""
+    try:
+        return b"matchmaker.workers" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+async def started_workers(daemon: DaemonProcess) -> list[int]:
+    """The pids of both workers once the supervisor started them (bounded wait)."""
+
+    async def both() -> bool:
+        return len(events(daemon.log_path, "worker_started")) >= 2
+
+    await until(both, 20, "the supervisor did not start its workers")
+    return [int(str(e["pid"])) for e in events(daemon.log_path, "worker_started")]
+
+
+async def gone(pids: list[int], what: str) -> None:
+    async def none_alive() -> bool:
+        return not any(map(alive, pids))
+
+    await until(none_alive, 30, what)
+
+
+async def stop(daemon: DaemonProcess) -> None:
+    """SIGTERM (its workers drain and exit with it), then SIGKILL if need be."""
+    if daemon.proc is not None and daemon.proc.poll() is None:
+        daemon.signal(signal.SIGTERM)
+        with contextlib.suppress(AssertionError):
+            await daemon.wait()
+    daemon.kill()
+
+
+def same_ports(daemon: DaemonProcess, tmp_path: Path, redis_url: str) -> DaemonProcess:
+    again = DaemonProcess(tmp_path, "r2", redis_url)
+    again.args, again.port, again.http_port = daemon.args, daemon.port, daemon.http_port
+    return again
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+async def test_workers_stop_when_their_supervisor_is_killed(
+    when: str, redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    """Whenever the supervisor dies (before its workers serve, too), they stop and
+    free the port for the next supervisor."""
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS)
+    again = same_ports(daemon, tmp_path, redis_server.url)
+    pids: list[int] = []
+    try:
+        if when == "starting":
+            daemon.launch()
+            pids = await started_workers(daemon)
+        else:
+            await daemon.start()
+            pids = await started_workers(daemon)
+        daemon.kill()
+        await gone(pids, f"a worker outlived its supervisor killed while {when}")
+        await again.start()
+    finally:
+        for pid in filter(is_worker, pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        daemon.kill()
+        await stop(again)
+    supervisor_gone = events(daemon.log_path, "supervisor_gone")
+    assert len(supervisor_gone) == 2
+
+
+async def test_a_stop_to_every_process_at_once_still_drains(replica: DaemonProcess) -> None:
+    """systemd's default KillMode=control-group signals the supervisor and every
+    worker: the forwarded second SIGTERM must not cut a worker's drain short."""
+    hosts, sockets, _ = await register_hosts(replica, 10)
+    pids = [int(str(e["pid"])) for e in events(replica.log_path, "worker_started")]
+    try:
+        replica.signal(signal.SIGTERM)
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        replica.signal(signal.SIGTERM)
+        assert await replica.wait() == 0
+    finally:
+        await close_hosts(hosts, sockets)
+    assert events(replica.log_path, "workers_stopped")[0]["statuses"] == "0,0"
+    assert len(events(replica.log_path, "matchmaker_stopped")) == 2
+
+
+async def test_a_stop_while_the_workers_start_exits_0(
+    redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS)
+    try:
+        daemon.launch()
+        pids = await started_workers(daemon)
+        daemon.signal(signal.SIGTERM)
+        assert await daemon.wait() == 0
+        await gone(pids, "a worker outlived a stop during its start")
+    finally:
+        daemon.kill()
+
+
+@pytest.mark.parametrize("watchdog", ["3", "600"])
+async def test_a_hung_worker_is_reported_and_killed_by_the_watchdog(
+    watchdog: str, redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    """SIGSTOP: its flows black-holed; /healthz and /readyz say so, and after
+    --worker-watchdog seconds the supervisor kills and restarts it."""
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *FLAGS, "--worker-watchdog", watchdog)
+    pids: list[int] = []
+    try:
+        await daemon.start()
+        pids = await started_workers(daemon)
+        os.kill(pids[1], signal.SIGSTOP)
+        if watchdog == "600":
+
+            async def reported() -> bool:
+                return await http_json(daemon, "/healthz") == (
+                    200,
+                    {"status": "degraded", "workers_down": [1]},
+                )
+
+            await until(reported, 20, "/healthz does not report the stopped worker")
+            status, ready = await http_json(daemon, "/readyz")
+            assert (status, ready["workers_down"]) == (503, [1])
+            os.kill(pids[1], signal.SIGCONT)
+
+            async def healthy() -> bool:
+                return await http_json(daemon, "/healthz") == (200, {"status": "ok"})
+
+            await until(healthy, 20, "/healthz still reports the resumed worker")
+            assert not events(daemon.log_path, "worker_hung")
+        else:
+
+            async def restarted() -> bool:
+                return await daemon.metric('matchmaker_worker_restarts{worker="1"}', 0.0) == 1
+
+            await until(restarted, 30, "the stopped worker was not restarted")
+            await both_answered(daemon)
+            assert events(daemon.log_path, "worker_hung")[0]["index"] == 1
+            exits = events(daemon.log_path, "worker_exited")
+            assert [(e["index"], e["status"]) for e in exits] == [(1, -signal.SIGKILL)]
+    finally:
+        for pid in filter(is_worker, pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        await stop(daemon)
+
+
+async def http_json(daemon: DaemonProcess, path: str) -> tuple[int, dict[str, object]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.http_port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        body = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, text = body.decode().partition("\r\n\r\n")
+    return int(head.split(" ")[1]), json.loads(text)
+
+
+# -- the supervisor's own failures -------------------------------------------------------
+
+
+def test_the_backoff_stays_bounded_after_any_number_of_deaths(
+    redis_server: RedisProcess,
+) -> None:
+    supervisor = Supervisor(settings(workers=2, store=redis_server.url), [])
+    slot = supervisor._slots[0]
+    slot.serving, slot.quick_deaths = 100.0, 1024
+    supervisor._exited(slot, -signal.SIGKILL, 101.0)
+    assert slot.restart_at == 101.0 + BACKOFF_MAX
+
+
+def test_a_worker_that_cannot_be_spawned_is_retried_then_ends_the_supervisor(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = settings(workers=2, store=redis_server.url, port=0, http_port=0)
+    supervisor = Supervisor(config, [], worker_command=["/nonexistent/python"])
+    assert supervisor.run() == 1
+    err = capsys.readouterr().err
+    assert "exited 3 times in a row before serving" in err
+
+
+# -- what every worker shares --------------------------------------------------------------
+
+
+async def test_an_ephemeral_issuer_key_is_the_same_in_every_worker(
+    redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    flags = (*FLAGS, "--ephemeral-issuer-key")
+    daemon = DaemonProcess(tmp_path, "r", redis_server.url, *flags)
+    try:
+        await daemon.start()
+        pids = await started_workers(daemon)
+
+        async def both_started() -> bool:
+            return len(events(daemon.log_path, "matchmaker_started")) == 2
+
+        await until(both_started, 20, "a worker did not log matchmaker_started")
+        keys = {e["issuer_public"] for e in events(daemon.log_path, "matchmaker_started")}
+        assert len(keys) == 1 and "" not in keys
+        # Neither on a command line (ps) nor in the environment: an inherited pipe.
+        for pid in pids:
+            for source in ("cmdline", "environ"):
+                text = Path(f"/proc/{pid}/{source}").read_bytes()
+                assert not re.search(rb"[0-9a-fA-F]{64}", text), source
+    finally:
+        await stop(daemon)
+
+
+async def test_rudp_series_carry_the_worker_label(replica: DaemonProcess) -> None:
+    samples = await both_answered(replica)
+    rudp_samples = [name for name in samples if name.startswith("rudp_")]
+    assert rudp_samples
+    for i in (0, 1):
+        assert any(f'worker="{i}"' in name for name in rudp_samples), i
+    assert all("worker=" in name for name in rudp_samples)
