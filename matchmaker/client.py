@@ -937,6 +937,9 @@ class MatchmakerClient:
             return await asyncio.wait_for(future, self._timeout), conn
         finally:
             self._pending.pop(rid, None)
+            # A rejection raised from the future holds this frame in its traceback,
+            # and the frame the future: a cycle through the connection otherwise.
+            del future
 
     async def _read(self, conn: Peer) -> None:
         try:

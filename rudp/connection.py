@@ -49,6 +49,9 @@ Packet numbers: a sender that reached the last one (2**62 - 1,
 Flow control (PAUSE / RESUME): see ``pause_receiving`` and ``packet_reader``.
 
 All state transitions happen in ``_set_state``; the states are in ``rudp.state``.
+Once CLOSED, the connection drops its parts' references back to it
+(``_release``), so that reference counting frees an ended connection at once
+instead of the cyclic collector, and nothing reaches a part through it again.
 
 Sequence numbers are unwrapped into unbounded ints on arrival (``seqnum``), so
 wraparound is handled in one place.
@@ -186,6 +189,7 @@ class Connection:
         # -- flow control (PAUSE / RESUME)
         self.receiving_paused = False  # we asked the peer to stop sending reliable messages
         self.peer_paused = False  # the peer asked us to
+        self._released = False  # the parts' references back to us are gone (``_release``)
 
     # -- public API -----------------------------------------------------------------
 
@@ -260,6 +264,7 @@ class Connection:
             raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
         if self.state is CONNECTING:
             self._end(DisconnectReason.CLOSED, code, text, by_peer=False)
+            self._release()
         elif self.state is CONNECTED:
             self._close_code, self._close_text = code, text
             self._set_state(CLOSING)
@@ -283,7 +288,8 @@ class Connection:
         self._reader.pause_budget = self._byte_window
         self.stats.receive_pauses += 1
         self._builder.flow_frame = frames.PAUSE_FRAME
-        self._sink.dirty[self] = None
+        if self.state is not CLOSED:
+            self._sink.dirty[self] = None
 
     def resume_receiving(self) -> None:
         """Let the peer send messages again (undoes ``pause_receiving()``)."""
@@ -291,7 +297,8 @@ class Connection:
             return
         self.receiving_paused = False
         self._builder.flow_frame = frames.RESUME_FRAME
-        self._sink.dirty[self] = None
+        if self.state is not CLOSED:
+            self._sink.dirty[self] = None
         # While paused we may have refused the very dependencies these wait for: their
         # dependency_timeout counts from now, not from their arrival.
         self._receiver.graph.restart_clocks(self._clock)
@@ -304,6 +311,7 @@ class Connection:
             self._set_state(CLOSED)  # its Disconnected was already reported
         elif self.state is not CLOSED:
             self._end(reason, 0, "", by_peer=by_peer)
+        self._release()
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must next run, or None."""
@@ -348,6 +356,8 @@ class Connection:
         elif state is not CLOSED:
             self.stats.timer_wakeups += 1
             self._connected_timer(now)
+        if self.state is CLOSED:
+            self._release()
 
     def datagrams_to_send(self, now: float) -> list[bytes]:
         """Everything due now, coalesced into as few datagrams as possible."""
@@ -390,6 +400,7 @@ class Connection:
                 )
         except PacketNumbersExhausted:
             self._numbers_exhausted()
+            self._release()
         if out:
             stats = self.stats
             stats.packets_sent += len(out)
@@ -424,6 +435,7 @@ class Connection:
             self._set_state(CLOSED)
         else:
             self._end(DisconnectReason.NO_CONNECTION, 0, "", by_peer=True)
+        self._release()
         return None
 
     def _receive_sealed(self, data: bytes, pn32: int, now: float) -> DropReason | None:
@@ -432,10 +444,12 @@ class Connection:
             return DropReason.UNEXPECTED
         self._clock = now
         try:
-            return self._reader.receive(data, pn32, now)
+            reason = self._reader.receive(data, pn32, now)
         except PacketNumbersExhausted:  # an early ack-only packet had no number left
             self._numbers_exhausted()
-            return None
+            reason = None
+        self._release()  # if that ended it
+        return reason
 
     def _receive_moved(
         self, data: bytes, pn32: int, address: Address, now: float, *, movable: bool
@@ -443,7 +457,11 @@ class Connection:
         """A DATA packet for this connection from another address (``rudp.migration``);
         ``movable`` is False when another connection of the endpoint has that address,
         or its source holds as many connections as it may."""
-        return self._migration.receive(data, pn32, address, now, movable)
+        if self.state is CLOSED:
+            return DropReason.UNEXPECTED
+        reason = self._migration.receive(data, pn32, address, now, movable)
+        self._release()  # if that ended it
+        return reason
 
     @property
     def path_out(self) -> list[tuple[bytes, Address]]:
@@ -481,6 +499,8 @@ class Connection:
         as too large (EMSGSIZE): a probe is lost at once; a packet of the current
         size makes the size fall back (its messages are resent when it is declared
         lost)."""
+        if self.state is CLOSED:
+            return
         pmtu = self._pmtu
         if pmtu.on_refused(size, now):
             self._use_datagram_size(pmtu.current)
@@ -640,6 +660,32 @@ class Connection:
         self._builder.clear()
         recovery.clear()
         self._receiver.clear()
+
+    def _release(self) -> None:
+        """An ended connection drops its parts' references back to it, so that
+        reference counting frees it the moment the last outside reference goes: each
+        part of the data path points back to the connection, a cycle of some forty
+        objects that would otherwise wait for the cyclic collector (and, having lived
+        long enough to be promoted, for a middle-generation collection).
+
+        Called by each way in (the endpoint's calls, ``close``, ``abort``) once the
+        connection is CLOSED, never from within a part: a part that ended the
+        connection may still be running. Nothing touches a part's ``_conn`` after
+        CLOSED: a closed connection receives, sends and times nothing; what stays
+        readable (``stats``, ``close_reason``, ``queued``) needs no part's reference.
+        """
+        if self._released or self.state is not CLOSED:
+            return
+        self._released = True
+        receiver = self._receiver
+        del self._sender._conn
+        del self._recovery._conn
+        del self._builder._conn
+        del self._reader._conn
+        del receiver._conn
+        del receiver.graph._conn
+        del self._migration._conn
+        del self._pmtu._stats
 
     def _set_state(self, new: State) -> None:
         if new not in TRANSITIONS[self.state]:

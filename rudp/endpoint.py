@@ -97,12 +97,14 @@ class Endpoint:
         self._sink = EndpointSink(self._forget)
         self._events = self._sink.events
         self._out: list[tuple[bytes, Address]] = []
-        # Timer entries (deadline, tiebreak, connection); ``_armed`` holds each
+        # Timer entries (deadline, tiebreak, connection id); ``_armed`` holds each
         # connection's earliest entry, so that entries it replaced are skipped.
-        # An ended connection leaves ``_armed`` at once and the heap in the next
-        # ``_prune`` (its entries would hold it until their deadline: an idle
-        # timeout of memory per connection, at thousands of short connections a second).
-        self._heap: list[tuple[float, int, Connection]] = []
+        # An entry names its connection by id, not by reference: an ended
+        # connection leaves ``_armed`` and ``_by_cid`` at once, so the entries it
+        # left hold nothing of it (holding it, they kept it in memory until the next
+        # ``_prune``, long enough to be promoted and traversed by the collector);
+        # they go when they reach the top or at the next ``_prune``.
+        self._heap: list[tuple[float, int, int]] = []
         self._armed: dict[Connection, float] = {}
         self._ids = itertools.count()
         self._cookies = CookieJar(config.cookie_lifetime, rng)
@@ -242,17 +244,24 @@ class Endpoint:
     def get_timer(self) -> float | None:
         heap = self._heap
         armed = self._armed
-        while heap and armed.get(heap[0][2]) != heap[0][0]:
+        by_cid = self._by_cid
+        while heap:
+            deadline, _, cid = heap[0]
+            conn = by_cid.get(cid)
+            if conn is not None and armed.get(conn) == deadline:
+                return deadline
             heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        return None
 
     def handle_timer(self, now: float) -> None:
         heap = self._heap
         armed = self._armed
+        by_cid = self._by_cid
         due: list[Connection] = []
         while heap and heap[0][0] <= now:
-            deadline, _, conn = heapq.heappop(heap)
-            if armed.get(conn) == deadline:
+            deadline, _, cid = heapq.heappop(heap)
+            conn = by_cid.get(cid)
+            if conn is not None and armed.get(conn) == deadline:
                 del armed[conn]
                 due.append(conn)
         # Each due connection runs once per call, so a deadline that stays in the
@@ -466,7 +475,10 @@ class Endpoint:
     def _prune(self) -> None:
         """Drop the heap entries no connection is armed at (in place: callers hold it)."""
         armed = self._armed
-        self._heap[:] = [e for e in self._heap if armed.get(e[2]) == e[0]]
+        by_cid = self._by_cid
+        self._heap[:] = [
+            e for e in self._heap if (c := by_cid.get(e[2])) is not None and armed.get(c) == e[0]
+        ]
         heapq.heapify(self._heap)
 
     def _schedule(self, conn: Connection) -> None:
@@ -481,7 +493,7 @@ class Endpoint:
             armed = self._armed.get(conn)
             if armed is None or t < armed:
                 self._armed[conn] = t
-                heapq.heappush(self._heap, (t, next(self._ids), conn))
+                heapq.heappush(self._heap, (t, next(self._ids), conn.cid))
 
     def _send_unvalidated(self, datagram: bytes, address: Address) -> None:
         self.stats.unvalidated_bytes_sent += len(datagram)

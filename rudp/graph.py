@@ -144,6 +144,8 @@ class ReceiveGraph:
         "violation",
         "waiters",
     )
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(
         self,

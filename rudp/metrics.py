@@ -57,8 +57,9 @@ class RudpCollector(Collector):
         registry: CollectorRegistry | None = REGISTRY,
     ) -> None:
         # Held weakly, so that a collector never keeps a closed endpoint alive: a
-        # Server's asyncio endpoint (its core is read at scrape time), or a core
-        # Endpoint added directly. The mypyc-compiled core's classes cannot be weakly
+        # Server's asyncio endpoint through its MetricsHandle (which holds the core
+        # read at scrape time, and which only the asyncio endpoint holds), or a core
+        # Endpoint added directly. The mypyc-compiled classes cannot be weakly
         # referenced, so there a core Endpoint added directly is held strongly.
         check_sequence(endpoints, "endpoints")
         self._weak: WeakSet[Any] = WeakSet()
@@ -83,9 +84,10 @@ class RudpCollector(Collector):
                     self._strong.append(endpoint)
             return
         holder = getattr(endpoint, "endpoint", None)
-        if not isinstance(getattr(holder, "core", None), Endpoint):
+        handle = getattr(holder, "metrics_handle", None)
+        if not isinstance(getattr(handle, "core", None), Endpoint):
             raise TypeError(f"cannot collect rudp metrics from {endpoint!r}")
-        self._weak.add(holder)
+        self._weak.add(handle)
 
     def _cores(self) -> list[Endpoint]:
         """Each tracked core endpoint once (a Server and its core may both be added)."""

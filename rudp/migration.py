@@ -106,6 +106,8 @@ class Migration:
     """
 
     __slots__ = ("_conn", "out", "path", "rx_path")
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn

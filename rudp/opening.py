@@ -178,6 +178,7 @@ def receive_reject(conn: Connection, reject: wire.Reject) -> DropReason | None:
     if conn.state is not CONNECTING or reject.salt != conn.salt:
         return DropReason.UNEXPECTED
     conn._end(DisconnectReason.REFUSED, 0, reject.text, by_peer=True)
+    conn._release()
     return None
 
 
@@ -212,7 +213,8 @@ def establish(conn: Connection, keys: Keys, now: float) -> None:
     conn._peer_reset_token = peer.reset_token
     conn.handshake_hash = keys.handshake_hash
     conn._builder.set_keys(Sealer(keys.send_key), peer.connection_id)
-    conn._reader.opener = Opener(keys.recv_key)
+    opener = conn._reader.opener = Opener(keys.recv_key)
+    conn.stats.window = opener.window  # what arrived of the peer's packets
     apply_peer_limits(conn, peer, now)
     conn._reader.rx_largest = -1
     conn._last_recv = now
@@ -222,6 +224,7 @@ def establish(conn: Connection, keys: Keys, now: float) -> None:
     conn._sink.dirty[conn] = None
     if conn._limits_error:
         conn._protocol_error(conn._limits_error)
+        conn._release()
 
 
 def apply_peer_limits(conn: Connection, peer: TransportParams, now: float) -> None:

@@ -104,6 +104,8 @@ class PacketReader:
         "rx_largest",
         "rx_largest_time",
     )
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(
         self,
@@ -125,7 +127,6 @@ class PacketReader:
         self._stats = stats
         self.opener: Opener | None = None  # set when the handshake completes
         self.parity: Parity | None = None  # the peer's REPAIRs are read (rudp.parity)
-        stats.reader = self  # what arrived of the peer's packets: see ConnectionStats
         self.rx_largest = -1
         self.rx_bits = 0  # bit i: packet (largest - i) was received
         self.rx_largest_time = 0.0  # when it arrived (for the ACK_DELAY frame)
@@ -159,8 +160,10 @@ class PacketReader:
         body = opener.open_unseen(pn, data[: wire.DATA_PREFIX_SIZE], data[wire.DATA_PREFIX_SIZE :])
         if body is None:
             return DropReason.AUTH_FAILED
+        # The ack fields (wire.ACK_FIELDS) read byte by byte: native when compiled,
+        # where int.from_bytes of a slice cost two objects and a method call.
         ack = (body[0] << 8) | body[1]
-        ack_bits = int.from_bytes(body[2:6], "big")
+        ack_bits = (body[2] << 24) | (body[3] << 16) | (body[4] << 8) | body[5]
         reason = self.process(body, pn, ack, ack_bits, now, len(data))
         if self.parity is not None and self.parity.rebuilt:
             process_rebuilt(self, self.parity, opener, now)

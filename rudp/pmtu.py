@@ -88,6 +88,8 @@ class PathMtu:
         "probe_size",
         "witness",
     )
+    # Dropped when the connection ends (``Connection._release``): the stats point here.
+    __deletable__ = ("_stats",)
 
     def __init__(self, base: int, stats: ConnectionStats) -> None:
         self._stats = stats

@@ -29,6 +29,16 @@ never authenticates.
 The module is compiled with mypyc in the optional build (setup.py): the replay
 window and the packet-number arithmetic run for every packet, native; the AEAD
 itself is cryptography's (OpenSSL), called the same way either way.
+
+Why ``encrypt`` and ``decrypt``, not ``encrypt_into`` / ``decrypt_into``
+(cryptography 47.0 and later): each call costs about 9,000 instructions whichever
+it is (a cipher context set up, run and wiped per call), and sealing straight into
+a datagram's buffer needs a bytearray, a memoryview and two slices of it per packet,
+which cost more than the one allocation saved (callgrind, compiled: 17,100
+instructions per 1,200-byte seal with ``encrypt`` and a concatenation, 20,800 with
+``encrypt_into``). Opening into a reused buffer would save no call either, and
+would hand out views of memory the next packet overwrites; ``decrypt`` returns
+bytes of the packet's own, which the messages delivered are sliced from.
 """
 
 from __future__ import annotations

@@ -132,6 +132,8 @@ class Receiver:
         "rseq_last",
         "useq_last",
     )
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(
         self,

@@ -240,6 +240,8 @@ class PacketRecovery:
         "sent",
         "tail_probes",
     )
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(
         self,

@@ -205,6 +205,8 @@ class Sender:
         "unacked_reliable",
         "unrel_queue",
     )
+    # Dropped when the connection ends (``Connection._release``): no cycle outlives it.
+    __deletable__ = ("_conn",)
 
     def __init__(
         self, conn: Connection, sink: EndpointSink, stats: ConnectionStats, config: Config
@@ -407,7 +409,7 @@ class Sender:
             return msg
         deps = self._pending_deps(depends_on) if depends_on is not None else []
         msg = self._send_reliable(data, GRAPH, channel, tuple(d.seq for d in deps))
-        node = GraphNode(msg.seq, self._conn)
+        node = GraphNode(msg.seq, self)  # the sender: never the connection, see _release
         node.waiting = len(deps)
         node.deps = deps
         msg.graph = node
@@ -423,7 +425,7 @@ class Sender:
         pending: list[OutMessage] = []
         for dep in depends_on:
             node = dep.graph if isinstance(dep, OutMessage) else None
-            if node is None or node.owner is not self._conn:
+            if node is None or node.owner is not self:
                 raise LocalProtocolError(
                     "depends_on takes handles that send() returned on this connection for "
                     f"RELIABLE_UNORDERED or DEPENDENCY_ORDERED messages, got {dep!r}"

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from rudp.congestion import CongestionController
-    from rudp.packet_reader import PacketReader
     from rudp.pmtu import PathMtu
+    from rudp.protection import ReplayWindow
     from rudp.recovery import RttEstimator
     from rudp.wire import DropReason
 
@@ -140,11 +140,11 @@ class ConnectionStats:
         "_sampled_sent",
         "cc",
         "pmtu",
-        "reader",
         "receive_rate",
         "rtt",
         "sample_due",
         "send_rate",
+        "window",
     )
 
     def __init__(self) -> None:
@@ -188,7 +188,9 @@ class ConnectionStats:
         self.rtt: RttEstimator | None = None
         self.cc: CongestionController | None = None
         self.pmtu: PathMtu | None = None
-        self.reader: PacketReader | None = None
+        # The replay window of the packets we open (set by the handshake): not the
+        # packet reader, which points back to its connection (see Connection._release).
+        self.window: ReplayWindow | None = None
         # The byte counters at the last sample, and the rates measured up to it.
         self.sample_due = 0.0
         self._sampled_at = -1.0
@@ -213,11 +215,9 @@ class ConnectionStats:
 
     def _window(self) -> tuple[int, int, int]:
         """(packets the peer sent us so far, of which arrived, the replay bits)."""
-        reader = self.reader
-        opener = reader.opener if reader is not None else None
-        if opener is None:
+        window = self.window
+        if window is None:
             return 0, 0, 0
-        window = opener.window
         return window.largest + 1, window.accepted, window.bits
 
     @property

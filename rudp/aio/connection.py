@@ -1,9 +1,12 @@
 """The user-facing connection: ``send``, ``recv``, ``drain``, ``close``.
 
-The dependency between this module and ``rudp.aio.endpoint`` goes one way: the
-endpoint creates connections and calls the methods grouped under "called by the
-endpoint" below; a connection sees its endpoint only through ``EndpointLink``, the
-few members it needs (a typing ``Protocol``, nothing at run time).
+At run time the dependency between this module and ``rudp.aio.endpoint`` goes one
+way: the endpoint creates connections and calls the methods grouped under "called
+by the endpoint" below. A connection uses a few members of its ``AioEndpoint``
+(``loop``, ``config``, ``local_address``, ``flush_pending``, ``draining``,
+``wake()``, ``after_core_call()``, ``close_after_flush()``), and is typed with that
+class (imported for type checking only), so that the compiled build reads and
+calls them as fields and methods of a native class, not by name.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from rudp.tokens import PeerIdentity
 from rudp.wire import UNRELIABLE_MODES, Delivery
 
 if TYPE_CHECKING:
-    from rudp.aio.link import EndpointLink
+    from rudp.aio.endpoint import AioEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ class Connection:
         "user_data",
     )
 
-    def __init__(self, endpoint: EndpointLink, core: CoreConnection) -> None:
+    def __init__(self, endpoint: AioEndpoint, core: CoreConnection) -> None:
         self._endpoint = endpoint
         self._core = core
         self._loop = endpoint.loop
@@ -420,7 +423,16 @@ class Connection:
     async def wait_established(self) -> None:
         """Used by the endpoint's ``connect()``: until the handshake completes, or raise
         what ``connect()`` raises when it does not."""
-        await self._established_future
+        try:
+            await self._established_future
+        except BaseException:
+            # What is raised holds this frame, and so this connection, in its
+            # traceback, and the future holds what is raised: a cycle that only the
+            # cyclic collector would free. The ended attempt keeps a future without it.
+            ended: asyncio.Future[None] = self._loop.create_future()
+            ended.cancel()
+            self._established_future = ended
+            raise
 
     @property
     def closed_future(self) -> asyncio.Future[Disconnected]:

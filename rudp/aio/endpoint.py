@@ -12,9 +12,9 @@ Another protocol may share the socket (``on_foreign``): a datagram starting with
 ``FF FF FF FF`` (Valve's A2S queries, Quake's out-of-band packets) then goes to
 that handler before any rudp decoding. Other first bytes that no rudp datagram
 starts with can be handed elsewhere the same way (``set_datagram_handler``; the
-matchmaker's heartbeats use ``0xB1``-``0xB6``). The hook is chosen once, when a
-handler is set, so the read loop's per-datagram cost is the same with and
-without one.
+matchmaker's heartbeats use ``0xB1``-``0xB6``). Without such a handler, the read
+loop's only cost for the hook is one test of an empty dictionary per datagram;
+compiled, the datagram then goes to the core by a direct call.
 
 Where the C extension ``rudp._batch`` is present (Linux, built with
 ``RUDP_COMPILE``; ``rudp.native`` says so), the socket is read with ``recvmmsg``
@@ -45,7 +45,7 @@ import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from time import monotonic, time
-from typing import Any
+from typing import Any, Protocol
 
 from mypy_extensions import mypyc_attr
 
@@ -97,7 +97,6 @@ Handler = Callable[[Connection], Awaitable[None]]
 QueryHandler = Callable[[bytes, Address], "bytes | None"]
 ForeignHandler = Callable[[bytes, Address], "Sequence[bytes]"]
 """``fn(datagram, addr) -> replies``: each reply is sent to ``addr`` as one datagram."""
-Receive = Callable[[bytes, Address, float], object]
 FOREIGN_PREFIX = b"\xff\xff\xff\xff"
 """What starts a datagram of another protocol sharing the socket (A2S, Quake)."""
 RUDP_FIRST_BYTES = range(0xA0, 0xB0)
@@ -135,20 +134,46 @@ def check_handler(handler: object) -> None:
     )
 
 
-# Compiled (RUDP_COMPILE=1), this stays an ordinary Python class whose methods are
-# compiled: it can be weakly referenced (RudpCollector holds endpoints weakly) and
-# patched in tests. What runs per message is in the native classes of connection.py.
+class DatagramPath(Protocol):
+    """Where an endpoint's datagrams go instead of its socket (``AioEndpoint.set_path``):
+    ``rudp.aio.protocol``'s datagram transport, on loops without ``add_reader``."""
+
+    def sendto(self, data: bytes, address: Address) -> None:
+        """Send one datagram (what the endpoint's own ``sendto`` would)."""
+
+    def release_socket(self) -> None:
+        """Let the socket go (the endpoint is closing)."""
+
+
 @mypyc_attr(native_class=False)
+class MetricsHandle:
+    """What ``rudp.metrics.RudpCollector`` holds of an asyncio endpoint, weakly.
+
+    Compiled, ``AioEndpoint`` is a native class, which cannot be weakly referenced;
+    this small ordinary object can. It holds the core endpoint (whose counters the
+    collector reads at scrape time), never the asyncio endpoint, and only that
+    endpoint holds it: it goes, and leaves every collector, with the endpoint.
+    """
+
+    def __init__(self, core: CoreEndpoint) -> None:
+        self.core = core
+
+
 class AioEndpoint:
     """One UDP socket, its core ``Endpoint`` and the user-facing connections.
 
-    Its connections use it through ``rudp.aio.link.EndpointLink`` (``loop``,
-    ``config``, ``local_address``, ``flush_pending``, ``draining``, ``wake()``,
-    ``after_core_call()``, ``close_after_flush()``), which it implements.
+    Its connections use ``loop``, ``config``, ``local_address``, ``flush_pending``,
+    ``draining``, ``wake()``, ``after_core_call()`` and ``close_after_flush()``.
 
     The core's clock is ``time.monotonic()``, not ``loop.time()``: uvloop's
     loop time has millisecond resolution, too coarse for loopback RTTs. Both
     read CLOCK_MONOTONIC, so deadlines handed to ``call_at`` still line up.
+
+    Compiled (``RUDP_COMPILE=1``), it is a native class: what the read, flush and
+    timer callbacks and its connections read and write of it are struct fields, not
+    dictionary lookups. Such a class cannot be weakly referenced, monkeypatched or
+    subclassed by interpreted code: ``RudpCollector`` holds its `MetricsHandle`
+    instead, and ``rudp.aio.protocol`` moves its datagrams through `set_path`.
     """
 
     def __init__(
@@ -170,27 +195,30 @@ class AioEndpoint:
         # Connect tokens expire in UNIX time; the core's clock is the monotonic one.
         # Read per token checked, so an NTP step counts at once.
         self.core.wall_clock = time
+        self.metrics_handle = MetricsHandle(self.core)
         self._handler = handler
         self.on_query: QueryHandler | None = None
         # Handlers of other protocols by first byte (0xFF: FF FF FF FF), see
         # set_foreign_handler() and set_datagram_handler().
         self._foreign: dict[int, ForeignHandler] = {}
         self.foreign_errors = 0  # foreign handlers that raised
-        # What each datagram read goes to: the core, or _receive_checked while a
-        # foreign handler is set.
-        self._receive: Receive = self.core.receive_datagram
         self._conns: dict[CoreConnection, Connection] = {}
-        self.draining: set[Connection] = set()  # connections with a drain() waiter
+        # Connections with a drain() waiter, re-checked after each flush.
+        self.draining: set[Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._queries: dict[int, asyncio.Future[tuple[bytes, float]]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self.flush_pending = False  # see EndpointLink.flush_pending
+        # A flush is scheduled for the end of this loop turn, so wake() would do
+        # nothing: read before calling wake() on the per-message path, to save the call.
+        self.flush_pending = False
         # Inside the read callback: what its message callbacks queue leaves at its end.
         self._reading = False
         self._queued_in_read = False
         self._close_after_flush = False
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
+        # Where datagrams go instead of the socket (set_path), None: the socket.
+        self._path: DatagramPath | None = None
         self.send_errors = 0
         self.datagrams_too_large = 0  # sends refused with EMSGSIZE
         self.queries_unanswered = 0  # replies withheld because they exceeded the request
@@ -261,7 +289,8 @@ class AioEndpoint:
     def _read_each(self) -> None:
         """One ``recvfrom`` per datagram (no ``rudp._batch``)."""
         sock = self._sock
-        receive = self._receive
+        core = self.core
+        foreign = self._foreign
         inbound = self._inbound
         now = monotonic()
         first = self._probe
@@ -275,8 +304,10 @@ class AioEndpoint:
                 break
             if inbound is not None:
                 inbound.send(data, address)
+            elif foreign:
+                self._receive_checked(data, address, now)
             else:
-                receive(data, address, now)
+                core.receive_datagram(data, address, now)
             if first:
                 # One datagram per wake-up is the common case (a round trip, a game
                 # tick): stop when nothing else waits. The loop polls the socket
@@ -289,7 +320,10 @@ class AioEndpoint:
         """``recvmmsg``: up to ``rudp._batch.BATCH`` datagrams per system call. A call that
         returns fewer than it asked for found the socket empty, so no probe is needed."""
         recv_many = self._batch.recv_many
-        receive = self._receive
+        core = self.core
+        # (A handler may set or clear a foreign handler in mid-batch: the dictionary
+        # itself is tested, per datagram.)
+        foreign = self._foreign
         inbound = self._inbound
         fd = self._fd
         cache = self._addresses
@@ -315,7 +349,10 @@ class AioEndpoint:
                 for data, address in got:
                     if self._closed:
                         return
-                    receive(data, address, now)
+                    if foreign:
+                        self._receive_checked(data, address, now)
+                    else:
+                        core.receive_datagram(data, address, now)
             if len(got) < want:
                 break
             left -= want
@@ -333,7 +370,7 @@ class AioEndpoint:
     def _receive_one(self, data: bytes, address: Address) -> None:
         """Deliver one datagram released by the inbound link conditioner."""
         if not self._closed:
-            self._receive(data, address, monotonic())
+            self.receive_datagram(data, address, monotonic())
             self.after_core_call()
 
     @property
@@ -357,7 +394,14 @@ class AioEndpoint:
             self._foreign.pop(first_byte, None)
         else:
             self._foreign[first_byte] = handler
-        self._receive = self._receive_checked if self._foreign else self.core.receive_datagram
+
+    def receive_datagram(self, data: bytes, address: Address, now: float) -> None:
+        """One datagram read: to the handler of its first byte if another protocol has
+        one (see `set_datagram_handler`), else to the core."""
+        if self._foreign:
+            self._receive_checked(data, address, now)
+        else:
+            self.core.receive_datagram(data, address, now)
 
     def send_datagram(self, data: bytes, address: Address) -> None:
         """Send one datagram of another protocol sharing the socket (not rudp).
@@ -383,8 +427,14 @@ class AioEndpoint:
             self.core.receive_datagram(data, address, now)
 
     def _foreign_datagram(self, handler: ForeignHandler, data: bytes, address: Address) -> None:
+        # Whatever the handler does wrong (raises, returns something that is not a
+        # sequence of bytes) stays here: it is the user's code, called from a read
+        # that still has other datagrams to give the core.
         try:
-            replies = handler(data, address)
+            replies = list(handler(data, address))
+            for reply in replies:
+                if not isinstance(reply, bytes | bytearray | memoryview):
+                    raise TypeError(f"a reply must be bytes, got {type(reply).__name__}")
         except Exception:
             self.foreign_errors += 1
             log.exception("foreign_handler_failed peer=%s", format_address(address))
@@ -432,7 +482,20 @@ class AioEndpoint:
         self._close_after_flush = True
         self._schedule_flush()
 
+    def set_path(self, path: DatagramPath | None) -> None:
+        """Send datagrams and release the socket through `path` (None: the socket);
+        every datagram then goes through it, batched sends (``sendmmsg``) included."""
+        self._path = path
+
     def _sendto(self, data: bytes, address: Address) -> None:
+        if self._path is not None:
+            self._path.sendto(data, address)
+        else:
+            self.sendto_socket(data, address)
+
+    def sendto_socket(self, data: bytes, address: Address) -> None:
+        """Send one datagram on the socket: buffered while it would block, a refusal
+        counted (what every send does unless `set_path` chose another way)."""
         if self._send_buffer:
             self._buffer(data, address)
             return
@@ -449,7 +512,12 @@ class AioEndpoint:
         if self._outbound is not None:
             for data, address in datagrams:
                 self._outbound.send(data, address)
-        elif self._batch is not None and len(datagrams) > 1 and not self._send_buffer:
+        elif (
+            self._batch is not None
+            and self._path is None
+            and len(datagrams) > 1
+            and not self._send_buffer
+        ):
             self._send_batches(datagrams)
         else:
             for data, address in datagrams:
@@ -747,6 +815,13 @@ class AioEndpoint:
         self._closed_event.set()
 
     def _release_socket(self) -> None:
+        if self._path is not None:
+            self._path.release_socket()
+        else:
+            self.release_own_socket()
+
+    def release_own_socket(self) -> None:
+        """Stop watching the socket and close it."""
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self._sock.fileno())
         with contextlib.suppress(Exception):

@@ -15,10 +15,10 @@ turn) and moves bytes through the loop's own datagram transport instead:
 * closing: the transport closes the socket a loop turn after ``abort()``;
   `released` waits for that, so that a closed server's port is free.
 
-The link takes over the endpoint's ``_sendto`` and ``_release_socket`` as
-instance attributes rather than subclassing it: the compiled ``AioEndpoint``
-accepts no interpreted subclass.  `open_endpoint` uses it when
-``loop.add_reader`` raises ``NotImplementedError``.
+The link becomes the endpoint's datagram path (``AioEndpoint.set_path``) rather
+than a subclass of it: the compiled ``AioEndpoint`` is a native class, which
+accepts no interpreted subclass and no patched methods.  `open_endpoint` uses it
+when ``loop.add_reader`` raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ class DatagramLink(asyncio.DatagramProtocol):
         self._sock = sock
         self._transport: asyncio.DatagramTransport | None = None
         self._lost = asyncio.Event()
-        endpoint._sendto = self.sendto  # type: ignore[method-assign]
-        endpoint._release_socket = self.release_socket  # type: ignore[method-assign]
+        endpoint.set_path(self)
 
     # -- protocol callbacks --------------------------------------------------------
 
@@ -75,7 +74,7 @@ class DatagramLink(asyncio.DatagramProtocol):
         if endpoint._inbound is not None:
             endpoint._inbound.send(data, addr)
             return
-        endpoint._receive(data, addr, monotonic())
+        endpoint.receive_datagram(data, addr, monotonic())
         endpoint.after_core_call()
 
     def error_received(self, exc: Exception) -> None:

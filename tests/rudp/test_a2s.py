@@ -251,6 +251,32 @@ async def test_a_failing_handler_is_counted_and_rudp_goes_on(host: rudp.Server) 
     assert host.endpoint.foreign_errors == 1
 
 
+@pytest.mark.parametrize("returned", [None, [b"ok", 7], 3], ids=["none", "not-bytes", "not-a-list"])
+async def test_a_handler_returning_no_list_of_bytes_is_counted_and_the_read_goes_on(
+    host: rudp.Server, returned: object
+) -> None:
+    # Its foreign datagram and three rudp datagrams arrive in one read: the bad return
+    # value is counted, nothing escapes to the loop, and the core still sees the rest.
+    loop = asyncio.get_running_loop()
+    escaped: list[object] = []
+    loop.set_exception_handler(lambda _loop, context: escaped.append(context))
+    host.on_foreign = lambda data, address: returned  # type: ignore[assignment,return-value]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.sendto(INFO_REQUEST, host.address)
+            for _ in range(3):
+                sock.sendto(b"\xa5" + bytes(40), host.address)  # DATA for no connection
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if sum(host.stats.dropped.values()) >= 3:
+                    break
+    finally:
+        loop.set_exception_handler(None)
+    assert host.endpoint.foreign_errors == 1
+    assert sum(host.stats.dropped.values()) == 3
+    assert escaped == []
+
+
 # -- python-a2s (PyPI) ----------------------------------------------------------------
 
 

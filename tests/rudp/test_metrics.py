@@ -100,12 +100,49 @@ def test_every_counter_in_the_tables_is_exported_with_its_value() -> None:
 
 
 async def test_collector_does_not_keep_a_server_alive() -> None:
+    # The compiled AioEndpoint cannot be weakly referenced; its MetricsHandle can, and
+    # only the endpoint holds it: it is freed when, and only when, the endpoint is.
     server = await rudp.serve(lambda conn: asyncio.sleep(0), "127.0.0.1", 0)
     collector = RudpCollector([server], registry=None)
     await server.close()
     await asyncio.sleep(0)  # a flush still scheduled holds the endpoint until it runs
-    ref = weakref.ref(server.endpoint)
+    ref = weakref.ref(server.endpoint.metrics_handle)
     del server
     gc.collect()
     assert ref() is None
+    assert repr(collector) == "<RudpCollector endpoints=0>"
     assert list(collector.collect())  # every family is still there, with no endpoint
+
+
+async def test_a_closed_endpoint_counts_until_it_is_dropped_then_leaves() -> None:
+    """A server's counters stay in the collector while the server is held, closed or
+    not (totals never go backwards under a scrape); once it is dropped they leave, and
+    what another endpoint counts is unchanged."""
+
+    async def echo(conn: rudp.Connection) -> None:
+        async for msg in conn:
+            conn.send(msg.data)
+
+    registry = CollectorRegistry()
+    collector = RudpCollector(registry=registry)
+    kept = await rudp.serve(echo, "127.0.0.1", 0)
+    dropped = await rudp.serve(echo, "127.0.0.1", 0)
+    collector.add(kept)
+    collector.add(dropped)
+    collector.add(dropped)  # once only
+    for server, n in ((kept, 3), (dropped, 5)):
+        conn = await rudp.connect(*server.address)
+        for i in range(n):
+            conn.send(b"%d" % i)
+            await asyncio.wait_for(conn.recv(), 5)
+        await conn.close()
+    assert repr(collector) == "<RudpCollector endpoints=2>"
+    assert scrape(registry)[("rudp_messages_received_total", ())] == 8
+    await dropped.close()
+    assert scrape(registry)[("rudp_messages_received_total", ())] == 8
+    await asyncio.sleep(0)  # a flush still scheduled holds the endpoint until it runs
+    del dropped, server
+    gc.collect()
+    assert repr(collector) == "<RudpCollector endpoints=1>"
+    assert scrape(registry)[("rudp_messages_received_total", ())] == 3
+    await kept.close()

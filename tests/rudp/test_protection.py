@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rudp import wire
 from rudp.protection import (
     REPLAY_WINDOW,
     Opener,
@@ -15,6 +16,7 @@ from rudp.protection import (
     Sealer,
     decode_packet_number,
 )
+from tests.rudp.harness import pair, server_conn
 
 KEY_A, KEY_B = bytes(range(32)), bytes(range(1, 33))
 
@@ -122,3 +124,43 @@ def test_the_sender_stops_before_the_nonce_space_ends() -> None:
     sealer.take_number()
     with pytest.raises(OverflowError):
         sealer.take_number()
+
+
+# A DATA packet of packet number 0x1_2345_6789 to connection id 0xDEADBEEF, sealed under
+# KEY_A: its header carries the number's low 32 bits, its nonce all 64. Pinned, so that
+# no change to how a packet is put together can change a byte of it on the wire.
+PINNED_BODY = bytes.fromhex("0007000000ff") + b"pinned"
+PINNED_PACKET = bytes.fromhex(
+    "a5deadbeef23456789465c670daf6476929b4549e2c4b346a3720d01d2bff0e44fbf7816c2"
+)
+
+
+def test_a_sealed_data_packet_is_byte_for_byte_the_same() -> None:
+    number, header = 0x1_2345_6789, wire.data_prefix(0xDEADBEEF, 0x1_2345_6789)
+    assert header + Sealer(KEY_A).seal(number, header, PINNED_BODY) == PINNED_PACKET
+    _, _, _, conn = pair()
+    builder = conn._builder
+    builder.set_keys(Sealer(KEY_A), 0xDEADBEEF)
+    builder.tx_next = number
+    assert conn.seal_datagram(PINNED_BODY) == PINNED_PACKET
+    cut = wire.DATA_PREFIX_SIZE
+    opened = Opener(KEY_A).open(number, PINNED_PACKET[:cut], PINNED_PACKET[cut:])
+    assert opened == PINNED_BODY
+
+
+def test_a_message_delivered_stays_intact_after_the_next_packet_is_opened() -> None:
+    # Whatever buffers the receive path keeps, a message handed to the application is
+    # its own immutable bytes: opening the next packet must not change it.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    first = bytes(range(256)) * 4
+    sconn.send(first)
+    net.run(0.5)
+    (got,) = client.received(conn)
+    assert type(got) is bytes and got == first
+    sconn.send(bytes(1024))  # a packet of the same size, other bytes
+    sconn.send(b"\xee" * 100, reliable=False)
+    net.run(0.5)
+    assert sorted(client.received(conn)[1:]) == [bytes(1024), b"\xee" * 100]
+    assert all(type(m) is bytes for m in client.received(conn))
+    assert got == first

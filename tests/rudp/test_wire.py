@@ -46,6 +46,15 @@ def _open(packet: bytes) -> bytes | None:
     return Opener(KEY).open(7, packet[:cut], packet[cut:])
 
 
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**62 - 1))
+def test_data_prefix_read_and_built_as_the_struct_lays_it_out(dcid: int, pn: int) -> None:
+    header = wire.DATA_PREFIX.pack(wire.DATA_BYTE, dcid, pn & 0xFFFFFFFF)
+    assert wire.data_prefix(dcid, pn) == header
+    # What a sender keeps per connection, then adds each packet's number to.
+    assert wire.data_prefix_start(dcid) + (pn & 0xFFFFFFFF).to_bytes(4, "big") == header
+    assert wire.decode_data_prefix(header + bytes(22)) == (dcid, pn & 0xFFFFFFFF)
+
+
 def _body_of(*frames: bytes) -> bytes:
     return wire.ack_fields(3, 4) + b"".join(frames)
 
