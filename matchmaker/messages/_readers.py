@@ -552,7 +552,7 @@ def decode_host(data: bytes, limits: Limits = DEFAULT_LIMITS) -> HostInfo:
     """The host of an encoded `Register` message, validated as `decode` does.
 
     What a registry stores of a host and reads back (another replica's write):
-    ~3x cheaper than `decode` for a valid one, with the same result, its game,
+    ~2x cheaper than `decode` for a valid one, with the same result, its game,
     version, map and region interned and its tags a shared tuple.  Anything
     doubtful takes `decode`, which also words the error (`MessageError`).
     """
