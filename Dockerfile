@@ -21,12 +21,12 @@ COPY build_backend ./build_backend
 COPY rudp ./rudp
 COPY matchmaker ./matchmaker
 # A regular (non-editable) install of the compiled build (2-2.7x the pure build's
-# throughput) with the daemon's extra (structlog, redis, prometheus-client, uvloop);
+# throughput) with the daemon's extra (structlog, redis, hiredis, prometheus-client, uvloop);
 # the import (-P: of the installed package, not of the sources in this directory)
 # proves the wheel fits and is compiled.
 RUN --mount=type=cache,target=/root/.cache/pip \
     /opt/matchmaker/bin/python -m pip install '.[matchmaker]' \
- && /opt/matchmaker/bin/python -P -c "import uvloop, matchmaker, rudp; assert rudp.compiled"
+ && /opt/matchmaker/bin/python -P -c "import uvloop, hiredis, matchmaker, rudp; assert rudp.compiled"
 
 # -------------------------------------------------------------- runtime stage
 FROM ${PYTHON_IMAGE}

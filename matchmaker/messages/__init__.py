@@ -37,7 +37,13 @@ import from ``matchmaker.messages`` only.
 
 from __future__ import annotations
 
-from matchmaker.messages._readers import decode, decode_request, filter_from_mapping, read_filter
+from matchmaker.messages._readers import (
+    decode,
+    decode_host,
+    decode_request,
+    filter_from_mapping,
+    read_filter,
+)
 from matchmaker.messages._types import (
     DEFAULT_LIMITS,
     MAX_REQUEST_ID,
@@ -117,6 +123,7 @@ __all__ = [
     "WrongVersion",
     "WrongVersionError",
     "decode",
+    "decode_host",
     "decode_request",
     "encode",
     "encode_entry",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -57,7 +58,7 @@ from matchmaker.messages._types import (
 )
 from rudp.tokens import KEY_SIZE, MAX_TOKEN_SIZE, MAX_USER_DATA
 
-__all__ = ["decode", "decode_request", "filter_from_mapping", "read_filter"]
+__all__ = ["decode", "decode_host", "decode_request", "filter_from_mapping", "read_filter"]
 
 # Identifiers (game, version, region, tags): ASCII, no spaces, so they are safe
 # as filter keys, in logs and in URLs.
@@ -337,7 +338,8 @@ def _tags(tags: list[object], lim: Limits) -> tuple[str, ...] | None:
     if known is None:
         if not all(_is_ident(t, lim) for t in tags):
             return None
-        unique: tuple[str, ...] = tuple(dict.fromkeys(key))  # type: ignore[arg-type]
+        # Interned: the registry shares tag strings (`registry.base.shared_strings`).
+        unique: tuple[str, ...] = tuple(dict.fromkeys(map(sys.intern, key)))  # type: ignore[arg-type]
         known = (unique, max(map(len, unique), default=0))
         if len(_VALID_TAGS) < _VALID_MAX:
             _VALID_TAGS[key] = known
@@ -538,3 +540,89 @@ def filter_from_mapping(
     f = read_filter(r)
     r.finish()
     return f
+
+
+_HOST_REQUIRED = frozenset(("v", "t", "name", "game", "version", "max_players"))
+_HOST_KEYS = _HOST_REQUIRED | {
+    "id", "map", "players", "password", "tags", "region", "info", "lan", "key"
+}  # fmt: skip
+
+
+def decode_host(data: bytes, limits: Limits = DEFAULT_LIMITS) -> HostInfo:
+    """The host of an encoded `Register` message, validated as `decode` does.
+
+    What a registry stores of a host and reads back (another replica's write):
+    ~2x cheaper than `decode` for a valid one, with the same result, its game,
+    version, map and region interned and its tags a shared tuple.  Anything
+    doubtful takes `decode`, which also words the error (`MessageError`).
+    """
+    if len(data) <= limits.max_message_bytes:
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_map_len=64)
+        except Exception:  # malformed: `decode` says how
+            raw = None
+        if type(raw) is dict:
+            host = _fast_host(raw, limits)
+            if host is not None:
+                return host
+    msg = decode(data, limits)
+    if not isinstance(msg, Register):
+        raise MessageError(ErrorReason.UNKNOWN_TYPE, "not a Register message")
+    return msg.host
+
+
+def _fast_host(raw: dict[str, Any], lim: Limits) -> HostInfo | None:
+    """`_read_host` of a valid Register message's fields, or None: take `decode`."""
+    if not _HOST_REQUIRED <= raw.keys() <= _HOST_KEYS:
+        return None
+    rid = raw.get("id", 0)
+    name, game, version, top = raw["name"], raw["game"], raw["version"], raw["max_players"]
+    m, players = raw.get("map", ""), raw.get("players", 0)
+    tags, region, info = raw.get("tags", []), raw.get("region", ""), raw.get("info", b"")
+    key, lan = raw.get("key", b""), raw.get("lan")
+    ok = (
+        type(raw["v"]) is int
+        and raw["v"] == PROTOCOL_VERSION
+        and type(raw["t"]) is int
+        and raw["t"] == MsgType.REGISTER
+        and type(rid) is int
+        and 0 <= rid <= MAX_REQUEST_ID
+        and type(name) is str
+        and len(name) <= lim.name_chars
+        and not _CONTROL.search(name)
+        and bool(name.strip())
+        and _is_ident(game, lim)
+        and _is_ident(version, lim)
+        and type(top) is int
+        and 1 <= top <= lim.max_players
+        and type(m) is str
+        and len(m) <= lim.map_chars
+        and (not m or not _CONTROL.search(m))
+        and type(players) is int
+        and 0 <= players <= top
+        and type(raw.get("password", False)) is bool
+        and type(tags) is list
+        and (region == "" or _is_ident(region, lim))
+        and type(info) is bytes
+        and len(info) <= lim.info_bytes
+        and type(key) is bytes
+        and len(key) in (0, KEY_SIZE)
+        and lan is None
+    )
+    unique = _tags(tags, lim) if ok else None
+    if unique is None:
+        return None  # also a host with a LAN address: rare, `decode` reads it
+    intern = sys.intern
+    return HostInfo(
+        name=name,
+        game=intern(game),
+        version=intern(version),
+        max_players=top,
+        map=intern(m),
+        players=players,
+        password=raw.get("password", False),
+        tags=unique,
+        region=intern(region),
+        info=info,
+        key=key,
+    )

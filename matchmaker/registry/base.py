@@ -186,8 +186,18 @@ def shared_strings(info: HostInfo) -> HostInfo:
     tags = _TAG_SETS.get(info.tags)
     if tags is None:
         tags = tuple(intern(t) for t in info.tags)
+        if all(a is b for a, b in zip(tags, info.tags, strict=True)):
+            tags = info.tags  # already interned (`messages.decode_host`): share this one
         if len(_TAG_SETS) < _TAG_SETS_MAX:
             _TAG_SETS[tags] = tags
+    if (
+        tags is info.tags
+        and intern(info.game) is info.game
+        and intern(info.version) is info.version
+        and intern(info.map) is info.map
+        and intern(info.region) is info.region
+    ):
+        return info  # shared already: a copy would cost ~5 us
     return dataclasses.replace(
         info,
         game=intern(info.game),
