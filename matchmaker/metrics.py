@@ -20,7 +20,7 @@ import platform
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from matchmaker import __version__
@@ -85,11 +85,13 @@ class _StateCollector(Collector):
         stale: Callable[[], bool],
         connections: Callable[[], int],
         max_games: int,
+        registry_dropped: Callable[[], dict[str, int]],
     ) -> None:
         self._hosts_by_game = hosts_by_game
         self._stale = stale
         self._connections = connections
         self._max_games = max_games
+        self._registry_dropped = registry_dropped
 
     def collect(self) -> Iterable[Metric]:
         hosts = GaugeMetricFamily(
@@ -108,6 +110,15 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "matchmaker_connections", "Open rudp connections.", value=self._connections()
         )
+        dropped = CounterMetricFamily(
+            "matchmaker_registry_entries_dropped",
+            "Shared-registry entries not applied (malformed stream events, stored hosts"
+            " a load skipped), by reason.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self._registry_dropped().items()):
+            dropped.add_metric([reason], n)
+        yield dropped
 
 
 def capped_games(counts: dict[str, int], max_games: int) -> list[tuple[str, int]]:
@@ -226,9 +237,12 @@ class Metrics:
         stale: Callable[[], bool],
         connections: Callable[[], int],
         max_games: int,
+        registry_dropped: Callable[[], dict[str, int]] = dict,
     ) -> None:
         """Register the scrape-time gauges (once, when the daemon's parts exist)."""
-        self.registry.register(_StateCollector(hosts_by_game, stale, connections, max_games))
+        self.registry.register(
+            _StateCollector(hosts_by_game, stale, connections, max_games, registry_dropped)
+        )
 
     def bind_transport(self, endpoints: Iterable[object]) -> RudpCollector:
         """Export rudp's transport counters (``rudp_*``) for `endpoints` (``rudp.Server``s).

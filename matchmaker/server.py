@@ -145,6 +145,8 @@ class Matchmaker:
             stale=lambda: self.registry.stale,
             connections=lambda: self.service.connections,
             max_games=settings.metrics_max_games,
+            # The Redis registry's; the embedded store has no shared entries to drop.
+            registry_dropped=lambda: getattr(self.registry, "dropped_events", {}),
         )
         # rudp_* series exist from the first scrape; the socket joins at start().
         self._transport_metrics = self.metrics.bind_transport(())

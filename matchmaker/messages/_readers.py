@@ -70,7 +70,8 @@ _MISSING: Any = object()
 
 # Identifiers and tag lists a list's entries repeat (most hosts of a game share its
 # game, version, region and tags): the ones seen valid, so that a 10,000-host list
-# checks each once, not 10,000 times.  Bounded: past the cap a value is checked anew.
+# checks each once, not 10,000 times.  Bounded: once full they are emptied and fill
+# again, so a burst of one-off values cannot keep the common ones out for good.
 _VALID_IDENTS: dict[str, None] = {}
 _VALID_TAGS: dict[tuple[object, ...], tuple[tuple[str, ...], int]] = {}
 """A tag list as received -> (the tags without repeats, the longest tag's length)."""
@@ -341,8 +342,9 @@ def _tags(tags: list[object], lim: Limits) -> tuple[str, ...] | None:
         # Interned: the registry shares tag strings (`registry.base.shared_strings`).
         unique: tuple[str, ...] = tuple(dict.fromkeys(map(sys.intern, key)))  # type: ignore[arg-type]
         known = (unique, max(map(len, unique), default=0))
-        if len(_VALID_TAGS) < _VALID_MAX:
-            _VALID_TAGS[key] = known
+        if len(_VALID_TAGS) >= _VALID_MAX:
+            _VALID_TAGS.clear()
+        _VALID_TAGS[key] = known
     return known[0] if known[1] <= lim.ident_chars else None
 
 
@@ -353,8 +355,9 @@ def _is_ident(v: object, lim: Limits) -> bool:
         return True
     if not _IDENT.fullmatch(v):
         return False
-    if len(_VALID_IDENTS) < _VALID_MAX:
-        _VALID_IDENTS[v] = None
+    if len(_VALID_IDENTS) >= _VALID_MAX:
+        _VALID_IDENTS.clear()
+    _VALID_IDENTS[v] = None
     return True
 
 

@@ -451,7 +451,9 @@ class RedisRegistry(Registry):
         self._carried: dict[Address, HostRecord] = {}
         self.dropped_events: dict[str, int] = {}
         """Stream events not applied, by reason (``bad_event``: a field missing or
-        malformed; ``bad_record``: an upsert whose record does not validate)."""
+        malformed; ``bad_record``: an upsert whose record does not validate), and
+        stored hosts a load skipped (``bad_stored``: a key or a hash that does not
+        validate; the rest of the registry loads)."""
         self._block_ms = max(1, min(1000, int(op_timeout * 500)))
         # After a read that found changes, wait this long before the next one, so
         # that changes made meanwhile come in one reply (see `_follow`).
@@ -963,15 +965,22 @@ class RedisRegistry(Registry):
         fresh = LocalIndex()
         batch = 500
         for i in range(0, len(seen), batch):
-            chunk = seen[i : i + batch]
+            chunk: list[tuple[str, float]] = []
+            for member, score in seen[i : i + batch]:
+                try:
+                    chunk.append((member.decode(), score))
+                except UnicodeDecodeError as exc:
+                    self._drop_event("bad_stored", member[:64], exc)
             pipe = self._redis.pipeline(transaction=False)
-            for member, _score in chunk:
-                pipe.hgetall(self._k("h", member.decode()))
+            for key, _score in chunk:
+                pipe.hgetall(self._k("h", key))
             rows = await self._op("load", pipe.execute())
-            for (member, score), row in zip(chunk, rows, strict=True):
-                rec = _record(member.decode(), row, score / 1000.0, self._limits)
+            for (key, score), row in zip(chunk, rows, strict=True):
+                rec = _record(key, row, score / 1000.0, self._limits)
                 if rec is not None:
                     fresh.put(rec)
+                else:
+                    self.dropped_events["bad_stored"] = self.dropped_events.get("bad_stored", 0) + 1
         lost = await self._load_clock()
         return fresh, lost
 
@@ -1051,7 +1060,7 @@ class RedisRegistry(Registry):
                     self._last_id = sid.decode()
                     try:
                         self._apply_event(_sid(sid), fields)
-                    except Exception as exc:  # Redis is shared, not trusted: drop, go on
+                    except _BAD_DATA as exc:  # Redis is shared, not trusted: drop, go on
                         self._drop_event("bad_event", sid, exc)
             if 0 < read < _FOLLOW_COUNT:
                 # A read costs ~150 us of CPU beside its events: woken for each
@@ -1089,10 +1098,12 @@ class RedisRegistry(Registry):
         if op == b"upsert":
             self._apply_upsert_event(address, fields)
         elif op == b"remove":
-            owned = self._owned.get(address)
-            if owned is not None and owned.token == fields.get(b"token", b"").decode():
-                self._owned.pop(address)
+            # Everything read before anything changes: a bad field changes nothing.
             reason = RemovalReason(fields[b"reason"].decode())
+            token = fields.get(b"token", b"").decode()
+            owned = self._owned.get(address)
+            if owned is not None and owned.token == token:
+                self._owned.pop(address)
             if self._index.pop(address) is not None and self._subscriptions:
                 self._publish(Change(kind=ChangeKind.REMOVE, address=address, reason=reason))
 
@@ -1106,7 +1117,7 @@ class RedisRegistry(Registry):
                 registered_at=int(fields[b"reg"]) / 1000.0,
                 last_seen=int(fields[b"seen"]) / 1000.0,
             )
-        except (KeyError, ValueError, MessageError) as exc:
+        except _BAD_DATA as exc:
             self._drop_event("bad_record", address.key, exc)
             return
         owned = self._owned.get(address)
@@ -1140,6 +1151,12 @@ _TAKEOVER_CODES = {
 }
 
 
+_BAD_DATA = (KeyError, ValueError, ArithmeticError, MessageError)
+"""What a malformed stored host or stream entry raises (a missing field, bytes that
+are not UTF-8 or not a number, a number too large for a float, an invalid info);
+anything else is a bug, and goes up to force a reload."""
+
+
 def _record(key: str, row: dict[bytes, bytes], seen: float, limits: Limits) -> HostRecord | None:
     """A HostRecord from a stored hash, or None if it is incomplete or invalid."""
     try:
@@ -1152,8 +1169,8 @@ def _record(key: str, row: dict[bytes, bytes], seen: float, limits: Limits) -> H
             last_seen=seen,
             beat=int(row.get(b"beat", b"0")),
         )
-    except (KeyError, ValueError, MessageError) as exc:
-        log.warning("bad_record", host=key, error=type(exc).__name__)
+    except _BAD_DATA as exc:
+        log.warning("bad_record", host=key[:64], error=type(exc).__name__)
         return None
 
 

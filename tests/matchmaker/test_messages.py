@@ -39,6 +39,7 @@ from matchmaker.messages import (
     Update,
     WrongVersion,
     WrongVersionError,
+    _readers,
     decode,
     decode_request,
     encode,
@@ -474,3 +475,17 @@ def test_fast_entry_reader_agrees_with_the_full_one(raw: dict[str, object]) -> N
     assert fast is None or fast == slow
     if slow is not None and "lan" not in raw and "extra" not in raw:
         assert fast == slow  # and it does take the common case
+
+
+def test_the_validated_identifier_and_tag_caches_refill_after_a_burst() -> None:
+    # A burst of one-off names fills them; the names that come next are still cached
+    # (they used to be checked anew forever once the caches were full).
+    lim = Limits()
+    for i in range(_readers._VALID_MAX + 10):
+        assert _readers._is_ident(f"oneoff{i}", lim)
+        assert _readers._tags([f"t{i}"], lim) == (f"t{i}",)
+    assert len(_readers._VALID_IDENTS) <= _readers._VALID_MAX
+    assert len(_readers._VALID_TAGS) <= _readers._VALID_MAX
+    assert _readers._is_ident("common", lim) and "common" in _readers._VALID_IDENTS
+    assert _readers._tags(["ctf", "eu"], lim) == ("ctf", "eu")
+    assert ("ctf", "eu") in _readers._VALID_TAGS

@@ -18,6 +18,7 @@ from matchmaker.messages import (
     decode_host,
     encode,
 )
+from matchmaker.metrics import Metrics
 from matchmaker.registry import RemovalReason
 from matchmaker.registry.base import Takeover, TakeoverResult
 from matchmaker.registry.redis import RedisRegistry
@@ -129,6 +130,7 @@ async def test_hostile_entries_are_dropped_and_counted(
         {**good, "info": b"\xc1garbage"},
         {**good, "info": encode(Register(host=host("x")))[:-1]},
         {**good, "info": encode(Register(host=host("x"))), "reg": "soon"},
+        {**good, "info": encode(Register(host=host("x"))), "reg": "1" + "0" * 400},  # no float
         {"op": "upsert", "addr": addr(3).key, "info": encode(Register(host=host("x")))},
     ]
     try:
@@ -138,9 +140,42 @@ async def test_hostile_entries_are_dropped_and_counted(
         await raw.aclose()
     await a.upsert(addr(4), host("after"), max_per_ip=10)
     await caught_up(follower, a)
-    assert follower.dropped_events == {"bad_event": 6, "bad_record": 4}
+    assert follower.dropped_events == {"bad_event": 6, "bad_record": 5}
     assert not follower.stale  # the follower went on: no resync for a bad entry
     assert set(state(follower)) == {addr(1), addr(4)}
+
+
+async def test_a_new_replica_loads_past_hostile_stored_hosts(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    # One bad key must not keep every replica that loads from ever syncing.
+    a = await replica(replica_id="a")
+    await a.upsert(addr(1), host("kept"), max_per_ip=10)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    try:
+        stored = {"info": encode(Register(host=host("x"))), "owner": "x", "token": "t"}
+        await raw.hset(a._k("h", addr(2).key), mapping={**stored, "reg": "1" + "0" * 400})
+        await raw.hset(a._k("h", addr(3).key), mapping={**stored, "reg": "soon"})
+        await raw.zadd(a._k("seen"), {addr(2).key: 1, addr(3).key: 1, b"\xff\xfe": 1})
+    finally:
+        await raw.aclose()
+    fresh = await replica(replica_id="g")  # synced within the factory's bound
+    assert set(state(fresh)) == {addr(1)}
+    assert fresh.dropped_events == {"bad_stored": 3}
+    assert not fresh.stale
+    # ... and operators see them.
+    metrics = Metrics()
+    metrics.bind_state(
+        hosts_by_game=fresh.count_by_game,
+        stale=lambda: fresh.stale,
+        connections=lambda: 0,
+        max_games=10,
+        registry_dropped=lambda: fresh.dropped_events,
+    )
+    got = metrics.registry.get_sample_value(
+        "matchmaker_registry_entries_dropped_total", {"reason": "bad_stored"}
+    )
+    assert got == 3
 
 
 def blobs() -> list[bytes]:
