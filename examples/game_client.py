@@ -114,11 +114,13 @@ class Play:
                 self.chat_echoed = True
 
 
-async def pick_host(mm: MatchmakerClient, endpoint: rudp.Server) -> tuple[str, int] | None:
+async def pick_host(
+    mm: MatchmakerClient, endpoint: rudp.Server, timeout: float
+) -> tuple[str, int] | None:
     hosts = await mm.list_servers(game=GAME, version=VERSION, not_full=True)
     if not hosts:
         return None
-    statuses = await query_servers(endpoint, [h.address for h in hosts], timeout=1.0)
+    statuses = await query_servers(endpoint, [h.address for h in hosts], timeout=timeout)
     answered = [s for s in statuses if s.info is not None and s.ping is not None]
     for s in answered:
         info = s.info
@@ -143,6 +145,9 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to play")
     parser.add_argument("--lan-ip", help="this machine's LAN address, for a host behind our NAT")
     parser.add_argument("--seed", type=int, help="seed of the random walk")
+    parser.add_argument(
+        "--query-timeout", type=float, default=1.0, help="seconds to wait for the hosts' answers"
+    )
     add_issuer_arguments(parser)
     args = parser.parse_args(argv)
     issuer = issuer_key(parser, args)
@@ -158,7 +163,7 @@ async def main(argv: list[str] | None = None) -> int:
     play = Play(args.name)
     try:
         try:
-            host = await pick_host(mm, endpoint)
+            host = await pick_host(mm, endpoint, args.query_timeout)
         except (TimeoutError, ConnectionError, rudp.RudpError) as exc:
             log(f"no answer from the matchmaker at {args.matchmaker}: {exc!r}")
             return 1

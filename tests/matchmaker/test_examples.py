@@ -84,8 +84,11 @@ async def test_two_players_find_the_host_through_the_matchmaker_and_play(
             await rudp.connect(address.ip, address.port, server_key=entry.info.key)
 
         clients = [
+            # A host process just started can take over a second to answer on a
+            # loaded machine: the wait is bounded, not short.
             await start("game_client.py", "--name", name, "--matchmaker", mm,
-                        "--seconds", "1.5", "--seed", str(seed), *issuer(daemon))
+                        "--seconds", "1.5", "--seed", str(seed), "--query-timeout", "10",
+                        *issuer(daemon))
             for seed, name in enumerate(("alice", "bob"))
         ]  # fmt: skip
         results = [await finish(proc) for proc in clients]
