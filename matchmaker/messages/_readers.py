@@ -269,18 +269,39 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
     """
     if not _ENTRY_REQUIRED <= raw.keys() <= _ENTRY_KEYS:
         return None
-    addr, name, game, version = raw["addr"], raw["name"], raw["game"], raw["version"]
-    top = raw["max_players"]
-    m, players = raw.get("map", ""), raw.get("players", 0)
-    tags, region, info = raw.get("tags", []), raw.get("region", ""), raw.get("info", b"")
-    key = raw.get("key", b"")
-    ok = (
+    addr = raw["addr"]
+    if not (
         type(addr) is list
         and len(addr) == 2
         and type(addr[0]) is str
         and len(addr[0]) <= 64
         and type(addr[1]) is int
-        and type(name) is str
+    ):
+        return None
+    host = _fast_info(raw, lim, _as_is)
+    if host is None:
+        return None
+    try:
+        address = make_address(addr[0], addr[1])
+    except ValueError:
+        return None
+    return HostEntry(address=address, info=host)
+
+
+def _as_is(text: str) -> str:
+    return text
+
+
+def _fast_info(raw: dict[str, Any], lim: Limits, share: Callable[[str], str]) -> HostInfo | None:
+    """The HostInfo of `raw`'s host fields if every one is valid, else None (the
+    callers' slow path words the error); `share` applied to the strings many hosts
+    repeat (game, version, map, region)."""
+    name, game, version, top = raw["name"], raw["game"], raw["version"], raw["max_players"]
+    m, players = raw.get("map", ""), raw.get("players", 0)
+    tags, region, info = raw.get("tags", []), raw.get("region", ""), raw.get("info", b"")
+    key = raw.get("key", b"")
+    ok = (
+        type(name) is str
         and len(name) <= lim.name_chars
         and not _CONTROL.search(name)
         and bool(name.strip())
@@ -301,29 +322,22 @@ def _fast_entry(raw: dict[str, Any], lim: Limits) -> HostEntry | None:
         and type(key) is bytes
         and len(key) in (0, KEY_SIZE)
     )
-    if not ok:
-        return None
-    unique = _tags(tags, lim)
+    unique = _tags(tags, lim) if ok else None
     if unique is None:
         return None
-    try:
-        address = make_address(addr[0], addr[1])
-    except ValueError:
-        return None
-    host = HostInfo(
+    return HostInfo(
         name=name,
-        game=game,
-        version=version,
+        game=share(game),
+        version=share(version),
         max_players=top,
-        map=m,
+        map=share(m),
         players=players,
         password=raw.get("password", False),
         tags=unique,
-        region=region,
+        region=share(region),
         info=info,
         key=key,
     )
-    return HostEntry(address=address, info=host)
 
 
 def _tags(tags: list[object], lim: Limits) -> tuple[str, ...] | None:
@@ -579,53 +593,14 @@ def _fast_host(raw: dict[str, Any], lim: Limits) -> HostInfo | None:
     if not _HOST_REQUIRED <= raw.keys() <= _HOST_KEYS:
         return None
     rid = raw.get("id", 0)
-    name, game, version, top = raw["name"], raw["game"], raw["version"], raw["max_players"]
-    m, players = raw.get("map", ""), raw.get("players", 0)
-    tags, region, info = raw.get("tags", []), raw.get("region", ""), raw.get("info", b"")
-    key, lan = raw.get("key", b""), raw.get("lan")
-    ok = (
+    if not (
         type(raw["v"]) is int
         and raw["v"] == PROTOCOL_VERSION
         and type(raw["t"]) is int
         and raw["t"] == MsgType.REGISTER
         and type(rid) is int
         and 0 <= rid <= MAX_REQUEST_ID
-        and type(name) is str
-        and len(name) <= lim.name_chars
-        and not _CONTROL.search(name)
-        and bool(name.strip())
-        and _is_ident(game, lim)
-        and _is_ident(version, lim)
-        and type(top) is int
-        and 1 <= top <= lim.max_players
-        and type(m) is str
-        and len(m) <= lim.map_chars
-        and (not m or not _CONTROL.search(m))
-        and type(players) is int
-        and 0 <= players <= top
-        and type(raw.get("password", False)) is bool
-        and type(tags) is list
-        and (region == "" or _is_ident(region, lim))
-        and type(info) is bytes
-        and len(info) <= lim.info_bytes
-        and type(key) is bytes
-        and len(key) in (0, KEY_SIZE)
-        and lan is None
-    )
-    unique = _tags(tags, lim) if ok else None
-    if unique is None:
-        return None  # also a host with a LAN address: rare, `decode` reads it
-    intern = sys.intern
-    return HostInfo(
-        name=name,
-        game=intern(game),
-        version=intern(version),
-        max_players=top,
-        map=intern(m),
-        players=players,
-        password=raw.get("password", False),
-        tags=unique,
-        region=intern(region),
-        info=info,
-        key=key,
-    )
+        and raw.get("lan") is None  # a host with a LAN address: rare, `decode` reads it
+    ):
+        return None
+    return _fast_info(raw, lim, sys.intern)

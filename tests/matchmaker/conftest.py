@@ -3,13 +3,15 @@ matchmaker daemon on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from matchmaker.registry.redis import RedisRegistry
 from matchmaker.server import Matchmaker
-from tests.matchmaker.helpers import REDIS_BINARY, RedisProcess, settings
+from tests.matchmaker.helpers import REDIS_BINARY, RedisProcess, RegistryFactory, settings
 
 
 @pytest.fixture
@@ -31,3 +33,22 @@ def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+async def replica(redis_server: RedisProcess) -> AsyncIterator[RegistryFactory]:
+    """Makes RedisRegistry replicas on `redis_server`, each synced; closed at the end."""
+    made: list[RedisRegistry] = []
+
+    async def make(**kw: object) -> RedisRegistry:
+        options: dict[str, object] = {"retry_interval": 0.05, "op_timeout": 0.5}
+        options.update(kw)
+        reg = RedisRegistry(redis_server.url, **options)  # type: ignore[arg-type]
+        await reg.start()
+        await asyncio.wait_for(reg.wait_synced(), 5)
+        made.append(reg)
+        return reg
+
+    yield make
+    for reg in made:
+        await reg.close()

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,13 @@ from matchmaker.addresses import Address
 from matchmaker.messages import HostInfo, ListFilter, ListPage, ListRequest, Register, Registered
 from matchmaker.metrics import Metrics
 from matchmaker.registry import MemoryRegistry, Registry
+from matchmaker.registry.redis import RedisRegistry
 from matchmaker.service import MatchmakerService
 from matchmaker.settings import Settings
 from tests.matchmaker.fakes import FakeClock, Wire, attach
+
+RegistryFactory = Callable[..., Awaitable[RedisRegistry]]
+"""The `replica` fixture: ``await replica(replica_id=..., **options)``."""
 
 # -- a redis-server of the test's own ------------------------------------------------------
 

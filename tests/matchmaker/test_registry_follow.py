@@ -3,8 +3,7 @@ with, the stored-host decoder it uses, and what it does with a hostile entry."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,9 +21,9 @@ from matchmaker.metrics import Metrics
 from matchmaker.registry import RemovalReason
 from matchmaker.registry.base import Takeover, TakeoverResult
 from matchmaker.registry.redis import RedisRegistry
-from tests.matchmaker.helpers import RedisProcess, eventually, host
+from tests.matchmaker.helpers import RedisProcess, RegistryFactory, eventually, host
 
-Factory = Callable[..., Awaitable[RedisRegistry]]
+Factory = RegistryFactory
 
 KEY = bytes(range(32))
 HOSTS = [
@@ -33,24 +32,6 @@ HOSTS = [
     host("lan", lan=Address("192.168.1.20", 27960), info=b"\x00\xff" * 10, key=KEY),
     host("ünïcode ✓", game="q3", tags=("b", "a")),
 ]
-
-
-@pytest.fixture
-async def replica(redis_server: RedisProcess) -> AsyncIterator[Factory]:
-    made: list[RedisRegistry] = []
-
-    async def make(**kw: object) -> RedisRegistry:
-        options: dict[str, object] = {"retry_interval": 0.05, "op_timeout": 0.5}
-        options.update(kw)
-        reg = RedisRegistry(redis_server.url, **options)  # type: ignore[arg-type]
-        await reg.start()
-        await asyncio.wait_for(reg.wait_synced(), 5)
-        made.append(reg)
-        return reg
-
-    yield make
-    for reg in made:
-        await reg.close()
 
 
 def addr(i: int) -> Address:

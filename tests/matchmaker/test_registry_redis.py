@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,28 +18,10 @@ from matchmaker.registry.redis import RedisRegistry
 from matchmaker.server import build_registry
 from matchmaker.settings import Settings
 from tests.matchmaker.fakes import FakeClock
-from tests.matchmaker.helpers import RedisProcess, eventually, host
+from tests.matchmaker.helpers import RedisProcess, RegistryFactory, eventually, host
 
 Q3 = ListFilter(game="q3")
-Factory = Callable[..., Awaitable[RedisRegistry]]
-
-
-@pytest.fixture
-async def replica(redis_server: RedisProcess) -> AsyncIterator[Factory]:
-    made: list[RedisRegistry] = []
-
-    async def make(**kw: object) -> RedisRegistry:
-        options: dict[str, object] = {"retry_interval": 0.05, "op_timeout": 0.5}
-        options.update(kw)
-        reg = RedisRegistry(redis_server.url, **options)  # type: ignore[arg-type]
-        await reg.start()
-        await asyncio.wait_for(reg.wait_synced(), 5)
-        made.append(reg)
-        return reg
-
-    yield make
-    for reg in made:
-        await reg.close()
+Factory = RegistryFactory
 
 
 def addr(i: int, ip: str = "198.51.100.1") -> Address:

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import gc
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
@@ -50,3 +51,17 @@ def pytest_asyncio_loop_factories(
             del loops["asyncio-protocol"], loops["uvloop-protocol"]
         return loops
     return {"asyncio": asyncio.new_event_loop}
+
+
+@pytest.fixture
+def collector_off() -> Iterator[None]:
+    """The cyclic collector off for the test (what it would free is then asked)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.set_debug(0)
+        if enabled:
+            gc.enable()

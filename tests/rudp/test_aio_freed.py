@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -22,19 +22,6 @@ from rudp.aio.connection import Connection as AioConnection
 from rudp.connection import Connection as CoreConnection
 
 PER_CONNECTION = (CoreConnection, AioConnection)
-
-
-@pytest.fixture
-async def collector_off() -> AsyncIterator[None]:
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.set_debug(0)
-        if enabled:
-            gc.enable()
 
 
 def per_connection_garbage() -> Counter[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -37,16 +37,7 @@ from tests.rudp.harness import (
 KEYED = Config(static_key=bytes(range(32)))  # a NOCONN is believed only under NK
 
 
-@pytest.fixture(autouse=True)
-def collector_off() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.set_debug(0)
-        if enabled:
-            gc.enable()
+pytestmark = pytest.mark.usefixtures("collector_off")
 
 
 def live_connections() -> int:
