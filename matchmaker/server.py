@@ -36,6 +36,7 @@ from matchmaker.registry import MemoryRegistry, Registry
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.service import MatchmakerService
 from matchmaker.settings import Settings
+from matchmaker.stopping import STOP_WITHIN, cancel_and_wait
 from rudp.config import BASE_DATAGRAM_SIZE
 from rudp.tokens import Issuer, generate_issuer_key
 
@@ -316,9 +317,7 @@ class Matchmaker:
             await self._udp.close()
 
     async def _close_now(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, STOP_WITHIN, "matchmaker")
         self._tasks.clear()
         if self._http is not None:
             await self._http.close()

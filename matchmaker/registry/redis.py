@@ -132,6 +132,7 @@ from matchmaker.registry.base import (
     TooManyHosts,
     new_token,
 )
+from matchmaker.stopping import STOP_WITHIN, cancel_and_wait
 
 log = structlog.get_logger("matchmaker.registry.redis")
 
@@ -527,9 +528,10 @@ class RedisRegistry(Registry):
         for task in self._tasks:
             task.cancel()
         # redis-py can hold a cancelled blocking read until its socket closes;
-        # dropping the pool's connections ends such reads at once.
+        # dropping the pool's connections ends such reads at once.  It can also
+        # swallow a cancellation outright (`matchmaker.stopping`): hence the bound.
         await self._redis.connection_pool.disconnect()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks, STOP_WITHIN, "registry")
         self._tasks.clear()
         await self._redis.aclose()
         await super().close()
@@ -843,7 +845,9 @@ class RedisRegistry(Registry):
             try:
                 await pubsub.subscribe(channel)
                 up = True
-                while True:
+                # Not ``while True``: a cancellation redis-py swallowed must not
+                # keep this loop alive (`matchmaker.stopping`).
+                while not self._closing:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is not None:
                         self._on_notice(msg.get("data"))

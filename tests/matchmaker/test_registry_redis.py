@@ -609,3 +609,30 @@ async def test_a_reload_keeps_the_heartbeat_counters(replica: Factory) -> None:
     await a._resync()
     again = a.get(addr(2))
     assert again is not None and again.beat == 0
+
+
+async def test_close_ends_a_notice_loop_whose_cancellation_redis_py_swallowed(
+    replica: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # redis-py 8.1 turns a cancellation that lands while it connects into a
+    # retried connection error; its read then returns None at its timeout, as
+    # if nothing had happened.  A worker stuck this way outlived its supervisor.
+    swallowed: list[bool] = []
+    real = aioredis.client.PubSub.get_message
+
+    async def swallowing(self: aioredis.client.PubSub, *args: object, **kw: object) -> object:
+        try:
+            return await real(self, *args, **kw)  # type: ignore[arg-type]
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(True)
+            return None
+
+    monkeypatch.setattr(aioredis.client.PubSub, "get_message", swallowing)
+    reg = await replica(replica_id="x")
+    notices = next(t for t in reg._tasks if t.get_name() == "registry-notices")
+    await eventually(lambda: reg._redis.connection_pool._in_use_connections != set())
+    await asyncio.wait_for(reg.close(), 10)
+    assert swallowed == [True]
+    assert notices.done()
