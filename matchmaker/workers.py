@@ -58,7 +58,10 @@ Three pipes tie a worker to its supervisor:
 * the **lifeline**: the worker inherits the read end of a pipe whose write end
   only the supervisor holds.  When the supervisor dies, however (SIGKILL
   included) and whenever (during the worker's start too: the EOF stays until
-  read), a thread of the worker's sees EOF and stops it as SIGTERM does;
+  read), a thread of the worker's sees EOF and stops it as SIGTERM does, and
+  ends it (``worker_stop_overdue``, status 1) if it still runs
+  ``shutdown_timeout`` + `KILL_MARGIN` seconds later, since no supervisor is
+  left to kill it;
 * with ``--ephemeral-issuer-key``, a pipe holding the one key the supervisor
   made, so every worker (and every restart) signs with the same key; secrets
   never go on a command line, where ``ps`` would show them.
@@ -362,9 +365,13 @@ def _exit_now(event: str) -> None:
     os._exit(0)
 
 
-def _watch_lifeline(fd: int) -> None:
+def _watch_lifeline(fd: int, overdue_after: float) -> None:
     """SIGTERM ourselves when the supervisor is gone, whenever that happens: the
-    pipe's EOF stays until read, so a death during our start is seen too."""
+    pipe's EOF stays until read, so a death during our start is seen too.
+
+    Nobody is left to kill a worker whose stop hangs, so this thread does it:
+    still running ``overdue_after`` seconds after the SIGTERM, the worker logs
+    ``worker_stop_overdue`` and exits with status 1."""
 
     def wait() -> None:
         # Signals go to the main thread only, which blocks them once it has drained.
@@ -374,6 +381,11 @@ def _watch_lifeline(fd: int) -> None:
                 pass
         log.warning("supervisor_gone")
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(overdue_after)
+        with contextlib.suppress(Exception):
+            log.error("worker_stop_overdue", seconds=overdue_after)
+            sys.stdout.flush()
+        os._exit(1)
 
     threading.Thread(target=wait, name="lifeline", daemon=True).start()
 
@@ -390,7 +402,7 @@ def worker_main(argv: Sequence[str]) -> int:
     # Until the event loop serves, a stop (the supervisor's, or its death) ends us at once.
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: _exit_now("worker_stopped_starting"))
-    _watch_lifeline(spec.lifeline_fd)
+    _watch_lifeline(spec.lifeline_fd, settings.shutdown_timeout + KILL_MARGIN)
     # Here, not at the top: the supervisor runs as ``__main__`` and imports this module.
     from matchmaker.__main__ import run_daemon
 

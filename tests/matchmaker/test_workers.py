@@ -391,6 +391,27 @@ def same_ports(daemon: DaemonProcess, tmp_path: Path, redis_url: str) -> DaemonP
     return again
 
 
+HUNG_STOP = """
+import os, signal, time
+from matchmaker.workers import _watch_lifeline
+signal.signal(signal.SIGTERM, lambda *_: None)  # a stop that never ends
+read, write = os.pipe()
+_watch_lifeline(read, 0.5)
+os.close(write)  # the supervisor is gone
+time.sleep(60)
+"""
+
+
+def test_a_worker_whose_stop_hangs_ends_once_its_supervisor_is_gone() -> None:
+    """No supervisor is left to kill it: the lifeline does, after the bound."""
+    done = subprocess.run(
+        [sys.executable, "-c", HUNG_STOP], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 1, done.stderr
+    assert "supervisor_gone" in done.stdout
+    assert "worker_stop_overdue" in done.stdout
+
+
 @pytest.mark.parametrize("when", ["starting", "serving"])
 async def test_workers_stop_when_their_supervisor_is_killed(
     when: str, redis_server: RedisProcess, tmp_path: Path
