@@ -194,9 +194,15 @@ async def test_a_registration_costs_no_path_mtu_probe(daemon: Matchmaker) -> Non
     try:
         await host.register(**HOST)
         await eventually(lambda: not daemon.udp.endpoint.core.connections)
+        await eventually(lambda: not game.endpoint.core.connections)
+        # Both ends' connection ended, its counters folded into the endpoint's.
+        for stats in (game.stats, daemon.udp.stats):
+            assert stats.closed_totals["packets_received"] > 0
+            assert stats.closed_totals["mtu_probes_sent"] == 0
         # CHALLENGE, ACCEPT, the reply, the DISCONNECT's ack: ~300 bytes in all.
+        # (Not counted on the daemon's side: a loaded machine may resend a
+        # 1,200-byte CONNECT, which is not a probe.)
         assert game.stats.bytes_received < 1200
-        assert daemon.udp.stats.bytes_received - 2 * 1200 < 1200  # besides two CONNECTs
         (record,) = daemon.registry.index()
         assert record.entry  # the registration's encoded list entry, kept
     finally:
