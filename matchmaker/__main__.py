@@ -3,8 +3,9 @@
 ``python -m matchmaker keygen`` creates a connect-token issuing key instead
 (``matchmaker.keys``).
 
-Exit status: 0 after a clean shutdown (SIGTERM or SIGINT), 1 if the daemon failed
-(logged as ``matchmaker_failed`` with its traceback), 2 for invalid settings (on
+Exit status: 0 after a clean shutdown (SIGTERM, SIGINT or SIGHUP), 1 if the
+daemon failed (logged as ``matchmaker_failed`` with its traceback, or
+``tasks_ignored_cancel`` when a task would not end), 2 for invalid settings (on
 stderr), 3 when one of its ports cannot be bound (in use, not permitted, or an
 address this machine does not have), logged as one ``port_unavailable`` line
 naming the port.
@@ -12,6 +13,7 @@ naming the port.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import socket
@@ -27,6 +29,7 @@ from matchmaker.cli import parse_args
 from matchmaker.keys import keygen
 from matchmaker.server import Matchmaker
 from matchmaker.settings import Settings, SettingsError
+from matchmaker.stopping import STOP_WITHIN, cancel_and_wait
 
 log = structlog.get_logger("matchmaker")
 
@@ -61,10 +64,28 @@ def run_daemon(settings: Settings, serve: Callable[[], Coroutine[Any, Any, None]
     """Run ``serve()`` on rudp's event loop; the exit status (`guarded`)."""
 
     def body() -> int:
-        rudp.run(serve())
+        rudp.run(_to_the_end(serve()))
         return EXIT_OK
 
     return guarded(settings, body)
+
+
+async def _to_the_end(serving: Coroutine[Any, Any, None]) -> None:
+    """``serving``, then whatever still runs cancelled within a bound.
+
+    asyncio's own teardown cancels each task left once and waits for it without
+    a bound: one whose cancellation redis-py swallowed (`matchmaker.stopping`)
+    kept the process alive for ever.  If some still run after the bound, the
+    process ends at once, status 1, after ``tasks_ignored_cancel``."""
+    try:
+        await serving
+    finally:
+        me = asyncio.current_task()
+        left = [t for t in asyncio.all_tasks() if t is not me]
+        if left and not await cancel_and_wait(left, STOP_WITHIN, "exit"):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_FAILED)
 
 
 def guarded(settings: Settings, body: Callable[[], int]) -> int:

@@ -56,6 +56,7 @@ from matchmaker.messages import (
 from matchmaker.metrics import Metrics
 from matchmaker.ratelimit import RateLimiter
 from matchmaker.registry import Registry
+from matchmaker.stopping import STOP_WITHIN, cancel_and_wait
 
 log = structlog.get_logger("matchmaker.http")
 
@@ -265,9 +266,7 @@ class HttpServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._clients):
-            task.cancel()
-        await asyncio.gather(*self._clients, return_exceptions=True)
+        await cancel_and_wait(list(self._clients), STOP_WITHIN, "http")
         if self._server is not None:
             await self._server.wait_closed()
 

@@ -42,6 +42,9 @@ from rudp.tokens import Issuer, generate_issuer_key
 
 log = structlog.get_logger("matchmaker.server")
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""What stops the daemon (drained); repeated, logged as ``stop_repeated``."""
+
 
 def build_registry(settings: Settings, metrics: Metrics) -> Registry:
     if settings.uses_redis:
@@ -317,6 +320,7 @@ class Matchmaker:
             await self._udp.close()
 
     async def _close_now(self) -> None:
+        self.service.stop_loops()
         await cancel_and_wait(self._tasks, STOP_WITHIN, "matchmaker")
         self._tasks.clear()
         if self._http is not None:
@@ -334,15 +338,24 @@ class Matchmaker:
         *,
         signals: bool = True,
     ) -> None:
-        """Start, wait for SIGTERM/SIGINT (or `stop`), shut down; ``on_started`` is
-        called once serving.  ``signals=False``: the caller handles the signals and
-        sets `stop` (a worker, which must outlive a repeated SIGTERM)."""
+        """Start, wait for SIGTERM, SIGINT or SIGHUP (or `stop`), shut down;
+        ``on_started`` is called once serving.  ``signals=False``: the caller
+        handles the signals and sets `stop` (a worker, whose stop before it
+        serves ends it at once)."""
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        handled = (signal.SIGTERM, signal.SIGINT) if signals else ()
+        handled = STOP_SIGNALS if signals else ()
+
+        def on_signal(sig: signal.Signals) -> None:
+            # Only the flag: the shutdown itself runs here.  A repeated signal
+            # (an impatient operator, a terminal's hangup after Ctrl-C) is
+            # logged and does not cut the drain short.
+            if stop.is_set():
+                log.info("stop_repeated", signal=sig.name)
+            stop.set()
+
         for sig in handled:
-            # Handlers only set the flag; the shutdown itself runs here.
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         started = False
         try:
             await self.start()
@@ -352,11 +365,13 @@ class Matchmaker:
                 on_started()
             await stop.wait()
         finally:
-            for sig in handled:
-                loop.remove_signal_handler(sig)
-            if started:
-                await self.shutdown()
-            else:
-                # It never served: release what did open, without stopping/stopped
-                # lines for a daemon that never logged matchmaker_started.
-                await self._close_now()
+            try:
+                if started:
+                    await self.shutdown()
+                else:
+                    # It never served: release what did open, without stopping/
+                    # stopped lines for a daemon that never logged matchmaker_started.
+                    await self._close_now()
+            finally:
+                for sig in handled:
+                    loop.remove_signal_handler(sig)

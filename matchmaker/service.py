@@ -201,6 +201,9 @@ class MatchmakerService:
             for result in ("created", "replaced", "rejected", "unavailable", "rate_limited")
         }
         self.shutting_down = False
+        # Set once the background loops must end (`stop_loops`): each looks at it
+        # between two rounds, since redis-py can swallow their cancellation.
+        self.loops_stopped = False
 
     @property
     def connections(self) -> int:
@@ -487,7 +490,7 @@ class MatchmakerService:
 
     async def run_sweeper(self) -> None:
         """Flush heartbeats and expire hosts every ``sweep_interval`` until cancelled."""
-        while True:
+        while not self.loops_stopped:
             await asyncio.sleep(self.settings.sweep_interval)
             try:
                 await self.flush_heartbeats()
@@ -661,7 +664,7 @@ class MatchmakerService:
 
     async def run_notices(self) -> None:
         """Deliver payloads relayed by other replicas to local hosts, until cancelled."""
-        while True:
+        while not self.loops_stopped:
             notice = await self.registry.next_notice()
             target = self.registry.get(notice.target)
             if target is None:
@@ -679,7 +682,7 @@ class MatchmakerService:
         """Take over the hosts whose heartbeats came here instead of to their
         replica (`matchmaker.liveness`), until cancelled: what waits is written in
         one registry call, answered when it returns, while the next batch gathers."""
-        while True:
+        while not self.loops_stopped:
             await self._takeover_due.wait()
             self._takeover_due.clear()
             waiting = self.liveness.take_takeovers()
@@ -697,7 +700,7 @@ class MatchmakerService:
     async def run_introductions(self) -> None:
         """Send unacknowledged introductions again when due, until cancelled."""
         interval = self.liveness.resend_interval
-        while True:
+        while not self.loops_stopped:
             if not self.liveness.pending:
                 self._intro_due.clear()
                 await self._intro_due.wait()
@@ -711,6 +714,12 @@ class MatchmakerService:
         ``shutting_down`` (which sends hosts to another replica)."""
         self.shutting_down = True
         self.liveness.stopping = True
+
+    def stop_loops(self) -> None:
+        """The background loops (``run_*``) end at their next round."""
+        self.loops_stopped = True
+        self._takeover_due.set()
+        self._intro_due.set()
 
     async def close_all(self) -> None:
         """Stop accepting, then close every connection gracefully, keeping

@@ -1,16 +1,20 @@
 """Stopping background tasks within a bound, whatever the libraries under them do.
 
 A cancelled task is expected to end at its next ``await``.  Not every library
-lets it: redis-py (8.1, Python 3.11) turns a cancellation that lands while it
-connects into a connection error, which its own retry loop catches, and the
-task goes on with a fresh connection, one cancel request still pending and
-never raised.  A daemon that then waited for that task without a bound never
-exited (a worker outliving its supervisor's SIGKILL).
+lets it.  redis-py (8.1, on Python 3.11) loses cancellations two ways: one
+that lands while it connects becomes a connection error, which its own retry
+loop catches, and the task goes on with a fresh connection; and with a socket
+timeout set it sends each command through ``asyncio.wait_for``, which on 3.11
+drops a cancellation that lands as the send completes (about one in two for a
+loop of commands).  A daemon that then waited for such a task without a bound
+never exited (a worker outliving its supervisor's SIGKILL).
 
-`cancel_and_wait` therefore cancels again while it waits (the second request
-lands at a later ``await``, past the connect), and after ``within`` seconds
-gives up on what is still running: it logs ``tasks_ignored_cancel`` with their
-names and returns, so that a stop always ends.
+Hence three habits: every background loop also looks at a flag between two
+rounds; `cancel_and_wait` cancels again while it waits (the next request lands
+at a later ``await``) and gives up after ``within`` seconds, logging
+``tasks_ignored_cancel`` with the tasks' names; and the daemon's last step
+(`matchmaker.__main__`) does the same for whatever is left, ending the process
+with status 1 rather than waiting for ever as asyncio's own teardown would.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ log = structlog.get_logger(__name__)
 RECANCEL_EVERY = 0.5
 """Seconds between two cancel requests to a task still running."""
 
-STOP_WITHIN = 5.0
-"""Seconds a daemon's stop waits for its background tasks before abandoning them."""
+STOP_WITHIN = 3.0
+"""Seconds each stage of a stop (HTTP clients, background tasks, the registry's
+tasks, whatever is left at exit) waits for its tasks before abandoning them."""
 
 
 async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], within: float, what: str) -> bool:

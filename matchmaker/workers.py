@@ -108,7 +108,7 @@ from matchmaker import logging as mm_logging
 from matchmaker.cli import parse_args
 from matchmaker.metrics import Metrics
 from matchmaker.registry.redis import default_replica_id
-from matchmaker.server import ListeningSockets, Matchmaker
+from matchmaker.server import STOP_SIGNALS, ListeningSockets, Matchmaker
 from matchmaker.settings import Settings
 from rudp.tokens import Issuer, generate_issuer_key
 
@@ -126,7 +126,7 @@ BACKOFF_STEPS = 5
 """Doublings of the backoff at most: `BACKOFF_MAX` is reached before, and the
 factor stays small after any number of deaths."""
 POLL = 0.1
-KILL_MARGIN = 5.0
+KILL_MARGIN = 15.0
 """Seconds past ``shutdown_timeout`` before a worker that does not stop is killed."""
 BEAT = 1.0
 """Seconds between a serving worker's signs of life (a byte on its beat pipe)."""
@@ -134,7 +134,6 @@ SILENT = 3.0
 """Seconds without one after which /healthz and /readyz report the worker down
 (``--worker-watchdog`` seconds, it is killed and restarted)."""
 DOWN_FILE = "down"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DIRECTORY_PREFIX = "matchmaker-"
 
 
@@ -557,10 +556,7 @@ class Supervisor:
     def run(self) -> int:
         """Run until SIGTERM/SIGINT/SIGHUP (0 when every worker drained) or a failed
         start (1)."""
-        previous = {
-            sig: signal.signal(sig, lambda *_: self._stop.set())
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        }
+        previous = {sig: signal.signal(sig, lambda *_: self._stop.set()) for sig in STOP_SIGNALS}
         try:
             self._sockets = bind_sockets(self.settings)
             self._log_started()

@@ -527,14 +527,22 @@ class RedisRegistry(Registry):
         self._closing = True
         for task in self._tasks:
             task.cancel()
-        # redis-py can hold a cancelled blocking read until its socket closes;
-        # dropping the pool's connections ends such reads at once.  It can also
-        # swallow a cancellation outright (`matchmaker.stopping`): hence the bound.
-        await self._redis.connection_pool.disconnect()
-        await cancel_and_wait(self._tasks, STOP_WITHIN, "registry")
-        self._tasks.clear()
-        await self._redis.aclose()
-        await super().close()
+        pool = self._redis.connection_pool
+        try:
+            # redis-py can hold a cancelled blocking read until its socket closes;
+            # dropping the pool's connections ends such reads at once.  It can
+            # also swallow a cancellation outright (`matchmaker.stopping`), and
+            # the task reconnects: hence the bound, and the second disconnect.
+            with contextlib.suppress(*_DOWN, RedisError):
+                await pool.disconnect()
+            await cancel_and_wait(self._tasks, STOP_WITHIN, "registry")
+            self._tasks.clear()
+        finally:
+            with contextlib.suppress(*_DOWN, RedisError):
+                await self._redis.aclose()
+            with contextlib.suppress(*_DOWN, RedisError):
+                await pool.disconnect()  # ours: the client does not close a pool given to it
+            await super().close()
 
     # ------------------------------------------------------------------ redis calls
 
@@ -870,6 +878,12 @@ class RedisRegistry(Registry):
 
     # ------------------------------------------------------------------ sync
 
+    def _check_closing(self) -> None:
+        """Between two Redis calls of a long job: stop if closing.  A cancellation
+        redis-py swallowed (`matchmaker.stopping`) must not leave it running."""
+        if self._closing:
+            raise RegistryUnavailable("closing")
+
     async def _sync_loop(self) -> None:
         while not self._closing:
             try:
@@ -877,6 +891,8 @@ class RedisRegistry(Registry):
                 self._mark_fresh()
                 await self._follow()
             except (RegistryUnavailable, *_DOWN) as exc:
+                if self._closing:
+                    return
                 self._mark_stale(exc)
                 await asyncio.sleep(self._retry_interval)
             except Exception as exc:  # a bug or odd reply must not end syncing for good
@@ -907,6 +923,7 @@ class RedisRegistry(Registry):
         self._ahead.clear()
         done: set[Address] = set()
         while True:
+            self._check_closing()
             removals = dict(self._pending_removals)
             todo = {a: r for a, r in self._owned.items() if a not in done}
             if not removals and not todo:
@@ -969,6 +986,7 @@ class RedisRegistry(Registry):
         fresh = LocalIndex()
         batch = 500
         for i in range(0, len(seen), batch):
+            self._check_closing()
             chunk: list[tuple[str, float]] = []
             for member, score in seen[i : i + batch]:
                 try:
@@ -1027,6 +1045,7 @@ class RedisRegistry(Registry):
         """Write back the registrations in `todo`; `stored` is what Redis held of them."""
         still_ours: list[Address] = []
         for address, rec in todo.items():
+            self._check_closing()
             there = stored.get(address)
             # Same token but other info: updated locally during the outage.
             if there is not None and there.token == rec.token and there.info == rec.info:

@@ -13,7 +13,13 @@ from matchmaker.addresses import Address
 from matchmaker.heartbeat import derive_secret
 from matchmaker.messages import ListFilter
 from matchmaker.metrics import Metrics
-from matchmaker.registry import Notice, RegistryBusy, RemovalReason, TooManyHosts
+from matchmaker.registry import (
+    Notice,
+    RegistryBusy,
+    RegistryUnavailable,
+    RemovalReason,
+    TooManyHosts,
+)
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.server import build_registry
 from matchmaker.settings import Settings
@@ -636,3 +642,24 @@ async def test_close_ends_a_notice_loop_whose_cancellation_redis_py_swallowed(
     await asyncio.wait_for(reg.close(), 10)
     assert swallowed == [True]
     assert notices.done()
+
+
+async def test_a_closing_registry_stops_a_reload_between_two_redis_calls(replica: Factory) -> None:
+    # Its sync task may have lost its cancellation inside redis-py: the reload
+    # (one Redis call per 500 hosts, then one per host written back) stops anyway.
+    x = await replica(replica_id="x")
+    for a in many(600):
+        await x.upsert(a, host(), max_per_ip=10)
+    loads: list[int] = []
+    real_op = x._op
+
+    async def op(name: str, call: object, **kw: object) -> object:
+        if name == "load":
+            loads.append(1)
+            x._closing = True  # close() began while the first batch was read
+        return await real_op(name, call, **kw)  # type: ignore[arg-type]
+
+    x._op = op  # type: ignore[method-assign]
+    with pytest.raises(RegistryUnavailable, match="closing"):
+        await x._resync()
+    assert loads == [1]

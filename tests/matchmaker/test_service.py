@@ -34,7 +34,7 @@ from matchmaker.messages import (
     encode,
     encode_entry,
 )
-from matchmaker.registry import RemovalReason
+from matchmaker.registry import Notice, RemovalReason
 from tests.matchmaker.fakes import Wire, pipe, settle
 from tests.matchmaker.helpers import NONCE, Harness, collect_list, info, pub
 
@@ -553,6 +553,24 @@ async def test_a_failing_sweep_does_not_end_the_sweeper(monkeypatch: pytest.Monk
         sweeper.cancel()
         with pytest.raises(asyncio.CancelledError):
             await sweeper
+
+
+async def test_the_background_loops_end_by_themselves_once_stopped() -> None:
+    """Not only by cancellation, which redis-py can swallow (`matchmaker.stopping`)."""
+    h = Harness(sweep_interval=0.01)
+    service = h.service
+    runs = [service.run_sweeper, service.run_takeovers, service.run_introductions]
+    tasks = [asyncio.create_task(run()) for run in [*runs, service.run_notices]]
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in tasks)
+    service.stop_loops()
+    # The notices loop waits for the next notice: one comes, for nobody here.
+    await h.registry.deliver(h.registry.replica_id, Notice(Address(pub(9), 1), b"x"))
+    done, pending = await asyncio.wait(tasks, timeout=10)
+    for task in pending:
+        task.cancel()
+    assert not pending, [t.get_coro() for t in pending]
+    assert [t.result() for t in done] == [None] * 4
 
 
 async def test_requests_follow_a_migrated_connection() -> None:
