@@ -34,10 +34,10 @@ N_HOSTS = 1000
 V4_IPS = 50  # 127.0.0.1 .. 127.0.0.50
 V6_HOSTS = 30  # on ::1, when available
 CONCURRENCY = 64  # registrations in flight at once
-HIDE_AFTER = 3.0
-EXPIRE_AFTER = 6.0
+HIDE_AFTER = 6.0  # a live host heartbeats every second: 6 misses before it is hidden
+EXPIRE_AFTER = 12.0
 KEEPALIVE = 1.0
-SLACK = 5.0  # scheduling slack on a loaded CI box, on top of a configured time
+SLACK = 10.0  # scheduling slack on a loaded CI box, on top of a configured time
 
 GAMES = ("alpha", "beta")
 VERSIONS = ("1.0", "1.1", "2.0")
