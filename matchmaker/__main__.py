@@ -14,6 +14,7 @@ naming the port.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import socket
@@ -77,14 +78,20 @@ async def _to_the_end(serving: Coroutine[Any, Any, None]) -> None:
     a bound: one whose cancellation redis-py swallowed (`matchmaker.stopping`)
     kept the process alive for ever.  If some still run after the bound, the
     process ends at once, status 1, after ``tasks_ignored_cancel``."""
+    failure: BaseException | None = None
     try:
         await serving
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
-        me = asyncio.current_task()
-        left = [t for t in asyncio.all_tasks() if t is not me]
+        left = list(asyncio.all_tasks())  # less this one: cancel_and_wait leaves it out
         if left and not await cancel_and_wait(left, STOP_WITHIN, "exit"):
-            sys.stdout.flush()
-            sys.stderr.flush()
+            if failure is not None and not isinstance(failure, asyncio.CancelledError):
+                log.error("matchmaker_failed", exc_info=failure)  # before the abrupt exit
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
             os._exit(EXIT_FAILED)
 
 

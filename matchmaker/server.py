@@ -46,6 +46,14 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """What stops the daemon (drained); repeated, logged as ``stop_repeated``."""
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """`STOP_SIGNALS` less SIGHUP when it is ignored (``nohup``, a container's
+    PID 1 with no handler): a daemon started so must outlive its terminal."""
+    return tuple(
+        s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN
+    )
+
+
 def build_registry(settings: Settings, metrics: Metrics) -> Registry:
     if settings.uses_redis:
         return RedisRegistry(
@@ -344,14 +352,17 @@ class Matchmaker:
         serves ends it at once)."""
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        handled = STOP_SIGNALS if signals else ()
+        handled = stop_signals() if signals else ()
 
         def on_signal(sig: signal.Signals) -> None:
             # Only the flag: the shutdown itself runs here.  A repeated signal
             # (an impatient operator, a terminal's hangup after Ctrl-C) is
-            # logged and does not cut the drain short.
+            # logged and does not cut the drain short.  The handlers stay until
+            # the loop closes, through the process's last step (`__main__`).
             if stop.is_set():
                 log.info("stop_repeated", signal=sig.name)
+            else:
+                log.info("stop_signal", signal=sig.name)
             stop.set()
 
         for sig in handled:
@@ -365,13 +376,9 @@ class Matchmaker:
                 on_started()
             await stop.wait()
         finally:
-            try:
-                if started:
-                    await self.shutdown()
-                else:
-                    # It never served: release what did open, without stopping/
-                    # stopped lines for a daemon that never logged matchmaker_started.
-                    await self._close_now()
-            finally:
-                for sig in handled:
-                    loop.remove_signal_handler(sig)
+            if started:
+                await self.shutdown()
+            else:
+                # It never served: release what did open, without stopping/stopped
+                # lines for a daemon that never logged matchmaker_started.
+                await self._close_now()

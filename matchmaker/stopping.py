@@ -44,6 +44,8 @@ async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], within: float, w
     """
     if within <= 0:
         raise ValueError(f"within must be positive, not {within!r}")
+    me = asyncio.current_task()
+    tasks = [t for t in tasks if t is not me]  # never itself
     pending = {t for t in tasks if not t.done()}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
@@ -55,8 +57,10 @@ async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], within: float, w
             break
         _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_EVERY, left))
     for task in tasks:
-        if task.done() and not task.cancelled():
-            task.exception()  # retrieved: no "exception was never retrieved" later
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            # Retrieved (no "exception was never retrieved" later), and told.
+            log.warning("task_failed_at_stop", what=what, task=task.get_name(),
+                        error=repr(task.exception()))  # fmt: skip
     if pending:
         names = sorted(t.get_name() for t in pending)
         log.error("tasks_ignored_cancel", what=what, tasks=names, seconds=within)

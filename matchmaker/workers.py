@@ -108,7 +108,7 @@ from matchmaker import logging as mm_logging
 from matchmaker.cli import parse_args
 from matchmaker.metrics import Metrics
 from matchmaker.registry.redis import default_replica_id
-from matchmaker.server import STOP_SIGNALS, ListeningSockets, Matchmaker
+from matchmaker.server import STOP_SIGNALS, ListeningSockets, Matchmaker, stop_signals
 from matchmaker.settings import Settings
 from rudp.tokens import Issuer, generate_issuer_key
 
@@ -126,7 +126,7 @@ BACKOFF_STEPS = 5
 """Doublings of the backoff at most: `BACKOFF_MAX` is reached before, and the
 factor stays small after any number of deaths."""
 POLL = 0.1
-KILL_MARGIN = 15.0
+KILL_MARGIN = 20.0
 """Seconds past ``shutdown_timeout`` before a worker that does not stop is killed."""
 BEAT = 1.0
 """Seconds between a serving worker's signs of life (a byte on its beat pipe)."""
@@ -378,13 +378,21 @@ def _watch_lifeline(fd: int, overdue_after: float) -> None:
         with contextlib.suppress(OSError):
             while os.read(fd, 64):
                 pass
-        log.warning("supervisor_gone")
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(overdue_after)
+        # Armed first: a log line that blocks (a stalled output pipe) must not
+        # keep the worker alive.
+        timer = threading.Timer(overdue_after, overdue)
+        timer.daemon = True
+        timer.start()
         with contextlib.suppress(Exception):
+            log.warning("supervisor_gone")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def overdue() -> None:
+        try:
             log.error("worker_stop_overdue", seconds=overdue_after)
             sys.stdout.flush()
-        os._exit(1)
+        finally:
+            os._exit(1)
 
     threading.Thread(target=wait, name="lifeline", daemon=True).start()
 
@@ -556,7 +564,7 @@ class Supervisor:
     def run(self) -> int:
         """Run until SIGTERM/SIGINT/SIGHUP (0 when every worker drained) or a failed
         start (1)."""
-        previous = {sig: signal.signal(sig, lambda *_: self._stop.set()) for sig in STOP_SIGNALS}
+        previous = {sig: signal.signal(sig, lambda *_: self._stop.set()) for sig in stop_signals()}
         try:
             self._sockets = bind_sockets(self.settings)
             self._log_started()

@@ -113,7 +113,8 @@ async def test_first_register_gives_up_naming_every_address_tried() -> None:
         started = asyncio.get_running_loop().time()
         with pytest.raises(MatchmakerUnreachable) as gave_up:
             await client.register(**HOST)
-        assert asyncio.get_running_loop().time() - started < 3
+        # register_timeout (1 s), with room for a loaded machine: not for ever.
+        assert asyncio.get_running_loop().time() - started < 10
     message = str(gave_up.value)
     assert all(f"127.0.0.1:{p}" in message for p in ports), message
     assert isinstance(gave_up.value, ConnectionError) and isinstance(gave_up.value, TimeoutError)

@@ -19,7 +19,7 @@ from matchmaker.http import MAX_CONNECTIONS_PER_IP, HttpApi, HttpServer, entry_j
 from matchmaker.messages import ListRequest, entry_fields
 from matchmaker.metrics import capped_games
 from matchmaker.ratelimit import RateLimiter
-from tests.matchmaker.helpers import Harness, collect_list, info, pub
+from tests.matchmaker.helpers import Harness, collect_list, eventually, info, pub
 
 
 class Site:
@@ -226,7 +226,7 @@ async def test_connection_cap() -> None:
         host, port = site.server.address
         _r1, w1 = await asyncio.open_connection(host, port)
         w1.write(b"GET /healthz HTTP/1.1\r\n")  # holds the only slot
-        await asyncio.sleep(0.05)
+        await eventually(site.server._slots.locked)
         status, _, _ = await site.raw(b"GET /healthz HTTP/1.1\r\n\r\n")
         assert status == 503
         w1.close()
@@ -243,7 +243,8 @@ async def test_one_source_cannot_take_every_connection(site: Site) -> None:
             _r, w = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
             w.write(b"GET /healthz HTTP/1.1\r\n")  # and never finishes the head
             held.append(w)
-        await asyncio.sleep(0.05)
+        # Every held connection counted (the last of them answered 429 and lingering).
+        await eventually(lambda: sum(site.server._per_source.values()) >= MAX_CONNECTIONS_PER_IP)
         # The probe comes from elsewhere and still gets a connection slot.
         reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
         writer.write(b"GET /readyz HTTP/1.1\r\n\r\n")

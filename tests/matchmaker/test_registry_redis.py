@@ -482,12 +482,14 @@ async def test_a_busy_pool_waits_then_answers_busy_and_is_not_an_outage(
     release.set()
     assert (await first).owner == "a"
     a._scripts["upsert"] = real
-    # A wait shorter than the bound succeeds.
+    # A wait shorter than the bound succeeds (a bound a loaded machine keeps to).
+    a._pool_timeout = 10.0
     release.clear()
     a._scripts["upsert"] = slow  # type: ignore[assignment]
     first = asyncio.create_task(a.upsert(addr(3), host(), max_per_ip=10))
     second = asyncio.create_task(a.upsert(addr(4), host(), max_per_ip=10))
-    await asyncio.sleep(0.1)
+    await eventually(lambda: a._gate.locked() and not second.done())
+    await asyncio.sleep(0.1)  # second waits at the gate meanwhile
     release.set()
     await asyncio.gather(first, second)
     assert not a.stale and a.get(addr(4)) is not None
@@ -629,9 +631,11 @@ async def test_close_ends_a_notice_loop_whose_cancellation_redis_py_swallowed(
     # retried connection error; its read then returns None at its timeout, as
     # if nothing had happened.  A worker stuck this way outlived its supervisor.
     swallowed: list[bool] = []
+    reading = asyncio.Event()
     real = aioredis.client.PubSub.get_message
 
     async def swallowing(self: aioredis.client.PubSub, *args: object, **kw: object) -> object:
+        reading.set()
         try:
             return await real(self, *args, **kw)  # type: ignore[arg-type]
         except asyncio.CancelledError:
@@ -643,7 +647,7 @@ async def test_close_ends_a_notice_loop_whose_cancellation_redis_py_swallowed(
     monkeypatch.setattr(aioredis.client.PubSub, "get_message", swallowing)
     reg = await replica(replica_id="x")
     notices = next(t for t in reg._tasks if t.get_name() == "registry-notices")
-    await eventually(lambda: reg._redis.connection_pool._in_use_connections != set())
+    await asyncio.wait_for(reading.wait(), 10)  # the subscription reads
     await asyncio.wait_for(reg.close(), 10)
     assert swallowed == [True]
     assert notices.done()

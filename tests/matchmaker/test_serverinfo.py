@@ -93,10 +93,11 @@ async def test_query_servers_reports_info_and_ping_in_input_order(
         dead = silent.address
         await silent.close()
         targets = [h.address for h in hosts] + [dead]
-        statuses = await query_servers(client_endpoint, targets, timeout=0.3, concurrency=2)
+        # 3 s: a live host's answer is not "timeout" on a loaded machine either.
+        statuses = await query_servers(client_endpoint, targets, timeout=3.0, concurrency=2)
         assert [s.address for s in statuses] == [Address(*t) for t in targets]
         assert [s.info.name if s.info else None for s in statuses] == ["h0", "h1", None, None]
-        assert all(s.ping is not None and 0 <= s.ping < 0.3 for s in statuses[:2])
+        assert all(s.ping is not None and 0 <= s.ping < 3.0 for s in statuses[:2])
         assert [s.error for s in statuses] == [None, None, "timeout", "timeout"]
     finally:
         for host in hosts:

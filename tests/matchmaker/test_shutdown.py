@@ -128,3 +128,23 @@ async def test_a_repeated_signal_does_not_cut_the_drain_short(tmp_path: Path) ->
         holder.kill()
         holder.wait()
         daemon.kill()
+
+
+async def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
+    """Started under ``nohup`` (SIGHUP ignored), the daemon outlives its terminal."""
+    daemon = DaemonProcess(tmp_path, "r", "memory://")
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited by the daemon
+    try:
+        await daemon.start()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    try:
+        daemon.signal(signal.SIGHUP)
+        await asyncio.sleep(1.0)
+        assert await daemon.ready()
+        assert logged(daemon, "stop_signal") == 0
+        daemon.signal(signal.SIGTERM)
+        assert await daemon.wait(30) == 0
+        assert logged(daemon, "matchmaker_stopped") == 1
+    finally:
+        daemon.kill()

@@ -69,9 +69,21 @@ async def test_failures_are_consumed_and_finished_tasks_are_left_alone() -> None
 
     failed, done = asyncio.create_task(fails()), asyncio.create_task(returns())
     await asyncio.wait([failed, done])
-    assert await cancel_and_wait([failed, done], 1.0, "test")
+    with structlog.testing.capture_logs() as logs:
+        assert await cancel_and_wait([failed, done], 1.0, "test")
     assert not done.cancelled() and done.result() == 1
     assert isinstance(failed.exception(), RuntimeError)
+    assert [(e["event"], e["error"]) for e in logs] == [
+        ("task_failed_at_stop", "RuntimeError('boom')")
+    ]
+
+
+async def test_the_calling_task_is_left_out() -> None:
+    me = asyncio.current_task()
+    assert me is not None
+    assert await cancel_and_wait([me], 1.0, "test")
+    await asyncio.sleep(0)  # not cancelled: this await returns
+    assert me.cancelling() == 0
 
 
 async def test_a_bound_must_be_positive() -> None:
