@@ -40,7 +40,8 @@ async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], within: float, w
 
     True when all ended; False when some were abandoned (logged, an error).
     Their results and exceptions are consumed, as ``gather(return_exceptions=True)``
-    does.
+    does, and an exception other than the cancellation is logged
+    (``task_failed_at_stop``).  The calling task is left out of ``tasks``.
     """
     if within <= 0:
         raise ValueError(f"within must be positive, not {within!r}")
