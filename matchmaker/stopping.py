@@ -6,8 +6,9 @@ that lands while it connects becomes a connection error, which its own retry
 loop catches, and the task goes on with a fresh connection; and with a socket
 timeout set it sends each command through ``asyncio.wait_for``, which on 3.11
 drops a cancellation that lands as the send completes (about one in two for a
-loop of commands).  A daemon that then waited for such a task without a bound
-never exited (a worker outliving its supervisor's SIGKILL).
+loop of commands; the registry sets no socket timeout for that reason, and
+bounds each call itself).  A daemon that then waited for such a task without a
+bound never exited (a worker outliving its supervisor's SIGKILL).
 
 Hence three habits: every background loop also looks at a flag between two
 rounds; `cancel_and_wait` cancels again while it waits (the next request lands

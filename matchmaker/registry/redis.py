@@ -416,7 +416,11 @@ class RedisRegistry(Registry):
             url,
             max_connections=pool_size + 2,
             timeout=pool_timeout,
-            socket_timeout=op_timeout,
+            # No socket timeout: with one, redis-py sends each command through
+            # ``asyncio.wait_for``, which on Python 3.11 drops a cancellation
+            # landing as the send completes (`matchmaker.stopping`).  `_op`
+            # bounds each call by ``op_timeout`` itself.
+            socket_timeout=None,
             socket_connect_timeout=op_timeout,
             # One immediate retry on a fresh connection: after Redis restarts,
             # every pooled socket is dead once.  More retries would only delay
@@ -455,6 +459,7 @@ class RedisRegistry(Registry):
         malformed; ``bad_record``: an upsert whose record does not validate), and
         stored hosts a load skipped (``bad_stored``: a key or a hash that does not
         validate; the rest of the registry loads)."""
+        self._op_timeout = op_timeout
         self._block_ms = max(1, min(1000, int(op_timeout * 500)))
         # After a read that found changes, wait this long before the next one, so
         # that changes made meanwhile come in one reply (see `_follow`).
@@ -568,7 +573,10 @@ class RedisRegistry(Registry):
                 raise RegistryBusy(name) from None
         start = self._clock()
         try:
-            result = await call
+            # A call cut short drops its connection (redis-py disconnects on any
+            # exception mid-read), so no late reply is read by the next call.
+            async with asyncio.timeout(self._op_timeout):
+                result = await call
         except (*_DOWN, RedisError) as exc:
             self._observe(name, start, failed=True)
             self._mark_stale(exc)

@@ -53,7 +53,7 @@ async def make_registry(request: pytest.FixtureRequest) -> AsyncIterator[Registr
         if server is None:
             reg = MemoryRegistry(**kw)  # type: ignore[arg-type]
         else:
-            reg = RedisRegistry(server.url, retry_interval=0.05, op_timeout=0.5, **kw)  # type: ignore[arg-type]
+            reg = RedisRegistry(server.url, retry_interval=0.05, op_timeout=2.0, **kw)  # type: ignore[arg-type]
         await reg.start()
         if isinstance(reg, RedisRegistry):
             await asyncio.wait_for(reg.wait_synced(), 5)
