@@ -51,8 +51,11 @@ TICK = os.sysconf("SC_CLK_TCK")
 def _client_main(address: tuple[str, int], index: int, count: int, a: Any, out: Queue[Any]) -> None:
     async def main() -> None:
         gate = asyncio.Semaphore(a.concurrency)
+        # A source address per host: the workers' group steers by source address,
+        # so hosts sharing one would all reach the same worker.
         sockets = [
-            await rudp.open_endpoint(f"127.{index + 1}.{i // 16_000}.2", 0) for i in range(count)
+            await rudp.open_endpoint(f"127.{index + 1}.{i // 250}.{i % 250 + 1}", 0)
+            for i in range(count)
         ]
         failures: list[str] = []
 

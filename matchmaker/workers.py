@@ -110,6 +110,7 @@ from matchmaker.metrics import Metrics
 from matchmaker.registry.redis import default_replica_id
 from matchmaker.server import STOP_SIGNALS, ListeningSockets, Matchmaker, stop_signals
 from matchmaker.settings import Settings
+from matchmaker.steering import steer_by_source
 from rudp.tokens import Issuer, generate_issuer_key
 
 log = structlog.get_logger("matchmaker.workers")
@@ -214,6 +215,11 @@ def _udp_group(host: str, port: int, n: int, made: list[socket.socket]) -> list[
             # Port 0: the first socket picked one; the others join it there.
             address = (address[0], sock.getsockname()[1], *address[2:])
         group.append(sock)
+    if n > 1:
+        try:
+            steer_by_source(group[0], n)
+        except OSError as exc:
+            log.warning("source_steering_unavailable", port=address[1], error=str(exc))
     return group
 
 

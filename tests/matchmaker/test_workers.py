@@ -89,8 +89,10 @@ async def replica(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[D
 async def register_hosts(
     daemon: DaemonProcess, n: int
 ) -> tuple[list[MatchmakerClient], list[rudp.Server], list[Address]]:
+    # From 50 source addresses: the workers' group steers by source address.
+    config = rudp.Config(channels=1)
     sockets = [
-        await rudp.open_endpoint("127.0.0.1", 0, config=rudp.Config(channels=1)) for _ in range(n)
+        await rudp.open_endpoint(f"127.0.0.{i % 50 + 1}", 0, config=config) for i in range(n)
     ]
     hosts = [MatchmakerClient.to([daemon.address], via=s) for s in sockets]
     addresses = list(await asyncio.gather(*(h.register(**HOST) for h in hosts)))
@@ -159,8 +161,15 @@ async def test_registrations_land_on_both_workers_and_a_list_sees_every_host(
         assert sum(per_worker) == N_HOSTS
         assert min(per_worker) > 0, f"one worker got every host: {per_worker}"
         await lists_all(replica, addresses)
-        assert set(await owners(redis_server.url, addresses)) == {"r-w0", "r-w1"}
-        # Each host heartbeats to the worker it registered with: its 4-tuple is the same.
+        found = await owners(redis_server.url, addresses)
+        assert set(found) == {"r-w0", "r-w1"}
+        # One source address, one worker: the hosts of an address (two each, on
+        # other ports) all registered with the same worker.
+        by_ip: dict[str, set[str | None]] = {}
+        for address, owner in zip(addresses, found, strict=True):
+            by_ip.setdefault(address.ip, set()).add(owner)
+        assert all(len(o) == 1 for o in by_ip.values()), by_ip
+        # Each host heartbeats to the worker it registered with: same source address.
         samples = await both_answered(replica)
         for i in (0, 1):
             sample = f'matchmaker_heartbeats_total{{result="not_owner",worker="{i}"}}'
@@ -241,7 +250,8 @@ async def test_the_master_port_answers_from_every_worker(replica: DaemonProcess)
     await until(both_see_them, 10, "a worker does not list the hosts the other registered")
     queries = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(16)]
     try:
-        for q in queries:
+        for i, q in enumerate(queries):
+            q.bind((f"127.0.0.{i + 1}", 0))  # 16 sources: both workers get some
             q.settimeout(10)
             q.sendto(b"\x31\xff0.0.0.0:0\x00\x00", ("127.0.0.1", master_port(replica)))
         replies = [await asyncio.to_thread(q.recv, 1400) for q in queries]
