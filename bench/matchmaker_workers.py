@@ -54,7 +54,9 @@ def _client_main(address: tuple[str, int], index: int, count: int, a: Any, out: 
         # A source address per host: the workers' group steers by source address,
         # so hosts sharing one would all reach the same worker.
         sockets = [
-            await rudp.open_endpoint(f"127.{index + 1}.{i // 250}.{i % 250 + 1}", 0)
+            await rudp.open_endpoint(
+                f"127.{index * 4 + 1 + i // 62_500}.{i // 250 % 250}.{i % 250 + 1}", 0
+            )
             for i in range(count)
         ]
         failures: list[str] = []

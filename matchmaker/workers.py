@@ -19,9 +19,11 @@ binds every listening socket itself and hands them down (inherited file
 descriptors), then only starts, watches and stops workers:
 
 * the rudp port: N UDP sockets in one ``SO_REUSEPORT`` group, socket *i* to worker
-  *i*.  The kernel picks a group member by a hash of the datagram's 4-tuple over
-  the group's members, so one host's registration and heartbeats (one socket of
-  the host's) all reach the same worker.  The supervisor keeps its copy of every
+  *i*.  A BPF program on the group (`matchmaker.steering`) picks the member by a
+  keyed hash of the datagram's source address (an IPv4 address, an IPv6 /64),
+  so everything one source sends, from any port, reaches the same worker: a
+  NAT rebinding stays on its connection's worker, and the per-source limits
+  hold for the replica.  The supervisor keeps its copy of every
   socket open, so a worker's death does not shrink the group: its flows queue on
   its socket until the worker restarted on that socket reads them, and no other
   worker's flows move (tests/matchmaker/test_workers.py measures both cases);
@@ -110,7 +112,7 @@ from matchmaker.metrics import Metrics
 from matchmaker.registry.redis import default_replica_id
 from matchmaker.server import STOP_SIGNALS, ListeningSockets, Matchmaker, stop_signals
 from matchmaker.settings import Settings
-from matchmaker.steering import steer_by_source
+from matchmaker.steering import new_key, steer_by_source
 from rudp.tokens import Issuer, generate_issuer_key
 
 log = structlog.get_logger("matchmaker.workers")
@@ -217,7 +219,7 @@ def _udp_group(host: str, port: int, n: int, made: list[socket.socket]) -> list[
         group.append(sock)
     if n > 1:
         try:
-            steer_by_source(group[0], n)
+            steer_by_source(group[0], n, new_key())
         except OSError as exc:
             log.warning("source_steering_unavailable", port=address[1], error=str(exc))
     return group
