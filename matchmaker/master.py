@@ -269,12 +269,15 @@ class MasterResponder:
         page_hosts: int,
         rng: random.Random | None = None,
         on_rate_limited: Callable[[], None] | None = None,
+        on_result: Callable[[str], None] | None = None,
     ) -> None:
         self._registry = registry
         self._limiter = limiter
         self._page_hosts = page_hosts
         self._rng = rng or random.Random()
         self._on_rate_limited = on_rate_limited
+        # Told each datagram's result: "answered", "rate_limited" or "dropped".
+        self._on_result = on_result
         self.answered = 0
         """Requests answered."""
         self.rate_limited = 0
@@ -291,6 +294,7 @@ class MasterResponder:
         if q3 is not None:
             return self._q3(q3, len(data), address)
         self.dropped += 1
+        self._tell("dropped")
         return None
 
     def _steam(self, query: SteamQuery, room: int, address: Address) -> bytes | None:
@@ -322,14 +326,21 @@ class MasterResponder:
         self.rate_limited += 1
         if self._on_rate_limited is not None:
             self._on_rate_limited()
+        self._tell("rate_limited")
         return False
 
     def _answered(self, reply: bytes | None) -> bytes | None:
         if reply is None:
             self.dropped += 1
+            self._tell("dropped")
         else:
             self.answered += 1
+            self._tell("answered")
         return reply
+
+    def _tell(self, result: str) -> None:
+        if self._on_result is not None:
+            self._on_result(result)
 
 
 class MasterProtocol(asyncio.DatagramProtocol):

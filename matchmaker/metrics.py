@@ -34,6 +34,7 @@ REGISTRATION_RESULTS = ("created", "replaced", "rejected", "rate_limited", "unav
 UPDATE_RESULTS = ("ok", "rejected", "not_registered", "rate_limited", "unavailable")
 LIST_RESULTS = ("ok", "rate_limited", "failed")
 INTRODUCTION_RESULTS = ("local", "relayed", "not_found", "rate_limited", "unavailable")
+MASTER_RESULTS = ("answered", "rate_limited", "dropped")
 RATE_LIMITED_KINDS = ("register", "list", "introduce")
 HEARTBEAT_RESULTS = (
     "ok",
@@ -180,6 +181,12 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.master_queries = Counter(
+            "matchmaker_master_queries",
+            "Master-server queries on --master-port, by result.",
+            ["result"],
+            registry=r,
+        )
         self.dropped = Counter(
             "matchmaker_dropped_datagrams",
             "Incoming messages refused or dropped, by reason.",
@@ -229,6 +236,8 @@ class Metrics:
             self.introduction_datagrams.labels(label)
         for label in DROP_REASONS:
             self.dropped.labels(label)
+        for label in MASTER_RESULTS:
+            self.master_queries.labels(label)
 
     def bind_state(
         self,

@@ -30,7 +30,7 @@ from matchmaker.heartbeat import FIRST_BYTES
 from matchmaker.http import Exposition, HttpApi, HttpServer, entry_json
 from matchmaker.master import MasterProtocol, MasterResponder
 from matchmaker.messages import HostEntry, ListRequest, entry_fields
-from matchmaker.metrics import Metrics
+from matchmaker.metrics import MASTER_RESULTS, Metrics
 from matchmaker.ratelimit import RateLimiter
 from matchmaker.registry import MemoryRegistry, Registry
 from matchmaker.registry.redis import RedisRegistry
@@ -266,12 +266,14 @@ class Matchmaker:
 
     async def _start_master(self) -> None:
         s = self.settings
+        results = {r: self.metrics.master_queries.labels(r) for r in MASTER_RESULTS}
         responder = MasterResponder(
             self.registry,
             RateLimiter(s.list_bucket, max_keys=s.rate_limit_keys),
             page_hosts=s.page_hosts,
             rng=self._rng,
             on_rate_limited=self.metrics.rate_limited.labels("list").inc,
+            on_result=lambda result: results[result].inc(),
         )
         loop = asyncio.get_running_loop()
         given = self._sockets.master if self._sockets else None

@@ -243,6 +243,39 @@ async def test_servers_without_game_lists_every_game(
     assert status == 400
 
 
+async def test_every_master_query_is_counted_in_metrics(
+    master_daemon: tuple[Matchmaker, list[rudp.Server]],
+) -> None:
+    mm, _ = master_daemon
+    assert mm.master_address is not None
+    loop = asyncio.get_running_loop()
+    replies: asyncio.Queue[bytes] = asyncio.Queue()
+
+    class Query(asyncio.DatagramProtocol):
+        def datagram_received(self, data: bytes, addr: object) -> None:
+            replies.put_nowait(data)
+
+    transport, _ = await loop.create_datagram_endpoint(
+        Query, remote_addr=("127.0.0.1", mm.master_address[1])
+    )
+    try:
+        transport.sendto(b"\x31\xff0.0.0.0:0\x00\x00")  # a Steam query: answered
+        assert (await asyncio.wait_for(replies.get(), 10)).startswith(STEAM_REPLY)
+        transport.sendto(b"not a query")  # dropped, and told
+        sample = mm.metrics.registry.get_sample_value
+
+        def count(result: str) -> float | None:
+            return sample("matchmaker_master_queries_total", {"result": result})
+
+        for _ in range(200):
+            if count("dropped") == 1.0:
+                break
+            await asyncio.sleep(0.01)
+        assert [count(r) for r in ("answered", "rate_limited", "dropped")] == [1.0, 0.0, 1.0]
+    finally:
+        transport.close()
+
+
 async def test_master_is_off_by_default(daemon: Matchmaker) -> None:
     assert daemon.master_address is None and daemon.master_responder is None
 

@@ -255,6 +255,12 @@ async def test_the_master_port_answers_from_every_worker(replica: DaemonProcess)
             q.settimeout(10)
             q.sendto(b"\x31\xff0.0.0.0:0\x00\x00", ("127.0.0.1", master_port(replica)))
         replies = [await asyncio.to_thread(q.recv, 1400) for q in queries]
+        samples = await both_answered(replica)
+        answered = [
+            samples[f'matchmaker_master_queries_total{{result="answered",worker="{i}"}}']
+            for i in (0, 1)
+        ]
+        assert sum(answered) == len(queries) and min(answered) > 0, answered
         # Each answer is no larger than its query (no amplification): one entry here.
         assert [r[: len(STEAM_REPLY)] for r in replies] == [STEAM_REPLY] * len(queries)
     finally:
