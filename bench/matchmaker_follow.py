@@ -34,16 +34,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import multiprocessing
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
@@ -58,35 +53,6 @@ def _cpu_ns(pid: int) -> int:
         with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
             total += int(f.read().split()[0])
     return total
-
-
-class _Redis:
-    def __init__(self, port: int) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server missing (apt-get install -y redis-server)")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                raise SystemExit(f"port {port} is taken: --redis-port")
-        self._dir = tempfile.mkdtemp(prefix="mm-redis-")
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", self._dir]
-        args += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 10
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as c:
-                c.sendall(b"PING\r\n")
-                if c.recv(16).startswith(b"+PONG"):
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not answer within 10 s")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _follower_main(url: str, pipe: Pipe, no_hiredis: bool, profile: str) -> None:
@@ -212,7 +178,11 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--profile", default="", help="write the follower's cProfile stats here")
     a = p.parse_args()
-    server = _Redis(a.redis_port)
+    # Here, not at the top: the follower process must not import redis-py (and
+    # hiredis) before it chose whether to (--no-hiredis).
+    from bench.matchmaker_common import RedisServer
+
+    server = RedisServer(a.redis_port)
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     child = ctx.Process(target=_follower_main, args=(server.url, theirs, a.no_hiredis, a.profile))

@@ -71,12 +71,8 @@ import contextlib
 import gc
 import multiprocessing
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
@@ -84,13 +80,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import redis
 
 import rudp
 from bench._common import environment, format_table, percentile, write_json
 from bench.matchmaker_common import (
     GAME,
     DaemonProcess,
+    RedisServer,
     bench_settings,
     cpu_seconds,
     host_info,
@@ -109,54 +105,6 @@ FILTERS: list[dict[str, Any]] = [
     {"version": "1.32c", "tags_any": ("ffa",)},
 ]
 MAX_SOCKETS = 60_000
-
-
-class RedisServer:
-    """A redis-server of our own on loopback, no persistence."""
-
-    def __init__(self, port: int) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server missing (apt-get install -y redis-server)")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                raise SystemExit(f"port {port} is taken: --redis-port")
-        self.port = port
-        self._dir = tempfile.mkdtemp(prefix="mm-redis-")
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", self._dir]
-        args += ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = redis.Redis(port=port, socket_timeout=30)
-        deadline = time.monotonic() + 10
-        while True:
-            with contextlib.suppress(redis.ConnectionError):
-                if self.client.ping():
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not answer within 10 s")
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def info(self) -> dict[str, Any]:
-        info: dict[str, Any] = self.client.info()
-        return info
-
-    def cpu(self) -> float:
-        info = self.client.info("cpu")
-        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-    def close(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 # -- the client processes ---------------------------------------------------------------

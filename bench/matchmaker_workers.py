@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rudp
 from bench._common import environment, write_json
-from bench.matchmaker_common import register_host
+from bench.matchmaker_common import RedisServer, register_host
 from matchmaker.client import MatchmakerClient
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -255,19 +255,11 @@ def main() -> None:
     a = parser.parse_args()
     if a.hosts / a.processes > 19_000:
         parser.error("more than 19,000 sockets per process (20,000 open files each)")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        parser.error("redis-server not found")
     directory = Path(tempfile.mkdtemp(prefix="mm-workers-bench-"))
-    redis_port = _free_port(socket.SOCK_STREAM)
-    redis = subprocess.Popen(
-        [binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-         "no", "--dir", str(directory)],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    redis = RedisServer(_free_port(socket.SOCK_STREAM))
+    redis_port = redis.port
     results = []
     try:
-        time.sleep(0.5)
         counts = [int(w) for w in a.workers.split(",")]
         for _ in range(a.rounds):
             for workers in counts:
@@ -287,8 +279,7 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        redis.terminate()
-        redis.wait(10)
+        redis.close()
         shutil.rmtree(directory, ignore_errors=True)
     for workers in sorted({r["workers"] for r in results}):
         rates = [r["registrations_per_s"] for r in results if r["workers"] == workers]

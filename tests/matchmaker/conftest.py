@@ -3,7 +3,6 @@ matchmaker daemon on loopback."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,7 +10,13 @@ import pytest
 
 from matchmaker.registry.redis import RedisRegistry
 from matchmaker.server import Matchmaker
-from tests.matchmaker.helpers import REDIS_BINARY, RedisProcess, RegistryFactory, settings
+from tests.matchmaker.helpers import (
+    REDIS_BINARY,
+    RedisProcess,
+    RegistryFactory,
+    settings,
+    synced_replica,
+)
 
 
 @pytest.fixture
@@ -41,13 +46,7 @@ async def replica(redis_server: RedisProcess) -> AsyncIterator[RegistryFactory]:
     made: list[RedisRegistry] = []
 
     async def make(**kw: object) -> RedisRegistry:
-        # 2 s a call: a loaded machine's slow reply is not an outage (a killed
-        # Redis refuses at once).
-        options: dict[str, object] = {"retry_interval": 0.05, "op_timeout": 2.0}
-        options.update(kw)
-        reg = RedisRegistry(redis_server.url, **options)  # type: ignore[arg-type]
-        await reg.start()
-        await asyncio.wait_for(reg.wait_synced(), 5)
+        reg = await synced_replica(redis_server.url, **kw)
         made.append(reg)
         return reg
 

@@ -45,6 +45,19 @@ def free_port() -> int:
         return port
 
 
+async def synced_replica(url: str, **kw: object) -> RedisRegistry:
+    """A RedisRegistry on ``url``, started and synced (bounded wait).
+
+    2 s a call: a loaded machine's slow reply is not an outage (a killed Redis
+    refuses at once)."""
+    options: dict[str, object] = {"retry_interval": 0.05, "op_timeout": 2.0}
+    options.update(kw)
+    reg = RedisRegistry(url, **options)  # type: ignore[arg-type]
+    await reg.start()
+    await asyncio.wait_for(reg.wait_synced(), 5)
+    return reg
+
+
 class RedisProcess:
     """One redis-server we start, kill and restart (same port, same data dir).
 

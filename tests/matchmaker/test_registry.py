@@ -28,9 +28,16 @@ from matchmaker.registry import (
 )
 from matchmaker.registry.base import COMPACT_MIN, LocalIndex
 from matchmaker.registry.memory import SWEEP_ROUNDS, RowIndex
-from matchmaker.registry.redis import RedisRegistry
 from tests.matchmaker.fakes import FakeClock
-from tests.matchmaker.helpers import HOSTS, SINGLE_FILTERS, TAGS, RedisProcess, host, reference
+from tests.matchmaker.helpers import (
+    HOSTS,
+    SINGLE_FILTERS,
+    TAGS,
+    RedisProcess,
+    host,
+    reference,
+    synced_replica,
+)
 
 A = Address("198.51.100.1", 27960)
 A2 = Address("198.51.100.1", 27961)
@@ -52,11 +59,9 @@ async def make_registry(request: pytest.FixtureRequest) -> AsyncIterator[Registr
         reg: Registry
         if server is None:
             reg = MemoryRegistry(**kw)  # type: ignore[arg-type]
+            await reg.start()
         else:
-            reg = RedisRegistry(server.url, retry_interval=0.05, op_timeout=2.0, **kw)  # type: ignore[arg-type]
-        await reg.start()
-        if isinstance(reg, RedisRegistry):
-            await asyncio.wait_for(reg.wait_synced(), 5)
+            reg = await synced_replica(server.url, **kw)
         made.append(reg)
         return reg
 
