@@ -553,7 +553,10 @@ class Supervisor:
         self._env = {**os.environ, **(env or {})}
         base = settings.replica_id or default_replica_id()
         self._slots = [_Slot(i, f"{base}-w{i}") for i in range(settings.workers)]
-        self._stop = threading.Event()
+        # A plain flag, not a threading.Event: the signal handler runs in the main
+        # thread, between two bytecodes of whatever it was doing, and Event.set()
+        # takes the lock that the main thread's own Event.wait() may hold then.
+        self._stopping = False
         # One key for every worker and every restart (--ephemeral-issuer-key).
         self._issuer_key = generate_issuer_key() if settings.ephemeral_issuer_key else None
         self._directory: Path | None = None
@@ -572,7 +575,7 @@ class Supervisor:
     def run(self) -> int:
         """Run until SIGTERM/SIGINT/SIGHUP (0 when every worker drained) or a failed
         start (1)."""
-        previous = {sig: signal.signal(sig, lambda *_: self._stop.set()) for sig in stop_signals()}
+        previous = {sig: signal.signal(sig, self._on_stop) for sig in stop_signals()}
         try:
             self._sockets = bind_sockets(self.settings)
             self._log_started()
@@ -655,9 +658,15 @@ class Supervisor:
         slot.restart_at, slot.killed = None, False
         log.info("worker_started", index=slot.index, pid=slot.proc.pid, replica_id=slot.replica_id)
 
+    def _on_stop(self, signum: int, frame: object) -> None:
+        self._stopping = True
+
     def _watch(self) -> str | None:
         """Supervise until told to stop (None) or a worker cannot start (why)."""
-        while not self._stop.wait(POLL):
+        while not self._stopping:
+            time.sleep(POLL)  # a signal's handler runs at once; the loop looks next round
+            if self._stopping:
+                break
             now = time.monotonic()
             for slot in self._slots:
                 self._read_beats(slot, now)
