@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
 
 from matchmaker.addresses import make_address
+from matchmaker.interning import share
 from matchmaker.messages._types import (
     DEFAULT_LIMITS,
     ENTRY_DEFAULTS,
@@ -353,8 +353,8 @@ def _tags(tags: list[object], lim: Limits) -> tuple[str, ...] | None:
     if known is None:
         if not all(_is_ident(t, lim) for t in tags):
             return None
-        # Interned: the registry shares tag strings (`registry.base.shared_strings`).
-        unique: tuple[str, ...] = tuple(dict.fromkeys(map(sys.intern, key)))  # type: ignore[arg-type]
+        # Shared: the registry shares tag strings (`registry.base.shared_strings`).
+        unique: tuple[str, ...] = tuple(dict.fromkeys(map(share, key)))  # type: ignore[arg-type]
         known = (unique, max(map(len, unique), default=0))
         if len(_VALID_TAGS) >= _VALID_MAX:
             _VALID_TAGS.clear()
@@ -570,7 +570,7 @@ def decode_host(data: bytes, limits: Limits = DEFAULT_LIMITS) -> HostInfo:
 
     What a registry stores of a host and reads back (another replica's write):
     ~2x cheaper than `decode` for a valid one, with the same result, its game,
-    version, map and region interned and its tags a shared tuple.  Anything
+    version, map and region shared (`interning.share`) and its tags a shared tuple.  Anything
     doubtful takes `decode`, which also words the error (`MessageError`).
     """
     if len(data) <= limits.max_message_bytes:
@@ -603,4 +603,4 @@ def _fast_host(raw: dict[str, Any], lim: Limits) -> HostInfo | None:
         and raw.get("lan") is None  # a host with a LAN address: rare, `decode` reads it
     ):
         return None
-    return _fast_info(raw, lim, sys.intern)
+    return _fast_info(raw, lim, share)

@@ -40,12 +40,12 @@ import dataclasses
 import enum
 import random
 import secrets
-import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from matchmaker.addresses import Address, source_key
+from matchmaker.interning import share
 from matchmaker.listing import IndexKey, filter_keys, index_keys, matches, rest_of, sample_matching
 from matchmaker.messages import HostEntry, HostInfo, ListFilter, encode_entry
 
@@ -179,31 +179,30 @@ _TAG_SETS_MAX = 4096
 
 
 def shared_strings(info: HostInfo) -> HostInfo:
-    """`info` with its game, version, map, region and tags interned, and its tags
-    tuple shared: most hosts share them, and each decoded copy would cost ~50
+    """`info` with its game, version, map, region and tags shared (`interning.share`),
+    and its tags tuple too: most hosts share them, and each decoded copy would cost ~50
     bytes (~350 B a host)."""
-    intern = sys.intern
     tags = _TAG_SETS.get(info.tags)
     if tags is None:
-        tags = tuple(intern(t) for t in info.tags)
+        tags = tuple(share(t) for t in info.tags)
         if all(a is b for a, b in zip(tags, info.tags, strict=True)):
-            tags = info.tags  # already interned (`messages.decode_host`): share this one
+            tags = info.tags  # already shared (`messages.decode_host`): share this one
         if len(_TAG_SETS) < _TAG_SETS_MAX:
             _TAG_SETS[tags] = tags
     if (
         tags is info.tags
-        and intern(info.game) is info.game
-        and intern(info.version) is info.version
-        and intern(info.map) is info.map
-        and intern(info.region) is info.region
+        and share(info.game) is info.game
+        and share(info.version) is info.version
+        and share(info.map) is info.map
+        and share(info.region) is info.region
     ):
         return info  # shared already: a copy would cost ~5 us
     return dataclasses.replace(
         info,
-        game=intern(info.game),
-        version=intern(info.version),
-        map=intern(info.map),
-        region=intern(info.region),
+        game=share(info.game),
+        version=share(info.version),
+        map=share(info.map),
+        region=share(info.region),
         tags=tags,
     )
 
