@@ -64,7 +64,7 @@ import hmac
 import secrets
 import socket
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from matchmaker.addresses import Address, make_address
 
@@ -72,6 +72,7 @@ SECRET_BYTES = 32
 MAC_BYTES = 16
 _COUNTER = struct.Struct("!Q")
 _ADDRESS_HEAD = struct.Struct("!BH")
+_ACK_KIND = bytes((0xB2,))  # Kind.HEARTBEAT_ACK
 _BEAT_KINDS = frozenset({0xB1, 0xB4, 0xB7})
 """HEARTBEAT, LEAVE, MOVING: one layout."""
 MAX_COUNTER = (1 << 64) - 1
@@ -89,6 +90,7 @@ class Kind(enum.IntEnum):
     MOVING = 0xB7
 
 
+_KINDS: dict[int, Kind] = {int(k): k for k in Kind}
 FIRST_BYTES: tuple[int, ...] = tuple(int(k) for k in Kind)
 """Every first byte this module uses (what a socket routes here)."""
 ACK_BYTES = 1 + _COUNTER.size + MAC_BYTES
@@ -111,9 +113,10 @@ class BeatError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class Beat:
-    """A decoded HEARTBEAT, MOVING or LEAVE (its MAC not yet checked)."""
+class Beat(NamedTuple):
+    """A decoded HEARTBEAT, MOVING or LEAVE (its MAC not yet checked). A named tuple:
+    one is made per heartbeat received, and a tuple is made in a third of the time
+    of a frozen dataclass."""
 
     kind: Kind
     counter: int
@@ -147,7 +150,13 @@ def _unpack_address(data: bytes, offset: int) -> tuple[Address, int]:
     raw = data[start : start + size]
     if len(raw) != size:
         raise BeatError("truncated")
-    ip = socket.inet_ntop(socket.AF_INET6 if family == 6 else socket.AF_INET, raw)
+    if family == 4:
+        # inet_ntop's text of four bytes is already the canonical form make_address
+        # would give: only the port needs its check.
+        if not port:
+            raise BeatError("malformed")
+        return Address(socket.inet_ntop(socket.AF_INET, raw), port), start + size
+    ip = socket.inet_ntop(socket.AF_INET6, raw)
     try:
         return make_address(ip, port), start + size
     except ValueError:
@@ -185,7 +194,7 @@ def decode_beat(data: bytes) -> Beat:
     address, end = _unpack_address(data, 1 + _COUNTER.size)
     if len(data) != end + MAC_BYTES:
         raise BeatError("truncated" if len(data) < end + MAC_BYTES else "malformed")
-    return Beat(Kind(data[0]), counter, address, data[:end], data[end:])
+    return Beat(_KINDS[data[0]], counter, address, data[:end], data[end:])
 
 
 def encode_introduction_ack(secret: bytes, address: Address, intro_id: int) -> bytes:
@@ -210,6 +219,17 @@ def introduction_ack_ok(secret: bytes, address: Address, data: bytes) -> bool:
 def encode_ack(secret: bytes, address: Address, counter: int) -> bytes:
     head = bytes((Kind.HEARTBEAT_ACK,)) + _COUNTER.pack(counter)
     return head + mac(secret, head + pack_address(address))
+
+
+def ack_of(secret: bytes, beat: Beat) -> bytes:
+    """``encode_ack(secret, beat.address, beat.counter)``, from the beat's own bytes
+    where they are what packing its address gives (an IPv4 address; an IPv6 one
+    may be a mapped IPv4 address, which its Address no longer is)."""
+    signed = beat.signed
+    if signed[1 + _COUNTER.size] != 4:
+        return encode_ack(secret, beat.address, beat.counter)
+    head = _ACK_KIND + signed[1 : 1 + _COUNTER.size]
+    return head + mac(secret, head + signed[1 + _COUNTER.size :])
 
 
 def decode_ack(secret: bytes, address: Address, data: bytes) -> int | None:

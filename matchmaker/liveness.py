@@ -155,7 +155,8 @@ class Liveness:
         self.stopping = False
         """Set when the replica stops: heartbeats get NOT_REGISTERED, so that their
         hosts move to another replica at once; MOVING heartbeats get no answer."""
-        self._count = metrics.heartbeats.labels
+        self._counters: dict[str, Any] = {}
+        self._ok = self._count("ok")
         self._deliveries = metrics.introduction_datagrams.labels
 
     def secret(self, record: HostRecord) -> bytes:
@@ -196,6 +197,14 @@ class Liveness:
                 ):
                     self._reply(reply, sockaddr)
 
+    def _count(self, reason: str) -> Any:
+        """The heartbeat counter of `reason`, looked up once (a label lookup costs
+        more than the increment)."""
+        counter = self._counters.get(reason)
+        if counter is None:
+            counter = self._counters[reason] = self.metrics.heartbeats.labels(reason)
+        return counter
+
     def _reply(self, datagram: bytes, sockaddr: tuple[Any, ...]) -> None:
         source = _source(sockaddr)
         if source is not None:
@@ -223,7 +232,7 @@ class Liveness:
         if not hb.mac_ok(secret, beat.signed, beat.mac):
             self._count("bad_mac").inc()
             return []
-        if _source(sockaddr) != beat.address:
+        if not _from(sockaddr, beat.address):
             return self._not_registered(
                 "wrong_address", sockaddr, beat.counter, secret, record.address
             )
@@ -243,9 +252,9 @@ class Liveness:
             # its way to the owner (module doc).
             return self._not_registered("not_owner", sockaddr, beat.counter, secret, record.address)
         else:
-            self._count("ok").inc()
+            self._ok.inc()
             self._seen[record.address] = beat.counter
-        return [hb.encode_ack(secret, record.address, beat.counter)]
+        return [hb.ack_of(secret, beat)]
 
     def _moving(self, beat: hb.Beat, record: HostRecord, sockaddr: tuple[Any, ...]) -> list[bytes]:
         """A genuine MOVING heartbeat: queued for `Registry.take_over` (module doc)."""
@@ -335,6 +344,13 @@ class Liveness:
     def _send(self, datagram: bytes, address: Address) -> None:
         if self.send is not None:
             self.send(datagram, address)
+
+
+def _from(sockaddr: tuple[Any, ...], address: Address) -> bool:
+    """Whether `sockaddr` is `address` (normalised, as `_source` gives it)."""
+    if len(sockaddr) == 2 and sockaddr[0] == address.ip and sockaddr[1] == address.port:
+        return True  # the kernel's text of an IPv4 source is the canonical one
+    return _source(sockaddr) == address
 
 
 def _source(sockaddr: tuple[Any, ...]) -> Address | None:

@@ -65,6 +65,25 @@ def test_every_cut_and_trailing_garbage_is_refused(address: Address) -> None:
         hb.decode_beat(bad_family)
 
 
+def test_the_ack_made_from_a_beats_bytes_is_encode_ack() -> None:
+    """`ack_of` reuses the beat's packed address where packing its Address gives
+    the same bytes, and packs it otherwise (a mapped IPv4 address sent as IPv6)."""
+    mapped = hb.encode_beat(SECRET, Address("::ffff:93.184.216.1", 27960), 5)
+    mapped_beat = hb.decode_beat(mapped)
+    assert mapped_beat.address == HOST  # normalised: no longer the bytes it came as
+    beats = [hb.decode_beat(hb.encode_beat(SECRET, a, c)) for a in (HOST, V6) for c in (0, 7)]
+    for beat in [*beats, mapped_beat]:
+        assert hb.ack_of(SECRET, beat) == hb.encode_ack(SECRET, beat.address, beat.counter)
+        assert hb.decode_ack(SECRET, beat.address, hb.ack_of(SECRET, beat)) == beat.counter
+
+
+@pytest.mark.parametrize("address", [HOST, V6])
+def test_a_beat_naming_port_zero_is_malformed(address: Address) -> None:
+    data = hb.encode_beat(SECRET, address, 1)
+    with pytest.raises(hb.BeatError, match="malformed"):
+        hb.decode_beat(data[:10] + b"\0\0" + data[12:])
+
+
 def test_acks_and_introductions_are_bound_to_the_secret_and_address() -> None:
     ack = hb.encode_ack(SECRET, HOST, 7)
     assert len(ack) == hb.ACK_BYTES
@@ -193,6 +212,20 @@ async def test_a_heartbeat_from_another_address_is_refused_and_counted() -> None
     # The copy did not use up the genuine host's counter.
     assert len(h.service.liveness.receive(copied, HOST)) == 1
     assert result(h, "ok") == 1
+
+
+async def test_a_heartbeat_through_a_dual_stack_socket_is_its_hosts() -> None:
+    """An IPv4 host's heartbeat read on a dual-stack IPv6 socket comes from
+    ``::ffff:a.b.c.d``: the same address, so it is acknowledged; another port is not."""
+    h = Harness()
+    secret = await registered(h)
+    beat = hb.encode_beat(secret, HOST, 1)
+    replies = h.service.liveness.receive(beat, (f"::ffff:{HOST.ip}", HOST.port, 0, 0))
+    assert replies == [hb.encode_ack(secret, HOST, 1)]
+    assert result(h, "ok") == 1
+    other_port = h.service.liveness.receive(hb.encode_beat(secret, HOST, 2), (HOST.ip, 1))
+    assert other_port == [hb.encode_not_registered(2, secret, HOST)]
+    assert result(h, "wrong_address") == 1
 
 
 async def test_unknown_hosts_and_garbage() -> None:
