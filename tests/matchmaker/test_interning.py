@@ -55,6 +55,7 @@ async def test_host_strings_never_reach_sys_intern(monkeypatch: pytest.MonkeyPat
         return real(text)
 
     monkeypatch.setattr(sys, "intern", spy)
+    monkeypatch.setattr(interning, "_TABLE", {})  # no start-over between two asserts
     registry = MemoryRegistry()
     sent: set[str] = set()
     for n in range(3):
@@ -76,5 +77,10 @@ async def test_host_strings_never_reach_sys_intern(monkeypatch: pytest.MonkeyPat
         assert record.info == host
         assert record.info.map is interning.share(host.map)
         assert record.info.tags[0] is interning.share(host.tags[0])
+        stored = record.info
     monkeypatch.undo()
     assert not sent & set(interned), "a host's strings would stay for good on Python 3.12"
+    # Caught too when sys.intern was bound before the spy: an equal string, interned
+    # now, is the stored one only if the stored one was interned.
+    for text in (stored.game, stored.version, stored.map, stored.region, *stored.tags):
+        assert sys.intern("".join(list(text))) is not text
