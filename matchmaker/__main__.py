@@ -9,6 +9,10 @@ daemon failed (logged as ``matchmaker_failed`` with its traceback, or
 stderr), 3 when one of its ports cannot be bound (in use, not permitted, or an
 address this machine does not have), logged as one ``port_unavailable`` line
 naming the port.
+
+SIGUSR1 writes the Python stack of every thread to stderr and changes nothing
+else (`matchmaker.stopping.stacks_on_request`), in the daemon, a supervisor and
+each of its workers.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from matchmaker.cli import parse_args
 from matchmaker.keys import keygen
 from matchmaker.server import Matchmaker
 from matchmaker.settings import Settings, SettingsError
-from matchmaker.stopping import STOP_WITHIN, cancel_and_wait
+from matchmaker.stopping import STOP_WITHIN, cancel_and_wait, stacks_on_request
 
 log = structlog.get_logger("matchmaker")
 
@@ -48,6 +52,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["keygen"]:
         return keygen(args[1:])
+    if argv is None:  # the process's own command line: the process is the daemon's
+        stacks_on_request()
     try:
         settings = Settings.from_sources(parse_args(args), os.environ if env is None else env)
     except SettingsError as exc:

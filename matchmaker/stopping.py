@@ -16,11 +16,17 @@ at a later ``await``) and gives up after ``within`` seconds, logging
 ``tasks_ignored_cancel`` with the tasks' names; and the daemon's last step
 (`matchmaker.__main__`) does the same for whatever is left, ending the process
 with status 1 rather than waiting for ever as asyncio's own teardown would.
+
+For a stop that still hangs, `stacks_on_request` makes SIGUSR1 write the Python
+stack of every thread to stderr: the daemon, the supervisor and each worker
+install it first thing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import signal
 from collections.abc import Collection
 from typing import Any
 
@@ -68,3 +74,10 @@ async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], within: float, w
         log.error("tasks_ignored_cancel", what=what, tasks=names, seconds=within)
         return False
     return True
+
+
+def stacks_on_request() -> None:
+    """SIGUSR1 writes every thread's Python stack to stderr and changes nothing
+    else (``faulthandler``): what to send a process that seems stuck, before
+    killing it."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -113,6 +113,7 @@ from matchmaker.registry.redis import default_replica_id
 from matchmaker.server import STOP_SIGNALS, ListeningSockets, Matchmaker, stop_signals
 from matchmaker.settings import Settings
 from matchmaker.steering import new_key, steer_by_source
+from matchmaker.stopping import stacks_on_request
 from rudp.tokens import Issuer, generate_issuer_key
 
 log = structlog.get_logger("matchmaker.workers")
@@ -407,6 +408,7 @@ def _watch_lifeline(fd: int, overdue_after: float) -> None:
 
 def worker_main(argv: Sequence[str]) -> int:
     """A worker: ``python -m matchmaker.workers <spec> -- <the daemon's flags>``."""
+    stacks_on_request()
     args = list(argv)
     split = args.index("--") if "--" in args else len(args)
     spec = WorkerSpec.parse(args[:split])

@@ -5,6 +5,8 @@ and a game's own rudp socket, host records, and a bounded wait."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
 import shutil
 import signal
@@ -185,9 +187,27 @@ class DaemonProcess:
         deadline = loop.time() + timeout
         while (code := self.proc.poll()) is None:
             if loop.time() > deadline:
-                raise AssertionError(f"{self.replica_id} still running after {timeout} s")
+                stacks = await self.stacks()
+                raise AssertionError(
+                    f"{self.replica_id} still running after {timeout} s; its threads:\n{stacks}"
+                )
             await asyncio.sleep(0.05)
         return code
+
+    async def stacks(self) -> str:
+        """What the process and its children (a supervisor's workers) write on SIGUSR1,
+        their threads' stacks: the end of the log, for a test that found one stuck."""
+        assert self.proc is not None
+        pids = [self.proc.pid]
+        with contextlib.suppress(OSError):
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+            pids += [int(p) for p in children.read_text().split()]
+        for pid in pids:  # one at a time: their dumps share the log
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+            await asyncio.sleep(0.5)
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(x for x in text.splitlines()[-400:] if not x.startswith("{"))
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -150,3 +150,19 @@ async def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
         assert logged(daemon, "matchmaker_stopped") == 1
     finally:
         daemon.kill()
+
+
+async def test_sigusr1_writes_every_threads_stack_and_changes_nothing(tmp_path: Path) -> None:
+    """What to send a daemon that seems stuck: its stacks on stderr, and it serves on."""
+    daemon = DaemonProcess(tmp_path, "r", "memory://")
+    try:
+        await daemon.start()
+        stacks = await daemon.stacks()
+        assert "most recent call first" in stacks, stacks
+        assert "matchmaker" in stacks  # the daemon's own frames
+        assert await daemon.ready()
+        daemon.signal(signal.SIGTERM)
+        assert await daemon.wait(30) == 0
+        assert logged(daemon, "matchmaker_stopped") == 1
+    finally:
+        daemon.kill()

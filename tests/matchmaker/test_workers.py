@@ -485,6 +485,18 @@ async def test_a_stop_to_every_process_at_once_still_drains(replica: DaemonProce
     assert len(events(replica.log_path, "matchmaker_stopped")) == 2
 
 
+async def test_sigusr1_writes_the_stacks_of_the_supervisor_and_each_worker(
+    replica: DaemonProcess,
+) -> None:
+    """Every process of a replica writes its threads' stacks on SIGUSR1, and serves on."""
+    pids = [int(str(e["pid"])) for e in events(replica.log_path, "worker_started")]
+    stacks = await replica.stacks()
+    assert stacks.count("most recent call first") >= 1 + len(pids), stacks
+    assert stacks.count(" in worker_main") == len(pids), stacks
+    assert await replica.ready()
+    assert all(os.kill(pid, 0) is None for pid in pids)  # none ended
+
+
 async def test_a_stop_while_the_workers_start_exits_0(
     redis_server: RedisProcess, tmp_path: Path
 ) -> None:
