@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -522,8 +522,26 @@ def _unpack(data: bytes, limits: Limits) -> dict[str, object]:
 
 
 def decode(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Validated message from `data`; raises MessageError (or WrongVersionError)."""
+    """Validated message from `data`; raises MessageError (or WrongVersionError).
+
+    A valid `Register`, what a registration storm is made of, is read on
+    `decode_host`'s fast path (its host's shared strings already shared, so the
+    registry keeps them as they are); anything else, or anything doubtful, by the
+    readers (`_decode_slow`), which word the error."""
     fields = _unpack(data, limits)
+    if fields.get("t") == MsgType.REGISTER:
+        host = _fast_host(fields, limits)
+        if host is not None:
+            return Register(request_id=cast(int, fields.get("id", 0)), host=host)  # checked
+    return _read_fields(fields, limits)
+
+
+def _decode_slow(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """`decode` by the readers alone: the reference the fast path is tested against."""
+    return _read_fields(_unpack(data, limits), limits)
+
+
+def _read_fields(fields: dict[str, Any], limits: Limits) -> Message:
     rid = fields.get("id", 0)
     if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid <= MAX_REQUEST_ID:
         raise MessageError(ErrorReason.BAD_FIELD, "id: integer in [0, 2**32-1]")
