@@ -409,6 +409,7 @@ def _watch_lifeline(fd: int, overdue_after: float) -> None:
 def worker_main(argv: Sequence[str]) -> int:
     """A worker: ``python -m matchmaker.workers <spec> -- <the daemon's flags>``."""
     stacks_on_request()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # blocked by the spawn
     args = list(argv)
     split = args.index("--") if "--" in args else len(args)
     spec = WorkerSpec.parse(args[:split])
@@ -643,8 +644,15 @@ class Supervisor:
             fds = [spec.udp_fd, spec.http_fd, *child] + ([master] if master >= 0 else [])
             cmd = [*self._command, *spec.argv(), "--", *self._argv]
             # A session of its own: a terminal's Ctrl-C reaches the supervisor alone,
-            # which forwards one SIGTERM.
-            slot.proc = subprocess.Popen(cmd, env=self._env, pass_fds=fds, start_new_session=True)
+            # which forwards one SIGTERM. SIGUSR1 (a stack dump) is blocked until the
+            # worker's handler is in place: its default would kill a starting worker.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+            try:
+                slot.proc = subprocess.Popen(
+                    cmd, env=self._env, pass_fds=fds, start_new_session=True
+                )
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         except OSError as exc:
             for fd in ours:
                 os.close(fd)

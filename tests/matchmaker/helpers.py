@@ -202,10 +202,19 @@ class DaemonProcess:
         with contextlib.suppress(OSError):
             children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
             pids += [int(p) for p in children.read_text().split()]
-        for pid in pids:  # one at a time: their dumps share the log
+        # Held by pidfd: a worker that ends meanwhile frees its pid for another process.
+        pidfds = []
+        for pid in pids:
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGUSR1)
-            await asyncio.sleep(0.5)
+                pidfds.append(os.pidfd_open(pid))
+        try:
+            for fd in pidfds:  # one at a time: their dumps share the log
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(fd, signal.SIGUSR1)
+                await asyncio.sleep(0.5)
+        finally:
+            for fd in pidfds:
+                os.close(fd)
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(x for x in text.splitlines()[-400:] if not x.startswith("{"))
 

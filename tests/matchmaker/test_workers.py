@@ -303,6 +303,20 @@ def test_workers_that_keep_dying_at_start_end_the_supervisor(
     assert "exited 3 times in a row before serving (last exit status 7)" in err
 
 
+def test_a_worker_starts_with_sigusr1_blocked_until_its_handler_is_in(
+    redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stack dump asked of a worker still starting cannot kill it (SIGUSR1's
+    default action): the worker unblocks it once its handler is in place."""
+    config = settings(workers=2, store=redis_server.url, port=0, http_port=0)
+    blocked = "signal.SIGUSR1 in signal.pthread_sigmask(signal.SIG_BLOCK, [])"
+    probe = [sys.executable, "-c", f"import signal, sys; sys.exit(8 if {blocked} else 9)"]
+    supervisor = Supervisor(config, [], worker_command=probe)
+    assert supervisor.run() == 1
+    assert "(last exit status 8)" in capsys.readouterr().err
+    assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # ours again
+
+
 def test_reuseport_keeps_flows_on_their_member_while_the_group_keeps_its_size() -> None:
     """Why the supervisor holds every worker's socket: measured on this kernel."""
 
