@@ -72,7 +72,6 @@ SECRET_BYTES = 32
 MAC_BYTES = 16
 _COUNTER = struct.Struct("!Q")
 _ADDRESS_HEAD = struct.Struct("!BH")
-_ACK_KIND = bytes((0xB2,))  # Kind.HEARTBEAT_ACK
 _BEAT_KINDS = frozenset({0xB1, 0xB4, 0xB7})
 """HEARTBEAT, LEAVE, MOVING: one layout."""
 MAX_COUNTER = (1 << 64) - 1
@@ -91,6 +90,7 @@ class Kind(enum.IntEnum):
 
 
 _KINDS: dict[int, Kind] = {int(k): k for k in Kind}
+_ACK_KIND = bytes((Kind.HEARTBEAT_ACK,))
 FIRST_BYTES: tuple[int, ...] = tuple(int(k) for k in Kind)
 """Every first byte this module uses (what a socket routes here)."""
 ACK_BYTES = 1 + _COUNTER.size + MAC_BYTES
@@ -217,7 +217,7 @@ def introduction_ack_ok(secret: bytes, address: Address, data: bytes) -> bool:
 
 
 def encode_ack(secret: bytes, address: Address, counter: int) -> bytes:
-    head = bytes((Kind.HEARTBEAT_ACK,)) + _COUNTER.pack(counter)
+    head = _ACK_KIND + _COUNTER.pack(counter)
     return head + mac(secret, head + pack_address(address))
 
 

@@ -269,11 +269,8 @@ class Endpoint:
         # moved later since it was armed (``_schedule``) is only armed again.
         for conn in due:
             t = conn.get_timer()
-            if t is not None and t > now:
-                armed[conn] = t
-                heapq.heappush(heap, (t, next(self._ids), conn.cid))
-                continue
-            conn.handle_timer(now)
+            if t is None or t <= now:
+                conn.handle_timer(now)
             self._schedule(conn)
 
     def close(self, now: float) -> None:
