@@ -291,17 +291,20 @@ class Connection:
         if self.state is not CLOSED:
             self._sink.dirty[self] = None
 
-    def resume_receiving(self) -> None:
-        """Let the peer send messages again (undoes ``pause_receiving()``)."""
+    def resume_receiving(self, now: float) -> None:
+        """Let the peer send messages again (undoes ``pause_receiving()``).
+
+        While paused we may have refused the very dependencies the waiting messages
+        need: their ``dependency_timeout`` counts again from ``now``.
+        """
         if not self.receiving_paused:
             return
         self.receiving_paused = False
+        self._clock = max(self._clock, now)
         self._builder.flow_frame = frames.RESUME_FRAME
         if self.state is not CLOSED:
             self._sink.dirty[self] = None
-        # While paused we may have refused the very dependencies these wait for: their
-        # dependency_timeout counts from now, not from their arrival.
-        self._receiver.graph.restart_clocks(self._clock)
+        self._receiver.graph.restart_clocks(now)
 
     def abort(
         self, reason: DisconnectReason = DisconnectReason.ABORTED, *, by_peer: bool = False

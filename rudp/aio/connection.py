@@ -315,7 +315,7 @@ class Connection:
         self._inbox_bytes = left
         core = self._core
         if core.receiving_paused and left <= self._recv_limit >> 1:
-            core.resume_receiving()
+            core.resume_receiving(monotonic())
             endpoint = self._endpoint
             if not endpoint.flush_pending:
                 endpoint.wake()

@@ -81,7 +81,7 @@ def check_readable_after_end(conn: Connection, reason: DisconnectReason) -> None
     conn.close(now)
     conn.abort()
     conn.pause_receiving()
-    conn.resume_receiving()
+    conn.resume_receiving(now)
     assert conn.get_timer() is None
     conn.handle_timer(now)
     assert conn.datagrams_to_send(now) == []

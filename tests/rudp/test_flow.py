@@ -67,7 +67,7 @@ def test_a_paused_receiver_stops_new_messages_and_resuming_delivers_the_rest() -
     assert server.endpoint.stats.dropped[DropReason.RECV_QUEUE_FULL] == 0  # an honest peer
     assert conn.state is State.CONNECTED and sconn.state is State.CONNECTED  # kept alive
 
-    sconn.resume_receiving()
+    sconn.resume_receiving(net.now)
     net.run_until(lambda: conn.queued == 0)
     assert not conn.peer_paused
     assert server.received() == payloads  # exactly once, in order
@@ -84,7 +84,7 @@ def test_the_send_queue_fills_while_the_peer_is_paused() -> None:
     assert server.received() == []
     with pytest.raises(SendQueueFull):
         conn.send(b"one too many")
-    server_conn(server).resume_receiving()
+    server_conn(server).resume_receiving(net.now)
     net.run_until(lambda: conn.queued == 0)
     assert server.received() == [i.to_bytes(2, "big") for i in range(500)]
 
@@ -97,7 +97,7 @@ def test_unreliable_messages_still_reach_a_paused_peer() -> None:
     conn.send(b"r")
     net.run(0.1)
     assert server.received() == [b"u"]
-    server_conn(server).resume_receiving()
+    server_conn(server).resume_receiving(net.now)
     net.run(0.1)
     assert server.received() == [b"u", b"r"]
 
@@ -127,7 +127,7 @@ def test_a_lost_pause_or_resume_is_sent_again(which: int) -> None:
     net._transmit = lose_first_flow_frame  # type: ignore[method-assign]
     sconn.pause_receiving()
     net.run_until(lambda: conn.peer_paused)
-    sconn.resume_receiving()
+    sconn.resume_receiving(net.now)
     net.run_until(lambda: not conn.peer_paused)
     assert dropped, "the frame was never sent"
     conn.send(b"after")
@@ -150,7 +150,7 @@ def test_a_late_pause_never_undoes_a_newer_resume() -> None:
     net._transmit = delay_pause  # type: ignore[method-assign]
     sconn.pause_receiving()
     net.flush()
-    sconn.resume_receiving()
+    sconn.resume_receiving(net.now)
     net.run(0.05)  # RESUME arrives (the peer was never paused)
     assert held and not conn.peer_paused
     net._transmit = real  # type: ignore[method-assign]
@@ -188,7 +188,7 @@ def test_a_peer_that_ignores_pause_is_refused_past_the_budget() -> None:
     assert not conn.peer_paused
     net._transmit = real  # type: ignore[method-assign]
     assert sconn.stats.bytes_received == accepted
-    sconn.resume_receiving()
+    sconn.resume_receiving(net.now)
     net.run_until(lambda: conn.queued == 0, timeout=120)
     assert server.received() == payloads  # the refused packets were resent
 
@@ -236,7 +236,7 @@ def test_a_resume_travelling_with_refused_messages_still_arrives() -> None:
         net.now = max(net.now, due)
         server.endpoint.handle_timer(net.now)
         if sconn._sender.retx:
-            sconn.resume_receiving()
+            sconn.resume_receiving(net.now)
             net.flush()
             break
         net.flush()
@@ -244,7 +244,7 @@ def test_a_resume_travelling_with_refused_messages_still_arrives() -> None:
     net.run_until(lambda: not conn.peer_paused, timeout=10)
     net.run_until(lambda: conn.queued == 0, timeout=10)
     assert server.received() == [b"c%d" % i for i in range(100)]
-    conn.resume_receiving()
+    conn.resume_receiving(net.now)
     net.run_until(lambda: sconn.queued == 0, timeout=60)
     assert client.received() == [i.to_bytes(4, "big") + bytes(500) for i in range(400)]
 
@@ -285,12 +285,47 @@ def test_a_dependency_refused_while_paused_does_not_time_out() -> None:
     net.run(12.0)  # well past dependency_timeout
     assert server.endpoint.stats.dropped[DropReason.RECV_QUEUE_FULL] > 0
     assert sconn.state is State.CONNECTED and b"B" not in server.received()
-    sconn.resume_receiving()
+    sconn.resume_receiving(net.now)
     net.run_until(lambda: conn.queued == 0, timeout=30)
     got = server.received()
     assert got.index(b"A") < got.index(b"B")
     assert sorted(got) == sorted([b"A", b"B", *filler])
     assert server.disconnects() == [] and client.disconnects() == []
+
+
+def test_dependency_timeout_counts_from_the_resume_not_from_the_last_datagram() -> None:
+    # B waits for A, which never arrives; the server paused, then heard nothing for
+    # 4 s (no datagram, no timer of its own) before resuming. The wait starts again at
+    # the resume: an older clock would end the connection 4 s early.
+    cfg = Config(redundancy=0, dependency_timeout=5.0, keepalive_interval=20.0, idle_timeout=60.0)
+    net, server, client, conn = pair(Link(delay=0.01), config=cfg)
+    sconn = server_conn(server)
+    silent = False
+
+    def drop(data: bytes, src: Address, dst: Address) -> bool:
+        if src != CLIENT:
+            return False
+        if silent:
+            return True
+        return wire.decode_type(data) is wire.PacketType.DATA and any(
+            m[3] == b"A" for m in frames_of(data).messages
+        )
+
+    net.drop = drop
+    sconn.pause_receiving()
+    a = conn.send(b"A", delivery=wire.Delivery.RELIABLE_UNORDERED, now=net.now)
+    net.flush()
+    conn.send(b"B", depends_on=[a], now=net.now)
+    net.run(0.5)
+    assert sconn._receiver.graph.nodes and conn.peer_paused
+    silent = True
+    net.run(4.0)
+    sconn.resume_receiving(net.now)
+    silent = False
+    net.run(4.9)
+    assert sconn.state is State.CONNECTED and server.disconnects() == []
+    net.run(0.2)
+    assert [d.reason for d in server.disconnects()] == [DisconnectReason.PROTOCOL_ERROR]
 
 
 def _paused_server(
@@ -321,7 +356,7 @@ def test_a_resume_during_close_lets_the_close_finish_gracefully() -> None:
     conn.send(b"late but delivered")
     conn.close(net.now)
     net.run(1.5)
-    sconn.resume_receiving()
+    sconn.resume_receiving(net.now)
     net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED)
     assert server.received() == [b"late but delivered"]
     assert server.disconnects() == [Disconnected(DisconnectReason.CLOSED, by_peer=True)]
@@ -337,7 +372,7 @@ def test_flow_state_survives_loss_duplication_and_reordering() -> None:
     for _ in range(6):
         sconn.pause_receiving()
         net.run(1.0)
-        sconn.resume_receiving()
+        sconn.resume_receiving(net.now)
         net.run(0.3)
     net.run_until(lambda: conn.queued == 0 and not conn.peer_paused, timeout=30)
     assert server.received() == payloads

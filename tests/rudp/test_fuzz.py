@@ -270,7 +270,7 @@ class TwoEndpoints(RuleBasedStateMachine):
 
     @rule(side=st.sampled_from(SIDES))
     def resume(self, side: int) -> None:
-        self.conns[side].resume_receiving()
+        self.conns[side].resume_receiving(self.now)
         self._flush()
 
     # -- invariants --------------------------------------------------------------------------
@@ -297,7 +297,7 @@ class TwoEndpoints(RuleBasedStateMachine):
     def teardown(self) -> None:
         # Heal the network and let time run; in-flight datagrams are all delivered.
         for conn in self.conns:
-            conn.resume_receiving()
+            conn.resume_receiving(self.now)
         self._flush()
         for _ in range(3000):
             self._deliver_all()
