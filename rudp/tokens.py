@@ -92,7 +92,7 @@ class TokenRefusal(enum.StrEnum):
     OVERSIZED = "token_oversized"
     """Longer than any valid token, or with too much user data or too many addresses."""
     MALFORMED = "token_malformed"
-    """A field out of range (address family, no address, trailing bytes)."""
+    """A field out of range (address family, port 0, no address, trailing bytes)."""
     UNKNOWN_VERSION = "token_version"
     """A token format this host does not know."""
     UNKNOWN_ISSUER = "token_unknown_issuer"
@@ -284,6 +284,8 @@ def decode_token(data: bytes) -> Token:
         raw = data[pos + 1 : pos + 1 + size]
         host = str(ipaddress.IPv4Address(raw) if size == 4 else ipaddress.IPv6Address(raw))
         (port,) = _PORT.unpack_from(data, pos + 1 + size)
+        if port == 0:
+            raise TokenError(TokenRefusal.MALFORMED)
         addresses.append((host, port))
         pos += 1 + size + 2
     if pos + 2 > end:

@@ -4,13 +4,14 @@ the reason, counted under it, never larger than the CONNECT, before any state.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
 import pytest
 
 import rudp
-from rudp import wire
+from rudp import tokens, wire
 from rudp.config import Config
 from rudp.connection import State
 from rudp.endpoint import Endpoint
@@ -21,6 +22,7 @@ from rudp.noise import private_key
 from rudp.tokens import (
     MAX_TOKEN_SIZE,
     REFUSAL_TEXT,
+    SIGNATURE_SIZE,
     Issuer,
     TokenRefusal,
     generate_issuer_key,
@@ -130,15 +132,21 @@ CASES: list[tuple[str, TokenRefusal]] = [
     ("retired key", TokenRefusal.UNKNOWN_ISSUER),
     ("truncated", TokenRefusal.TRUNCATED),
     ("oversized", TokenRefusal.OVERSIZED),
+    ("port 0, unsigned", TokenRefusal.MALFORMED),
 ]
 
 
 @pytest.mark.parametrize("case,refusal", CASES)
 def test_each_bad_token_is_refused_under_its_own_reason(case: str, refusal: TokenRefusal) -> None:
-    server = Endpoint(_server_config(), now=0.0, rng=random.Random(3), accept=True)
+    # The host names its addresses: the token's are compared with them, before the
+    # signature is checked (a port 0 there once raised out of the endpoint).
+    config = dataclasses.replace(_server_config(), token_addresses=(SERVER,))
+    server = Endpoint(config, now=0.0, rng=random.Random(3), accept=True)
     server.wall_offset = WALL
     key = rudp.generate_key()
     good = _token(key)
+    port = tokens._HEAD.size + 1 + 4  # the first address's port (IPv4)
+    port_0 = good[:port] + bytes(2) + good[port + 2 : -SIGNATURE_SIZE] + bytes(SIGNATURE_SIZE)
     token = {
         "forged": good[:15] + bytes([good[15] ^ 1]) + good[16:],  # in client_id
         "expired": _token(key, now=WALL - 31),
@@ -147,6 +155,7 @@ def test_each_bad_token_is_refused_under_its_own_reason(case: str, refusal: Toke
         "retired key": _token(key, issuer=Issuer(generate_issuer_key())),
         "truncated": good[:120],
         "oversized": good + bytes(MAX_TOKEN_SIZE),
+        "port 0, unsigned": port_0,
     }[case]
     assert _refusal(server, token, key, 0.0) == REFUSAL_TEXT[refusal]
     assert server.stats.tokens_refused == {refusal: 1}

@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 
 from rudp.noise import generate_key, public_key
 from rudp.tokens import (
+    _HEAD,
     MAX_TOKEN_SIZE,
     MAX_USER_DATA,
     REFUSAL_TEXT,
+    SIGNATURE_SIZE,
     Issuer,
     TokenError,
     TokenRefusal,
@@ -241,6 +243,34 @@ def test_garbage_never_raises_anything_but_token_error(data: bytes) -> None:
     verifier = TokenVerifier([issuer_public_key(bytes(32))], HOST)
     with pytest.raises(TokenError):
         verifier.verify(data, CLIENT, NOW)
+
+
+@given(
+    st.sampled_from([4, 6, 0, 5]),
+    st.binary(min_size=16, max_size=16),
+    st.integers(0, 65535),
+    st.binary(max_size=8),
+)
+def test_any_address_in_an_otherwise_matching_token_raises_only_token_error(
+    family: int, raw: bytes, port: int, tail: bytes
+) -> None:
+    # Every field the cheap checks compare matches, so the address reaches the
+    # comparison with the host's own addresses (unsigned: the signature comes after).
+    issuer = _issuer()
+    verifier = TokenVerifier([issuer.public_key], HOST, addresses=ADDRESSES)
+    head = _HEAD.pack(1, issuer.key_id, int((NOW + 30) * 1000), 1, CLIENT, HOST, 1)
+    address = bytes((family,)) + raw[: 4 if family == 4 else 16] + port.to_bytes(2, "big")
+    with pytest.raises(TokenError):
+        verifier.verify(head + address + bytes(2) + tail + bytes(SIGNATURE_SIZE), CLIENT, NOW)
+
+
+def test_a_token_naming_port_0_is_malformed() -> None:
+    issuer = _issuer()
+    token = _token(issuer, addresses=[ADDRESSES[0]])
+    port = _HEAD.size + 1 + 4
+    zero = token[:port] + bytes(2) + token[port + 2 :]
+    verifier = TokenVerifier([issuer.public_key], HOST, addresses=ADDRESSES)
+    assert _refusal(verifier, zero) is TokenRefusal.MALFORMED
 
 
 def test_config_refuses_token_addresses_that_are_not_ip_addresses() -> None:
