@@ -41,12 +41,21 @@ Steam filter keys understood: ``gamedir`` (the game), ``map``, ``empty``
 Other keys are ignored; a request using ``nor``/``nand`` (negations we do not
 evaluate) gets an empty list.  Only IPv4 hosts are listed (the format has no
 room for IPv6).
+
+A wildcard pattern is matched without regular expressions and without a cache:
+split on ``*``, its pieces are found in order with `str.startswith`, `str.find`
+and `str.endswith`, case-insensitively, so a query's cost is linear in the
+pattern and the names, and nothing a query asks for is kept.  A pattern is at
+most as long as the longest name (or version) the registry accepts with a ``*``
+before and after each of its characters; a query with a longer one is taken
+for malformed and dropped (``pattern_too_long``).  The protocols have no error
+reply: a request is answered or dropped, and each drop is counted by reason in
+`MasterResponder.drops`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import ipaddress
 import logging
 import random
@@ -58,7 +67,7 @@ from typing import Any
 
 from matchmaker.addresses import Address, from_sockaddr, rate_key
 from matchmaker.catalog import EVERY_GAME, visible
-from matchmaker.messages import ListFilter
+from matchmaker.messages import DEFAULT_LIMITS, ListFilter
 from matchmaker.ratelimit import RateLimiter
 from matchmaker.registry import Registry
 from matchmaker.registry.base import HostRecord
@@ -77,6 +86,13 @@ IPV6_ENTRY = struct.Struct("!16sH")
 MAX_REQUEST = 1024
 UNSUPPORTED_STEAM_KEYS = frozenset({"nor", "nand"})
 _SEED = re.compile(rb"(\d{1,3}(?:\.\d{1,3}){3}):(\d{1,5})")
+# The longest wildcard pattern taken: a ``*`` around every character of the longest
+# name (version) the registry accepts (messages.Limits, not configurable).
+MAX_NAME_PATTERN = 2 * DEFAULT_LIMITS.name_chars + 1
+MAX_VERSION_PATTERN = 2 * DEFAULT_LIMITS.ident_chars + 1
+DROP_REASONS = ("not_a_query", "no_room", "pattern_too_long")
+"""Why a datagram got no answer (`MasterResponder.drops`): not a request we know,
+no room in its size for any answer, a wildcard pattern over its cap."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +180,17 @@ def decode_q3(data: bytes) -> Q3Query | None:
 Predicate = Callable[[HostRecord], bool]
 
 
+class MalformedFilter(ValueError):
+    """A Steam filter dropped unanswered; `reason` is one of `DROP_REASONS`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 def steam_filter(pairs: tuple[tuple[str, str], ...]) -> tuple[ListFilter, Predicate] | None:
     """The ListFilter and the extra test a Steam filter string asks for; None for one
-    we cannot evaluate (negations)."""
+    we cannot evaluate (negations).  Raises `MalformedFilter` for one to drop."""
     f = ListFilter(game=EVERY_GAME, family=4)
     tests: list[Predicate] = []
     for key, value in pairs:
@@ -188,16 +212,47 @@ def steam_filter(pairs: tuple[tuple[str, str], ...]) -> tuple[ListFilter, Predic
         elif key == "noplayers" and value == "1":
             tests.append(lambda r: r.info.players == 0)
         elif key == "name_match":
-            tests.append(_wildcard(value, lambda r: r.info.name))
+            tests.append(_wildcard(value, MAX_NAME_PATTERN, lambda r: r.info.name))
         elif key == "version_match":
-            tests.append(_wildcard(value, lambda r: r.info.version))
+            tests.append(_wildcard(value, MAX_VERSION_PATTERN, lambda r: r.info.version))
     return f, lambda r: all(test(r) for test in tests)
 
 
-def _wildcard(pattern: str, field: Callable[[HostRecord], str]) -> Predicate:
-    # fnmatch would also read [] and ? as patterns; Steam's syntax only knows *.
-    escaped = "".join("*" if c == "*" else f"[{c}]" if c in "[]?" else c for c in pattern)
-    return lambda r: fnmatch.fnmatchcase(field(r).casefold(), escaped.casefold())
+def _wildcard(pattern: str, max_chars: int, field: Callable[[HostRecord], str]) -> Predicate:
+    if len(pattern) > max_chars:
+        raise MalformedFilter("pattern_too_long")
+    pieces = wildcard_pieces(pattern)
+    return lambda r: wildcard_match(pieces, field(r).casefold())
+
+
+def wildcard_pieces(pattern: str) -> tuple[str, ...]:
+    """`pattern` read as Steam's filters do: case-insensitive, ``*`` any run of
+    characters (none too), every other character itself (``?`` and ``[`` too)."""
+    return tuple(pattern.casefold().split("*"))
+
+
+def wildcard_match(pieces: tuple[str, ...], text: str) -> bool:
+    """Whether `text` (casefolded) matches the pattern split into `pieces`.
+
+    The first piece must start `text` and the last end it; those between are
+    found in order, each after the one before, at its leftmost place (any later
+    place leaves less room for the rest).  Each character of `text` is scanned
+    by at most one `str.find`: linear, no backtracking, nothing compiled.
+    """
+    if len(pieces) == 1:
+        return text == pieces[0]
+    first, last = pieces[0], pieces[-1]
+    end = len(text) - len(last)
+    if end < len(first) or not text.startswith(first) or not text.endswith(last):
+        return False
+    at = len(first)
+    for piece in pieces[1:-1]:
+        if piece:
+            found = text.find(piece, at, end)
+            if found < 0:
+                return False
+            at = found + len(piece)
+    return True
 
 
 def q3_filter(query: Q3Query) -> ListFilter:
@@ -283,7 +338,10 @@ class MasterResponder:
         self.rate_limited = 0
         """Requests refused by the rate limit (no reply)."""
         self.dropped = 0
-        """Datagrams that were no request we know, or too short for any answer."""
+        """Datagrams that were no request we know, too short for any answer, or
+        malformed (each of them counted in `drops` too)."""
+        self.drops = dict.fromkeys(DROP_REASONS, 0)
+        """Datagrams dropped, by reason (`DROP_REASONS`)."""
 
     def datagram_received(self, data: bytes, address: Address) -> bytes | None:
         """The reply to send back to `address`, or None."""
@@ -293,12 +351,15 @@ class MasterResponder:
         q3 = decode_q3(data)
         if q3 is not None:
             return self._q3(q3, len(data), address)
-        self.dropped += 1
-        self._tell("dropped")
+        self._drop("not_a_query", address)
         return None
 
     def _steam(self, query: SteamQuery, room: int, address: Address) -> bytes | None:
-        parsed = steam_filter(query.filters)
+        try:
+            parsed = steam_filter(query.filters)
+        except MalformedFilter as exc:
+            self._drop(exc.reason, address)
+            return None
         # A first page costs what a list request does; the next ones, paging by
         # seed, share one list request's cost between `page_hosts` hosts.
         first = query.seed == (0, 0)
@@ -311,14 +372,14 @@ class MasterResponder:
             f, test = parsed
             records = [r for r in visible(self._registry, f) if test(r)]
         reply = steam_page(records, query.seed, room)
-        return self._answered(reply)
+        return self._answered(reply, address)
 
     def _q3(self, query: Q3Query, room: int, address: Address) -> bytes | None:
         if not self._allow(address, 1.0):
             return None
         f = q3_filter(query)
         records = [r for r in visible(self._registry, f) if r.address.family in query.families]
-        return self._answered(q3_reply(records, query.ext, room, self._rng))
+        return self._answered(q3_reply(records, query.ext, room, self._rng), address)
 
     def _allow(self, address: Address, cost: float) -> bool:
         if self._limiter.allow(rate_key(address.ip), cost):
@@ -329,14 +390,19 @@ class MasterResponder:
         self._tell("rate_limited")
         return False
 
-    def _answered(self, reply: bytes | None) -> bytes | None:
+    def _answered(self, reply: bytes | None, address: Address) -> bytes | None:
         if reply is None:
-            self.dropped += 1
-            self._tell("dropped")
-        else:
-            self.answered += 1
-            self._tell("answered")
+            self._drop("no_room", address)
+            return None
+        self.answered += 1
+        self._tell("answered")
         return reply
+
+    def _drop(self, reason: str, address: Address) -> None:
+        self.dropped += 1
+        self.drops[reason] += 1
+        log.debug("master_dropped reason=%s peer=%s", reason, address)
+        self._tell("dropped")
 
     def _tell(self, result: str) -> None:
         if self._on_result is not None:

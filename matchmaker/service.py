@@ -589,6 +589,9 @@ class MatchmakerService:
             self.metrics.dropped.labels(exc.reason.value).inc()
             return None
         if not isinstance(request, InfoRequest):
+            # A request of a type not answered unconnected (as decode_host counts
+            # a message that is not a Register).
+            self.metrics.dropped.labels(ErrorReason.UNKNOWN_TYPE.value).inc()
             return None
         return encode(self.info_reply(request.request_id))
 

@@ -19,6 +19,9 @@ send those to ask for one.
 
 A reply larger than one datagram is split in the Source engine's format; one
 larger than 255 pieces loses its last rules (or players).
+
+Every datagram is counted once: ``answered``, ``challenged`` or ``dropped``,
+and each drop under its reason in ``drops`` (`DROP_REASONS`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ InfoSource = Callable[[], ServerInfo | None]
 PlayerSource = Callable[[], Sequence[Player]]
 RuleSource = Callable[[], Mapping[str, str]]
 _NO_CHALLENGE = (b"\x00\x00\x00\x00", b"\xff\xff\xff\xff")
+DROP_REASONS = ("not_a2s", "too_short", "not_hosting")
+"""Why a datagram got no answer: no A2S request; a request without a valid
+challenge shorter than the challenge it would get; a valid request while `info`
+returns None."""
 
 
 class Responder:
@@ -84,7 +91,10 @@ class Responder:
         self.challenged = 0
         """Requests answered with a challenge."""
         self.dropped = 0
-        """Datagrams that were no A2S request, or too short to answer at all."""
+        """Datagrams not answered: no A2S request, too short to answer at all, or a
+        request while `info` returns None (each counted in `drops` too)."""
+        self.drops = dict.fromkeys(DROP_REASONS, 0)
+        """Datagrams not answered, by reason (`DROP_REASONS`)."""
 
     def __repr__(self) -> str:
         return (
@@ -96,11 +106,10 @@ class Responder:
         """The datagrams to send back to `address` (often none)."""
         request = decode_request(data)
         if request is None:
-            self.dropped += 1
-            return []
+            return self._drop("not_a2s")
         info = self._info()
         if info is None:
-            return []
+            return self._drop("not_hosting")
         validated = request.challenge is not None and self._valid(request.challenge, address, now)
         reply = self._reply(request.kind, info, validated)
         if validated or len(reply) <= len(data):
@@ -109,10 +118,14 @@ class Responder:
             return split(reply, self._split_id, self._max_datagram)
         challenge = encode_challenge(self.challenge_for(address, now))
         if len(challenge) > len(data):
-            self.dropped += 1
-            return []
+            return self._drop("too_short")
         self.challenged += 1
         return [challenge]
+
+    def _drop(self, reason: str) -> list[bytes]:
+        self.dropped += 1
+        self.drops[reason] += 1
+        return []
 
     def _reply(self, kind: Kind, info: ServerInfo, validated: bool) -> bytes:
         limit = max_message(self._max_datagram) if validated else self._max_datagram

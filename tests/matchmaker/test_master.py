@@ -4,18 +4,31 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
+import gc
 import ipaddress
 import random
+import re
 import shutil
 import struct
-from collections.abc import AsyncIterator
+import sys
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
+from types import FrameType
+from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+import matchmaker.master
 import rudp
 from matchmaker.addresses import Address
 from matchmaker.catalog import EVERY_GAME, visible
 from matchmaker.master import (
+    MAX_NAME_PATTERN,
+    MAX_VERSION_PATTERN,
     Q3_EOT,
     Q3_REPLY,
     STEAM_END,
@@ -23,6 +36,8 @@ from matchmaker.master import (
     MasterResponder,
     decode_q3,
     decode_steam,
+    wildcard_match,
+    wildcard_pieces,
 )
 from matchmaker.messages import ListFilter
 from matchmaker.ratelimit import Rate, RateLimiter
@@ -118,6 +133,188 @@ async def test_steam_filters() -> None:
     assert len(listed("\\name_match\\H*")) == 3
     assert listed("\\version_match\\2*") == set()
     assert listed("\\nor\\1\\map\\x") == set()  # negations are not evaluated
+
+
+WILDCARDS = [
+    # (pattern, name, matches)
+    ("", "", True),
+    ("", "a", False),
+    ("abc", "abc", True),
+    ("abc", "ABC", True),  # case-insensitive
+    ("abc", "abcd", False),
+    ("abc", "xabc", False),
+    ("*", "", True),
+    ("*", "any name", True),
+    ("**", "", True),
+    ("***", "abc", True),
+    ("a*", "abc", True),
+    ("a*", "a", True),
+    ("a*", "ba", False),
+    ("*c", "abc", True),
+    ("*c", "cb", False),
+    ("*abc*", "xxabcxx", True),
+    ("*abc*", "abc", True),
+    ("*abc*", "ab c", False),
+    ("a*c", "ac", True),
+    ("a*c", "abbbc", True),
+    ("a*c", "acb", False),
+    ("a**c", "abc", True),
+    ("a*b*c", "aXbYc", True),
+    ("a*b*c", "acb", False),
+    ("*b*a*", "abba", True),
+    ("*b*a*", "ab", False),
+    ("ab*ba", "aba", False),  # the first and the last piece may not overlap
+    ("ab*ba", "abba", True),
+    ("a*a*a", "aa", False),
+    ("a*a*a", "aaa", True),
+    ("*aab", "aaaab", True),  # a piece found after a false start
+    ("?", "?", True),  # ? and [ are plain characters
+    ("?", "a", False),
+    ("[ab]", "a", False),
+    ("[AB]*", "[ab] server", True),
+    ("*ss*", "Straße", True),  # casefolded: ß is ss
+    ("*ß*", "STRASSE", True),
+    ("*\\*", "a\\", True),
+]
+
+
+@pytest.mark.parametrize(("pattern", "name", "matches"), WILDCARDS)
+def test_wildcard_semantics(pattern: str, name: str, matches: bool) -> None:
+    assert wildcard_match(wildcard_pieces(pattern), name.casefold()) is matches
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@given(st.text("ab*?[]A", max_size=8), st.text("ab?[]AB*", max_size=10))
+def test_wildcard_matches_what_fnmatch_did(pattern: str, name: str) -> None:
+    # fnmatch as the matcher used to call it: every character but * escaped, both
+    # sides casefolded.
+    escaped = "".join(c if c == "*" else f"[{c}]" if c in "[]?" else c for c in pattern)
+    expected = fnmatch.fnmatchcase(name.casefold(), escaped.casefold())
+    assert wildcard_match(wildcard_pieces(pattern), name.casefold()) is expected
+
+
+class Scanned(str):
+    """A text that records what each `find` on it was asked for and found."""
+
+    finds: list[tuple[int, int, int, int]]
+
+    def find(self, sub: str, start: Any = None, end: Any = None) -> int:
+        found = super().find(sub, start, end)
+        self.finds.append((start, end, found, len(sub)))
+        return found
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_wildcard_scans_each_character_once(seed: int) -> None:
+    rng = random.Random(seed)
+    text = Scanned("".join(rng.choice("ab") for _ in range(64)))
+    text.finds = []
+    pattern = "".join(rng.choice(["*", "a", "b", "*a", "*b", "**"]) for _ in range(40))
+    pieces = wildcard_pieces(pattern)
+    wildcard_match(pieces, text)
+    assert len(text.finds) <= len(pieces)
+    at = 0
+    for start, end, found, size in text.finds:
+        assert start >= at  # never back over a character already scanned
+        assert end <= len(text)
+        if found < 0:
+            break
+        at = found + size
+
+
+def opcodes(fn: Callable[[], object]) -> int:
+    """The bytecode instructions `fn` runs in Python code (regex compilation is Python)."""
+    count = 0
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return tracer
+
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(old)
+    return count
+
+
+async def test_a_worst_case_pattern_costs_a_bounded_multiple_of_a_plain_query() -> None:
+    clock = FakeClock()
+    registry = MemoryRegistry(clock=clock)
+    for i in range(8):
+        await registry.upsert(Address(pub(i + 1), 1), info("a" * 64, game="arena"), max_per_ip=9)
+    master = responder(registry, clock, burst=1e9)
+
+    def query(filters: str) -> Callable[[], object]:
+        request = steam_request(filters="\\gamedir\\arena" + filters)
+        return lambda: master.datagram_received(request, CLIENT)
+
+    query("")()
+    plain = opcodes(query(""))
+    # The longest pattern taken, a piece to find after every *, each found at the
+    # far end of what is left; new every time (nothing a query asked for is cached).
+    for last in "ab":
+        pattern = "*a" * (MAX_NAME_PATTERN // 2 - 1) + "*" + last
+        assert len(pattern) == MAX_NAME_PATTERN - 1
+        cost = opcodes(query("\\name_match\\" + pattern))
+        # A generous 40 instructions per pattern character and host on top of the
+        # plain query (about 15 are run); compiling the pattern to a regular
+        # expression alone cost about 100,000.
+        assert plain < cost <= plain + 8 * len(pattern) * 40
+    assert master.answered == 4
+
+
+async def test_unique_patterns_compile_nothing_and_keep_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not hasattr(matchmaker.master, "fnmatch")
+
+    def no_regex(*args: object, **kw: object) -> object:
+        raise AssertionError("a regular expression compiled for a query")
+
+    clock = FakeClock()
+    master = responder(await registry_with(1, clock), clock, burst=1e9)
+    rng = random.Random(3)
+
+    def queries(n: int) -> None:
+        for _ in range(n):
+            pattern = "".join("*" + rng.choice("abcdefgh0123") for _ in range(20))
+            request = steam_request(filters=f"\\name_match\\{pattern}\\version_match\\{pattern}")
+            assert master.datagram_received(request, CLIENT) is not None
+
+    tracemalloc.start()
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(re, "_compile", no_regex)
+            queries(100)
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            queries(3000)
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert master.answered == 3100
+    # fnmatch's cache kept each compiled pattern: several KB each, MBs here.
+    assert grown < 64 * 1024
+
+
+async def test_a_pattern_over_its_cap_is_dropped_and_counted() -> None:
+    clock = FakeClock()
+    master = responder(await registry_with(1, clock), clock)
+    for key, cap in (("name_match", MAX_NAME_PATTERN), ("version_match", MAX_VERSION_PATTERN)):
+        assert master.datagram_received(steam_request(filters=f"\\{key}\\" + "*" * cap), CLIENT)
+        request = steam_request(filters=f"\\{key}\\" + "*" * (cap + 1))
+        assert master.datagram_received(request, CLIENT) is None
+    assert master.drops == {"not_a_query": 0, "no_room": 0, "pattern_too_long": 2}
+    assert (master.answered, master.dropped, master.rate_limited) == (2, 2, 0)
+    assert master.datagram_received(b"not a query", CLIENT) is None
+    assert master.datagram_received(b"\xff\xff\xff\xffgetservers 68", CLIENT) is None
+    assert master.drops == {"not_a_query": 1, "no_room": 1, "pattern_too_long": 2}
 
 
 async def test_the_shortest_steam_request_gets_one_entry() -> None:

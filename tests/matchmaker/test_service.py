@@ -425,6 +425,23 @@ async def test_info_connected_and_unconnected() -> None:
     assert h.service.answer_query(encode(Heartbeat()), (pub(3), 1)) is None
 
 
+async def test_every_unanswered_query_is_counted_by_reason() -> None:
+    h = Harness()
+    queries = [
+        (b"junk", "malformed"),
+        (encode(Ok(request_id=1)), "not_a_request"),
+        # Valid requests, but only an InfoRequest is answered unconnected.
+        (encode(Heartbeat()), "unknown_type"),
+        (encode(Register(host=info())), "unknown_type"),
+        (encode(ListRequest(filter=ListFilter(game="q3"))), "unknown_type"),
+    ]
+    for payload, reason in queries:
+        before = h.sample("matchmaker_dropped_datagrams_total", reason=reason)
+        assert h.service.answer_query(payload, (pub(3), 1)) is None
+        assert h.sample("matchmaker_dropped_datagrams_total", reason=reason) == before + 1
+    assert len(h.registry.index()) == 0  # an unconnected Register registers nothing
+
+
 async def test_a_handler_bug_costs_one_request_not_the_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

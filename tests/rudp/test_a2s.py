@@ -143,6 +143,35 @@ def test_silent_when_not_hosting_and_for_what_is_not_a2s() -> None:
     assert r.dropped == 5
 
 
+def test_what_is_not_answered_is_counted_by_reason() -> None:
+    hosting: list[ServerInfo | None] = [None]
+    r = Responder(lambda: hosting[0], key=KEY)
+    for request in (INFO_REQUEST, HEADER + b"U" + b"\xff" * 4, HEADER + b"V" + b"\xff" * 4):
+        assert r.datagram_received(request, ALICE, 0.0) == []
+    assert r.datagram_received(HEADER + b"W", ALICE, 0.0) == []
+    assert r.drops == {"not_a2s": 1, "too_short": 0, "not_hosting": 3}
+    assert (r.answered, r.challenged, r.dropped) == (0, 0, 4)
+    hosting[0] = INFO
+    assert challenge_of(r.datagram_received(INFO_REQUEST, ALICE, 0.0)[0])
+    assert (r.answered, r.challenged, r.dropped) == (0, 1, 4)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(b"TUVW\x00"), st.binary(max_size=24), st.booleans()),
+        max_size=20,
+    )
+)
+def test_every_datagram_is_counted_once(datagrams: list[tuple[int, bytes, bool]]) -> None:
+    hosting = [True]
+    r = Responder(lambda: INFO if hosting[0] else None, key=KEY)
+    for kind, rest, hosts in datagrams:
+        hosting[0] = hosts
+        r.datagram_received(HEADER + bytes((kind,)) + rest, ALICE, 0.0)
+    assert r.answered + r.challenged + r.dropped == len(datagrams)
+    assert sum(r.drops.values()) == r.dropped
+
+
 def test_strings_lose_their_nuls() -> None:
     info = encode_info(ServerInfo(name="a\x00b", keywords="x,y", port=27015))
     assert info.startswith(HEADER + b"I\x11ab\x00")
