@@ -44,7 +44,9 @@ random one; a stopping one does not answer it, and is left after ``timeout /
 datagram instead of a registration.  Only a replica that answers
 NOT_REGISTERED (it does not list the host), or none answering, makes the host
 register again, with the next replica.  A host holding a connection
-re-registers with another replica at once.  The first `register`
+re-registers with another replica at once.  A request left unanswered for
+``timeout`` gives its replica's connection up too (`RequestTimeout`): the next
+attempt goes to another replica.  The first `register`
 retries too (with the same backoff) until ``register_timeout`` runs out, then
 raises `MatchmakerUnreachable` naming every address it tried.
 
@@ -119,6 +121,7 @@ from rudp.errors import check_address, check_sequence
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 _RETRYABLE = frozenset(
     {
         ErrorReason.RATE_LIMITED,
@@ -146,6 +149,16 @@ class MatchmakerError(Exception):
 
 class ConnectionLost(ConnectionError):
     """The connection ended before the reply arrived."""
+
+
+class RequestTimeout(TimeoutError):
+    """A replica did not answer a request within the client's ``timeout``: the
+    client gave its connection up, so the next request goes to another replica."""
+
+    def __init__(self, replica: str, seconds: float) -> None:
+        super().__init__(f"matchmaker {replica} did not answer within {seconds:g} s")
+        self.replica = replica
+        self.seconds = seconds
 
 
 class MatchmakerUnreachable(ConnectionError, TimeoutError):
@@ -762,7 +775,7 @@ class MatchmakerClient:
         try:
             conn = await self._connection()
             conn.send(encode(request))
-            pages = await asyncio.wait_for(pending.future, self._timeout)
+            pages = await self._reply(pending.future, conn)
         finally:
             self._lists.pop(rid, None)
         hosts = (entry for page in pages for entry in page.hosts)
@@ -934,12 +947,24 @@ class MatchmakerClient:
         try:
             conn = await self._connection()
             conn.send(encode(request))
-            return await asyncio.wait_for(future, self._timeout), conn
+            return await self._reply(future, conn), conn
         finally:
             self._pending.pop(rid, None)
             # A rejection raised from the future holds this frame in its traceback,
             # and the frame the future: a cycle through the connection otherwise.
             del future
+
+    async def _reply(self, future: asyncio.Future[T], conn: Peer) -> T:
+        """The reply `future` awaits, from the replica `conn` leads to.  A replica
+        silent for ``timeout`` is given up (dead, cut off, or stuck): the next
+        attempt goes to another."""
+        route = self._route or "the matchmaker"
+        try:
+            return await asyncio.wait_for(future, self._timeout)
+        except TimeoutError:
+            if self._conn is conn:
+                self._abandon()
+            raise RequestTimeout(route, self._timeout) from None
 
     async def _read(self, conn: Peer) -> None:
         try:

@@ -9,7 +9,7 @@ import pytest
 
 from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address
-from matchmaker.client import ConnectionLost, MatchmakerClient, MatchmakerError
+from matchmaker.client import ConnectionLost, MatchmakerClient, MatchmakerError, RequestTimeout
 from matchmaker.messages import ErrorReason, Role
 from matchmaker.registry import RemovalReason
 from tests.matchmaker.fakes import SERVER_ADDRESS, DatagramNet, FakeConnection, pipe
@@ -293,3 +293,33 @@ async def test_the_old_registration_keeps_heartbeating_while_registering_again_f
         await eventually(lambda: beats.counter >= start + 3)
         assert host._beats is beats and host.registrations == 1
         assert board.harness.registry.get(Address(pub(1), 27960)) is not None
+
+
+def silent_connector(ip: str) -> Any:
+    """A replica that takes the connection and never answers a request."""
+
+    async def connect() -> FakeConnection:
+        _server_side, client_side = pipe((ip, 27960))
+        return client_side
+
+    return connect
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_replica_silent_to_a_request_is_left_for_the_next(mode: str) -> None:
+    board = Switchboard(Harness())
+    kw: dict[str, Any] = {"timeout": 0.05, "register_timeout": 30, "reconnect_delay": 0.01}
+    if mode == "datagrams":
+        kw["datagrams"] = board.net.port((pub(1), 27960))
+    host = MatchmakerClient([silent_connector(pub(1)), board.connector(pub(1))], **kw)
+    host._start = 0  # the silent replica first
+    async with host:
+        address = await asyncio.wait_for(host.register(**HOST), 10)
+        assert address == Address(pub(1), 27960) and host.route == "replica 2"
+    browser = MatchmakerClient([silent_connector(pub(2)), board.connector(pub(2))], timeout=0.05)
+    browser._start = 0
+    async with browser:
+        with pytest.raises(RequestTimeout, match=r"replica 1 did not answer within 0.05 s"):
+            await asyncio.wait_for(browser.info(), 10)
+        assert (await asyncio.wait_for(browser.info(), 10)).hosts == 0
+        assert browser.route == "replica 2"
