@@ -273,6 +273,8 @@ class MatchmakerClient:
         """An address whose connection ended or refused: tried last next time."""
         self._tried: dict[str, str] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._closed = asyncio.Event()
+        """Set by `close()`: nothing registers, reconnects or keeps alive after it."""
         self._releasing: dict[str, asyncio.Task[None]] = {}
         """Connections being closed after their last request, by address: a new
         one to the same address waits for that (rudp allows one per address)."""
@@ -419,6 +421,7 @@ class MatchmakerClient:
         client made by ``to()`` without ``via=`` (its own ephemeral socket, not the
         game's) raises TypeError at once instead of listing the wrong port.
         """
+        self._check_open()
         if self._socket_of_its_own:
             raise TypeError(
                 "register() lists the address the client talks from, and this client has "
@@ -443,6 +446,10 @@ class MatchmakerClient:
         )
         address = await self._register_first(host)
         self._host = host
+        if self._closed.is_set():
+            # Closed while the reply was on its way: leave again at once.
+            await self._leave()
+            raise _closed_error()
         if self._keeper is None or self._keeper.done():
             self._keeper = asyncio.create_task(self._keep_registered(), name="mm-keepalive")
         return address
@@ -509,6 +516,8 @@ class MatchmakerClient:
                 self._moved = 0
                 return address
             except _KEEPER_ERRORS as exc:
+                if self._closed.is_set():
+                    raise _closed_error() from exc
                 if isinstance(exc, MatchmakerError) and exc.reason not in _RETRYABLE:
                     raise
                 self._note_failure(exc)
@@ -519,13 +528,15 @@ class MatchmakerClient:
                     tried = [f"{where} ({why})" for where, why in self._tried.items()]
                     raise MatchmakerUnreachable(tried, self._register_timeout) from exc
                 log.info("register_retry error=%s delay=%s", type(exc).__name__, wait)
-                await asyncio.sleep(wait)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closed.wait(), wait)
+                self._check_open()
                 if wait:
                     delay = min(delay * 2, self._max_reconnect_delay)
 
     async def _keep_registered(self) -> None:
         delay = self._reconnect_delay
-        while self._host is not None:
+        while self._host is not None and not self._closed.is_set():
             try:
                 await self._keep_once()
                 delay = self._reconnect_delay
@@ -826,19 +837,14 @@ class MatchmakerClient:
 
     async def close(self) -> None:
         """Stop keeping alive and close the connection; a host leaves the list at once
-        (a LEAVE datagram, or the connection's `Unregister`-less end)."""
-        was_host, self._host = self._host is not None, None
-        await self._stop_keeper()
-        beats, self._beats = self._beats, None
-        if was_host and beats is None and self._conn is not None:
-            # Connection mode: the entry does not end with the connection.
-            with contextlib.suppress(*TRANSPORT_ERRORS):
-                self._conn.send(encode(Unregister(request_id=next(self._ids))))
-        if beats is not None and self._port is not None:
-            leave = hb.encode_beat(beats.secret, beats.address, beats.counter + 1, hb.Kind.LEAVE)
-            with contextlib.suppress(*TRANSPORT_ERRORS):
-                self._port.send_datagram(leave, beats.replica)
-            self._listen(on=False)
+        (a LEAVE datagram, or the connection's `Unregister`-less end).
+
+        The client is done with then: a `register()` still under way, and every
+        request waiting for its reply, raise `ConnectionLost` ("client closed"),
+        and so does any later request."""
+        self._closed.set()
+        self._fail_all(_closed_error())
+        await self._leave()
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(*TRANSPORT_ERRORS):
@@ -852,11 +858,36 @@ class MatchmakerClient:
             closing.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
+    async def _leave(self) -> None:
+        """Stop keeping alive and take the host off the list, if it is on it."""
+        was_host, self._host = self._host is not None, None
+        await self._stop_keeper()
+        beats, self._beats = self._beats, None
+        if was_host and beats is None and self._conn is not None:
+            # Connection mode: the entry does not end with the connection.
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                self._conn.send(encode(Unregister(request_id=next(self._ids))))
+        if beats is not None and self._port is not None:
+            leave = hb.encode_beat(beats.secret, beats.address, beats.counter + 1, hb.Kind.LEAVE)
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                self._port.send_datagram(leave, beats.replica)
+            self._listen(on=False)
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise _closed_error()
+
     async def _connection(self) -> Peer:
+        self._check_open()
         async with self._connecting:
             if self._conn is None:
-                self._conn = await self._open()
-                self._reader = asyncio.create_task(self._read(self._conn), name="mm-reader")
+                conn = await self._open()
+                if self._closed.is_set():
+                    # Closed while connecting: this connection is not wanted.
+                    await _close_quietly(conn, self._timeout)
+                    raise _closed_error()
+                self._conn = conn
+                self._reader = asyncio.create_task(self._read(conn), name="mm-reader")
             return self._conn
 
     async def _open(self) -> Peer:
@@ -1034,6 +1065,11 @@ class MatchmakerClient:
         for future in futures:
             if not future.done():
                 future.set_exception(exc)
+                future.exception()  # retrieved: a request not yet awaiting it raises anyway
+
+
+def _closed_error() -> ConnectionLost:
+    return ConnectionLost("client closed")
 
 
 def _same_place(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

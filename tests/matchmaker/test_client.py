@@ -323,3 +323,52 @@ async def test_a_replica_silent_to_a_request_is_left_for_the_next(mode: str) -> 
             await asyncio.wait_for(browser.info(), 10)
         assert (await asyncio.wait_for(browser.info(), 10)).hosts == 0
         assert browser.route == "replica 2"
+
+
+async def test_close_stops_a_register_still_retrying() -> None:
+    async def refused() -> FakeConnection:
+        raise ConnectionRefusedError("nobody there")
+
+    host = MatchmakerClient(refused, reconnect_delay=0.01, max_reconnect_delay=0.05)
+    registering = asyncio.create_task(host.register(**HOST))
+    await eventually(lambda: bool(host._tried))  # it failed once and is retrying
+    await host.close()
+    with pytest.raises(ConnectionLost, match="client closed"):
+        await asyncio.wait_for(registering, 5)
+    assert host._keeper is None and host.host_info is None
+
+
+async def test_close_while_connecting_registers_nothing() -> None:
+    board = Switchboard(Harness())
+    gate = asyncio.Event()
+    calls: list[int] = []
+    connect = board.connector(pub(1))
+
+    async def slow() -> FakeConnection:
+        calls.append(1)
+        await gate.wait()
+        conn: FakeConnection = await connect()
+        return conn
+
+    host = MatchmakerClient(slow, datagrams=board.net.port((pub(1), 27960)))
+    registering = asyncio.create_task(host.register(**HOST))
+    await eventually(lambda: bool(calls))
+    await asyncio.wait_for(host.close(), 5)
+    gate.set()
+    with pytest.raises(ConnectionLost, match="client closed"):
+        await asyncio.wait_for(registering, 5)
+    assert host._keeper is None
+    assert board.harness.registry.get(Address(pub(1), 27960)) is None
+    with pytest.raises(ConnectionLost, match="client closed"):
+        await host.info()
+
+
+async def test_close_fails_the_requests_in_flight() -> None:
+    browser = MatchmakerClient(silent_connector(pub(2)), timeout=30)
+    asking = asyncio.create_task(browser.info())
+    listing = asyncio.create_task(browser.list_servers(game="q3"))
+    await eventually(lambda: len(browser._pending) + len(browser._lists) == 2)
+    await browser.close()
+    for request in (asking, listing):
+        with pytest.raises(ConnectionLost, match="client closed"):
+            await asyncio.wait_for(request, 5)
