@@ -46,7 +46,10 @@ NOT_REGISTERED (it does not list the host), or none answering, makes the host
 register again, with the next replica.  A host holding a connection
 re-registers with another replica at once.  A request left unanswered for
 ``timeout`` gives its replica's connection up too (`RequestTimeout`): the next
-attempt goes to another replica.  The first `register`
+attempt goes to another replica.  A re-registration refused with
+``too_many_hosts`` is retried at the longest backoff (the per-IP cap frees
+up); one refused for good, or a closed game socket, ends the keep-alive task:
+`host_info` turns None and `registration_error` says why.  The first `register`
 retries too (with the same backoff) until ``register_timeout`` runs out, then
 raises `MatchmakerUnreachable` naming every address it tried.
 
@@ -169,6 +172,10 @@ class MatchmakerUnreachable(ConnectionError, TimeoutError):
         super().__init__(f"no matchmaker answered within {seconds:g} s (tried {where})")
         self.tried = tuple(tried)
 
+
+_CAPPED = frozenset({ErrorReason.TOO_MANY_HOSTS})
+"""Refusals the keep-alive task retries at the longest backoff: a per-IP cap can
+free up (another host of the address leaves, or its entry expires)."""
 
 _KEEPER_ERRORS: tuple[type[BaseException], ...] = (
     MatchmakerError,
@@ -308,6 +315,11 @@ class MatchmakerClient:
         """Introductions for a registered host: clients that want to join."""
         self.registrations = 0
         """How many times `Register` succeeded (re-registrations included)."""
+        self.registration_error: BaseException | None = None
+        """Why the registration was given up for good, None while it is kept (or
+        none was made): the matchmaker refused a re-registration for good (a
+        `MatchmakerError`), or the game socket was closed (``rudp.LocalProtocolError``).
+        `host_info` is None then; `register()` again to be listed again."""
         self.takeovers = 0
         """How many times another replica took this host over on a heartbeat (no
         registration: see "Failover" in the module doc)."""
@@ -413,7 +425,8 @@ class MatchmakerClient:
 
         Returns the public address the matchmaker observed.  Raises
         MatchmakerError at once if the matchmaker refuses for good (bad field,
-        per-IP cap, forbidden address).  Unreachable or stopping replicas, rate
+        per-IP cap, forbidden address), and ``rudp.LocalProtocolError`` if the
+        game socket is closed.  Unreachable or stopping replicas, rate
         limits and outages are retried with backoff for ``register_timeout``
         seconds; then the last refusal is raised, or `MatchmakerUnreachable`.
 
@@ -446,6 +459,7 @@ class MatchmakerClient:
         )
         address = await self._register_first(host)
         self._host = host
+        self.registration_error = None
         if self._closed.is_set():
             # Closed while the reply was on its way: leave again at once.
             await self._leave()
@@ -518,7 +532,7 @@ class MatchmakerClient:
             except _KEEPER_ERRORS as exc:
                 if self._closed.is_set():
                     raise _closed_error() from exc
-                if isinstance(exc, MatchmakerError) and exc.reason not in _RETRYABLE:
+                if _is_final(exc):
                     raise
                 self._note_failure(exc)
                 wait = 0.0 if self._moves_on(exc) else delay
@@ -542,12 +556,15 @@ class MatchmakerClient:
                 delay = self._reconnect_delay
                 self._moved = 0
             except _KEEPER_ERRORS as exc:
-                if isinstance(exc, MatchmakerError) and exc.reason not in _RETRYABLE:
-                    log.warning("registration_refused reason=%s detail=%r", exc.reason, exc.detail)
+                capped = isinstance(exc, MatchmakerError) and exc.reason in _CAPPED
+                if _is_final(exc) and not capped:
+                    self._give_up(exc)
                     return
                 self._note_failure(exc)
                 self._needs_register.set()
-                if self._moves_on(exc):
+                if capped:
+                    delay = self._max_reconnect_delay
+                elif self._moves_on(exc):
                     continue  # another replica at once
                 log.info(
                     "matchmaker_retry error=%s detail=%r delay=%.1f",
@@ -557,6 +574,19 @@ class MatchmakerClient:
                 )
                 await self._pause(delay)
                 delay = min(delay * 2, self._max_reconnect_delay)
+
+    def _give_up(self, exc: BaseException) -> None:
+        """The registration cannot be kept (a final refusal, or the game socket is
+        closed): stop, and say why in `registration_error`."""
+        if isinstance(exc, MatchmakerError):
+            log.warning("registration_refused reason=%s detail=%r", exc.reason, exc.detail)
+        else:
+            log.warning("keepalive_stopped error=%s detail=%r", type(exc).__name__, str(exc))
+        self.registration_error = exc
+        self._host = None
+        if self._beats is not None:
+            self._beats = None
+            self._listen(on=False)
 
     async def _pause(self, delay: float) -> None:
         """Wait `delay` seconds before registering again.  A heartbeating host keeps
@@ -911,6 +941,8 @@ class MatchmakerClient:
                     await asyncio.wait_for(asyncio.shield(released), self._timeout)
             try:
                 conn = await asyncio.wait_for(connect(), self._timeout)
+            except rudp.LocalProtocolError:
+                raise  # our own socket cannot connect (closed): no replica can help
             except _CONNECT_ERRORS as exc:
                 self._tried[label] = _describe(exc)
                 failures.append(f"{label} ({_describe(exc)})")
@@ -1066,6 +1098,14 @@ class MatchmakerClient:
             if not future.done():
                 future.set_exception(exc)
                 future.exception()  # retrieved: a request not yet awaiting it raises anyway
+
+
+def _is_final(exc: BaseException) -> bool:
+    """Whether retrying cannot help: a refusal for good, or a misuse of our own
+    socket (``rudp.LocalProtocolError``: the game server is closed)."""
+    if isinstance(exc, MatchmakerError):
+        return exc.reason not in _RETRYABLE
+    return isinstance(exc, rudp.LocalProtocolError)
 
 
 def _closed_error() -> ConnectionLost:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+import rudp
 from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address
 from matchmaker.client import ConnectionLost, MatchmakerClient, MatchmakerError, RequestTimeout
@@ -372,3 +373,73 @@ async def test_close_fails_the_requests_in_flight() -> None:
     for request in (asking, listing):
         with pytest.raises(ConnectionLost, match="client closed"):
             await asyncio.wait_for(request, 5)
+
+
+async def test_a_host_over_the_per_ip_cap_registers_again_once_a_slot_frees() -> None:
+    board = Switchboard(Harness(keepalive=0.02, max_hosts_per_ip=1))
+    async with client(board, pub(1), max_reconnect_delay=0.05) as host:
+        address = await host.register(**HOST)
+        registry = board.harness.registry
+        # The entry expires and another host of the same IP takes the one slot:
+        # re-registering is refused with too_many_hosts.
+        await registry.remove(address, RemovalReason.EXPIRED)
+        other = Address(pub(1), 27961)
+        await registry.upsert(other, info(), max_per_ip=1)
+        await eventually(lambda: host._tried.get("replica 1", "").endswith("too_many_hosts"))
+        await registry.remove(other, RemovalReason.UNREGISTERED)
+        await eventually(lambda: registry.get(address) is not None)
+        assert host.registration_error is None and host.host_info is not None
+
+
+def switching_connector(board: Switchboard, to: Any) -> tuple[Any, list[bool]]:
+    """Connects from pub(1) until the switch is flipped, then calls `to`."""
+    switch = [False]
+    first = board.connector(pub(1))
+
+    async def connect() -> FakeConnection:
+        if switch[0]:
+            conn: FakeConnection = await to()
+            return conn
+        conn = await first()
+        return conn
+
+    return connect, switch
+
+
+async def test_a_final_refusal_stops_the_keeper_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    board = Switchboard(Harness(keepalive=0.02))
+    connect, switch = switching_connector(board, board.connector("127.0.0.1"))
+    async with MatchmakerClient(connect, reconnect_delay=0.01) as host:
+        await host.register(**HOST)
+        switch[0] = True  # re-registering now comes from a forbidden address
+        board.links[0].abort()
+        await eventually(lambda: host._keeper is not None and host._keeper.done())
+        refused = host.registration_error
+        assert isinstance(refused, MatchmakerError)
+        assert refused.reason is ErrorReason.FORBIDDEN_ADDRESS and host.host_info is None
+        assert "registration_refused reason=forbidden_address" in caplog.text
+
+
+async def test_a_closed_game_socket_is_raised_at_once_and_stops_the_keeper(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def closed_socket() -> FakeConnection:
+        raise rudp.LocalProtocolError("endpoint is closed")
+
+    host = MatchmakerClient(closed_socket, register_timeout=60)
+    with pytest.raises(rudp.LocalProtocolError, match="endpoint is closed"):
+        await asyncio.wait_for(host.register(**HOST), 5)
+    await host.close()
+
+    board = Switchboard(Harness(keepalive=0.02))
+    connect, switch = switching_connector(board, closed_socket)
+    async with MatchmakerClient(connect, reconnect_delay=0.01) as host:
+        await host.register(**HOST)
+        switch[0] = True  # the game stops: its socket closes
+        board.links[0].abort()
+        await eventually(lambda: host._keeper is not None and host._keeper.done())
+        assert isinstance(host.registration_error, rudp.LocalProtocolError)
+        assert host.host_info is None
+        assert "keepalive_stopped error=LocalProtocolError" in caplog.text
