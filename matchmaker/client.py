@@ -263,7 +263,22 @@ class MatchmakerClient:
         `issuer_keys` pins the matchmaker's token-issuing public key (two while it
         rotates): `ticket` believes only introductions it signed.
         `datagrams` is the socket those connections leave from (a game server's):
-        with it, a registered host heartbeats without holding a connection."""
+        with it, a registered host heartbeats without holding a connection.
+        `limits` are the matchmaker's (the protocol's defaults unless its
+        operator raised them): replies are read, and requests checked before
+        they are sent, against them.
+
+        A value out of range raises ValueError at once (a wrong type, TypeError)."""
+        _check_number(timeout, "timeout", positive=True)
+        _check_number(register_timeout, "register_timeout", positive=True)
+        _check_number(reconnect_delay, "reconnect_delay")
+        _check_number(max_reconnect_delay, "max_reconnect_delay")
+        if not isinstance(max_introductions, int) or isinstance(max_introductions, bool):
+            raise TypeError(f"max_introductions takes an int, not {max_introductions!r}")
+        if max_introductions < 0:
+            raise ValueError(
+                f"max_introductions must be >= 0 (0: no bound), not {max_introductions}"
+            )
         if routes is None:
             if connect is None:
                 raise TypeError("MatchmakerClient needs connect or routes")
@@ -365,13 +380,13 @@ class MatchmakerClient:
         if isinstance(host, str):
             if port is None:
                 raise TypeError("to(host, port): the port is missing")
-            replicas = [(host, port)]
+            replicas = [(host, _check_port(port, "to() port"))]
         else:
             check_sequence(host, "to() host")
             replicas = []
             for replica in host:
                 check_address(replica, "each replica of to()")
-                replicas.append((replica[0], int(replica[1])))
+                replicas.append((replica[0], _check_port(replica[1], "each replica's port")))
             if not replicas:
                 raise ValueError("to([]): no matchmaker address")
         if via is not None:
@@ -457,6 +472,7 @@ class MatchmakerClient:
             lan=make_address(*lan) if lan else None,
             key=key or b"",
         )
+        self._check_request(Register(host=host), host, "register()")
         address = await self._register_first(host)
         self._host = host
         self.registration_error = None
@@ -810,6 +826,10 @@ class MatchmakerClient:
                 filters[key] = str_tuple(filters[key], key)
         rid = next(self._ids)
         request = ListRequest(request_id=rid, filter=ListFilter(game=game, **filters))
+        limit = request.filter.limit
+        # How many hosts an answer may hold is the matchmaker's to say (--list-limit).
+        lifted = max(limit, self._limits.list_limit) if type(limit) is int else 0
+        self._check_request(request, request.filter, "list_servers()", list_limit=lifted)
         loop = asyncio.get_running_loop()
         pending = _PendingList(loop.create_future(), {})
         self._lists[rid] = pending
@@ -850,6 +870,9 @@ class MatchmakerClient:
             raise ValueError(
                 "ticket() needs the pinned issuer key: MatchmakerClient(issuer_keys=...)"
             )
+        check_address(host, "ticket() host")
+        if lan is not None:
+            check_address(lan, "lan")
         handshake_key = rudp.generate_key()
         request = Introduce(
             host=make_address(*host),
@@ -887,6 +910,24 @@ class MatchmakerClient:
         for closing in list(self._closing):
             closing.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def _check_request(
+        self, request: Message, fields: object, what: str, *, list_limit: int = 0
+    ) -> None:
+        """Refuse at once, with ValueError naming the field, what the matchmaker
+        would refuse: its own reader checks the request, with its limits."""
+        limits = self._limits
+        if list_limit > limits.list_limit:
+            limits = replace(limits, list_limit=list_limit)
+        try:
+            decode(encode(request), limits)
+        except MessageError as exc:
+            detail = exc.detail or exc.reason.value
+            if exc.reason is ErrorReason.TOO_LARGE:
+                detail = (
+                    f"too large ({detail} bytes); the largest field is {_largest_field(fields)}"
+                )
+            raise ValueError(f"{what}: {detail}") from None
 
     async def _leave(self) -> None:
         """Stop keeping alive and take the host off the list, if it is on it."""
@@ -1098,6 +1139,31 @@ class MatchmakerClient:
             if not future.done():
                 future.set_exception(exc)
                 future.exception()  # retrieved: a request not yet awaiting it raises anyway
+
+
+def _check_number(value: object, name: str, *, positive: bool = False) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name} takes a number of seconds, not {value!r}")
+    if not (value > 0 if positive else value >= 0) or value != value:
+        raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'} seconds, not {value!r}")
+
+
+def _check_port(port: object, name: str) -> int:
+    if not isinstance(port, int) or isinstance(port, bool):
+        raise TypeError(f"{name} takes an int, not {port!r}")
+    if not 1 <= port <= 0xFFFF:
+        raise ValueError(f"{name} must be in 1..65535, not {port}")
+    return port
+
+
+def _largest_field(fields: object) -> str:
+    """The name of the longest str, bytes or sequence field of a dataclass."""
+    sizes = {
+        name: len(value)
+        for name in getattr(fields, "__dataclass_fields__", {})
+        if isinstance(value := getattr(fields, name), str | bytes | tuple)
+    }
+    return max(sizes, key=lambda name: sizes[name]) if sizes else "its fields"
 
 
 def _is_final(exc: BaseException) -> bool:
