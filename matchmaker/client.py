@@ -51,7 +51,8 @@ attempt goes to another replica.  A re-registration refused with
 up); one refused for good, or a closed game socket, ends the keep-alive task:
 `host_info` turns None and `registration_error` says why.  The first `register`
 retries too (with the same backoff) until ``register_timeout`` runs out, then
-raises `MatchmakerUnreachable` naming every address it tried.
+raises `MatchmakerUnreachable` naming every address it tried (each connection
+attempt and request waits at most what is left of ``register_timeout``).
 
 A host should open the client *via its game server's rudp socket*
 (``MatchmakerClient.to(host, port, via=server)``) so that the address the
@@ -521,8 +522,8 @@ class MatchmakerClient:
             finally:
                 self._release()
 
-    async def _register_now(self, host: HostInfo) -> Address:
-        reply, conn = await self._expect_on(Register(host=host), Registered)
+    async def _register_now(self, host: HostInfo, deadline: float | None = None) -> Address:
+        reply, conn = await self._expect_on(Register(host=host), Registered, deadline)
         self._keepalive = reply.keepalive
         self.address = reply.address
         self.registrations += 1
@@ -542,7 +543,7 @@ class MatchmakerClient:
         self._tried.clear()
         while True:
             try:
-                address = await self._register_now(host)
+                address = await self._register_now(host, deadline)
                 self._moved = 0
                 return address
             except _KEEPER_ERRORS as exc:
@@ -948,11 +949,11 @@ class MatchmakerClient:
         if self._closed.is_set():
             raise _closed_error()
 
-    async def _connection(self) -> Peer:
+    async def _connection(self, deadline: float | None = None) -> Peer:
         self._check_open()
         async with self._connecting:
             if self._conn is None:
-                conn = await self._open()
+                conn = await self._open(deadline)
                 if self._closed.is_set():
                     # Closed while connecting: this connection is not wanted.
                     await _close_quietly(conn, self._timeout)
@@ -961,9 +962,10 @@ class MatchmakerClient:
                 self._reader = asyncio.create_task(self._read(conn), name="mm-reader")
             return self._conn
 
-    async def _open(self) -> Peer:
+    async def _open(self, deadline: float | None = None) -> Peer:
         """Connect to the first address that answers, starting after the one last
-        used (when its connection ended) so that a dead replica is tried last."""
+        used (when its connection ended) so that a dead replica is tried last;
+        by `deadline` (the loop's time) at the latest."""
         routes = await self._routes()
         self._route_count = len(routes)
         labels = [label for label, _ in routes]
@@ -975,13 +977,16 @@ class MatchmakerClient:
         order = [routes[(first + i) % n] for i in range(n)] if n else []
         failures: list[str] = []
         for label, connect in order:
+            if self._budget(deadline) <= 0:
+                failures.append(f"{label} (not tried: out of time)")
+                continue
             self._route = label
             released = self._releasing.pop(label, None)
             if released is not None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(released), self._timeout)
+                    await asyncio.wait_for(asyncio.shield(released), self._budget(deadline))
             try:
-                conn = await asyncio.wait_for(connect(), self._timeout)
+                conn = await asyncio.wait_for(connect(), self._budget(deadline))
             except rudp.LocalProtocolError:
                 raise  # our own socket cannot connect (closed): no replica can help
             except _CONNECT_ERRORS as exc:
@@ -1036,39 +1041,54 @@ class MatchmakerClient:
         reply, _ = await self._expect_on(request, reply_type)
         return reply
 
-    async def _expect_on(self, request: Message, reply_type: type[M]) -> tuple[M, Peer]:
-        """The reply, and the connection that carried it."""
-        reply, conn = await self._request(request)
+    async def _expect_on(
+        self, request: Message, reply_type: type[M], deadline: float | None = None
+    ) -> tuple[M, Peer]:
+        """The reply, and the connection that carried it (by `deadline`, when given)."""
+        reply, conn = await self._request(request, deadline)
         if not isinstance(reply, reply_type):
             raise MatchmakerError(ErrorReason.MALFORMED, f"unexpected {type(reply).__name__}")
         return reply, conn
 
-    async def _request(self, request: Message) -> tuple[Message, Peer]:
+    async def _request(
+        self, request: Message, deadline: float | None = None
+    ) -> tuple[Message, Peer]:
         rid = next(self._ids)
         request = _with_id(request, rid)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
         try:
-            conn = await self._connection()
+            conn = await self._connection(deadline)
             conn.send(encode(request))
-            return await self._reply(future, conn), conn
+            return await self._reply(future, conn, deadline), conn
         finally:
             self._pending.pop(rid, None)
             # A rejection raised from the future holds this frame in its traceback,
             # and the frame the future: a cycle through the connection otherwise.
             del future
 
-    async def _reply(self, future: asyncio.Future[T], conn: Peer) -> T:
-        """The reply `future` awaits, from the replica `conn` leads to.  A replica
-        silent for ``timeout`` is given up (dead, cut off, or stuck): the next
-        attempt goes to another."""
+    async def _reply(
+        self, future: asyncio.Future[T], conn: Peer, deadline: float | None = None
+    ) -> T:
+        """The reply `future` awaits, from the replica `conn` leads to, waited for
+        ``timeout`` (less when `deadline` comes first).  A replica silent for all
+        of ``timeout`` is given up (dead, cut off, or stuck): the next attempt goes
+        to another."""
         route = self._route or "the matchmaker"
+        wait = self._budget(deadline)
         try:
-            return await asyncio.wait_for(future, self._timeout)
+            return await asyncio.wait_for(future, wait)
         except TimeoutError:
-            if self._conn is conn:
+            if self._conn is conn and wait >= self._timeout:
                 self._abandon()
-            raise RequestTimeout(route, self._timeout) from None
+            raise RequestTimeout(route, wait) from None
+
+    def _budget(self, deadline: float | None) -> float:
+        """How long the next wait may last: ``timeout``, or less to end by `deadline`."""
+        if deadline is None:
+            return self._timeout
+        left = deadline - asyncio.get_running_loop().time()
+        return max(0.0, min(self._timeout, left))
 
     async def _read(self, conn: Peer) -> None:
         try:

@@ -10,7 +10,13 @@ import pytest
 import rudp
 from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address
-from matchmaker.client import ConnectionLost, MatchmakerClient, MatchmakerError, RequestTimeout
+from matchmaker.client import (
+    ConnectionLost,
+    MatchmakerClient,
+    MatchmakerError,
+    MatchmakerUnreachable,
+    RequestTimeout,
+)
 from matchmaker.messages import ErrorReason, Role
 from matchmaker.registry import RemovalReason
 from tests.matchmaker.fakes import SERVER_ADDRESS, DatagramNet, FakeConnection, pipe
@@ -477,3 +483,17 @@ async def test_misuse_is_refused_at_once_naming_what_is_wrong() -> None:
             await asyncio.wait_for(c.list_servers(game="q3", limit=-1), 5)
         with pytest.raises(TypeError, match=r"ticket\(\) host"):
             await asyncio.wait_for(c.ticket("1.2.3.4:5"), 5)  # type: ignore[arg-type]
+
+
+async def test_register_timeout_bounds_the_whole_call() -> None:
+    never = asyncio.Event()
+
+    async def silent() -> FakeConnection:
+        await never.wait()  # an address where nothing answers the handshake
+        raise AssertionError("unreachable")
+
+    # Each connection attempt would wait 30 s: four of them, 120 s.
+    host = MatchmakerClient([silent] * 4, timeout=30, register_timeout=0.2)
+    async with host:
+        with pytest.raises(MatchmakerUnreachable, match=r"within 0\.2 s"):
+            await asyncio.wait_for(host.register(**HOST), 10)
