@@ -74,6 +74,7 @@ import itertools
 import logging
 import random
 import socket
+import weakref
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -173,6 +174,12 @@ class MatchmakerUnreachable(ConnectionError, TimeoutError):
         super().__init__(f"no matchmaker answered within {seconds:g} s (tried {where})")
         self.tried = tuple(tried)
 
+
+_SOCKET_HOSTS: weakref.WeakKeyDictionary[DatagramPort, weakref.ref[MatchmakerClient]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The client registering each game socket: the matchmaker's datagrams on a socket
+go to one client (its heartbeat handlers), so a second one would take them."""
 
 _CAPPED = frozenset({ErrorReason.TOO_MANY_HOSTS})
 """Refusals the keep-alive task retries at the longest backoff: a per-IP cap can
@@ -474,7 +481,13 @@ class MatchmakerClient:
             key=key or b"",
         )
         self._check_request(Register(host=host), host, "register()")
-        address = await self._register_first(host)
+        self._claim_socket()
+        try:
+            address = await self._register_first(host)
+        except BaseException:
+            if self._host is None:
+                self._free_socket()
+            raise
         self._host = host
         self.registration_error = None
         if self._closed.is_set():
@@ -515,6 +528,7 @@ class MatchmakerClient:
         """Leave the list now and stop keeping the registration alive."""
         self._host = None
         await self._stop_keeper()
+        self._free_socket()
         beats, self._beats = self._beats, None
         if self._conn is not None or beats is not None:
             try:
@@ -601,6 +615,7 @@ class MatchmakerClient:
             log.warning("keepalive_stopped error=%s detail=%r", type(exc).__name__, str(exc))
         self.registration_error = exc
         self._host = None
+        self._free_socket()
         if self._beats is not None:
             self._beats = None
             self._listen(on=False)
@@ -912,6 +927,28 @@ class MatchmakerClient:
             closing.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
+    def _claim_socket(self) -> None:
+        """Make this client the one registering through its game socket, or raise
+        if another client registers through it."""
+        if self._port is None:
+            return
+        ref = _SOCKET_HOSTS.get(self._port)
+        other = ref() if ref is not None else None
+        if other is not None and other is not self:
+            raise RuntimeError(
+                f"the game socket already registers through another MatchmakerClient "
+                f"({other!r}): its heartbeat and introduction datagrams go to one client; "
+                f"close or unregister that one first"
+            )
+        _SOCKET_HOSTS[self._port] = weakref.ref(self)
+
+    def _free_socket(self) -> None:
+        if self._port is None:
+            return
+        ref = _SOCKET_HOSTS.get(self._port)
+        if ref is not None and ref() is self:
+            del _SOCKET_HOSTS[self._port]
+
     def _check_request(
         self, request: Message, fields: object, what: str, *, list_limit: int = 0
     ) -> None:
@@ -934,6 +971,7 @@ class MatchmakerClient:
         """Stop keeping alive and take the host off the list, if it is on it."""
         was_host, self._host = self._host is not None, None
         await self._stop_keeper()
+        self._free_socket()
         beats, self._beats = self._beats, None
         if was_host and beats is None and self._conn is not None:
             # Connection mode: the entry does not end with the connection.

@@ -497,3 +497,15 @@ async def test_register_timeout_bounds_the_whole_call() -> None:
     async with host:
         with pytest.raises(MatchmakerUnreachable, match=r"within 0\.2 s"):
             await asyncio.wait_for(host.register(**HOST), 10)
+
+
+async def test_a_second_client_registering_through_the_same_socket_is_refused() -> None:
+    board = Switchboard(Harness())
+    async with client(board, pub(1)) as first, client(board, pub(1)) as second:
+        await first.register(**HOST)
+        with pytest.raises(RuntimeError, match="another MatchmakerClient"):
+            await asyncio.wait_for(second.register(**HOST), 5)
+        assert first.registrations == 1 and first.host_info is not None
+        await first.unregister()  # the socket is free again
+        await asyncio.wait_for(second.register(**HOST), 5)
+        assert second.registrations == 1
