@@ -449,7 +449,9 @@ class MatchmakerClient:
         Returns the public address the matchmaker observed.  Raises
         MatchmakerError at once if the matchmaker refuses for good (bad field,
         per-IP cap, forbidden address), and ``rudp.LocalProtocolError`` if the
-        game socket is closed.  Unreachable or stopping replicas, rate
+        game socket is closed.  A field the matchmaker would refuse raises
+        ValueError before anything is sent; another client registering through
+        the same game socket, RuntimeError.  Unreachable or stopping replicas, rate
         limits and outages are retried with backoff for ``register_timeout``
         seconds; then the last refusal is raised, or `MatchmakerUnreachable`.
 
