@@ -175,11 +175,12 @@ class MatchmakerUnreachable(ConnectionError, TimeoutError):
         self.tried = tuple(tried)
 
 
-_SOCKET_HOSTS: weakref.WeakKeyDictionary[DatagramPort, weakref.ref[MatchmakerClient]] = (
-    weakref.WeakKeyDictionary()
-)
-"""The client registering each game socket: the matchmaker's datagrams on a socket
-go to one client (its heartbeat handlers), so a second one would take them."""
+_SOCKET_HOSTS: dict[int, weakref.ref[MatchmakerClient]] = {}
+"""The client registering each game socket, by the socket object's id: the
+matchmaker's datagrams on a socket go to one client (its heartbeat handlers), so a
+second one would take them.  Keyed by id, not by a weak reference to the socket:
+the compiled build's endpoint cannot be weakly referenced.  An entry whose client
+is gone, or holds another socket now (an id reused), is free."""
 
 _CAPPED = frozenset({ErrorReason.TOO_MANY_HOSTS})
 """Refusals the keep-alive task retries at the longest backoff: a per-IP cap can
@@ -934,22 +935,26 @@ class MatchmakerClient:
         if another client registers through it."""
         if self._port is None:
             return
-        ref = _SOCKET_HOSTS.get(self._port)
-        other = ref() if ref is not None else None
+        other = self._socket_holder()
         if other is not None and other is not self:
             raise RuntimeError(
                 f"the game socket already registers through another MatchmakerClient "
                 f"({other!r}): its heartbeat and introduction datagrams go to one client; "
                 f"close or unregister that one first"
             )
-        _SOCKET_HOSTS[self._port] = weakref.ref(self)
+        _SOCKET_HOSTS[id(self._port)] = weakref.ref(self)
 
     def _free_socket(self) -> None:
-        if self._port is None:
-            return
-        ref = _SOCKET_HOSTS.get(self._port)
-        if ref is not None and ref() is self:
-            del _SOCKET_HOSTS[self._port]
+        if self._port is not None and self._socket_holder() is self:
+            del _SOCKET_HOSTS[id(self._port)]
+
+    def _socket_holder(self) -> MatchmakerClient | None:
+        """The live client registering through this client's game socket, if any."""
+        ref = _SOCKET_HOSTS.get(id(self._port))
+        holder = ref() if ref is not None else None
+        if holder is None or holder._port is not self._port:
+            return None
+        return holder
 
     def _check_request(
         self, request: Message, fields: object, what: str, *, list_limit: int = 0

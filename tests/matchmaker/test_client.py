@@ -499,6 +499,38 @@ async def test_register_timeout_bounds_the_whole_call() -> None:
             await asyncio.wait_for(host.register(**HOST), 10)
 
 
+class _Unreferenceable:
+    """A game socket that cannot be weakly referenced, as the compiled rudp endpoint."""
+
+    __slots__ = ("_port",)
+
+    def __init__(self, port: Any) -> None:
+        self._port = port
+
+    def send_datagram(self, data: bytes, address: tuple[Any, ...]) -> None:
+        self._port.send_datagram(data, address)
+
+    def set_datagram_handler(self, first_byte: int, handler: Any) -> None:
+        self._port.set_datagram_handler(first_byte, handler)
+
+
+async def test_the_one_client_per_socket_rule_holds_for_a_socket_without_weak_references() -> None:
+    board = Switchboard(Harness())
+    port = _Unreferenceable(board.net.port((pub(1), 27960)))
+    first = MatchmakerClient(board.connector(pub(1), 27960), datagrams=port)
+    second = MatchmakerClient(board.connector(pub(1), 27960), datagrams=port)
+    try:
+        await asyncio.wait_for(first.register(**HOST), 5)
+        with pytest.raises(RuntimeError, match="another MatchmakerClient"):
+            await asyncio.wait_for(second.register(**HOST), 5)
+        await first.unregister()
+        await asyncio.wait_for(second.register(**HOST), 5)
+        assert second.registrations == 1
+    finally:
+        await first.close()
+        await second.close()
+
+
 async def test_a_second_client_registering_through_the_same_socket_is_refused() -> None:
     board = Switchboard(Harness())
     async with client(board, pub(1)) as first, client(board, pub(1)) as second:
