@@ -30,6 +30,7 @@ from rudp.errors import (
     LocalProtocolError,
 )
 from rudp.events import Disconnected, DisconnectReason, MessageReceived
+from rudp.frames import check_close_text
 from rudp.sending import ACKED, FAILED, SUPERSEDED, OutMessage
 from rudp.stats import ConnectionStats
 from rudp.tokens import PeerIdentity
@@ -356,6 +357,8 @@ class Connection:
     ) -> asyncio.Future[Disconnected]:
         """Start a graceful close at once: deliver what is queued, send DISCONNECT with
         ``code`` and ``text``, wait for its ack (bounded by ``Config.close_timeout``).
+        ``text`` is a str of at most 200 bytes in UTF-8: anything else raises at once
+        (TypeError, ValueError), and the connection is left as it was.
 
         The closing has begun when this returns, awaited or not; awaiting the result
         waits until the connection has ended and gives its ``Disconnected`` (as
@@ -369,6 +372,11 @@ class Connection:
                 stacklevel=2,
             )
             text = reason
+        if not 0 <= code <= 0xFFFF:
+            raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
+        # Checked here as well: after the end the core is not called, and a wrong text
+        # must not pass unnoticed because the connection happened to end first.
+        check_close_text(text)
         if not self._closed_future.done():
             self._core.close(monotonic(), code, text)
             self._endpoint.after_core_call()

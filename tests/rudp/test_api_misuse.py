@@ -225,3 +225,28 @@ async def test_endpoint_close_starts_at_once_even_when_not_awaited() -> None:
     assert ended.by_peer and ended.reason is rudp.DisconnectReason.CLOSED
     await asyncio.wait_for(server.wait_closed(), 5)
     assert server.endpoint.is_closed and closing.done()
+
+
+# Compiled (mypyc), a text that is not a str is refused by the call itself, in mypyc's
+# words ("str object expected; got int"): a TypeError at once all the same.
+CLOSE_TEXT_REFUSED = r"close text|str object expected"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"), [(5, TypeError), ("bad \udcff byte", ValueError), ("x" * 201, ValueError)]
+)
+async def test_a_close_text_that_cannot_be_sent_is_refused_at_once_and_the_close_still_works(
+    pair: tuple[rudp.Server, rudp.Connection], text: Any, error: type[Exception]
+) -> None:
+    server, conn = pair
+    [accepted] = server.connections
+    conn.send(b"queued")  # the DISCONNECT waits for its ack
+    with pytest.raises(error, match=CLOSE_TEXT_REFUSED):
+        conn.close(text=text)
+    assert not conn.closed
+    assert (await asyncio.wait_for(accepted.recv(), 5)).data == b"queued"
+    ended = await asyncio.wait_for(conn.close(4000, text="bye"), 5)
+    assert (ended.code, ended.text) == (4000, "bye")
+    assert (await asyncio.wait_for(accepted.wait_closed(), 5)).text == "bye"
+    with pytest.raises(error, match=CLOSE_TEXT_REFUSED):  # refused after the end as well
+        conn.close(text=text)
