@@ -107,6 +107,7 @@ SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
 HANDLER_RETURNED = "server handler returned"
 HANDLER_FAILED = "server handler failed"
 HANDLER_NOT_AWAITABLE = "server handler is not a coroutine function"
+HANDLER_CANCELLED = "server handler cancelled"
 
 
 def check_handler(handler: object) -> None:
@@ -665,8 +666,6 @@ class AioEndpoint:
                 )
             else:
                 await running
-        except asyncio.CancelledError:
-            raise
         except RudpError as exc:
             log.debug(
                 "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
@@ -674,6 +673,14 @@ class AioEndpoint:
         except Exception:
             text = HANDLER_FAILED
             log.exception("handler_failed peer=%s", format_address(conn.remote_address))
+        except BaseException as exc:
+            # Cancelled (it awaited a task someone else cancelled, asyncio.timeout, a
+            # TaskGroup) or interrupted: the connection still ends with it. The close
+            # starts here, not awaited: this task is ending.
+            if not conn.closed:
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                conn.close(text=HANDLER_CANCELLED if cancelled else HANDLER_FAILED)
+            raise
         if not conn.closed:
             with contextlib.suppress(RudpError):
                 await conn.close(text=text)

@@ -185,6 +185,19 @@ async def test_a_handler_that_raises_or_returns_no_awaitable_says_so() -> None:
     assert not_awaitable.text == "server handler is not a coroutine function"
 
 
+async def test_a_handler_that_ends_cancelled_closes_its_connection() -> None:
+    # It awaited something another task cancelled (a game room shut down): the
+    # CancelledError ends the handler, and its connection with it.
+    async def wait_for_room(conn: rudp.Connection) -> None:
+        room = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(room.cancel)
+        await room
+
+    ended = await closed_by_the_server(wait_for_room)
+    assert ended.reason is rudp.DisconnectReason.CLOSED and ended.by_peer
+    assert ended.text == "server handler cancelled"
+
+
 async def test_close_starts_at_once_even_when_not_awaited(
     pair: tuple[rudp.Server, rudp.Connection],
 ) -> None:
