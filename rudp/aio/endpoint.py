@@ -207,6 +207,11 @@ class AioEndpoint:
         # Connections with a drain() waiter, re-checked after each flush.
         self.draining: set[Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Tasks the close does not wait for, those waiting for the close itself
+        # (exclude_from_close), and what wakes a close waiting for handlers when one
+        # more is named.
+        self._close_excluded: set[asyncio.Task[Any]] = set()
+        self._exclusion_added: asyncio.Future[None] | None = None
         self._queries: dict[int, asyncio.Future[tuple[bytes, float]]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -774,9 +779,9 @@ class AioEndpoint:
         Connections get ``timeout`` (default ``Config.close_timeout`` plus a second) to
         finish their close handshake; handlers still running then are cancelled and
         get one more second for their cleanup. It may be called from a handler: that
-        handler is not waited for (it is the one waiting). ``exclude`` names that
-        handler's task when the close runs in a task of its own (default: the current
-        task).
+        handler is not waited for (it is the one waiting), nor is any other task named
+        to ``exclude_from_close()`` while the close runs. ``exclude`` names the caller's
+        task when the close runs in a task of its own (default: the current task).
         """
         if self._closed:
             await self._closed_event.wait()
@@ -784,6 +789,9 @@ class AioEndpoint:
         loop = self.loop
         limit = timeout if timeout is not None else self.config.close_timeout + 1.0
         deadline = loop.time() + limit
+        current = exclude or asyncio.current_task()
+        if current is not None:
+            self.exclude_from_close(current)
         try:
             self.core.close(monotonic())
             self.after_core_call()
@@ -792,16 +800,48 @@ class AioEndpoint:
                 await asyncio.wait(closing, timeout=limit)
             self.core.abort()
             self._dispatch_events()
-            current = exclude or asyncio.current_task()
-            tasks = [t for t in self._tasks if t is not current]
-            if tasks:
-                _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
-                for task in pending:
-                    task.cancel()
-                if pending:
-                    await asyncio.wait(pending, timeout=1.0)
+            await self._end_handlers(deadline)
         finally:
             self.close_now()
+
+    def exclude_from_close(self, task: asyncio.Task[Any]) -> None:
+        """``task`` waits for this endpoint's close: the close must not wait for it (it
+        would wait until its deadline, then cancel a task nobody meant to cancel)."""
+        if task in self._close_excluded:
+            return
+        self._close_excluded.add(task)
+        task.add_done_callback(self._close_excluded.discard)
+        added = self._exclusion_added
+        if added is not None and not added.done():
+            added.set_result(None)
+
+    async def _end_handlers(self, deadline: float) -> None:
+        """Wait until ``deadline`` for the handlers not excluded, then cancel those left
+        and give them a second for their cleanup."""
+        loop = self.loop
+        while True:
+            excluded = self._close_excluded
+            tasks = [t for t in self._tasks if t not in excluded and not t.done()]
+            left = deadline - loop.time()
+            if not tasks or left <= 0:
+                break
+            added: asyncio.Future[None] = loop.create_future()
+            self._exclusion_added = added
+            # One future for them all (return_exceptions: it never fails), raced with
+            # an exclusion, which changes what is waited for.
+            ended = asyncio.gather(*tasks, return_exceptions=True)
+            done, _ = await asyncio.wait(
+                (ended, added), timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            self._exclusion_added = None
+            if not done:
+                break
+        excluded = self._close_excluded
+        pending = [t for t in self._tasks if t not in excluded and not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
 
     def close_now(self) -> None:
         """Release the socket; connections still open end with reason "aborted"."""

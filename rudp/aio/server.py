@@ -225,20 +225,23 @@ class Endpoint:
         _, resolved = await _resolve(address[0], address[1], *self._endpoint.destination_family())
         return await self._endpoint.query(resolved, payload, timeout)
 
-    def close(self) -> asyncio.Task[None]:
+    def close(self) -> asyncio.Future[None]:
         """Close every connection gracefully, then the socket.
 
-        The closing starts at once, awaited or not (a task of its own; calling it again
-        gives the same task); await the result to wait until it is done. Bounded:
-        connections and handlers get ``Config.close_timeout`` plus a second; handlers
-        still running then are cancelled (and get a second for their cleanup). A
-        handler may call it: that handler is not waited for.
+        The closing starts at once, awaited or not (a task of its own, started by the
+        first call); await the result to wait until it is done. Each call gives its own
+        awaitable of that one closing: cancelling a wait (``asyncio.wait_for`` timing
+        out) leaves the closing going for everyone else. Bounded: connections and
+        handlers get ``Config.close_timeout`` plus a second; handlers still running
+        then are cancelled (and get a second for their cleanup). Handlers may call it:
+        a handler that does is not waited for.
         """
+        caller = asyncio.current_task()
+        if caller is not None:
+            self._endpoint.exclude_from_close(caller)
         if self._closing is None:
-            caller = asyncio.current_task()
-            closing = asyncio.get_running_loop().create_task(self._close(caller))
-            self._closing = closing
-        return self._closing
+            self._closing = asyncio.get_running_loop().create_task(self._close(caller))
+        return asyncio.shield(self._closing)
 
     async def _close(self, caller: asyncio.Task[Any] | None) -> None:
         await self._endpoint.close(exclude=caller)
