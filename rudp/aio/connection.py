@@ -12,6 +12,7 @@ calls them as fields and methods of a native class, not by name.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import warnings
 from collections import deque
@@ -295,13 +296,22 @@ class Connection:
         Messages already queued are handed over at once, in order. Keep it short and
         non-blocking, as an ``asyncio.Protocol`` callback. While one is set, ``recv()``
         and ``recv_nowait()`` raise ``LocalProtocolError`` (a ``recv()`` already waiting
-        too). If the receiver raises, the exception is logged, the receiver removed and
-        the connection closed gracefully, as when a ``serve`` handler fails. A ``serve``
-        handler that sets one must still not return before the connection should end
-        (``await conn.wait_closed()``): its return closes the connection.
+        too). An ``async def`` receiver is a TypeError at once (nothing would await
+        what it returns). If the receiver raises, the exception is logged, the receiver
+        removed and the connection closed gracefully, as when a ``serve`` handler fails.
+        A ``serve`` handler that sets one must still not return before the connection
+        should end (``await conn.wait_closed()``): its return closes the connection.
         """
         if receiver is not None and not callable(receiver):
             raise LocalProtocolError(f"receiver must be callable, got {receiver!r}")
+        if receiver is not None and is_coroutine_function(receiver):
+            # Called, it would only make a coroutine that nobody awaits: every
+            # message would be lost without a word.
+            raise TypeError(
+                f"set_receiver() calls receiver(message) and does not await it, and "
+                f"{getattr(receiver, '__qualname__', None) or receiver!r} is an async "
+                "def: define it with plain `def`, or read with `async for` / recv()"
+            )
         self._receiver = receiver
         if receiver is None:
             return
@@ -498,6 +508,13 @@ def connect_error(event: Disconnected, address: Address, timeout: float) -> Exce
     if not event.by_peer and event.reason in (DisconnectReason.ABORTED, DisconnectReason.CLOSED):
         return ConnectError(f"closed locally before the handshake completed ({event.reason})")
     return ConnectRefused(event.reason.value)
+
+
+def is_coroutine_function(fn: object) -> bool:
+    """True for what gives a coroutine when called: an ``async def`` function or
+    method, an object whose ``__call__`` is one, or a ``functools.partial`` of one."""
+    target = fn if inspect.isroutine(fn) else type(fn).__call__
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)
 
 
 def format_address(address: Address) -> str:

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 from mypy_extensions import mypyc_attr
 
-from rudp.aio.connection import Connection, format_address
+from rudp.aio.connection import Connection, format_address, is_coroutine_function
 from rudp.config import Config
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
@@ -121,7 +121,7 @@ def check_handler(handler: object) -> None:
     if not callable(handler):
         raise TypeError(f"serve() takes an async def handler, got {handler!r}")
     target = handler if inspect.isroutine(handler) else type(handler).__call__
-    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(target):
+    if is_coroutine_function(handler):
         return
     if isinstance(handler, functools.partial):
         check_handler(handler.func)

@@ -262,3 +262,34 @@ async def test_a_close_text_that_cannot_be_sent_is_refused_at_once_and_the_close
     assert (await asyncio.wait_for(accepted.wait_closed(), 5)).text == "bye"
     with pytest.raises(error, match=CLOSE_TEXT_REFUSED):  # refused after the end as well
         conn.close(text=text)
+
+
+class AsyncCall:
+    async def __call__(self, message: rudp.MessageReceived) -> None:
+        pass
+
+
+async def on_message(message: rudp.MessageReceived) -> None:
+    pass
+
+
+async def on_message_of(world: object, message: rudp.MessageReceived) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    "receiver", [on_message, AsyncCall(), functools.partial(on_message_of, object())]
+)
+async def test_set_receiver_refuses_an_async_def_at_once_and_messages_still_queue(
+    pair: tuple[rudp.Server, rudp.Connection], receiver: Any
+) -> None:
+    server, conn = pair
+    [accepted] = server.connections
+    with pytest.raises(TypeError, match="async def"):
+        accepted.set_receiver(receiver)
+    await asyncio.wait_for(conn.send(b"kept"), 5)
+    assert (await asyncio.wait_for(accepted.recv(), 5)).data == b"kept"
+    got: list[bytes] = []
+    accepted.set_receiver(lambda message: got.append(message.data))  # a plain callable
+    await asyncio.wait_for(conn.send(b"handed"), 5)
+    assert got == [b"handed"]
