@@ -366,7 +366,10 @@ class Connection:
         self, code: int = 0, text: str = "", *, reason: str | None = None
     ) -> asyncio.Future[Disconnected]:
         """Start a graceful close at once: deliver what is queued, send DISCONNECT with
-        ``code`` and ``text``, wait for its ack (bounded by ``Config.close_timeout``).
+        ``code`` and ``text``, wait for its ack. ``Config.close_timeout`` bounds that
+        last wait only, from the DISCONNECT's first sending: the queued reliable
+        messages are acknowledged first, however long that takes (but toward a peer
+        that paused its receiving, where it counts from now).
         ``text`` is a str of at most 200 bytes in UTF-8: anything else raises at once
         (TypeError, ValueError), and the connection is left as it was.
 
