@@ -335,7 +335,11 @@ class Connection:
     def _call_receiver(self, receiver: Receiver, message: MessageReceived) -> None:
         try:
             receiver(message)
-        except Exception:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            # A CancelledError (a cancelled future's result()) included: raised into
+            # the read callback, it would reach the loop's exception handler.
             log.exception("receiver_failed peer=%s", format_address(self.remote_address))
             if self._receiver is receiver:
                 self._receiver = None

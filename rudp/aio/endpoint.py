@@ -433,15 +433,17 @@ class AioEndpoint:
             self.core.receive_datagram(data, address, now)
 
     def _foreign_datagram(self, handler: ForeignHandler, data: bytes, address: Address) -> None:
-        # Whatever the handler does wrong (raises, returns something that is not a
-        # sequence of bytes) stays here: it is the user's code, called from a read
-        # that still has other datagrams to give the core.
+        # Whatever the handler does wrong (raises, even a CancelledError, returns
+        # something that is not a sequence of bytes) stays here: it is the user's
+        # code, called from a read that still has other datagrams to give the core.
         try:
             replies = list(handler(data, address))
             for reply in replies:
                 if not isinstance(reply, bytes | bytearray | memoryview):
                     raise TypeError(f"a reply must be bytes, got {type(reply).__name__}")
-        except Exception:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
             self.foreign_errors += 1
             log.exception("foreign_handler_failed peer=%s", format_address(address))
             return
@@ -703,7 +705,9 @@ class AioEndpoint:
             return
         try:
             reply = self.on_query(event.payload, event.address)
-        except Exception:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
             log.exception("query_handler_failed peer=%s", format_address(event.address))
             return
         if reply is None:
