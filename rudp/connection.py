@@ -247,6 +247,10 @@ class Connection:
         """
         if self.state is not CONNECTED:
             self._check_can_send()
+        if type(channel) is not int and not isinstance(channel, int):
+            # A float or None would fail deep in the sender ("list indices must be
+            # integers"); compiled, the call itself refuses it.
+            raise TypeError(f"channel must be an int, not {type(channel).__name__}")
         return self._sender.send(data, reliable, channel, delivery, depends_on, now)
 
     def _check_can_send(self) -> None:

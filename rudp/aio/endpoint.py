@@ -39,6 +39,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import os
 import random
 import socket
@@ -133,6 +134,20 @@ def check_handler(handler: object) -> None:
         f"serve() runs `await handler(conn)` for each connection, and {name} is a plain "
         "function: define it with `async def`"
     )
+
+
+def check_query_timeout(timeout: object) -> None:
+    """Refuse a query timeout that is not a finite positive number of seconds: -1, 0
+    or NaN gave a bare TimeoutError, None a query waiting forever."""
+    if timeout is None:
+        raise ValueError(
+            "query() needs a timeout in seconds (None is not 'no timeout': an unanswered "
+            "query would wait forever)"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"query() timeout must be a number of seconds, not {timeout!r}")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"query() timeout must be finite and positive, got {timeout!r}")
 
 
 class DatagramPath(Protocol):
@@ -396,6 +411,8 @@ class AioEndpoint:
         """
         if not 0 <= first_byte <= 0xFF or first_byte in RUDP_FIRST_BYTES:
             raise LocalProtocolError(f"first byte {first_byte:#x} is not free for another protocol")
+        if handler is not None and not callable(handler):
+            raise TypeError(f"a datagram handler must be callable or None, got {handler!r}")
         if handler is None:
             self._foreign.pop(first_byte, None)
         else:
@@ -760,6 +777,7 @@ class AioEndpoint:
         return conn
 
     async def query(self, address: Address, payload: bytes, timeout: float) -> tuple[bytes, float]:
+        check_query_timeout(timeout)
         if self._closed:
             raise LocalProtocolError("endpoint is closed")
         nonce = self.core.query(address, payload, monotonic())

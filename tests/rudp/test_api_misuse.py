@@ -293,3 +293,72 @@ async def test_set_receiver_refuses_an_async_def_at_once_and_messages_still_queu
     accepted.set_receiver(lambda message: got.append(message.data))  # a plain callable
     await asyncio.wait_for(conn.send(b"handed"), 5)
     assert got == [b"handed"]
+
+
+# -- refused at once, not later or never ----------------------------------------------------
+
+
+async def test_a_handler_that_cannot_be_called_is_refused_where_it_is_set(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, _ = pair
+    with pytest.raises(TypeError, match="on_query must be callable"):
+        server.on_query = 5  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="must be callable"):
+        server.on_foreign = 5  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="must be callable"):
+        server.set_datagram_handler(0xB1, 5)  # type: ignore[arg-type]
+    assert server.on_query is None and server.on_foreign is None
+    server.on_query = None  # None is what turns them off
+    server.set_datagram_handler(0xB1, None)
+
+
+@pytest.mark.parametrize("channel", [1.5, None, "1"])
+async def test_a_channel_that_is_not_an_int_is_a_type_error_and_sends_nothing(
+    pair: tuple[rudp.Server, rudp.Connection], channel: Any
+) -> None:
+    _, conn = pair
+    # Compiled (mypyc), the call itself refuses a non-int, in mypyc's words.
+    with pytest.raises(TypeError, match=r"channel must be an int|int object expected"):
+        conn.send(b"x", channel=channel)
+    with pytest.raises(TypeError, match=r"channel must be an int|int object expected"):
+        conn.send(b"x", channel=channel, delivery=rudp.Delivery.RELIABLE_UNORDERED)
+    assert conn.queued == 0 and conn.stats.messages_sent == 0
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [
+        (None, ValueError),
+        (-1, ValueError),
+        (0, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        ("1", TypeError),
+    ],
+)
+async def test_a_query_timeout_that_is_not_a_positive_number_is_refused_at_once(
+    pair: tuple[rudp.Server, rudp.Connection], timeout: Any, error: type[Exception]
+) -> None:
+    server, _ = pair
+    server.on_query = lambda payload, address: b"answer"
+    with pytest.raises(error, match="timeout"):
+        # At once: bounded far below any wait the timeout could have meant.
+        await asyncio.wait_for(server.query(server.address, b"q", timeout=timeout), 5)
+    reply, _ = await asyncio.wait_for(server.query(server.address, b"q", timeout=5), 5)
+    assert reply == b"answer"
+
+
+async def test_connect_refuses_a_config_that_is_not_a_config_and_port_0_at_once(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, _ = pair
+    with pytest.raises(TypeError, match=r"rudp\.Config, not dict"):
+        await asyncio.wait_for(rudp.connect(*server.address, config={}), 5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"rudp\.Config"):
+        await asyncio.wait_for(rudp.serve(hold, "127.0.0.1", 0, config={}), 5)  # type: ignore[arg-type]
+    # Nothing listens on port 0: it would retry until ConnectTimeout.
+    with pytest.raises(ValueError, match="port 0"):
+        await asyncio.wait_for(rudp.connect("127.0.0.1", 0), 1)
+    with pytest.raises(ValueError, match="port 0"):
+        await asyncio.wait_for(server.connect("127.0.0.1", 0), 1)
