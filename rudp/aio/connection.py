@@ -278,11 +278,15 @@ class Connection:
             raise
 
     def recv_nowait(self) -> MessageReceived | None:
-        """The next message if one is waiting, else None."""
+        """The next message if one is waiting, else None; raises ``ConnectionClosed``
+        once the connection has ended and every message received before the end was
+        returned (as ``recv()`` does: None would read as "nothing yet" forever)."""
         if self._inbox:
             return self._take()
         if self._receiver is not None:
             raise self._receiver_set()
+        if self._closed_future.done():
+            raise self._closed_error()
         return None
 
     def set_receiver(self, receiver: Receiver | None) -> None:

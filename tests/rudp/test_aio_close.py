@@ -59,3 +59,19 @@ async def test_a_wait_on_a_server_close_that_times_out_leaves_the_close_to_the_o
     assert server.endpoint.is_closed
     ended = await asyncio.wait_for(conn.wait_closed(), 5)
     assert ended.reason is rudp.DisconnectReason.CLOSED and ended.by_peer
+
+
+async def test_recv_nowait_raises_connection_closed_once_the_inbox_is_empty_after_the_end() -> None:
+    async def send_and_return(conn: rudp.Connection) -> None:
+        await conn.send(b"last")  # acknowledged: received before the end
+
+    async with await rudp.serve(send_and_return, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        ended = await asyncio.wait_for(conn.wait_closed(), 5)
+        message = conn.recv_nowait()  # what came before the end first
+        assert message is not None and message.data == b"last"
+        with pytest.raises(rudp.ConnectionClosed) as info:
+            conn.recv_nowait()
+        assert (info.value.reason, info.value.text) == ("closed", ended.text)
+        with pytest.raises(rudp.ConnectionClosed):  # as recv() says
+            await asyncio.wait_for(conn.recv(), 5)
