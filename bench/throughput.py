@@ -81,9 +81,11 @@ async def rudp_receiver(ctx: RoleContext) -> Result:
             while True:
                 await recv()
                 n = 1
-                while nowait() is not None:
-                    n += 1
-                add(n)
+                try:
+                    while nowait() is not None:
+                        n += 1
+                finally:  # the messages before the end count (nowait() then raises)
+                    add(n)
         counter.finish()
 
     server = await rudp.serve(handler, HOST, 0, config=rudp.Config(**p["rudp_config"]))

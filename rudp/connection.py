@@ -247,6 +247,10 @@ class Connection:
         """
         if self.state is not CONNECTED:
             self._check_can_send()
+        if type(channel) is not int and not isinstance(channel, int):
+            # A float or None would fail deep in the sender ("list indices must be
+            # integers"); compiled, the call itself refuses it.
+            raise TypeError(f"channel must be an int, not {type(channel).__name__}")
         return self._sender.send(data, reliable, channel, delivery, depends_on, now)
 
     def _check_can_send(self) -> None:
@@ -259,9 +263,15 @@ class Connection:
         raise ConnectionClosed(DisconnectReason.CLOSED, self._close_code, self._close_text)
 
     def close(self, now: float, code: int = 0, text: str = "") -> None:
-        """Start a graceful close: flush what is queued reliably, then DISCONNECT."""
+        """Start a graceful close: flush what is queued reliably, then DISCONNECT.
+
+        ``text`` must be a str of at most ``frames.MAX_CLOSE_TEXT`` bytes in UTF-8:
+        anything else raises (TypeError, ValueError) before the state changes, not
+        later when the DISCONNECT is built.
+        """
         if not 0 <= code <= 0xFFFF:
             raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
+        frames.check_close_text(text)
         if self.state is CONNECTING:
             self._end(DisconnectReason.CLOSED, code, text, by_peer=False)
             self._release()
@@ -630,8 +640,10 @@ class Connection:
         sender = self._sender
         if self._disconnect_queued or sender.unacked_reliable or sender.unrel_queue:
             return
+        # Built before the flag is set: nothing may leave the close half done.
+        frame = frames.disconnect_frame(self._close_code, self._close_text)
         self._disconnect_queued = True
-        self._builder.control.append(frames.disconnect_frame(self._close_code, self._close_text))
+        self._builder.control.append(frame)
         self._deadline = now + self.config.close_timeout
         self._sink.dirty[self] = None
 

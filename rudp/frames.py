@@ -331,6 +331,19 @@ def probe_frames(size: int) -> bytes:
 _PING_PADDING: Final = bytes((FrameType.PING, FrameType.PADDING))
 
 
+def check_close_text(text: object) -> None:
+    """Raise unless ``text`` can be a DISCONNECT's text: a str (TypeError) that UTF-8
+    encodes (no lone surrogate) in at most ``MAX_CLOSE_TEXT`` bytes (ValueError)."""
+    if not isinstance(text, str):
+        raise TypeError(f"close text must be a str, not {type(text).__name__}")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"close text cannot be encoded in UTF-8: {exc}") from None
+    if size > MAX_CLOSE_TEXT:
+        raise ValueError(f"close text is {size} bytes in UTF-8, at most {MAX_CLOSE_TEXT}")
+
+
 def disconnect_frame(code: int, text: str) -> bytes:
     raw = clip_utf8(text, MAX_CLOSE_TEXT)
     return DISCONNECT_FRAME.pack(FrameType.DISCONNECT, code, len(raw)) + raw

@@ -12,6 +12,7 @@ calls them as fields and methods of a native class, not by name.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import warnings
 from collections import deque
@@ -30,6 +31,7 @@ from rudp.errors import (
     LocalProtocolError,
 )
 from rudp.events import Disconnected, DisconnectReason, MessageReceived
+from rudp.frames import check_close_text
 from rudp.sending import ACKED, FAILED, SUPERSEDED, OutMessage
 from rudp.stats import ConnectionStats
 from rudp.tokens import PeerIdentity
@@ -276,11 +278,15 @@ class Connection:
             raise
 
     def recv_nowait(self) -> MessageReceived | None:
-        """The next message if one is waiting, else None."""
+        """The next message if one is waiting, else None; raises ``ConnectionClosed``
+        once the connection has ended and every message received before the end was
+        returned (as ``recv()`` does: None would read as "nothing yet" forever)."""
         if self._inbox:
             return self._take()
         if self._receiver is not None:
             raise self._receiver_set()
+        if self._closed_future.done():
+            raise self._closed_error()
         return None
 
     def set_receiver(self, receiver: Receiver | None) -> None:
@@ -294,13 +300,22 @@ class Connection:
         Messages already queued are handed over at once, in order. Keep it short and
         non-blocking, as an ``asyncio.Protocol`` callback. While one is set, ``recv()``
         and ``recv_nowait()`` raise ``LocalProtocolError`` (a ``recv()`` already waiting
-        too). If the receiver raises, the exception is logged, the receiver removed and
-        the connection closed gracefully, as when a ``serve`` handler fails. A ``serve``
-        handler that sets one must still not return before the connection should end
-        (``await conn.wait_closed()``): its return closes the connection.
+        too). An ``async def`` receiver is a TypeError at once (nothing would await
+        what it returns). If the receiver raises, the exception is logged, the receiver
+        removed and the connection closed gracefully, as when a ``serve`` handler fails.
+        A ``serve`` handler that sets one must still not return before the connection
+        should end (``await conn.wait_closed()``): its return closes the connection.
         """
         if receiver is not None and not callable(receiver):
             raise LocalProtocolError(f"receiver must be callable, got {receiver!r}")
+        if receiver is not None and is_coroutine_function(receiver):
+            # Called, it would only make a coroutine that nobody awaits: every
+            # message would be lost without a word.
+            raise TypeError(
+                f"set_receiver() calls receiver(message) and does not await it, and "
+                f"{getattr(receiver, '__qualname__', None) or receiver!r} is an async "
+                "def: define it with plain `def`, or read with `async for` / recv()"
+            )
         self._receiver = receiver
         if receiver is None:
             return
@@ -324,7 +339,11 @@ class Connection:
     def _call_receiver(self, receiver: Receiver, message: MessageReceived) -> None:
         try:
             receiver(message)
-        except Exception:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            # A CancelledError (a cancelled future's result()) included: raised into
+            # the read callback, it would reach the loop's exception handler.
             log.exception("receiver_failed peer=%s", format_address(self.remote_address))
             if self._receiver is receiver:
                 self._receiver = None
@@ -355,7 +374,12 @@ class Connection:
         self, code: int = 0, text: str = "", *, reason: str | None = None
     ) -> asyncio.Future[Disconnected]:
         """Start a graceful close at once: deliver what is queued, send DISCONNECT with
-        ``code`` and ``text``, wait for its ack (bounded by ``Config.close_timeout``).
+        ``code`` and ``text``, wait for its ack. ``Config.close_timeout`` bounds that
+        last wait only, from the DISCONNECT's first sending: the queued reliable
+        messages are acknowledged first, however long that takes (but toward a peer
+        that paused its receiving, where it counts from now).
+        ``text`` is a str of at most 200 bytes in UTF-8: anything else raises at once
+        (TypeError, ValueError), and the connection is left as it was.
 
         The closing has begun when this returns, awaited or not; awaiting the result
         waits until the connection has ended and gives its ``Disconnected`` (as
@@ -369,6 +393,11 @@ class Connection:
                 stacklevel=2,
             )
             text = reason
+        if not 0 <= code <= 0xFFFF:
+            raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
+        # Checked here as well: after the end the core is not called, and a wrong text
+        # must not pass unnoticed because the connection happened to end first.
+        check_close_text(text)
         if not self._closed_future.done():
             self._core.close(monotonic(), code, text)
             self._endpoint.after_core_call()
@@ -490,6 +519,13 @@ def connect_error(event: Disconnected, address: Address, timeout: float) -> Exce
     if not event.by_peer and event.reason in (DisconnectReason.ABORTED, DisconnectReason.CLOSED):
         return ConnectError(f"closed locally before the handshake completed ({event.reason})")
     return ConnectRefused(event.reason.value)
+
+
+def is_coroutine_function(fn: object) -> bool:
+    """True for what gives a coroutine when called: an ``async def`` function or
+    method, an object whose ``__call__`` is one, or a ``functools.partial`` of one."""
+    target = fn if inspect.isroutine(fn) else type(fn).__call__
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)
 
 
 def format_address(address: Address) -> str:

@@ -39,6 +39,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import os
 import random
 import socket
@@ -49,7 +50,7 @@ from typing import Any, Protocol
 
 from mypy_extensions import mypyc_attr
 
-from rudp.aio.connection import Connection, format_address
+from rudp.aio.connection import Connection, format_address, is_coroutine_function
 from rudp.config import Config
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
@@ -107,6 +108,7 @@ SEND_BUFFER_LIMIT = 8192  # datagrams held while the socket would block
 HANDLER_RETURNED = "server handler returned"
 HANDLER_FAILED = "server handler failed"
 HANDLER_NOT_AWAITABLE = "server handler is not a coroutine function"
+HANDLER_CANCELLED = "server handler cancelled"
 
 
 def check_handler(handler: object) -> None:
@@ -120,7 +122,7 @@ def check_handler(handler: object) -> None:
     if not callable(handler):
         raise TypeError(f"serve() takes an async def handler, got {handler!r}")
     target = handler if inspect.isroutine(handler) else type(handler).__call__
-    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(target):
+    if is_coroutine_function(handler):
         return
     if isinstance(handler, functools.partial):
         check_handler(handler.func)
@@ -132,6 +134,20 @@ def check_handler(handler: object) -> None:
         f"serve() runs `await handler(conn)` for each connection, and {name} is a plain "
         "function: define it with `async def`"
     )
+
+
+def check_query_timeout(timeout: object) -> None:
+    """Refuse a query timeout that is not a finite positive number of seconds: -1, 0
+    or NaN gave a bare TimeoutError, None a query waiting forever."""
+    if timeout is None:
+        raise ValueError(
+            "query() needs a timeout in seconds (None is not 'no timeout': an unanswered "
+            "query would wait forever)"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"query() timeout must be a number of seconds, not {timeout!r}")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"query() timeout must be finite and positive, got {timeout!r}")
 
 
 class DatagramPath(Protocol):
@@ -206,6 +222,11 @@ class AioEndpoint:
         # Connections with a drain() waiter, re-checked after each flush.
         self.draining: set[Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Tasks the close does not wait for, those waiting for the close itself
+        # (exclude_from_close), and what wakes a close waiting for handlers when one
+        # more is named.
+        self._close_excluded: set[asyncio.Task[Any]] = set()
+        self._exclusion_added: asyncio.Future[None] | None = None
         self._queries: dict[int, asyncio.Future[tuple[bytes, float]]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -390,6 +411,8 @@ class AioEndpoint:
         """
         if not 0 <= first_byte <= 0xFF or first_byte in RUDP_FIRST_BYTES:
             raise LocalProtocolError(f"first byte {first_byte:#x} is not free for another protocol")
+        if handler is not None and not callable(handler):
+            raise TypeError(f"a datagram handler must be callable or None, got {handler!r}")
         if handler is None:
             self._foreign.pop(first_byte, None)
         else:
@@ -427,15 +450,17 @@ class AioEndpoint:
             self.core.receive_datagram(data, address, now)
 
     def _foreign_datagram(self, handler: ForeignHandler, data: bytes, address: Address) -> None:
-        # Whatever the handler does wrong (raises, returns something that is not a
-        # sequence of bytes) stays here: it is the user's code, called from a read
-        # that still has other datagrams to give the core.
+        # Whatever the handler does wrong (raises, even a CancelledError, returns
+        # something that is not a sequence of bytes) stays here: it is the user's
+        # code, called from a read that still has other datagrams to give the core.
         try:
             replies = list(handler(data, address))
             for reply in replies:
                 if not isinstance(reply, bytes | bytearray | memoryview):
                     raise TypeError(f"a reply must be bytes, got {type(reply).__name__}")
-        except Exception:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
             self.foreign_errors += 1
             log.exception("foreign_handler_failed peer=%s", format_address(address))
             return
@@ -665,8 +690,6 @@ class AioEndpoint:
                 )
             else:
                 await running
-        except asyncio.CancelledError:
-            raise
         except RudpError as exc:
             log.debug(
                 "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
@@ -674,6 +697,14 @@ class AioEndpoint:
         except Exception:
             text = HANDLER_FAILED
             log.exception("handler_failed peer=%s", format_address(conn.remote_address))
+        except BaseException as exc:
+            # Cancelled (it awaited a task someone else cancelled, asyncio.timeout, a
+            # TaskGroup) or interrupted: the connection still ends with it. The close
+            # starts here, not awaited: this task is ending.
+            if not conn.closed:
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                conn.close(text=HANDLER_CANCELLED if cancelled else HANDLER_FAILED)
+            raise
         if not conn.closed:
             with contextlib.suppress(RudpError):
                 await conn.close(text=text)
@@ -691,7 +722,9 @@ class AioEndpoint:
             return
         try:
             reply = self.on_query(event.payload, event.address)
-        except Exception:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
             log.exception("query_handler_failed peer=%s", format_address(event.address))
             return
         if reply is None:
@@ -744,6 +777,7 @@ class AioEndpoint:
         return conn
 
     async def query(self, address: Address, payload: bytes, timeout: float) -> tuple[bytes, float]:
+        check_query_timeout(timeout)
         if self._closed:
             raise LocalProtocolError("endpoint is closed")
         nonce = self.core.query(address, payload, monotonic())
@@ -767,9 +801,9 @@ class AioEndpoint:
         Connections get ``timeout`` (default ``Config.close_timeout`` plus a second) to
         finish their close handshake; handlers still running then are cancelled and
         get one more second for their cleanup. It may be called from a handler: that
-        handler is not waited for (it is the one waiting). ``exclude`` names that
-        handler's task when the close runs in a task of its own (default: the current
-        task).
+        handler is not waited for (it is the one waiting), nor is any other task named
+        to ``exclude_from_close()`` while the close runs. ``exclude`` names the caller's
+        task when the close runs in a task of its own (default: the current task).
         """
         if self._closed:
             await self._closed_event.wait()
@@ -777,6 +811,9 @@ class AioEndpoint:
         loop = self.loop
         limit = timeout if timeout is not None else self.config.close_timeout + 1.0
         deadline = loop.time() + limit
+        current = exclude or asyncio.current_task()
+        if current is not None:
+            self.exclude_from_close(current)
         try:
             self.core.close(monotonic())
             self.after_core_call()
@@ -785,16 +822,48 @@ class AioEndpoint:
                 await asyncio.wait(closing, timeout=limit)
             self.core.abort()
             self._dispatch_events()
-            current = exclude or asyncio.current_task()
-            tasks = [t for t in self._tasks if t is not current]
-            if tasks:
-                _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
-                for task in pending:
-                    task.cancel()
-                if pending:
-                    await asyncio.wait(pending, timeout=1.0)
+            await self._end_handlers(deadline)
         finally:
             self.close_now()
+
+    def exclude_from_close(self, task: asyncio.Task[Any]) -> None:
+        """``task`` waits for this endpoint's close: the close must not wait for it (it
+        would wait until its deadline, then cancel a task nobody meant to cancel)."""
+        if task in self._close_excluded:
+            return
+        self._close_excluded.add(task)
+        task.add_done_callback(self._close_excluded.discard)
+        added = self._exclusion_added
+        if added is not None and not added.done():
+            added.set_result(None)
+
+    async def _end_handlers(self, deadline: float) -> None:
+        """Wait until ``deadline`` for the handlers not excluded, then cancel those left
+        and give them a second for their cleanup."""
+        loop = self.loop
+        while True:
+            excluded = self._close_excluded
+            tasks = [t for t in self._tasks if t not in excluded and not t.done()]
+            left = deadline - loop.time()
+            if not tasks or left <= 0:
+                break
+            added: asyncio.Future[None] = loop.create_future()
+            self._exclusion_added = added
+            # One future for them all (return_exceptions: it never fails), raced with
+            # an exclusion, which changes what is waited for.
+            ended = asyncio.gather(*tasks, return_exceptions=True)
+            done, _ = await asyncio.wait(
+                (ended, added), timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            self._exclusion_added = None
+            if not done:
+                break
+        excluded = self._close_excluded
+        pending = [t for t in self._tasks if t not in excluded and not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
 
     def close_now(self) -> None:
         """Release the socket; connections still open end with reason "aborted"."""

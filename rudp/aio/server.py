@@ -11,7 +11,14 @@ from types import TracebackType
 from typing import Any
 
 from rudp.aio.connection import Connection
-from rudp.aio.endpoint import AioEndpoint, ForeignHandler, Handler, QueryHandler, check_handler
+from rudp.aio.endpoint import (
+    AioEndpoint,
+    ForeignHandler,
+    Handler,
+    QueryHandler,
+    check_handler,
+    check_query_timeout,
+)
 from rudp.aio.protocol import DatagramLink, open_protocol_endpoint, reads_with_add_reader
 from rudp.config import Config
 from rudp.connection import Address
@@ -57,6 +64,20 @@ def _forbid_fragmentation(sock: socket.socket) -> None:
     for level, option, value in options:
         with contextlib.suppress(OSError):
             sock.setsockopt(level, option, value)
+
+
+def _check_config(config: object) -> Config:
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a rudp.Config, not {type(config).__name__}")
+    return config
+
+
+def _check_destination_port(port: int) -> None:
+    if port == 0:
+        # Nothing listens there: the handshake would be resent until ConnectTimeout.
+        raise ValueError("cannot connect to port 0")
 
 
 async def _resolve(host: str, port: int, family: int = 0, flags: int = 0) -> tuple[int, Address]:
@@ -171,6 +192,8 @@ class Endpoint:
 
     @on_query.setter
     def on_query(self, handler: QueryHandler | None) -> None:
+        if handler is not None and not callable(handler):
+            raise TypeError(f"on_query must be callable or None, got {handler!r}")
         self._endpoint.on_query = handler
 
     @property
@@ -212,6 +235,7 @@ class Endpoint:
         ``server_key`` (default ``Config.server_key``): the peer's public key to expect;
         ``token`` and ``token_key``: a connect token, as for ``rudp.connect``.
         """
+        _check_destination_port(port)
         _, address = await _resolve(host, port, *self._endpoint.destination_family())
         return await self._endpoint.connect(
             address, server_key=server_key, token=token, token_key=token_key
@@ -220,25 +244,32 @@ class Endpoint:
     async def query(
         self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
     ) -> tuple[bytes, float]:
-        """Send an unconnected query; returns (reply, round-trip seconds)."""
+        """Send an unconnected query; returns (reply, round-trip seconds).
+
+        ``timeout`` is a finite positive number of seconds (else ValueError at once).
+        """
+        check_query_timeout(timeout)
         check_address(address, "query() address")
         _, resolved = await _resolve(address[0], address[1], *self._endpoint.destination_family())
         return await self._endpoint.query(resolved, payload, timeout)
 
-    def close(self) -> asyncio.Task[None]:
+    def close(self) -> asyncio.Future[None]:
         """Close every connection gracefully, then the socket.
 
-        The closing starts at once, awaited or not (a task of its own; calling it again
-        gives the same task); await the result to wait until it is done. Bounded:
-        connections and handlers get ``Config.close_timeout`` plus a second; handlers
-        still running then are cancelled (and get a second for their cleanup). A
-        handler may call it: that handler is not waited for.
+        The closing starts at once, awaited or not (a task of its own, started by the
+        first call); await the result to wait until it is done. Each call gives its own
+        awaitable of that one closing: cancelling a wait (``asyncio.wait_for`` timing
+        out) leaves the closing going for everyone else. Bounded: connections and
+        handlers get ``Config.close_timeout`` plus a second; handlers still running
+        then are cancelled (and get a second for their cleanup). Handlers may call it:
+        a handler that does is not waited for.
         """
+        caller = asyncio.current_task()
+        if caller is not None:
+            self._endpoint.exclude_from_close(caller)
         if self._closing is None:
-            caller = asyncio.current_task()
-            closing = asyncio.get_running_loop().create_task(self._close(caller))
-            self._closing = closing
-        return self._closing
+            self._closing = asyncio.get_running_loop().create_task(self._close(caller))
+        return asyncio.shield(self._closing)
 
     async def _close(self, caller: asyncio.Task[Any] | None) -> None:
         await self._endpoint.close(exclude=caller)
@@ -296,7 +327,7 @@ async def open_endpoint(
     if handler is not None:
         check_handler(handler)
     loop = asyncio.get_running_loop()
-    cfg = config or Config()
+    cfg = _check_config(config)
     if sock is None:
         sock = await _open_socket(host, port, family, cfg)
     else:
@@ -360,7 +391,8 @@ async def connect(
     """
     if local_addr is not None:
         check_address(local_addr, "local_addr")
-    cfg = config or Config()
+    cfg = _check_config(config)
+    _check_destination_port(port)
     family, address = await _resolve(host, port)
     local_host = local_addr[0] if local_addr else ("::" if family == socket.AF_INET6 else "0.0.0.0")
     server = await open_endpoint(

@@ -185,6 +185,19 @@ async def test_a_handler_that_raises_or_returns_no_awaitable_says_so() -> None:
     assert not_awaitable.text == "server handler is not a coroutine function"
 
 
+async def test_a_handler_that_ends_cancelled_closes_its_connection() -> None:
+    # It awaited something another task cancelled (a game room shut down): the
+    # CancelledError ends the handler, and its connection with it.
+    async def wait_for_room(conn: rudp.Connection) -> None:
+        room = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(room.cancel)
+        await room
+
+    ended = await closed_by_the_server(wait_for_room)
+    assert ended.reason is rudp.DisconnectReason.CLOSED and ended.by_peer
+    assert ended.text == "server handler cancelled"
+
+
 async def test_close_starts_at_once_even_when_not_awaited(
     pair: tuple[rudp.Server, rudp.Connection],
 ) -> None:
@@ -220,8 +233,132 @@ async def test_endpoint_close_starts_at_once_even_when_not_awaited() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "coroutine was never awaited"
         closing = server.close()  # not awaited
-        assert server.close() is closing
     ended = await asyncio.wait_for(conn.wait_closed(), 5)
     assert ended.by_peer and ended.reason is rudp.DisconnectReason.CLOSED
     await asyncio.wait_for(server.wait_closed(), 5)
     assert server.endpoint.is_closed and closing.done()
+
+
+# Compiled (mypyc), a text that is not a str is refused by the call itself, in mypyc's
+# words ("str object expected; got int"): a TypeError at once all the same.
+CLOSE_TEXT_REFUSED = r"close text|str object expected"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"), [(5, TypeError), ("bad \udcff byte", ValueError), ("x" * 201, ValueError)]
+)
+async def test_a_close_text_that_cannot_be_sent_is_refused_at_once_and_the_close_still_works(
+    pair: tuple[rudp.Server, rudp.Connection], text: Any, error: type[Exception]
+) -> None:
+    server, conn = pair
+    [accepted] = server.connections
+    conn.send(b"queued")  # the DISCONNECT waits for its ack
+    with pytest.raises(error, match=CLOSE_TEXT_REFUSED):
+        conn.close(text=text)
+    assert not conn.closed
+    assert (await asyncio.wait_for(accepted.recv(), 5)).data == b"queued"
+    ended = await asyncio.wait_for(conn.close(4000, text="bye"), 5)
+    assert (ended.code, ended.text) == (4000, "bye")
+    assert (await asyncio.wait_for(accepted.wait_closed(), 5)).text == "bye"
+    with pytest.raises(error, match=CLOSE_TEXT_REFUSED):  # refused after the end as well
+        conn.close(text=text)
+
+
+class AsyncCall:
+    async def __call__(self, message: rudp.MessageReceived) -> None:
+        pass
+
+
+async def on_message(message: rudp.MessageReceived) -> None:
+    pass
+
+
+async def on_message_of(world: object, message: rudp.MessageReceived) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    "receiver", [on_message, AsyncCall(), functools.partial(on_message_of, object())]
+)
+async def test_set_receiver_refuses_an_async_def_at_once_and_messages_still_queue(
+    pair: tuple[rudp.Server, rudp.Connection], receiver: Any
+) -> None:
+    server, conn = pair
+    [accepted] = server.connections
+    with pytest.raises(TypeError, match="async def"):
+        accepted.set_receiver(receiver)
+    await asyncio.wait_for(conn.send(b"kept"), 5)
+    assert (await asyncio.wait_for(accepted.recv(), 5)).data == b"kept"
+    got: list[bytes] = []
+    accepted.set_receiver(lambda message: got.append(message.data))  # a plain callable
+    await asyncio.wait_for(conn.send(b"handed"), 5)
+    assert got == [b"handed"]
+
+
+# -- refused at once, not later or never ----------------------------------------------------
+
+
+async def test_a_handler_that_cannot_be_called_is_refused_where_it_is_set(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, _ = pair
+    with pytest.raises(TypeError, match="on_query must be callable"):
+        server.on_query = 5  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="must be callable"):
+        server.on_foreign = 5  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="must be callable"):
+        server.set_datagram_handler(0xB1, 5)  # type: ignore[arg-type]
+    assert server.on_query is None and server.on_foreign is None
+    server.on_query = None  # None is what turns them off
+    server.set_datagram_handler(0xB1, None)
+
+
+@pytest.mark.parametrize("channel", [1.5, None, "1"])
+async def test_a_channel_that_is_not_an_int_is_a_type_error_and_sends_nothing(
+    pair: tuple[rudp.Server, rudp.Connection], channel: Any
+) -> None:
+    _, conn = pair
+    # Compiled (mypyc), the call itself refuses a non-int, in mypyc's words.
+    with pytest.raises(TypeError, match=r"channel must be an int|int object expected"):
+        conn.send(b"x", channel=channel)
+    with pytest.raises(TypeError, match=r"channel must be an int|int object expected"):
+        conn.send(b"x", channel=channel, delivery=rudp.Delivery.RELIABLE_UNORDERED)
+    assert conn.queued == 0 and conn.stats.messages_sent == 0
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [
+        (None, ValueError),
+        (-1, ValueError),
+        (0, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        ("1", TypeError),
+    ],
+)
+async def test_a_query_timeout_that_is_not_a_positive_number_is_refused_at_once(
+    pair: tuple[rudp.Server, rudp.Connection], timeout: Any, error: type[Exception]
+) -> None:
+    server, _ = pair
+    server.on_query = lambda payload, address: b"answer"
+    with pytest.raises(error, match="timeout"):
+        # At once: bounded far below any wait the timeout could have meant.
+        await asyncio.wait_for(server.query(server.address, b"q", timeout=timeout), 5)
+    reply, _ = await asyncio.wait_for(server.query(server.address, b"q", timeout=5), 5)
+    assert reply == b"answer"
+
+
+async def test_connect_refuses_a_config_that_is_not_a_config_and_port_0_at_once(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, _ = pair
+    with pytest.raises(TypeError, match=r"rudp\.Config, not dict"):
+        await asyncio.wait_for(rudp.connect(*server.address, config={}), 5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"rudp\.Config"):
+        await asyncio.wait_for(rudp.serve(hold, "127.0.0.1", 0, config={}), 5)  # type: ignore[arg-type]
+    # Nothing listens on port 0: it would retry until ConnectTimeout.
+    with pytest.raises(ValueError, match="port 0"):
+        await asyncio.wait_for(rudp.connect("127.0.0.1", 0), 1)
+    with pytest.raises(ValueError, match="port 0"):
+        await asyncio.wait_for(server.connect("127.0.0.1", 0), 1)

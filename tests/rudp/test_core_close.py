@@ -123,3 +123,56 @@ def test_ended_connections_leave_the_timers_at_once() -> None:
     # to the collector either): the heap's entries name connections by id.
     ended = [o for o in gc.get_objects() if type(o) is Connection and o.address[0] == "10.0.71.1"]
     assert [c for c in ended if not c.client] == []
+
+
+# -- a close text that cannot be sent ----------------------------------------------------------
+
+# Compiled (mypyc), a text that is not a str is refused by the call itself, in mypyc's
+# words ("str object expected; got int"): a TypeError at once all the same.
+CLOSE_TEXT_REFUSED = r"close text|str object expected"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (5, TypeError),
+        (b"bytes", TypeError),
+        ("bad \udcff byte", ValueError),  # a lone surrogate, as os.fsdecode makes
+        ("x" * 201, ValueError),
+        ("\u00e9" * 101, ValueError),  # 101 characters, 202 bytes in UTF-8
+    ],
+)
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_close_text_that_cannot_be_sent_is_refused_before_anything_changes(
+    text: object, error: type[Exception], queued: bool
+) -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    if queued:
+        conn.send(b"queued")  # the DISCONNECT waits for its ack
+    with pytest.raises(error, match=CLOSE_TEXT_REFUSED):
+        conn.close(net.now, 4000, text)  # type: ignore[arg-type]
+    assert conn.state is State.CONNECTED
+    conn.send(b"still open")
+    net.run(1.0)
+    assert conn.state is State.CONNECTED and client.disconnects() == []
+    # The same connection then closes as it would have.
+    limit = "\u00e9" * 100  # exactly 200 bytes: taken whole
+    conn.close(net.now, 4001, limit)
+    net.run_until(lambda: conn.state is State.CLOSED and sconn.state is State.CLOSED)
+    assert server.received() == ([b"queued"] if queued else []) + [b"still open"]
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED, 4001, limit)]
+    assert server.disconnects() == [
+        Disconnected(DisconnectReason.CLOSED, 4001, limit, by_peer=True)
+    ]
+
+
+def test_a_close_text_is_checked_while_connecting_too() -> None:
+    net = Network()
+    net.add(SERVER, accept=True)
+    client = net.add(CLIENT)
+    conn = client.endpoint.connect(SERVER, net.now)
+    with pytest.raises(TypeError, match=CLOSE_TEXT_REFUSED):
+        conn.close(net.now, 0, 5)  # type: ignore[arg-type]
+    assert conn.state is State.CONNECTING
+    net.run_until(lambda: conn.state is State.CONNECTED)

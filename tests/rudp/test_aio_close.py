@@ -1,0 +1,77 @@
+"""Closing through the asyncio layer: an endpoint's close awaited from several tasks,
+and what a connection says once it has ended. Loopback only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import rudp
+
+QUICK = rudp.Config(close_timeout=0.5)
+
+
+async def test_a_server_closed_from_two_handlers_and_main_ends_for_all_of_them() -> None:
+    ended: dict[bytes, str] = {}
+
+    async def close_on_request(conn: rudp.Connection) -> None:
+        request = await conn.recv()
+        try:
+            await server.close()
+        except asyncio.CancelledError:
+            ended[request.data] = "cancelled"
+            raise
+        ended[request.data] = "returned"
+
+    server = await rudp.serve(close_on_request, "127.0.0.1", 0, config=QUICK)
+    a = await asyncio.wait_for(rudp.connect(*server.address), 5)
+    b = await asyncio.wait_for(rudp.connect(*server.address), 5)
+    a.send(b"a")
+    b.send(b"b")
+    both = asyncio.gather(a.wait_closed(), b.wait_closed())
+    await asyncio.wait_for(both, 10)
+    await asyncio.wait_for(server.close(), 10)  # main as well
+    assert ended == {b"a": "returned", b"b": "returned"}
+    assert server.endpoint.is_closed
+
+
+async def test_a_wait_on_a_server_close_that_times_out_leaves_the_close_to_the_others() -> None:
+    started = asyncio.Event()
+
+    async def never_ends(conn: rudp.Connection) -> None:
+        started.set()
+        await asyncio.Event().wait()  # cancelled by the close, past its deadline
+
+    server = await rudp.serve(never_ends, "127.0.0.1", 0, config=QUICK)
+    conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+    await asyncio.wait_for(started.wait(), 5)
+
+    async def close_too() -> None:
+        await server.close()
+
+    other = asyncio.create_task(close_too())
+    await asyncio.sleep(0)  # it awaits the close first
+    with pytest.raises(TimeoutError):
+        # Shorter than any close: handlers get close_timeout plus a second first.
+        await asyncio.wait_for(server.close(), 0.05)
+    await asyncio.wait_for(other, 10)  # not cancelled with the wait above
+    assert server.endpoint.is_closed
+    ended = await asyncio.wait_for(conn.wait_closed(), 5)
+    assert ended.reason is rudp.DisconnectReason.CLOSED and ended.by_peer
+
+
+async def test_recv_nowait_raises_connection_closed_once_the_inbox_is_empty_after_the_end() -> None:
+    async def send_and_return(conn: rudp.Connection) -> None:
+        await conn.send(b"last")  # acknowledged: received before the end
+
+    async with await rudp.serve(send_and_return, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        ended = await asyncio.wait_for(conn.wait_closed(), 5)
+        message = conn.recv_nowait()  # what came before the end first
+        assert message is not None and message.data == b"last"
+        with pytest.raises(rudp.ConnectionClosed) as info:
+            conn.recv_nowait()
+        assert (info.value.reason, info.value.text) == ("closed", ended.text)
+        with pytest.raises(rudp.ConnectionClosed):  # as recv() says
+            await asyncio.wait_for(conn.recv(), 5)
