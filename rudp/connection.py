@@ -265,9 +265,10 @@ class Connection:
     def close(self, now: float, code: int = 0, text: str = "") -> None:
         """Start a graceful close: flush what is queued reliably, then DISCONNECT.
 
-        ``text`` must be a str of at most ``frames.MAX_CLOSE_TEXT`` bytes in UTF-8:
-        anything else raises (TypeError, ValueError) before the state changes, not
-        later when the DISCONNECT is built.
+        ``text`` must be a str that UTF-8 encodes: anything else raises (TypeError,
+        ValueError) before the state changes, not later when the DISCONNECT is built.
+        The peer gets at most ``frames.MAX_CLOSE_TEXT`` bytes of it, clipped on a
+        character boundary.
         """
         if not 0 <= code <= 0xFFFF:
             raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")

@@ -333,15 +333,15 @@ _PING_PADDING: Final = bytes((FrameType.PING, FrameType.PADDING))
 
 def check_close_text(text: object) -> None:
     """Raise unless ``text`` can be a DISCONNECT's text: a str (TypeError) that UTF-8
-    encodes (no lone surrogate) in at most ``MAX_CLOSE_TEXT`` bytes (ValueError)."""
+    encodes, with no lone surrogate (ValueError). A longer one than ``MAX_CLOSE_TEXT``
+    bytes is clipped on a character boundary when the frame is built (an exception's
+    message passed as the text must not make the close itself fail)."""
     if not isinstance(text, str):
         raise TypeError(f"close text must be a str, not {type(text).__name__}")
     try:
-        size = len(text.encode("utf-8"))
+        text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"close text cannot be encoded in UTF-8: {exc}") from None
-    if size > MAX_CLOSE_TEXT:
-        raise ValueError(f"close text is {size} bytes in UTF-8, at most {MAX_CLOSE_TEXT}")
 
 
 def disconnect_frame(code: int, text: str) -> bytes:
