@@ -342,7 +342,7 @@ class MatchmakerClient:
         self.registration_error: BaseException | None = None
         """Why the registration was given up for good, None while it is kept (or
         none was made): the matchmaker refused a re-registration for good (a
-        `MatchmakerError`), or the game socket was closed (``rudp.LocalProtocolError``).
+        `MatchmakerError`), or the game socket was closed (``rudp.EndpointClosed``).
         `host_info` is None then; `register()` again to be listed again."""
         self.takeovers = 0
         """How many times another replica took this host over on a heartbeat (no
@@ -449,7 +449,7 @@ class MatchmakerClient:
 
         Returns the public address the matchmaker observed.  Raises
         MatchmakerError at once if the matchmaker refuses for good (bad field,
-        per-IP cap, forbidden address), and ``rudp.LocalProtocolError`` if the
+        per-IP cap, forbidden address), and ``rudp.EndpointClosed`` if the
         game socket is closed.  A field the matchmaker would refuse raises
         ValueError before anything is sent; another client registering through
         the same game socket, RuntimeError.  Unreachable or stopping replicas, rate
@@ -1022,6 +1022,7 @@ class MatchmakerClient:
         order = [routes[(first + i) % n] for i in range(n)] if n else []
         failures: list[str] = []
         for label, connect in order:
+            self._check_open()
             if self._budget(deadline) <= 0:
                 failures.append(f"{label} (not tried: out of time)")
                 continue
@@ -1031,9 +1032,9 @@ class MatchmakerClient:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(released), self._budget(deadline))
             try:
-                conn = await asyncio.wait_for(connect(), self._budget(deadline))
-            except rudp.LocalProtocolError:
-                raise  # our own socket cannot connect (closed): no replica can help
+                conn = await self._connect_unless_closed(connect, self._budget(deadline))
+            except rudp.EndpointClosed:
+                raise  # our own socket is closed: no replica can help
             except _CONNECT_ERRORS as exc:
                 self._tried[label] = _describe(exc)
                 failures.append(f"{label} ({_describe(exc)})")
@@ -1046,14 +1047,45 @@ class MatchmakerClient:
         self._avoid = self._route
         raise MatchmakerUnreachable(failures, self._timeout)
 
-    def _abandon(self) -> None:
-        """Give up the current connection (dead or stopping replica) without waiting."""
+    async def _connect_unless_closed(self, connect: Connector, timeout: float) -> Peer:
+        """``connect()`` within `timeout` (else TimeoutError), given up at once, with
+        ``ConnectionLost("client closed")``, when `close()` comes first."""
+        attempt = asyncio.ensure_future(connect())
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            done, _ = await asyncio.wait(
+                (attempt, closed), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:
+            attempt.cancel()
+            raise
+        finally:
+            closed.cancel()
+        if attempt in done:
+            return attempt.result()
+        attempt.cancel()
+        await asyncio.wait((attempt,))  # its own cleanup (a connection aborted)
+        if not attempt.cancelled() and attempt.exception() is None:
+            # It connected just as it was given up: that connection is not wanted.
+            await _close_quietly(attempt.result(), self._timeout)
+        if self._closed.is_set():
+            raise _closed_error()
+        raise TimeoutError(f"no connection within {timeout:g} s")
+
+    def _abandon(self, *, register_again: bool = True) -> None:
+        """Give up the current connection (dead or stopping replica) without waiting.
+
+        `register_again`: whether the host (if any) must register again; a request
+        that timed out leaves a heartbeating host's listing alone (it does not
+        depend on the connection, and heartbeats tell whether the replica lists
+        it). A new connection to the same address waits for this one's close:
+        rudp holds one connection per address until its close ends."""
         conn, self._conn = self._conn, None
         self._avoid = self._route
         if conn is None:
             return
         self._fail_all(ConnectionLost("matchmaker replica abandoned"))
-        if self._host is not None:
+        if self._host is not None and register_again:
             self._needs_register.set()
         reader, self._reader = self._reader, None
         if reader is not None:
@@ -1061,6 +1093,8 @@ class MatchmakerClient:
         closing = asyncio.create_task(_close_quietly(conn, self._timeout), name="mm-close")
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
+        if self._route is not None:
+            self._releasing[self._route] = closing
 
     def _release(self) -> None:
         """Close the connection in the background when a heartbeating host has no
@@ -1125,7 +1159,7 @@ class MatchmakerClient:
             return await asyncio.wait_for(future, wait)
         except TimeoutError:
             if self._conn is conn and wait >= self._timeout:
-                self._abandon()
+                self._abandon(register_again=self._beats is None)
             raise RequestTimeout(route, wait) from None
 
     def _budget(self, deadline: float | None) -> float:
@@ -1232,11 +1266,13 @@ def _largest_field(fields: object) -> str:
 
 
 def _is_final(exc: BaseException) -> bool:
-    """Whether retrying cannot help: a refusal for good, or a misuse of our own
-    socket (``rudp.LocalProtocolError``: the game server is closed)."""
+    """Whether retrying cannot help: a refusal for good, or our own socket closed
+    (``rudp.EndpointClosed``: the game server is gone). Any other
+    ``LocalProtocolError`` from a connect (the address's previous connection still
+    closing, say) passes: it is retried as a failed connection."""
     if isinstance(exc, MatchmakerError):
         return exc.reason not in _RETRYABLE
-    return isinstance(exc, rudp.LocalProtocolError)
+    return isinstance(exc, rudp.EndpointClosed)
 
 
 def _closed_error() -> ConnectionLost:

@@ -16,6 +16,10 @@ class LocalProtocolError(RudpError):
     """The caller used the API wrongly (bad argument, wrong state)."""
 
 
+class EndpointClosed(LocalProtocolError):
+    """The endpoint (its socket) is closed: nothing can be sent or connected from it."""
+
+
 class MessageTooLarge(LocalProtocolError, ValueError):
     """The message does not fit in one datagram."""
 

@@ -55,7 +55,7 @@ from rudp.config import Config
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
 from rudp.endpoint import Endpoint as CoreEndpoint
-from rudp.errors import LocalProtocolError, RudpError
+from rudp.errors import EndpointClosed, LocalProtocolError, RudpError
 from rudp.events import (
     Connected,
     Disconnected,
@@ -760,7 +760,7 @@ class AioEndpoint:
         ``server_key`` overrides ``Config.server_key`` for this connection; ``token``
         and ``token_key`` present a connect token (see ``rudp.connect``)."""
         if self._closed:
-            raise LocalProtocolError("endpoint is closed")
+            raise EndpointClosed("endpoint is closed")
         core_conn = self.core.connect(
             address, monotonic(), server_key=server_key, token=token, token_key=token_key
         )
@@ -779,7 +779,7 @@ class AioEndpoint:
     async def query(self, address: Address, payload: bytes, timeout: float) -> tuple[bytes, float]:
         check_query_timeout(timeout)
         if self._closed:
-            raise LocalProtocolError("endpoint is closed")
+            raise EndpointClosed("endpoint is closed")
         nonce = self.core.query(address, payload, monotonic())
         future: asyncio.Future[tuple[bytes, float]] = self.loop.create_future()
         self._queries[nonce] = future
@@ -880,7 +880,7 @@ class AioEndpoint:
         self._release_socket()
         for future in self._queries.values():
             if not future.done():
-                future.set_exception(LocalProtocolError("endpoint closed before the answer"))
+                future.set_exception(EndpointClosed("endpoint closed before the answer"))
         self._closed_event.set()
 
     def _release_socket(self) -> None:

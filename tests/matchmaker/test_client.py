@@ -20,7 +20,15 @@ from matchmaker.client import (
 from matchmaker.messages import ErrorReason, Role
 from matchmaker.registry import RemovalReason
 from tests.matchmaker.fakes import SERVER_ADDRESS, DatagramNet, FakeConnection, pipe
-from tests.matchmaker.helpers import Harness, eventually, info, pub
+from tests.matchmaker.helpers import HOST as LISTED
+from tests.matchmaker.helpers import (
+    Harness,
+    accepting_endpoint,
+    eventually,
+    info,
+    pub,
+    settings,
+)
 
 MODES = ["datagrams", "connection"]
 """How a host keeps its listing: heartbeat datagrams from its socket, or messages
@@ -369,6 +377,25 @@ async def test_close_while_connecting_registers_nothing() -> None:
         await host.info()
 
 
+async def test_close_ends_a_register_whose_connection_never_completes_at_once() -> None:
+    # Three replicas that never answer a handshake: the close must not wait for the
+    # attempt under way (its timeout) nor try the others.
+    calls: list[int] = []
+
+    async def never() -> FakeConnection:
+        calls.append(1)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    host = MatchmakerClient([never, never, never], timeout=30, register_timeout=60)
+    registering = asyncio.create_task(host.register(**HOST))
+    await eventually(lambda: bool(calls))
+    await asyncio.wait_for(host.close(), 5)
+    with pytest.raises(ConnectionLost, match="client closed"):
+        await asyncio.wait_for(registering, 2)
+    assert calls == [1]
+
+
 async def test_close_fails_the_requests_in_flight() -> None:
     browser = MatchmakerClient(silent_connector(pub(2)), timeout=30)
     asking = asyncio.create_task(browser.info())
@@ -431,10 +458,10 @@ async def test_a_closed_game_socket_is_raised_at_once_and_stops_the_keeper(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def closed_socket() -> FakeConnection:
-        raise rudp.LocalProtocolError("endpoint is closed")
+        raise rudp.EndpointClosed("endpoint is closed")
 
     host = MatchmakerClient(closed_socket, register_timeout=60)
-    with pytest.raises(rudp.LocalProtocolError, match="endpoint is closed"):
+    with pytest.raises(rudp.EndpointClosed, match="endpoint is closed"):
         await asyncio.wait_for(host.register(**HOST), 5)
     await host.close()
 
@@ -445,9 +472,29 @@ async def test_a_closed_game_socket_is_raised_at_once_and_stops_the_keeper(
         switch[0] = True  # the game stops: its socket closes
         board.links[0].abort()
         await eventually(lambda: host._keeper is not None and host._keeper.done())
-        assert isinstance(host.registration_error, rudp.LocalProtocolError)
+        assert isinstance(host.registration_error, rudp.EndpointClosed)
         assert host.host_info is None
-        assert "keepalive_stopped error=LocalProtocolError" in caplog.text
+        assert "keepalive_stopped error=EndpointClosed" in caplog.text
+
+
+async def test_a_connect_refused_by_our_own_socket_for_a_closing_connection_is_retried() -> None:
+    # rudp holds one connection per address until its close ends: a connect to the
+    # replica just given up is refused locally for a moment, not for good.
+    board = Switchboard(Harness())
+    first = board.connector(pub(1))
+    refusals = [0]
+
+    async def connect() -> FakeConnection:
+        if refusals[0] < 2:
+            refusals[0] += 1
+            raise rudp.LocalProtocolError("already connected or connecting to the matchmaker")
+        conn: FakeConnection = await first()
+        return conn
+
+    async with MatchmakerClient(connect, reconnect_delay=0.01, register_timeout=10) as host:
+        await asyncio.wait_for(host.register(**HOST), 5)
+        assert refusals[0] == 2 and host.registrations == 1
+        assert host.registration_error is None
 
 
 async def test_misuse_is_refused_at_once_naming_what_is_wrong() -> None:
@@ -541,3 +588,32 @@ async def test_a_second_client_registering_through_the_same_socket_is_refused() 
         await first.unregister()  # the socket is free again
         await asyncio.wait_for(second.register(**HOST), 5)
         assert second.registrations == 1
+
+
+async def test_a_request_timing_out_leaves_a_heartbeating_hosts_listing_alone() -> None:
+    # A replica slow to answer one update() is given up for requests; the host's
+    # listing lives on heartbeats, so it must not register again for that.
+    from matchmaker.server import Matchmaker
+
+    mm = Matchmaker(settings())
+    await mm.start()
+    game, _ = await accepting_endpoint()
+    host = MatchmakerClient.to(*mm.udp_address, via=game, timeout=0.3, reconnect_delay=0.05)
+    try:
+        await asyncio.wait_for(host.register(**LISTED), 10)
+        update = mm.service._update
+
+        async def slow(session: Any, request: Any) -> None:
+            await asyncio.sleep(0.6)
+            await update(session, request)
+
+        mm.service._update = slow  # type: ignore[method-assign]
+        with pytest.raises(RequestTimeout):
+            await host.update(players=1)
+        await asyncio.sleep(1.0)  # a re-registration would have come by now
+        assert host.registrations == 1 and host.host_info is not None
+        assert host.registration_error is None
+    finally:
+        await host.close()
+        await game.close()
+        await mm.shutdown()

@@ -598,13 +598,16 @@ async def test_a_pending_query_or_connect_fails_clearly_when_its_endpoint_closes
         connect = asyncio.create_task(endpoint.connect(*silent.getsockname()))
         await asyncio.sleep(0.05)
         await endpoint.close()
-        with pytest.raises(rudp.LocalProtocolError):
+        with pytest.raises(rudp.EndpointClosed):
             await asyncio.wait_for(query, 5)
         with pytest.raises(rudp.ConnectError) as info:
             await asyncio.wait_for(connect, 5)
         assert not isinstance(info.value, rudp.ConnectRefused)
-        with pytest.raises(rudp.LocalProtocolError):
+        with pytest.raises(rudp.EndpointClosed):
             await endpoint.query(silent.getsockname(), b"?", timeout=30)
+        with pytest.raises(rudp.EndpointClosed):  # a LocalProtocolError, as ever
+            await endpoint.connect(*silent.getsockname())
+        assert issubclass(rudp.EndpointClosed, rudp.LocalProtocolError)
     finally:
         silent.close()
 
