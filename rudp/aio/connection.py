@@ -378,7 +378,8 @@ class Connection:
         last wait only, from the DISCONNECT's first sending: the queued reliable
         messages are acknowledged first, however long that takes (but toward a peer
         that paused its receiving, where it counts from now).
-        ``text`` is a str of at most 200 bytes in UTF-8: anything else raises at once
+        ``text`` is a str (the peer gets at most 200 bytes of it in UTF-8, clipped on a
+        character boundary): anything else, or one UTF-8 cannot encode, raises at once
         (TypeError, ValueError), and the connection is left as it was.
 
         The closing has begun when this returns, awaited or not; awaiting the result

@@ -40,6 +40,7 @@ import importlib
 import inspect
 import logging
 import math
+import numbers
 import os
 import random
 import socket
@@ -136,18 +137,20 @@ def check_handler(handler: object) -> None:
     )
 
 
-def check_query_timeout(timeout: object) -> None:
-    """Refuse a query timeout that is not a finite positive number of seconds: -1, 0
-    or NaN gave a bare TimeoutError, None a query waiting forever."""
+def check_query_timeout(timeout: object) -> float:
+    """A query timeout in seconds, as a float; refused if it is not a finite positive
+    real number: -1, 0 or NaN gave a bare TimeoutError, None a query waiting forever."""
     if timeout is None:
         raise ValueError(
             "query() needs a timeout in seconds (None is not 'no timeout': an unanswered "
             "query would wait forever)"
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"query() timeout must be a number of seconds, not {timeout!r}")
-    if not 0 < timeout < math.inf:
+    seconds = float(timeout)
+    if not 0 < seconds < math.inf:
         raise ValueError(f"query() timeout must be finite and positive, got {timeout!r}")
+    return seconds
 
 
 class DatagramPath(Protocol):
@@ -777,7 +780,7 @@ class AioEndpoint:
         return conn
 
     async def query(self, address: Address, payload: bytes, timeout: float) -> tuple[bytes, float]:
-        check_query_timeout(timeout)
+        timeout = check_query_timeout(timeout)
         if self._closed:
             raise EndpointClosed("endpoint is closed")
         nonce = self.core.query(address, payload, monotonic())

@@ -248,10 +248,10 @@ class Endpoint:
 
         ``timeout`` is a finite positive number of seconds (else ValueError at once).
         """
-        check_query_timeout(timeout)
+        seconds = check_query_timeout(timeout)
         check_address(address, "query() address")
         _, resolved = await _resolve(address[0], address[1], *self._endpoint.destination_family())
-        return await self._endpoint.query(resolved, payload, timeout)
+        return await self._endpoint.query(resolved, payload, seconds)
 
     def close(self) -> asyncio.Future[None]:
         """Close every connection gracefully, then the socket.
@@ -262,7 +262,8 @@ class Endpoint:
         out) leaves the closing going for everyone else. Bounded: connections and
         handlers get ``Config.close_timeout`` plus a second; handlers still running
         then are cancelled (and get a second for their cleanup). Handlers may call it:
-        a handler that does is not waited for.
+        a task that does is neither waited for nor cancelled by it, even one that goes
+        on running without awaiting it.
         """
         caller = asyncio.current_task()
         if caller is not None:

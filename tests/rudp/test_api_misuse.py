@@ -7,6 +7,7 @@ import asyncio
 import functools
 import warnings
 from collections.abc import AsyncIterator
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -346,6 +347,16 @@ async def test_a_query_timeout_that_is_not_a_positive_number_is_refused_at_once(
         # At once: bounded far below any wait the timeout could have meant.
         await asyncio.wait_for(server.query(server.address, b"q", timeout=timeout), 5)
     reply, _ = await asyncio.wait_for(server.query(server.address, b"q", timeout=5), 5)
+    assert reply == b"answer"
+
+
+@pytest.mark.parametrize("timeout", [5, 5.0, Fraction(5, 1)])
+async def test_a_query_timeout_may_be_any_real_number(
+    pair: tuple[rudp.Server, rudp.Connection], timeout: Any
+) -> None:
+    server, _ = pair
+    server.on_query = lambda payload, address: b"answer"
+    reply, _ = await asyncio.wait_for(server.query(server.address, b"q", timeout=timeout), 5)
     assert reply == b"answer"
 
 
