@@ -357,6 +357,26 @@ ENDPOINT_COUNTER_TABLE: Final = (
         "Bytes sent to addresses with no connection (never more than received).",
         "rudp_unvalidated_sent_bytes_total",
     ),
+    (
+        "send_buffer_drops",
+        "Datagrams dropped because the socket's send buffer was full (reliable data is resent).",
+        "rudp_send_buffer_drops_total",
+    ),
+    (
+        "send_errors",
+        "Datagrams the socket refused to send (ICMP errors and send failures).",
+        "rudp_send_errors_total",
+    ),
+    (
+        "datagrams_too_large",
+        "Datagrams refused by the socket as larger than the path allows (EMSGSIZE).",
+        "rudp_datagrams_too_large_total",
+    ),
+    (
+        "queries_unanswered",
+        "Query replies withheld because they were larger than the query.",
+        "rudp_queries_unanswered_total",
+    ),
 )
 
 
@@ -371,8 +391,12 @@ class EndpointStats:
         "connections_refused",
         "datagrams_received",
         "datagrams_sent",
+        "datagrams_too_large",
         "dropped",
         "noconn_suppressed",
+        "queries_unanswered",
+        "send_buffer_drops",
+        "send_errors",
         "simultaneous_opens",
         "source_connections_refused",
         "source_handshakes_limited",
@@ -405,6 +429,13 @@ class EndpointStats:
         # is answered with a REJECT naming it).
         self.tokens_accepted = 0
         self.tokens_refused: Counter[str] = Counter()
+        # What the socket layer (``rudp.aio``) could not send: a full send buffer,
+        # send and ICMP errors, EMSGSIZE; and query replies withheld as larger than
+        # their query.
+        self.send_buffer_drops = 0
+        self.send_errors = 0
+        self.datagrams_too_large = 0
+        self.queries_unanswered = 0
         # Counters of connections that have ended, so exported totals never go back.
         self.closed_totals: Counter[str] = Counter()
 

@@ -243,10 +243,6 @@ class AioEndpoint:
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
         # Where datagrams go instead of the socket (set_path), None: the socket.
         self._path: DatagramPath | None = None
-        self.send_errors = 0
-        self.datagrams_too_large = 0  # sends refused with EMSGSIZE
-        self.queries_unanswered = 0  # replies withheld because they exceeded the request
-        self.send_buffer_drops = 0
         self._closed = False
         self._closed_event = asyncio.Event()
         self._max_read = config.max_datagrams_per_read
@@ -581,7 +577,7 @@ class AioEndpoint:
     def _buffer(self, data: bytes, address: Address) -> None:
         if len(self._send_buffer) >= SEND_BUFFER_LIMIT:
             # Reliable data in it will be resent; the count says what happened.
-            self.send_buffer_drops += 1
+            self.core.stats.send_buffer_drops += 1
             return
         self._send_buffer.append((data, address))
 
@@ -603,11 +599,11 @@ class AioEndpoint:
             # Larger than the interface (or the kernel's path MTU) allows: the socket
             # never fragments (see rudp.aio.server). Expected of path MTU probes, so
             # the connection is told, and nothing is logged or raised.
-            self.datagrams_too_large += 1
+            self.core.stats.datagrams_too_large += 1
             self.core.datagram_refused(address, len(data), monotonic())
             self._schedule_flush()
             return
-        self.send_errors += 1
+        self.core.stats.send_errors += 1
         if exc.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
             log.warning("send_error peer=%s error=%r", format_address(address), str(exc))
 
@@ -738,7 +734,7 @@ class AioEndpoint:
         if len(reply) > event.max_reply:
             # The request was not padded enough: answering would amplify. Anyone can
             # send such requests, so this is counted, not logged as an error.
-            self.queries_unanswered += 1
+            self.core.stats.queries_unanswered += 1
             log.debug("query_reply_too_large size=%d allowed=%d", len(reply), event.max_reply)
             return
         self.core.reply_query(event, reply)
@@ -918,6 +914,25 @@ class AioEndpoint:
     @property
     def is_closed(self) -> bool:
         return self._closed
+
+    # What the socket could not send, kept in the core's ``stats`` (so exported with
+    # them: ``rudp_send_errors_total`` and the like); read here as well.
+
+    @property
+    def send_errors(self) -> int:
+        return self.core.stats.send_errors
+
+    @property
+    def datagrams_too_large(self) -> int:
+        return self.core.stats.datagrams_too_large
+
+    @property
+    def send_buffer_drops(self) -> int:
+        return self.core.stats.send_buffer_drops
+
+    @property
+    def queries_unanswered(self) -> int:
+        return self.core.stats.queries_unanswered
 
     async def wait_closed(self) -> None:
         await self._closed_event.wait()

@@ -10,7 +10,7 @@ turn) and moves bytes through the loop's own datagram transport instead:
   loop iteration on asyncio's transports, so no 256-datagram drain per wake-up);
 * writing: ``transport.sendto``, which buffers when the socket would block; past
   ``SEND_BUFFER_LIMIT`` datagrams' worth of bytes buffered, datagrams are dropped
-  and counted in ``send_buffer_drops`` (reliable data is resent), as
+  and counted in ``stats.send_buffer_drops`` (reliable data is resent), as
   ``AioEndpoint`` does with its own buffer;
 * closing: the transport closes the socket a loop turn after ``abort()``;
   `released` waits for that, so that a closed server's port is free.
@@ -79,7 +79,7 @@ class DatagramLink(asyncio.DatagramProtocol):
 
     def error_received(self, exc: Exception) -> None:
         # Send errors and ICMP errors queued on the socket both arrive here.
-        self._endpoint.send_errors += 1
+        self._endpoint.core.stats.send_errors += 1
         if getattr(exc, "errno", None) not in (
             errno.ECONNREFUSED,
             errno.EHOSTUNREACH,
@@ -99,7 +99,7 @@ class DatagramLink(asyncio.DatagramProtocol):
         limit = SEND_BUFFER_LIMIT * self._endpoint.config.max_datagram_size
         # Every loop's datagram transport has it; typeshed's DatagramTransport omits it.
         if transport.get_write_buffer_size() >= limit:  # type: ignore[attr-defined]
-            self._endpoint.send_buffer_drops += 1
+            self._endpoint.core.stats.send_buffer_drops += 1
             return
         transport.sendto(data, address)
 

@@ -146,3 +146,21 @@ async def test_a_closed_endpoint_counts_until_it_is_dropped_then_leaves() -> Non
     assert repr(collector) == "<RudpCollector endpoints=1>"
     assert scrape(registry)[("rudp_messages_received_total", ())] == 3
     await kept.close()
+
+
+async def test_a_full_send_buffer_says_so_in_the_stats_and_the_metrics() -> None:
+    from rudp.aio.endpoint import SEND_BUFFER_LIMIT
+
+    server = await rudp.serve(lambda conn: conn.wait_closed(), "127.0.0.1", 0)
+    try:
+        registry = CollectorRegistry()
+        RudpCollector([server], registry=registry)
+        endpoint = server.endpoint
+        # What the flush does while the socket would block: buffer, up to the limit.
+        for _ in range(SEND_BUFFER_LIMIT + 3):
+            endpoint._buffer(b"x", ("127.0.0.1", 9))
+        assert server.stats.send_buffer_drops == 3 == endpoint.send_buffer_drops
+        assert scrape(registry)[("rudp_send_buffer_drops_total", ())] == 3
+    finally:
+        endpoint._send_buffer.clear()
+        await server.close()
