@@ -24,7 +24,16 @@ head of at most 8 KiB and 64 header lines, read within ``http_timeout``
 seconds, at most ``http_max_connections`` connections at once (more are
 refused with 503), of which at most `MAX_CONNECTIONS_PER_IP` from one source
 (more get 429), so one source cannot starve the probes.  Bodies are not
-accepted; anything but GET/HEAD gets 405.
+accepted; anything but GET/HEAD gets 405.  A refused connection (429, 503) is
+answered and closed at once: it holds no descriptor while a client lingers.
+
+The answers that cost in proportion to the registry (``/servers``, ``/metrics``)
+are built one at a time, so the event loop serves the UDP port (registrations,
+heartbeats) between any two of them, however many arrive at once; at most
+`MAX_WAITING_BUILDS` wait, more get 503.  ``/metrics`` is built at most once a
+`METRICS_CACHE_SECONDS`: a scrape within that time gets the last body.  Every
+answer is counted in ``matchmaker_http_requests_total`` by path and status,
+refusals included.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ import contextlib
 import json
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import structlog
@@ -65,6 +75,11 @@ MAX_HEADER_LINES = 64
 MAX_QUERY_FIELDS = 32
 MAX_CONNECTIONS_PER_IP = 8
 """Concurrent connections from one source (IPv6: one /64), lingering ones included."""
+MAX_WAITING_BUILDS = 16
+"""Requests for ``/servers`` or ``/metrics`` that may wait while another is built;
+more are answered 503 at once."""
+METRICS_CACHE_SECONDS = 1.0
+"""How long a ``/metrics`` body is served again instead of built anew."""
 _BOOL_FIELDS = ("not_full", "not_empty", "password")
 _INT_FIELDS = ("family", "limit")
 _LIST_FIELDS = ("tags_all", "tags_any")
@@ -92,6 +107,9 @@ class Response:
         return cls(status, json.dumps(payload, separators=(",", ":")).encode())
 
 
+_BUSY = Response.json(503, {"error": "busy"})
+
+
 class BadRequest(Exception):
     def __init__(self, status: int, reason: str, detail: str = "") -> None:
         super().__init__(reason)
@@ -100,6 +118,7 @@ class BadRequest(Exception):
         self.detail = detail
 
 
+T = TypeVar("T")
 ListServers = Callable[[ListRequest], Awaitable[list[dict[str, Any]]]]
 Exposition = Callable[[], Awaitable[bytes]]
 """The /metrics body: by default this process's registry; with several workers, every
@@ -120,8 +139,14 @@ class HttpApi:
         is_shutting_down: Callable[[], bool],
         exposition: Exposition | None = None,
         workers_down: Callable[[], list[int]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._exposition = exposition
+        self._clock = clock
+        # One costly answer built at a time (module doc), and how many wait for it.
+        self._building = asyncio.Lock()
+        self._waiting = 0
+        self._metrics_body: tuple[float, bytes] | None = None
         self._registry = registry
         self._metrics = metrics
         self._list_servers = list_servers
@@ -135,10 +160,9 @@ class HttpApi:
         parts = urlsplit(target)
         path = parts.path
         if path == "/metrics":
-            if self._exposition is not None:
-                body = await self._exposition()
-            else:
-                body = generate_latest(self._metrics.registry)
+            body = await self._one_at_a_time(self._metrics_exposition)
+            if body is None:
+                return path, _BUSY
             return path, Response(200, body, CONTENT_TYPE_LATEST)
         if path == "/healthz":
             # 200 while a sibling worker is down too: the supervisor restarts it.
@@ -165,6 +189,40 @@ class HttpApi:
             body["workers_down"] = down
         return Response.json(200 if ready else 503, body)
 
+    async def _one_at_a_time(self, build: Callable[[], Awaitable[T]]) -> T | None:
+        """``build()``'s result, built while no other costly answer is; None (answer
+        503) when `MAX_WAITING_BUILDS` requests already wait."""
+        if self._building.locked():
+            if self._waiting >= MAX_WAITING_BUILDS:
+                return None
+            self._waiting += 1
+            try:
+                await self._building.acquire()
+            finally:
+                self._waiting -= 1
+        else:
+            await self._building.acquire()
+        try:
+            # Built on a turn of the loop of its own: requests that arrived together
+            # would otherwise each take the free lock and build, back to back, in one
+            # turn. The next waiter runs on a later turn, after the loop's I/O.
+            await asyncio.sleep(0)
+            return await build()
+        finally:
+            self._building.release()
+
+    async def _metrics_exposition(self) -> bytes:
+        cached = self._metrics_body
+        now = self._clock()
+        if cached is not None and now - cached[0] < METRICS_CACHE_SECONDS:
+            return cached[1]
+        if self._exposition is not None:
+            body = await self._exposition()
+        else:
+            body = generate_latest(self._metrics.registry)
+        self._metrics_body = (self._clock(), body)
+        return body
+
     async def _servers(self, query: str, client_ip: str) -> Response:
         if not self._limiter.allow(rate_key(client_ip)):
             self._metrics.rate_limited.labels("list").inc()
@@ -173,6 +231,10 @@ class HttpApi:
             f = parse_filter(query, self._limits)
         except MessageError as exc:
             return Response.json(400, {"error": exc.reason.value, "detail": exc.detail})
+        answer = await self._one_at_a_time(lambda: self._servers_answer(f))
+        return _BUSY if answer is None else answer
+
+    async def _servers_answer(self, f: ListFilter) -> Response:
         servers = await self._list_servers(ListRequest(filter=f))
         # The answer is a random sample of at most `limit` matches: at the limit, there
         # may be more (a narrower filter, or a higher --list-limit, would show them).
@@ -280,15 +342,19 @@ class HttpServer:
         self._per_source[source] = count + 1
         done = False
         try:
-            if count >= MAX_CONNECTIONS_PER_IP:
-                resp = Response.json(429, {"error": "too_many_connections"})
+            if count >= MAX_CONNECTIONS_PER_IP or self._slots.locked():
+                # Refused: answered and closed at once, without lingering (a flood of
+                # refused connections would otherwise hold a descriptor each).
+                if count >= MAX_CONNECTIONS_PER_IP:
+                    resp = Response.json(429, {"error": "too_many_connections"})
+                else:
+                    resp = _BUSY
+                self._metrics.observe_http("other", resp.status)
                 await self._respond(writer, resp, head=False)
-            elif self._slots.locked():
-                await self._respond(writer, Response.json(503, {"error": "busy"}), head=False)
             else:
                 async with self._slots:
                     await self._serve_one(reader, writer)
-            await self._linger(reader, writer)
+                await self._linger(reader, writer)
             done = True
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; nothing to answer
@@ -327,13 +393,16 @@ class HttpServer:
         try:
             method, target = await asyncio.wait_for(read_head(reader), self._timeout)
         except TimeoutError:
+            self._metrics.observe_http("other", 408)
             await self._respond(writer, Response.json(408, {"error": "timeout"}), head=False)
             return
         except BadRequest as exc:
+            self._metrics.observe_http("other", exc.status)
             body = {"error": exc.reason, "detail": exc.detail}
             await self._respond(writer, Response.json(exc.status, body), head=False)
             return
         if method not in ("GET", "HEAD"):
+            self._metrics.observe_http("other", 405)
             resp = Response.json(405, {"error": "method_not_allowed"})
             await self._respond(writer, resp, head=False, extra=b"Allow: GET, HEAD\r\n")
             return

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import ipaddress
+import itertools
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -15,7 +16,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from matchmaker.addresses import Address
-from matchmaker.http import MAX_CONNECTIONS_PER_IP, HttpApi, HttpServer, entry_json
+from matchmaker.http import (
+    MAX_CONNECTIONS_PER_IP,
+    MAX_WAITING_BUILDS,
+    METRICS_CACHE_SECONDS,
+    HttpApi,
+    HttpServer,
+    entry_json,
+)
 from matchmaker.messages import ListRequest, entry_fields
 from matchmaker.metrics import capped_games
 from matchmaker.ratelimit import RateLimiter
@@ -255,6 +263,106 @@ async def test_one_source_cannot_take_every_connection(site: Site) -> None:
         for w in held:
             w.close()
         await site.server.close()
+
+
+async def test_a_refused_connection_is_closed_at_once_and_counted() -> None:
+    harness = Harness()
+    site = await start_site(harness, timeout=30.0, max_connections=MAX_CONNECTIONS_PER_IP + 1)
+    held = []
+    try:
+        host, port = site.server.address
+        for _ in range(MAX_CONNECTIONS_PER_IP):
+            _r, w = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+            w.write(b"GET /healthz HTTP/1.1\r\n")  # and never finishes the head
+            held.append(w)
+        await eventually(lambda: sum(site.server._per_source.values()) >= MAX_CONNECTIONS_PER_IP)
+        reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+        # Answered and closed long before the 30 s a lingering connection would take.
+        data = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert data.startswith(b"HTTP/1.1 429")
+        await eventually(lambda: sum(site.server._per_source.values()) == MAX_CONNECTIONS_PER_IP)
+        status, _, _ = await site.raw(b"BREW /pot HTTP/1.1\r\n\r\n")
+        assert status == 405
+        counted = {
+            (s.labels["path"], s.labels["code"]): s.value
+            for f in text_string_to_metric_families(
+                (await site.server._api.route("/metrics", "127.0.0.9"))[1].body.decode()
+            )
+            if f.name == "matchmaker_http_requests"
+            for s in f.samples
+            if s.name.endswith("_total")
+        }
+        assert counted[("other", "429")] == 1 and counted[("other", "405")] == 1
+    finally:
+        for w in held:
+            w.close()
+        await site.server.close()
+
+
+def _api(harness: Harness, list_servers: Any, **kw: Any) -> HttpApi:
+    return HttpApi(
+        registry=harness.registry,
+        metrics=harness.metrics,
+        list_servers=list_servers,
+        limits=harness.settings.limits,
+        list_limiter=RateLimiter(harness.settings.list_bucket, clock=harness.clock),
+        is_shutting_down=lambda: False,
+        **kw,
+    )
+
+
+async def test_costly_answers_are_built_one_at_a_time_with_the_loop_running_between() -> None:
+    # Every /servers answer costs in proportion to the registry, synchronously: built
+    # back to back in one turn of the loop, a burst would keep the UDP port waiting.
+    turns = 0
+    built_at: list[int] = []
+
+    async def tick() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    async def servers(req: ListRequest) -> list[dict[str, Any]]:
+        built_at.append(turns)
+        return []
+
+    ticker = asyncio.create_task(tick())
+    try:
+        api = _api(Harness(), servers)
+        n = MAX_WAITING_BUILDS + 1  # one building, the rest waiting: all answered
+        answers = await asyncio.gather(
+            *(api.route("/servers?game=q3", f"10.0.{i}.1") for i in range(n))
+        )
+        assert [resp.status for _, resp in answers] == [200] * n
+        assert len(built_at) == n
+        assert all(b > a for a, b in itertools.pairwise(built_at)), built_at
+        # One more than may wait is told so at once.
+        answers = await asyncio.gather(
+            *(api.route("/servers?game=q3", f"10.1.{i}.1") for i in range(n + 1))
+        )
+        assert sorted(resp.status for _, resp in answers) == [200] * n + [503]
+    finally:
+        ticker.cancel()
+
+
+async def test_metrics_are_built_at_most_once_a_second() -> None:
+    now = [100.0]
+    built = [0]
+
+    async def exposition() -> bytes:
+        built[0] += 1
+        return b"# %d\n" % built[0]
+
+    async def servers(req: ListRequest) -> list[dict[str, Any]]:
+        return []
+
+    api = _api(Harness(), servers, exposition=exposition, clock=lambda: now[0])
+    bodies = [(await api.route("/metrics", "10.0.0.1"))[1].body for _ in range(3)]
+    assert bodies == [b"# 1\n"] * 3 and built == [1]
+    now[0] += METRICS_CACHE_SECONDS
+    assert (await api.route("/metrics", "10.0.0.1"))[1].body == b"# 2\n"
 
 
 # ------------------------------------------------------------------ metrics
