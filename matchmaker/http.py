@@ -30,10 +30,8 @@ answered and closed at once: it holds no descriptor while a client lingers.
 The answers that cost in proportion to the registry (``/servers``, ``/metrics``)
 are built one at a time, so the event loop serves the UDP port (registrations,
 heartbeats) between any two of them, however many arrive at once; at most
-`MAX_WAITING_BUILDS` wait, more get 503.  ``/metrics`` is built at most once a
-`METRICS_CACHE_SECONDS`: a scrape within that time gets the last body.  Every
-answer is counted in ``matchmaker_http_requests_total`` by path and status,
-refusals included.
+`MAX_WAITING_BUILDS` wait, more get 503.  Every answer is counted in
+``matchmaker_http_requests_total`` by path and status, refusals included.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ import contextlib
 import json
 import socket
 import struct
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -78,8 +75,6 @@ MAX_CONNECTIONS_PER_IP = 8
 MAX_WAITING_BUILDS = 16
 """Requests for ``/servers`` or ``/metrics`` that may wait while another is built;
 more are answered 503 at once."""
-METRICS_CACHE_SECONDS = 1.0
-"""How long a ``/metrics`` body is served again instead of built anew."""
 _BOOL_FIELDS = ("not_full", "not_empty", "password")
 _INT_FIELDS = ("family", "limit")
 _LIST_FIELDS = ("tags_all", "tags_any")
@@ -139,14 +134,11 @@ class HttpApi:
         is_shutting_down: Callable[[], bool],
         exposition: Exposition | None = None,
         workers_down: Callable[[], list[int]] | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._exposition = exposition
-        self._clock = clock
         # One costly answer built at a time (module doc), and how many wait for it.
         self._building = asyncio.Lock()
         self._waiting = 0
-        self._metrics_body: tuple[float, bytes] | None = None
         self._registry = registry
         self._metrics = metrics
         self._list_servers = list_servers
@@ -212,16 +204,9 @@ class HttpApi:
             self._building.release()
 
     async def _metrics_exposition(self) -> bytes:
-        cached = self._metrics_body
-        now = self._clock()
-        if cached is not None and now - cached[0] < METRICS_CACHE_SECONDS:
-            return cached[1]
         if self._exposition is not None:
-            body = await self._exposition()
-        else:
-            body = generate_latest(self._metrics.registry)
-        self._metrics_body = (self._clock(), body)
-        return body
+            return await self._exposition()
+        return generate_latest(self._metrics.registry)
 
     async def _servers(self, query: str, client_ip: str) -> Response:
         if not self._limiter.allow(rate_key(client_ip)):

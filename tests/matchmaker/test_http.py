@@ -19,7 +19,6 @@ from matchmaker.addresses import Address
 from matchmaker.http import (
     MAX_CONNECTIONS_PER_IP,
     MAX_WAITING_BUILDS,
-    METRICS_CACHE_SECONDS,
     HttpApi,
     HttpServer,
     entry_json,
@@ -345,24 +344,6 @@ async def test_costly_answers_are_built_one_at_a_time_with_the_loop_running_betw
         assert sorted(resp.status for _, resp in answers) == [200] * n + [503]
     finally:
         ticker.cancel()
-
-
-async def test_metrics_are_built_at_most_once_a_second() -> None:
-    now = [100.0]
-    built = [0]
-
-    async def exposition() -> bytes:
-        built[0] += 1
-        return b"# %d\n" % built[0]
-
-    async def servers(req: ListRequest) -> list[dict[str, Any]]:
-        return []
-
-    api = _api(Harness(), servers, exposition=exposition, clock=lambda: now[0])
-    bodies = [(await api.route("/metrics", "10.0.0.1"))[1].body for _ in range(3)]
-    assert bodies == [b"# 1\n"] * 3 and built == [1]
-    now[0] += METRICS_CACHE_SECONDS
-    assert (await api.route("/metrics", "10.0.0.1"))[1].body == b"# 2\n"
 
 
 # ------------------------------------------------------------------ metrics
