@@ -71,7 +71,9 @@ and `expire()` does nothing.  A background task retries; on success it reloads
 the index, re-asserts every host this replica still owns and replays removals.
 A re-assertion replaces whatever Redis holds for the address unless that was
 registered *after* the host registered here (it moved on), so a host that
-re-homed here from a dead replica ends up owned by this one.  The loaded copy
+re-homed here from a dead replica ends up owned by this one.  It keeps the
+registration's time, so the newest registration wins whichever replica writes
+back first.  The loaded copy
 replaces the index only once this replica's own hosts are merged into it; if
 Redis came back empty (a new ``epoch``) every host listed before is carried
 over too, until its replica writes it back or the grace period ends: lists
@@ -161,13 +163,20 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # a registration made after it (`registered`, the replica's estimate of Redis
 # time when the host registered with it).  An older entry is replaced: the
 # host left that replica (which may be dead, and cannot re-assert) for this one.
+# A re-assertion keeps its registration time, so that whichever replica writes
+# back first, the newest registration of an address wins.
+# Returns {status, now, stream id, reg}; status 1 written, 0 over the cap, 2 lost.
 _UPSERT = (
     _NOW
     + """
 local cur = redis.call('HGET', KEYS[1], 'token')
-if ARGV[7] == 'reassert' and cur and cur ~= ARGV[4]
-  and tonumber(redis.call('HGET', KEYS[1], 'reg') or '0') >= tonumber(ARGV[8]) then
-  return {2, now, ''}
+local reg = now
+if ARGV[7] == 'reassert' then
+  if cur and cur ~= ARGV[4]
+    and tonumber(redis.call('HGET', KEYS[1], 'reg') or '0') >= tonumber(ARGV[8]) then
+    return {2, now, '', 0}
+  end
+  reg = math.min(now, tonumber(ARGV[8]))
 end
 if cur then
   -- Replacing an entry: it leaves the cap set it was counted in, if another.
@@ -182,17 +191,17 @@ elseif redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then
       redis.call('SREM', KEYS[3], member)
     end
   end
-  if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, ''} end
+  if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, '', 0} end
 end
 -- A new registration's counters start afresh (at random): the old one's last is void.
 if cur ~= ARGV[4] then redis.call('HDEL', KEYS[1], 'beat') end
-redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now,
+redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', reg,
   'cap', KEYS[3])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
 local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'op', 'upsert',
-  'addr', ARGV[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now, 'seen', now)
-return {1, now, id}
+  'addr', ARGV[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', reg, 'seen', now)
+return {1, now, id, reg}
 """
 )
 
@@ -631,18 +640,17 @@ class RedisRegistry(Registry):
         ]
         args = [address.key, _pack_info(info), self.replica_id, token, max_per_ip, self._maxlen]
         args += [mode, int(registered_at * 1000)]
-        status, now_ms, sid = await self._script("upsert", keys, args)
+        status, now_ms, sid, reg_ms = await self._script("upsert", keys, args)
         self._set_redis_now(now_ms)
         if status != 1:
             return None, status
-        now = now_ms / 1000.0
         rec = HostRecord(
             address=address,
             info=info,
             owner=self.replica_id,
             token=token,
-            registered_at=now,
-            last_seen=now,
+            registered_at=reg_ms / 1000.0,
+            last_seen=now_ms / 1000.0,
         )
         self._apply_own(rec, _sid(sid))
         return rec, status

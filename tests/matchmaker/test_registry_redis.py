@@ -224,6 +224,59 @@ async def test_reassert_yields_to_a_newer_registration(
     assert a.owned() == []
 
 
+def restart_empty(server: RedisProcess) -> None:
+    """Start `server` again without its data (no persistence survived)."""
+    shutil.rmtree(server.directory)
+    server.directory.mkdir()
+    server.start()
+
+
+def hold_resync(reg: RedisRegistry) -> asyncio.Event:
+    """Make `reg`'s next reloads wait until the returned event is set."""
+    real = reg._resync
+    gate = asyncio.Event()
+
+    async def held() -> None:
+        await gate.wait()
+        await real()
+
+    reg._resync = held  # type: ignore[method-assign]
+    return gate
+
+
+async def stored_hash(server: RedisProcess, address: Address) -> dict[bytes, bytes]:
+    r = aioredis.Redis.from_url(server.url)
+    try:
+        return await r.hgetall(f"{{mm}}:h:{address.key}")  # type: ignore[no-any-return]
+    finally:
+        await r.aclose()
+
+
+async def test_the_newest_registration_wins_whoever_writes_back_first_after_data_loss(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    old = await a.upsert(addr(1), host("old"), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    gate = hold_resync(b)  # b writes back last
+    redis_server.kill()
+    await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
+    newer = await b.upsert(addr(1), host("new"), max_per_ip=10)  # the host moved to b
+    assert newer.registered_at > old.registered_at
+    restart_empty(redis_server)
+    await asyncio.wait_for(a.wait_synced(), 10)
+    # a wrote its (older) registration back first...
+    assert (await stored_hash(redis_server, addr(1)))[b"token"] == old.token.encode()
+    gate.set()
+    await asyncio.wait_for(b.wait_synced(), 10)
+    # ...and b's newer one replaced it all the same.
+    got = await stored_hash(redis_server, addr(1))
+    assert (got[b"owner"], got[b"token"]) == (b"b", newer.token.encode())
+    await eventually(lambda: (r := a.get(addr(1))) is not None and r.token == newer.token)
+    assert a.owned() == [] and [r.token for r in b.owned()] == [newer.token]
+
+
 async def test_observer_sees_operations_and_failures(
     replica: Factory, redis_server: RedisProcess
 ) -> None:
