@@ -73,7 +73,9 @@ A re-assertion replaces whatever Redis holds for the address unless that was
 registered *after* the host registered here (it moved on), so a host that
 re-homed here from a dead replica ends up owned by this one.  It keeps the
 registration's time, so the newest registration wins whichever replica writes
-back first.  The loaded copy
+back first.  A host another replica took over meanwhile (the same token under
+another owner in the copy loaded, or in Redis when written back) is not ours any
+more: it is neither re-asserted nor counted as ours.  The loaded copy
 replaces the index only once this replica's own hosts are merged into it; if
 Redis came back empty (a new ``epoch``) every host listed before is carried
 over too, until its replica writes it back or the grace period ends: lists
@@ -164,7 +166,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # time when the host registered with it).  An older entry is replaced: the
 # host left that replica (which may be dead, and cannot re-assert) for this one.
 # A re-assertion keeps its registration time, so that whichever replica writes
-# back first, the newest registration of an address wins.
+# back first, the newest registration of an address wins; it never takes back a
+# registration another replica took over.
 # Returns {status, now, stream id, reg}; status 1 written, 0 over the cap, 2 lost.
 _UPSERT = (
     _NOW
@@ -174,6 +177,10 @@ local reg = now
 if ARGV[7] == 'reassert' then
   if cur and cur ~= ARGV[4]
     and tonumber(redis.call('HGET', KEYS[1], 'reg') or '0') >= tonumber(ARGV[8]) then
+    return {2, now, '', 0}
+  end
+  -- The same registration under another owner: taken over (`_TAKE_OVER`) meanwhile.
+  if cur == ARGV[4] and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then
     return {2, now, '', 0}
   end
   reg = math.min(now, tonumber(ARGV[8]))
@@ -931,6 +938,7 @@ class RedisRegistry(Registry):
         last = await self._op("xrevrange", self._redis.xrevrange(self._k("events"), count=1))
         self._last_id = last[0][0].decode() if last else "0-0"
         fresh, lost = await self._load()
+        self._drop_taken_over(fresh)
         # What Redis holds of ours, before our own records are merged in.
         stored = {a: fresh.get(a) for a in self._owned}
         self._merge(fresh, lost)
@@ -948,6 +956,17 @@ class RedisRegistry(Registry):
                 await self._replay_removal(address, token)
             await self._reassert(todo, stored)
             done.update(todo)
+
+    def _drop_taken_over(self, fresh: LocalIndex) -> None:
+        """Stop counting as ours the hosts another replica took over while we were
+        cut off: `fresh` (the copy just loaded) holds the same registration (its
+        token) under another owner.  The follower would have dropped them on the
+        ``owner`` event, which came while it was not reading."""
+        for address, rec in list(self._owned.items()):
+            there = fresh.get(address)
+            if there is not None and there.token == rec.token and there.owner != self.replica_id:
+                del self._owned[address]
+                log.info("reassert_lost", host=address.key, owner=there.owner[:64])
 
     def _merge(self, fresh: LocalIndex, lost: bool) -> None:
         """Put into `fresh` (the copy just loaded) what it lacks and must not lose.
@@ -1063,8 +1082,14 @@ class RedisRegistry(Registry):
         for address, rec in todo.items():
             self._check_closing()
             there = stored.get(address)
-            # Same token but other info: updated locally during the outage.
-            if there is not None and there.token == rec.token and there.info == rec.info:
+            # Written back unless Redis holds it, ours, as it is here (other info:
+            # updated locally during the outage).
+            if (
+                there is not None
+                and there.token == rec.token
+                and there.owner == self.replica_id
+                and there.info == rec.info
+            ):
                 still_ours.append(address)
                 continue
             # 10**6: the host was accepted under the cap once; do not evict it

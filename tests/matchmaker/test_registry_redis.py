@@ -19,6 +19,8 @@ from matchmaker.registry import (
     RegistryBusy,
     RegistryUnavailable,
     RemovalReason,
+    Takeover,
+    TakeoverResult,
     TooManyHosts,
 )
 from matchmaker.registry.redis import RedisRegistry
@@ -231,17 +233,19 @@ def restart_empty(server: RedisProcess) -> None:
     server.start()
 
 
-def hold_resync(reg: RedisRegistry) -> asyncio.Event:
-    """Make `reg`'s next reloads wait until the returned event is set."""
+def hold_resync(reg: RedisRegistry) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make `reg`'s next reloads wait until the second event returned is set; the
+    first is set when one starts waiting."""
     real = reg._resync
-    gate = asyncio.Event()
+    entered, gate = asyncio.Event(), asyncio.Event()
 
     async def held() -> None:
+        entered.set()
         await gate.wait()
         await real()
 
     reg._resync = held  # type: ignore[method-assign]
-    return gate
+    return entered, gate
 
 
 async def stored_hash(server: RedisProcess, address: Address) -> dict[bytes, bytes]:
@@ -259,7 +263,7 @@ async def test_the_newest_registration_wins_whoever_writes_back_first_after_data
     b = await replica(replica_id="b")
     old = await a.upsert(addr(1), host("old"), max_per_ip=10)
     await eventually(lambda: b.get(addr(1)) is not None)
-    gate = hold_resync(b)  # b writes back last
+    _, gate = hold_resync(b)  # b writes back last
     redis_server.kill()
     await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
     newer = await b.upsert(addr(1), host("new"), max_per_ip=10)  # the host moved to b
@@ -275,6 +279,33 @@ async def test_the_newest_registration_wins_whoever_writes_back_first_after_data
     assert (got[b"owner"], got[b"token"]) == (b"b", newer.token.encode())
     await eventually(lambda: (r := a.get(addr(1))) is not None and r.token == newer.token)
     assert a.owned() == [] and [r.token for r in b.owned()] == [newer.token]
+
+
+async def test_a_host_taken_over_while_its_replica_was_cut_off_is_not_its_own_after(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    rec = await a.upsert(addr(1), host(), max_per_ip=10)
+    await a.touch({addr(1): 5})
+    await eventually(lambda: b.get(addr(1)) is not None)
+    entered, gate = hold_resync(a)
+    a._mark_stale(ConnectionError("test partition"))  # a alone is cut off...
+    await asyncio.wait_for(entered.wait(), 5)  # ...and no longer reads the stream
+    # The host's heartbeats now reach b, which takes it over.
+    assert await b.take_over([Takeover(addr(1), rec.token, 7)]) == [TakeoverResult.TAKEN]
+    gate.set()
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert a.owned() == [] and [r.token for r in b.owned()] == [rec.token]
+    got = a.get(addr(1))
+    assert got is not None and got.owner == "b"
+    assert (await stored_hash(redis_server, addr(1)))[b"owner"] == b"b"
+    # Nor does a late re-assertion of the same registration take it back.
+    late = await a._upsert_remote(
+        addr(1), rec.info, rec.token, 10**6, "reassert", rec.registered_at
+    )
+    assert late == (None, 2)
+    assert (await stored_hash(redis_server, addr(1)))[b"owner"] == b"b"
 
 
 async def test_observer_sees_operations_and_failures(
