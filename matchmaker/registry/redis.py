@@ -68,7 +68,8 @@ at the last known Redis time (so nobody gets hidden for silence that is our
 fault), queries keep answering from the index, writes by this replica's own
 hosts are applied to the index and remembered (`_owned`, `_pending_removals`),
 and `expire()` does nothing.  A background task retries; on success it reloads
-the index, re-asserts every host this replica still owns and replays removals.
+the index, re-asserts every host this replica still owns and replays removals
+(again for a host that changes meanwhile, until nothing is left to write).
 A re-assertion replaces whatever Redis holds for the address unless that was
 registered *after* the host registered here (it moved on), so a host that
 re-homed here from a dead replica ends up owned by this one.  It keeps the
@@ -637,7 +638,13 @@ class RedisRegistry(Registry):
         max_per_ip: int,
         mode: str,
         registered_at: float = 0.0,
+        reasserting: HostRecord | None = None,
     ) -> tuple[HostRecord | None, int]:
+        """Write one registration; the record written, or None and the status.
+
+        `reasserting` is the record a re-assertion writes back: if another is ours
+        (or none) by the time the reply comes, the host changed meanwhile, and the
+        reply must not undo that; the next pass of `_resync` writes the change."""
         keys = [
             self._k("h", address.key),
             self._k("seen"),
@@ -659,7 +666,8 @@ class RedisRegistry(Registry):
             registered_at=reg_ms / 1000.0,
             last_seen=now_ms / 1000.0,
         )
-        self._apply_own(rec, _sid(sid))
+        if reasserting is None or self._owned.get(address) is reasserting:
+            self._apply_own(rec, _sid(sid))
         return rec, status
 
     def _upsert_local(
@@ -945,17 +953,19 @@ class RedisRegistry(Registry):
         _carry_beats(self._index, fresh)
         self._index = fresh
         self._ahead.clear()
-        done: set[Address] = set()
+        # The registration and info each host was written back with: one updated
+        # or registered again meanwhile is written back again.
+        done: dict[Address, tuple[str, HostInfo]] = {}
         while True:
             self._check_closing()
             removals = dict(self._pending_removals)
-            todo = {a: r for a, r in self._owned.items() if a not in done}
+            todo = {a: r for a, r in self._owned.items() if done.get(a) != (r.token, r.info)}
             if not removals and not todo:
                 return
             for address, token in removals.items():
                 await self._replay_removal(address, token)
             await self._reassert(todo, stored)
-            done.update(todo)
+            done.update((a, (r.token, r.info)) for a, r in todo.items())
 
     def _drop_taken_over(self, fresh: LocalIndex) -> None:
         """Stop counting as ours the hosts another replica took over while we were
@@ -1077,7 +1087,8 @@ class RedisRegistry(Registry):
     async def _reassert(
         self, todo: dict[Address, HostRecord], stored: dict[Address, HostRecord | None]
     ) -> None:
-        """Write back the registrations in `todo`; `stored` is what Redis held of them."""
+        """Write back the registrations in `todo`; `stored` is what Redis holds of
+        them, kept up to date with what this writes."""
         still_ours: list[Address] = []
         for address, rec in todo.items():
             self._check_closing()
@@ -1095,11 +1106,14 @@ class RedisRegistry(Registry):
             # 10**6: the host was accepted under the cap once; do not evict it
             # because others registered from its IP while we were away.
             got, status = await self._upsert_remote(
-                address, rec.info, rec.token, 10**6, "reassert", rec.registered_at
+                address, rec.info, rec.token, 10**6, "reassert", rec.registered_at, rec
             )
-            if got is None:
-                log.info("reassert_lost", host=address.key, status=status)
-                self._owned.pop(address, None)
+            if got is not None:
+                stored[address] = got
+                continue
+            log.info("reassert_lost", host=address.key, status=status)
+            if self._owned.get(address) is rec:  # not registered again meanwhile
+                del self._owned[address]
         if still_ours:
             await self._touch_remote(still_ours)
 

@@ -10,9 +10,9 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from matchmaker.addresses import Address
+from matchmaker.addresses import Address, parse_key
 from matchmaker.heartbeat import derive_secret
-from matchmaker.messages import ListFilter
+from matchmaker.messages import ListFilter, decode_host
 from matchmaker.metrics import Metrics
 from matchmaker.registry import (
     Notice,
@@ -306,6 +306,59 @@ async def test_a_host_taken_over_while_its_replica_was_cut_off_is_not_its_own_af
     )
     assert late == (None, 2)
     assert (await stored_hash(redis_server, addr(1)))[b"owner"] == b"b"
+
+
+@pytest.mark.parametrize("change", ["update", "register again"])
+@pytest.mark.parametrize("when", ["after its write", "while its write is answered"])
+async def test_a_host_changed_during_a_resync_is_written_back_as_changed(
+    replica: Factory, redis_server: RedisProcess, change: str, when: str
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    recs = {h: await a.upsert(h, host("before"), max_per_ip=10) for h in (addr(1), addr(2))}
+    await eventually(lambda: len(b.index()) == 2)
+    real = a._scripts["upsert"]
+    first: list[Address] = []
+    changed: list[str] = []
+
+    async def change_first(address: Address) -> None:
+        if change == "update":
+            await a.update(address, recs[address].token, host("after"))
+            changed.append(recs[address].token)
+        else:
+            assert await a.remove(address, RemovalReason.UNREGISTERED, token=recs[address].token)
+            changed.append((await a.upsert(address, host("after"), max_per_ip=10)).token)
+
+    async def hooked(keys: list[str], args: list[object]) -> object:
+        # Both hosts are written back (their info changed); the first one
+        # changes again while the resync still runs (the registry is stale).
+        if args[6] != "reassert" or changed:
+            return await real(keys=keys, args=args)
+        if first and when == "after its write":
+            await change_first(first[0])
+        got = await real(keys=keys, args=args)
+        first.append(parse_key(str(args[0])))
+        if when == "while its write is answered":
+            await change_first(first[0])
+        return got
+
+    entered, gate = hold_resync(a)
+    a._mark_stale(ConnectionError("test partition"))
+    await asyncio.wait_for(entered.wait(), 5)
+    for h, rec in recs.items():
+        await a.update(h, rec.token, host("during"))
+    a._scripts["upsert"] = hooked  # type: ignore[assignment]
+    gate.set()
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert len(changed) == 1
+    h = first[0]
+    got = await stored_hash(redis_server, h)
+    assert (got[b"owner"], got[b"token"]) == (b"a", changed[0].encode())
+    assert decode_host(got[b"info"]).name == "after"
+    mine = a.get(h)
+    assert mine is not None and (mine.token, mine.info.name) == (changed[0], "after")
+    await eventually(lambda: (r := b.get(h)) is not None and r.info.name == "after")
+    assert [(r.token, r.info.name) for r in a.owned() if r.address == h] == [(changed[0], "after")]
 
 
 async def test_observer_sees_operations_and_failures(
