@@ -79,8 +79,8 @@ another owner in the copy loaded, or in Redis when written back) is not ours any
 more: it is neither re-asserted nor counted as ours.  The loaded copy
 replaces the index only once this replica's own hosts are merged into it; if
 Redis came back empty (a new ``epoch``) every host listed before is carried
-over too, until its replica writes it back or the grace period ends: lists
-never shrink because Redis lost its data.
+over too, until its replica writes it back or the grace period ends (a reload
+meanwhile keeps carrying it): lists never shrink because Redis lost its data.
 
 **No mass expiry.**  If Redis itself was down (or every replica was), the
 hosts' ``seen`` scores are old when it returns.  The expiry script notices
@@ -987,20 +987,23 @@ class RedisRegistry(Registry):
           back within the grace period that an empty Redis opens; whatever is
           still only here when it ends is dropped (`_drop_carried`).
 
+        * The hosts carried over since an earlier loss that Redis still lacks: a
+          short outage within the grace period does not end it for them.
+
         Otherwise a host absent from Redis was removed or expired while we were
         away, and is not carried over.
         """
         for address, rec in self._owned.items():
             if fresh.get(address) is None and address not in self._pending_removals:
                 fresh.put(rec)
+        # Still listed as carried: not written back, removed or replaced since.
+        carried = [r for a, r in self._carried.items() if self._index.get(a) is r]
         self._carried.clear()
-        if not lost:
-            return
-        for rec in self._index:
+        for rec in self._index if lost else carried:
             if fresh.get(rec.address) is None and rec.address not in self._pending_removals:
                 fresh.put(rec)
                 self._carried[rec.address] = rec
-        if self._carried:
+        if lost and self._carried:
             log.info("registry_refilled", carried=len(self._carried))
 
     def _drop_carried(self, now: float) -> None:

@@ -713,6 +713,28 @@ async def test_carried_hosts_nobody_writes_back_are_dropped_after_the_grace_peri
     assert a.get(addr(1)) is not None
 
 
+async def test_a_second_short_outage_within_the_grace_period_keeps_carrying_hosts(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    await b.upsert(addr(2), host(), max_per_ip=10)
+    await eventually(lambda: len(a.index()) == 2)
+    hold_resync(b)  # b is slow to come back: nobody writes its host back meanwhile
+    redis_server.kill()
+    await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
+    restart_empty(redis_server)
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert {r.address for r in await a.query(Q3)} == {addr(1), addr(2)}  # carried
+    assert a.now() < a._grace_until
+    # A second, short outage of a alone, well within the grace period.
+    a._mark_stale(ConnectionError("test partition"))
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert a.now() < a._grace_until
+    assert {r.address for r in await a.query(Q3)} == {addr(1), addr(2)}
+
+
 async def test_every_replica_derives_the_same_heartbeat_secrets(
     replica: Factory, redis_server: RedisProcess
 ) -> None:
