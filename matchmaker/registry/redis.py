@@ -68,14 +68,19 @@ at the last known Redis time (so nobody gets hidden for silence that is our
 fault), queries keep answering from the index, writes by this replica's own
 hosts are applied to the index and remembered (`_owned`, `_pending_removals`),
 and `expire()` does nothing.  A background task retries; on success it reloads
-the index, re-asserts every host this replica still owns and replays removals.
+the index, re-asserts every host this replica still owns and replays removals
+(again for a host that changes meanwhile, until nothing is left to write).
 A re-assertion replaces whatever Redis holds for the address unless that was
 registered *after* the host registered here (it moved on), so a host that
-re-homed here from a dead replica ends up owned by this one.  The loaded copy
+re-homed here from a dead replica ends up owned by this one.  It keeps the
+registration's time, so the newest registration wins whichever replica writes
+back first.  A host another replica took over meanwhile (the same token under
+another owner in the copy loaded, or in Redis when written back) is not ours any
+more: it is neither re-asserted nor counted as ours.  The loaded copy
 replaces the index only once this replica's own hosts are merged into it; if
 Redis came back empty (a new ``epoch``) every host listed before is carried
-over too, until its replica writes it back or the grace period ends: lists
-never shrink because Redis lost its data.
+over too, until its replica writes it back or the grace period ends (a reload
+meanwhile keeps carrying it): lists never shrink because Redis lost its data.
 
 **No mass expiry.**  If Redis itself was down (or every replica was), the
 hosts' ``seen`` scores are old when it returns.  The expiry script notices
@@ -161,13 +166,25 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # a registration made after it (`registered`, the replica's estimate of Redis
 # time when the host registered with it).  An older entry is replaced: the
 # host left that replica (which may be dead, and cannot re-assert) for this one.
+# A re-assertion keeps its registration time, so that whichever replica writes
+# back first, the newest registration of an address wins; it never takes back a
+# registration another replica took over.
+# Returns {status, now, stream id, reg}; status 1 written, 0 over the cap, 2 lost.
 _UPSERT = (
     _NOW
     + """
 local cur = redis.call('HGET', KEYS[1], 'token')
-if ARGV[7] == 'reassert' and cur and cur ~= ARGV[4]
-  and tonumber(redis.call('HGET', KEYS[1], 'reg') or '0') >= tonumber(ARGV[8]) then
-  return {2, now, ''}
+local reg = now
+if ARGV[7] == 'reassert' then
+  if cur and cur ~= ARGV[4]
+    and tonumber(redis.call('HGET', KEYS[1], 'reg') or '0') >= tonumber(ARGV[8]) then
+    return {2, now, '', 0}
+  end
+  -- The same registration under another owner: taken over (`_TAKE_OVER`) meanwhile.
+  if cur == ARGV[4] and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then
+    return {2, now, '', 0}
+  end
+  reg = math.min(now, tonumber(ARGV[8]))
 end
 if cur then
   -- Replacing an entry: it leaves the cap set it was counted in, if another.
@@ -182,17 +199,17 @@ elseif redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then
       redis.call('SREM', KEYS[3], member)
     end
   end
-  if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, ''} end
+  if redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[5]) then return {0, now, '', 0} end
 end
 -- A new registration's counters start afresh (at random): the old one's last is void.
 if cur ~= ARGV[4] then redis.call('HDEL', KEYS[1], 'beat') end
-redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now,
+redis.call('HSET', KEYS[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', reg,
   'cap', KEYS[3])
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
 local id = redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'op', 'upsert',
-  'addr', ARGV[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', now, 'seen', now)
-return {1, now, id}
+  'addr', ARGV[1], 'info', ARGV[2], 'owner', ARGV[3], 'token', ARGV[4], 'reg', reg, 'seen', now)
+return {1, now, id, reg}
 """
 )
 
@@ -621,7 +638,13 @@ class RedisRegistry(Registry):
         max_per_ip: int,
         mode: str,
         registered_at: float = 0.0,
+        reasserting: HostRecord | None = None,
     ) -> tuple[HostRecord | None, int]:
+        """Write one registration; the record written, or None and the status.
+
+        `reasserting` is the record a re-assertion writes back: if another is ours
+        (or none) by the time the reply comes, the host changed meanwhile, and the
+        reply must not undo that; the next pass of `_resync` writes the change."""
         keys = [
             self._k("h", address.key),
             self._k("seen"),
@@ -631,20 +654,20 @@ class RedisRegistry(Registry):
         ]
         args = [address.key, _pack_info(info), self.replica_id, token, max_per_ip, self._maxlen]
         args += [mode, int(registered_at * 1000)]
-        status, now_ms, sid = await self._script("upsert", keys, args)
+        status, now_ms, sid, reg_ms = await self._script("upsert", keys, args)
         self._set_redis_now(now_ms)
         if status != 1:
             return None, status
-        now = now_ms / 1000.0
         rec = HostRecord(
             address=address,
             info=info,
             owner=self.replica_id,
             token=token,
-            registered_at=now,
-            last_seen=now,
+            registered_at=reg_ms / 1000.0,
+            last_seen=now_ms / 1000.0,
         )
-        self._apply_own(rec, _sid(sid))
+        if reasserting is None or self._owned.get(address) is reasserting:
+            self._apply_own(rec, _sid(sid))
         return rec, status
 
     def _upsert_local(
@@ -923,23 +946,37 @@ class RedisRegistry(Registry):
         last = await self._op("xrevrange", self._redis.xrevrange(self._k("events"), count=1))
         self._last_id = last[0][0].decode() if last else "0-0"
         fresh, lost = await self._load()
+        self._drop_taken_over(fresh)
         # What Redis holds of ours, before our own records are merged in.
         stored = {a: fresh.get(a) for a in self._owned}
         self._merge(fresh, lost)
         _carry_beats(self._index, fresh)
         self._index = fresh
         self._ahead.clear()
-        done: set[Address] = set()
+        # The registration and info each host was written back with: one updated
+        # or registered again meanwhile is written back again.
+        done: dict[Address, tuple[str, HostInfo]] = {}
         while True:
             self._check_closing()
             removals = dict(self._pending_removals)
-            todo = {a: r for a, r in self._owned.items() if a not in done}
+            todo = {a: r for a, r in self._owned.items() if done.get(a) != (r.token, r.info)}
             if not removals and not todo:
                 return
             for address, token in removals.items():
                 await self._replay_removal(address, token)
             await self._reassert(todo, stored)
-            done.update(todo)
+            done.update((a, (r.token, r.info)) for a, r in todo.items())
+
+    def _drop_taken_over(self, fresh: LocalIndex) -> None:
+        """Stop counting as ours the hosts another replica took over while we were
+        cut off: `fresh` (the copy just loaded) holds the same registration (its
+        token) under another owner.  The follower would have dropped them on the
+        ``owner`` event, which came while it was not reading."""
+        for address, rec in list(self._owned.items()):
+            there = fresh.get(address)
+            if there is not None and there.token == rec.token and there.owner != self.replica_id:
+                del self._owned[address]
+                log.info("reassert_lost", host=address.key, owner=there.owner[:64])
 
     def _merge(self, fresh: LocalIndex, lost: bool) -> None:
         """Put into `fresh` (the copy just loaded) what it lacks and must not lose.
@@ -950,20 +987,23 @@ class RedisRegistry(Registry):
           back within the grace period that an empty Redis opens; whatever is
           still only here when it ends is dropped (`_drop_carried`).
 
+        * The hosts carried over since an earlier loss that Redis still lacks: a
+          short outage within the grace period does not end it for them.
+
         Otherwise a host absent from Redis was removed or expired while we were
         away, and is not carried over.
         """
         for address, rec in self._owned.items():
             if fresh.get(address) is None and address not in self._pending_removals:
                 fresh.put(rec)
+        # Still listed as carried: not written back, removed or replaced since.
+        carried = [r for a, r in self._carried.items() if self._index.get(a) is r]
         self._carried.clear()
-        if not lost:
-            return
-        for rec in self._index:
+        for rec in self._index if lost else carried:
             if fresh.get(rec.address) is None and rec.address not in self._pending_removals:
                 fresh.put(rec)
                 self._carried[rec.address] = rec
-        if self._carried:
+        if lost and self._carried:
             log.info("registry_refilled", carried=len(self._carried))
 
     def _drop_carried(self, now: float) -> None:
@@ -1050,23 +1090,33 @@ class RedisRegistry(Registry):
     async def _reassert(
         self, todo: dict[Address, HostRecord], stored: dict[Address, HostRecord | None]
     ) -> None:
-        """Write back the registrations in `todo`; `stored` is what Redis held of them."""
+        """Write back the registrations in `todo`; `stored` is what Redis holds of
+        them, kept up to date with what this writes."""
         still_ours: list[Address] = []
         for address, rec in todo.items():
             self._check_closing()
             there = stored.get(address)
-            # Same token but other info: updated locally during the outage.
-            if there is not None and there.token == rec.token and there.info == rec.info:
+            # Written back unless Redis holds it, ours, as it is here (other info:
+            # updated locally during the outage).
+            if (
+                there is not None
+                and there.token == rec.token
+                and there.owner == self.replica_id
+                and there.info == rec.info
+            ):
                 still_ours.append(address)
                 continue
             # 10**6: the host was accepted under the cap once; do not evict it
             # because others registered from its IP while we were away.
             got, status = await self._upsert_remote(
-                address, rec.info, rec.token, 10**6, "reassert", rec.registered_at
+                address, rec.info, rec.token, 10**6, "reassert", rec.registered_at, rec
             )
-            if got is None:
-                log.info("reassert_lost", host=address.key, status=status)
-                self._owned.pop(address, None)
+            if got is not None:
+                stored[address] = got
+                continue
+            log.info("reassert_lost", host=address.key, status=status)
+            if self._owned.get(address) is rec:  # not registered again meanwhile
+                del self._owned[address]
         if still_ours:
             await self._touch_remote(still_ours)
 

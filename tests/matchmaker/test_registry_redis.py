@@ -10,15 +10,17 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from matchmaker.addresses import Address
+from matchmaker.addresses import Address, parse_key
 from matchmaker.heartbeat import derive_secret
-from matchmaker.messages import ListFilter
+from matchmaker.messages import ListFilter, decode_host
 from matchmaker.metrics import Metrics
 from matchmaker.registry import (
     Notice,
     RegistryBusy,
     RegistryUnavailable,
     RemovalReason,
+    Takeover,
+    TakeoverResult,
     TooManyHosts,
 )
 from matchmaker.registry.redis import RedisRegistry
@@ -222,6 +224,141 @@ async def test_reassert_yields_to_a_newer_registration(
     a._mark_fresh()
     await eventually(lambda: (r := a.get(addr(1))) is not None and r.token == newer.token)
     assert a.owned() == []
+
+
+def restart_empty(server: RedisProcess) -> None:
+    """Start `server` again without its data (no persistence survived)."""
+    shutil.rmtree(server.directory)
+    server.directory.mkdir()
+    server.start()
+
+
+def hold_resync(reg: RedisRegistry) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make `reg`'s next reloads wait until the second event returned is set; the
+    first is set when one starts waiting."""
+    real = reg._resync
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def held() -> None:
+        entered.set()
+        await gate.wait()
+        await real()
+
+    reg._resync = held  # type: ignore[method-assign]
+    return entered, gate
+
+
+async def stored_hash(server: RedisProcess, address: Address) -> dict[bytes, bytes]:
+    r = aioredis.Redis.from_url(server.url)
+    try:
+        return await r.hgetall(f"{{mm}}:h:{address.key}")  # type: ignore[no-any-return]
+    finally:
+        await r.aclose()
+
+
+async def test_the_newest_registration_wins_whoever_writes_back_first_after_data_loss(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    old = await a.upsert(addr(1), host("old"), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    _, gate = hold_resync(b)  # b writes back last
+    redis_server.kill()
+    await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
+    newer = await b.upsert(addr(1), host("new"), max_per_ip=10)  # the host moved to b
+    assert newer.registered_at > old.registered_at
+    restart_empty(redis_server)
+    await asyncio.wait_for(a.wait_synced(), 10)
+    # a wrote its (older) registration back first...
+    assert (await stored_hash(redis_server, addr(1)))[b"token"] == old.token.encode()
+    gate.set()
+    await asyncio.wait_for(b.wait_synced(), 10)
+    # ...and b's newer one replaced it all the same.
+    got = await stored_hash(redis_server, addr(1))
+    assert (got[b"owner"], got[b"token"]) == (b"b", newer.token.encode())
+    await eventually(lambda: (r := a.get(addr(1))) is not None and r.token == newer.token)
+    assert a.owned() == [] and [r.token for r in b.owned()] == [newer.token]
+
+
+async def test_a_host_taken_over_while_its_replica_was_cut_off_is_not_its_own_after(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    rec = await a.upsert(addr(1), host(), max_per_ip=10)
+    await a.touch({addr(1): 5})
+    await eventually(lambda: b.get(addr(1)) is not None)
+    entered, gate = hold_resync(a)
+    a._mark_stale(ConnectionError("test partition"))  # a alone is cut off...
+    await asyncio.wait_for(entered.wait(), 5)  # ...and no longer reads the stream
+    # The host's heartbeats now reach b, which takes it over.
+    assert await b.take_over([Takeover(addr(1), rec.token, 7)]) == [TakeoverResult.TAKEN]
+    gate.set()
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert a.owned() == [] and [r.token for r in b.owned()] == [rec.token]
+    got = a.get(addr(1))
+    assert got is not None and got.owner == "b"
+    assert (await stored_hash(redis_server, addr(1)))[b"owner"] == b"b"
+    # Nor does a late re-assertion of the same registration take it back.
+    late = await a._upsert_remote(
+        addr(1), rec.info, rec.token, 10**6, "reassert", rec.registered_at
+    )
+    assert late == (None, 2)
+    assert (await stored_hash(redis_server, addr(1)))[b"owner"] == b"b"
+
+
+@pytest.mark.parametrize("change", ["update", "register again"])
+@pytest.mark.parametrize("when", ["after its write", "while its write is answered"])
+async def test_a_host_changed_during_a_resync_is_written_back_as_changed(
+    replica: Factory, redis_server: RedisProcess, change: str, when: str
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    recs = {h: await a.upsert(h, host("before"), max_per_ip=10) for h in (addr(1), addr(2))}
+    await eventually(lambda: len(b.index()) == 2)
+    real = a._scripts["upsert"]
+    first: list[Address] = []
+    changed: list[str] = []
+
+    async def change_first(address: Address) -> None:
+        if change == "update":
+            await a.update(address, recs[address].token, host("after"))
+            changed.append(recs[address].token)
+        else:
+            assert await a.remove(address, RemovalReason.UNREGISTERED, token=recs[address].token)
+            changed.append((await a.upsert(address, host("after"), max_per_ip=10)).token)
+
+    async def hooked(keys: list[str], args: list[object]) -> object:
+        # Both hosts are written back (their info changed); the first one
+        # changes again while the resync still runs (the registry is stale).
+        if args[6] != "reassert" or changed:
+            return await real(keys=keys, args=args)
+        if first and when == "after its write":
+            await change_first(first[0])
+        got = await real(keys=keys, args=args)
+        first.append(parse_key(str(args[0])))
+        if when == "while its write is answered":
+            await change_first(first[0])
+        return got
+
+    entered, gate = hold_resync(a)
+    a._mark_stale(ConnectionError("test partition"))
+    await asyncio.wait_for(entered.wait(), 5)
+    for h, rec in recs.items():
+        await a.update(h, rec.token, host("during"))
+    a._scripts["upsert"] = hooked  # type: ignore[assignment]
+    gate.set()
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert len(changed) == 1
+    h = first[0]
+    got = await stored_hash(redis_server, h)
+    assert (got[b"owner"], got[b"token"]) == (b"a", changed[0].encode())
+    assert decode_host(got[b"info"]).name == "after"
+    mine = a.get(h)
+    assert mine is not None and (mine.token, mine.info.name) == (changed[0], "after")
+    await eventually(lambda: (r := b.get(h)) is not None and r.info.name == "after")
+    assert [(r.token, r.info.name) for r in a.owned() if r.address == h] == [(changed[0], "after")]
 
 
 async def test_observer_sees_operations_and_failures(
@@ -574,6 +711,28 @@ async def test_carried_hosts_nobody_writes_back_are_dropped_after_the_grace_peri
         await a.expire()
         await asyncio.sleep(0.1)
     assert a.get(addr(1)) is not None
+
+
+async def test_a_second_short_outage_within_the_grace_period_keeps_carrying_hosts(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    await a.upsert(addr(1), host(), max_per_ip=10)
+    await b.upsert(addr(2), host(), max_per_ip=10)
+    await eventually(lambda: len(a.index()) == 2)
+    hold_resync(b)  # b is slow to come back: nobody writes its host back meanwhile
+    redis_server.kill()
+    await asyncio.wait_for(asyncio.gather(a.wait_stale(), b.wait_stale()), 5)
+    restart_empty(redis_server)
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert {r.address for r in await a.query(Q3)} == {addr(1), addr(2)}  # carried
+    assert a.now() < a._grace_until
+    # A second, short outage of a alone, well within the grace period.
+    a._mark_stale(ConnectionError("test partition"))
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert a.now() < a._grace_until
+    assert {r.address for r in await a.query(Q3)} == {addr(1), addr(2)}
 
 
 async def test_every_replica_derives_the_same_heartbeat_secrets(
