@@ -250,7 +250,7 @@ async def test_one_source_cannot_take_every_connection(site: Site) -> None:
             _r, w = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
             w.write(b"GET /healthz HTTP/1.1\r\n")  # and never finishes the head
             held.append(w)
-        # Every held connection counted (the last of them answered 429 and lingering).
+        # Every held connection counted (the last of them answered 429 and closed at once).
         await eventually(lambda: sum(site.server._per_source.values()) >= MAX_CONNECTIONS_PER_IP)
         # The probe comes from elsewhere and still gets a connection slot.
         reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
