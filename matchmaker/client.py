@@ -996,7 +996,16 @@ class MatchmakerClient:
 
     async def _connection(self, deadline: float | None = None) -> Peer:
         self._check_open()
-        async with self._connecting:
+        if deadline is None:
+            await self._connecting.acquire()
+        else:
+            # Another request may be connecting (to a silent replica, for up to
+            # ``timeout``): waiting for it counts against `deadline` too.
+            try:
+                await asyncio.wait_for(self._connecting.acquire(), self._budget(deadline))
+            except TimeoutError:
+                raise TimeoutError("out of time waiting for another connection attempt") from None
+        try:
             if self._conn is None:
                 conn = await self._open(deadline)
                 if self._closed.is_set():
@@ -1006,6 +1015,8 @@ class MatchmakerClient:
                 self._conn = conn
                 self._reader = asyncio.create_task(self._read(conn), name="mm-reader")
             return self._conn
+        finally:
+            self._connecting.release()
 
     async def _open(self, deadline: float | None = None) -> Peer:
         """Connect to the first address that answers, starting after the one last
@@ -1036,6 +1047,8 @@ class MatchmakerClient:
             except rudp.EndpointClosed:
                 raise  # our own socket is closed: no replica can help
             except _CONNECT_ERRORS as exc:
+                if self._closed.is_set():
+                    raise _closed_error() from None  # not the replica's doing
                 self._tried[label] = _describe(exc)
                 failures.append(f"{label} ({_describe(exc)})")
                 log.info("matchmaker_unreachable address=%s error=%s", label, type(exc).__name__)

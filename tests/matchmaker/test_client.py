@@ -396,6 +396,28 @@ async def test_close_ends_a_register_whose_connection_never_completes_at_once() 
     assert calls == [1]
 
 
+async def test_register_timeout_bounds_the_wait_for_another_requests_connection() -> None:
+    # A list request is connecting to a replica that never answers (for up to its
+    # 30 s timeout): a register() given 1 s must not wait for that attempt to end.
+    calls: list[int] = []
+
+    async def never() -> FakeConnection:
+        calls.append(1)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    host = MatchmakerClient(never, timeout=30, register_timeout=1, reconnect_delay=0.05)
+    listing = asyncio.create_task(host.list_servers(game="q3"))
+    await eventually(lambda: bool(calls))
+    try:
+        with pytest.raises(MatchmakerUnreachable, match="within 1 s"):
+            await asyncio.wait_for(host.register(**HOST), 5)
+    finally:
+        await host.close()
+        with pytest.raises(ConnectionLost, match="client closed"):
+            await asyncio.wait_for(listing, 5)
+
+
 async def test_close_fails_the_requests_in_flight() -> None:
     browser = MatchmakerClient(silent_connector(pub(2)), timeout=30)
     asking = asyncio.create_task(browser.info())
