@@ -184,16 +184,13 @@ class HttpApi:
     async def _one_at_a_time(self, build: Callable[[], Awaitable[T]]) -> T | None:
         """``build()``'s result, built while no other costly answer is; None (answer
         503) when `MAX_WAITING_BUILDS` requests already wait."""
-        if self._building.locked():
-            if self._waiting >= MAX_WAITING_BUILDS:
-                return None
-            self._waiting += 1
-            try:
-                await self._building.acquire()
-            finally:
-                self._waiting -= 1
-        else:
+        if self._building.locked() and self._waiting >= MAX_WAITING_BUILDS:
+            return None
+        self._waiting += 1
+        try:
             await self._building.acquire()
+        finally:
+            self._waiting -= 1
         try:
             # Built on a turn of the loop of its own: requests that arrived together
             # would otherwise each take the free lock and build, back to back, in one

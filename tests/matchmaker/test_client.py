@@ -319,6 +319,17 @@ def silent_connector(ip: str) -> Any:
     return connect
 
 
+def never_connecting(calls: list[int]) -> Any:
+    """A replica that never answers a handshake; each attempt is noted in `calls`."""
+
+    async def connect() -> FakeConnection:
+        calls.append(1)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return connect
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_replica_silent_to_a_request_is_left_for_the_next(mode: str) -> None:
     board = Switchboard(Harness())
@@ -381,12 +392,7 @@ async def test_close_ends_a_register_whose_connection_never_completes_at_once() 
     # Three replicas that never answer a handshake: the close must not wait for the
     # attempt under way (its timeout) nor try the others.
     calls: list[int] = []
-
-    async def never() -> FakeConnection:
-        calls.append(1)
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
+    never = never_connecting(calls)
     host = MatchmakerClient([never, never, never], timeout=30, register_timeout=60)
     registering = asyncio.create_task(host.register(**HOST))
     await eventually(lambda: bool(calls))
@@ -400,12 +406,7 @@ async def test_register_timeout_bounds_the_wait_for_another_requests_connection(
     # A list request is connecting to a replica that never answers (for up to its
     # 30 s timeout): a register() given 1 s must not wait for that attempt to end.
     calls: list[int] = []
-
-    async def never() -> FakeConnection:
-        calls.append(1)
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
+    never = never_connecting(calls)
     host = MatchmakerClient(never, timeout=30, register_timeout=1, reconnect_delay=0.05)
     listing = asyncio.create_task(host.list_servers(game="q3"))
     await eventually(lambda: bool(calls))

@@ -9,7 +9,7 @@ import ipaddress
 import itertools
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -56,20 +56,30 @@ class Site:
         return status, body.decode()
 
 
+def _api(
+    harness: Harness,
+    list_servers: Any,
+    is_shutting_down: Callable[[], bool] = lambda: False,
+    **kw: Any,
+) -> HttpApi:
+    return HttpApi(
+        registry=harness.registry,
+        metrics=harness.metrics,
+        list_servers=list_servers,
+        limits=harness.settings.limits,
+        list_limiter=RateLimiter(harness.settings.list_bucket, clock=harness.clock),
+        is_shutting_down=is_shutting_down,
+        **kw,
+    )
+
+
 async def start_site(harness: Harness, *, timeout: float = 5.0, max_connections: int = 8) -> Site:
     async def servers(req: ListRequest) -> list[dict[str, Any]]:
         pages = await harness.service.build_pages(req)
         return [entry_json(entry_fields(e)) for p in pages for e in p.hosts]
 
     site: Site
-    api = HttpApi(
-        registry=harness.registry,
-        metrics=harness.metrics,
-        list_servers=servers,
-        limits=harness.settings.limits,
-        list_limiter=RateLimiter(harness.settings.list_bucket, clock=harness.clock),
-        is_shutting_down=lambda: site.shutting_down,
-    )
+    api = _api(harness, servers, lambda: site.shutting_down)
     server = HttpServer(api, harness.metrics, timeout=timeout, max_connections=max_connections)
     await server.start("127.0.0.1", 0)
     site = Site(harness, server)
@@ -185,14 +195,7 @@ async def test_a_client_that_never_reads_is_dropped() -> None:
     async def huge(req: ListRequest) -> list[dict[str, Any]]:
         return [{"pad": "x" * 4_000_000}]
 
-    api = HttpApi(
-        registry=harness.registry,
-        metrics=harness.metrics,
-        list_servers=huge,
-        limits=harness.settings.limits,
-        list_limiter=RateLimiter(harness.settings.list_bucket, clock=harness.clock),
-        is_shutting_down=lambda: False,
-    )
+    api = _api(harness, huge)
     server = HttpServer(api, harness.metrics, timeout=0.1, max_connections=8)
     await server.start("127.0.0.1", 0)
     try:
@@ -297,18 +300,6 @@ async def test_a_refused_connection_is_closed_at_once_and_counted() -> None:
         for w in held:
             w.close()
         await site.server.close()
-
-
-def _api(harness: Harness, list_servers: Any, **kw: Any) -> HttpApi:
-    return HttpApi(
-        registry=harness.registry,
-        metrics=harness.metrics,
-        list_servers=list_servers,
-        limits=harness.settings.limits,
-        list_limiter=RateLimiter(harness.settings.list_bucket, clock=harness.clock),
-        is_shutting_down=lambda: False,
-        **kw,
-    )
 
 
 async def test_costly_answers_are_built_one_at_a_time_with_the_loop_running_between() -> None:
