@@ -39,3 +39,6 @@ class DropReason(enum.StrEnum):
     established one validates the new address instead (``rudp.migration``)."""
     BAD_HANDSHAKE = "bad_handshake"
     """A CONNECT or ACCEPT whose Noise message is not genuine (wrong key, tampered)."""
+    INTERNAL_ERROR = "internal_error"
+    """A datagram whose processing raised inside rudp: a bug, never the peer's doing
+    by design. The asyncio layer counts it, logs the traceback, and reads on."""

@@ -55,6 +55,7 @@ from rudp.aio.connection import Connection, format_address, is_coroutine_functio
 from rudp.config import Config
 from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
+from rudp.drops import DropReason
 from rudp.endpoint import Endpoint as CoreEndpoint
 from rudp.errors import EndpointClosed, LocalProtocolError, RudpError
 from rudp.events import (
@@ -324,10 +325,14 @@ class AioEndpoint:
                 break
             if inbound is not None:
                 inbound.send(data, address)
-            elif foreign:
-                self._receive_checked(data, address, now)
             else:
-                core.receive_datagram(data, address, now)
+                try:
+                    if foreign:
+                        self._receive_checked(data, address, now)
+                    else:
+                        core.receive_datagram(data, address, now)
+                except Exception:
+                    self._core_failed(address)
             if first:
                 # One datagram per wake-up is the common case (a round trip, a game
                 # tick): stop when nothing else waits. The loop polls the socket
@@ -369,10 +374,13 @@ class AioEndpoint:
                 for data, address in got:
                     if self._closed:
                         return
-                    if foreign:
-                        self._receive_checked(data, address, now)
-                    else:
-                        core.receive_datagram(data, address, now)
+                    try:
+                        if foreign:
+                            self._receive_checked(data, address, now)
+                        else:
+                            core.receive_datagram(data, address, now)
+                    except Exception:
+                        self._core_failed(address)
             if len(got) < want:
                 break
             left -= want
@@ -420,10 +428,29 @@ class AioEndpoint:
     def receive_datagram(self, data: bytes, address: Address, now: float) -> None:
         """One datagram read: to the handler of its first byte if another protocol has
         one (see `set_datagram_handler`), else to the core."""
-        if self._foreign:
-            self._receive_checked(data, address, now)
-        else:
-            self.core.receive_datagram(data, address, now)
+        try:
+            if self._foreign:
+                self._receive_checked(data, address, now)
+            else:
+                self.core.receive_datagram(data, address, now)
+        except Exception:
+            self._core_failed(address)
+
+    def _core_failed(self, address: Address) -> None:
+        """The core raised on a datagram: a bug in rudp, since it drops and counts
+        whatever a peer sends. The datagram is counted as ``internal_error`` and the
+        read goes on with the rest of its batch; the traceback is logged for the 1st,
+        2nd, 4th, 8th... such datagram, so that a peer repeating it cannot flood the
+        log."""
+        dropped = self.core.stats.dropped
+        dropped[DropReason.INTERNAL_ERROR] += 1
+        count = dropped[DropReason.INTERNAL_ERROR]
+        if count & (count - 1) == 0:
+            log.exception(
+                "internal_error peer=%s count=%d (a bug in rudp: please report it)",
+                format_address(address),
+                count,
+            )
 
     def send_datagram(self, data: bytes, address: Address) -> None:
         """Send one datagram of another protocol sharing the socket (not rudp).

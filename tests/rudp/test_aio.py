@@ -765,3 +765,64 @@ async def test_a_read_drains_a_burst_and_stops_when_nothing_else_waits() -> None
                     break
             assert sum(server.stats.dropped.values()) == 1
             assert len(got) == 6
+
+
+class _FailingLookup(dict[int, object]):
+    """A handler table whose lookup raises for one first byte: a stand-in for a bug
+    anywhere in a datagram's processing (the core itself cannot be patched once
+    compiled)."""
+
+    def get(self, key: int, default: object = None) -> object:  # type: ignore[override]
+        if key == 0xB2:
+            raise RuntimeError("a simulated bug")
+        return super().get(key, default)
+
+
+def _read_paths() -> list[object]:
+    try:
+        from rudp import _batch  # type: ignore[attr-defined]
+    except ImportError:
+        _batch = None
+    paths: list[object] = [pytest.param(None, id="recvfrom")]
+    if _batch is not None:
+        paths.append(pytest.param(_batch, id="recvmmsg"))
+    return paths
+
+
+@pytest.mark.parametrize("batch", _read_paths())
+async def test_a_datagram_whose_processing_raises_is_counted_and_the_read_goes_on(
+    batch: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    got: list[bytes] = []
+    loop_errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, ctx: loop_errors.append(ctx))
+
+    def mine(data: bytes, address: object) -> list[bytes]:
+        got.append(data)
+        return []
+
+    async def idle(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    async with await rudp.serve(idle, "127.0.0.1", 0) as server:
+        server.set_datagram_handler(0xB1, mine)
+        endpoint = server.endpoint
+        endpoint._batch = batch
+        endpoint._foreign = _FailingLookup(endpoint._foreign)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sent = [b"\xb1%d" % i for i in range(6)]
+            for data in sent:  # every other datagram is one that raises
+                sock.sendto(data, server.address)
+                sock.sendto(b"\xb2", server.address)
+            for _ in range(200):
+                endpoint._read_ready()
+                if len(got) == len(sent):
+                    break
+                await asyncio.sleep(0.01)
+    assert got == sent
+    assert server.stats.dropped == {DropReason.INTERNAL_ERROR: 6}
+    logged = [r for r in caplog.records if r.getMessage().startswith("internal_error")]
+    assert [r.getMessage().split("count=")[1].split()[0] for r in logged] == ["1", "2", "4"]
+    assert all(r.exc_info and "a simulated bug" in str(r.exc_info[1]) for r in logged)
+    assert not loop_errors
