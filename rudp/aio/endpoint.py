@@ -447,7 +447,7 @@ class AioEndpoint:
         count = dropped[DropReason.INTERNAL_ERROR]
         if count & (count - 1) == 0:
             log.exception(
-                "internal_error peer=%s count=%d (a bug in rudp: please report it)",
+                "internal_error peer=%s count=%d",
                 format_address(address),
                 count,
             )
