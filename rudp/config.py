@@ -158,6 +158,11 @@ class Config:
     long ends the connection with a protocol error: an honest peer resends them
     long before, so they will never come."""
 
+    peer_pause_timeout: float = 60.0
+    """A peer whose PAUSE has kept our queued reliable messages from leaving for this
+    long ends the connection (reason "peer paused too long"): a stall that a peer
+    could otherwise hold for good, pinning our send queue, ends with a reason."""
+
     recv_buffer_bytes: int = 2 * 1024 * 1024
     """Bytes of out-of-order reliable data held per connection; a packet that would
     exceed it is dropped unacknowledged (and so resent later). An honest peer never
@@ -323,6 +328,7 @@ class Config:
             "noconn_rate",
             "unreliable_max_age",
             "dependency_timeout",
+            "peer_pause_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)!r}")

@@ -189,6 +189,9 @@ class Connection:
         # -- flow control (PAUSE / RESUME)
         self.receiving_paused = False  # we asked the peer to stop sending reliable messages
         self.peer_paused = False  # the peer asked us to
+        # Since when the peer's PAUSE has held back reliable messages of ours (None:
+        # it holds back nothing): the connection ends at ``peer_pause_timeout``.
+        self._held_since: float | None = None
         self._released = False  # the parts' references back to us are gone (``_release``)
 
     # -- public API -----------------------------------------------------------------
@@ -357,6 +360,8 @@ class Connection:
         graph = self._receiver.graph
         if graph.nodes and not self.receiving_paused:
             t = min(t, graph.deadline(self.config.dependency_timeout))
+        if self._held_since is not None:
+            t = min(t, self._held_since + self.config.peer_pause_timeout)
         return t
 
     def handle_timer(self, now: float) -> None:
@@ -415,6 +420,11 @@ class Connection:
         except PacketNumbersExhausted:
             self._numbers_exhausted()
             self._release()
+        if self.peer_paused and self._sender.rel_queue:
+            if self._held_since is None:
+                self._held_since = now
+        elif self._held_since is not None:
+            self._held_since = None
         if out:
             stats = self.stats
             stats.packets_sent += len(out)
@@ -608,6 +618,11 @@ class Connection:
             and now >= graph.deadline(cfg.dependency_timeout)
         ):
             self._protocol_error("a dependency never arrived")
+            return
+        if self._held_since is not None and now >= self._held_since + cfg.peer_pause_timeout:
+            # Not a close: the peer keeps us from sending a DISCONNECT's queued messages
+            # first. It learns from the NOCONN its next packet gets.
+            self._end(DisconnectReason.PEER_PAUSED, 0, "", by_peer=False)
             return
         if self._migration.on_timer(now):
             return  # the connection ended (packet numbers exhausted)

@@ -251,6 +251,12 @@ class Sender:
         self.tx_gid = 0  # next dependency-graph id
         self.tx_graph: deque[OutMessage] = deque()  # graph messages not known executed
 
+    def _paused_note(self) -> str:
+        """Why a full queue does not drain, when the peer is the cause."""
+        if self._conn.peer_paused:
+            return ": the peer paused receiving (Config.peer_pause_timeout ends that)"
+        return ""
+
     def send(
         self,
         data: bytes | bytearray | memoryview,
@@ -269,7 +275,8 @@ class Sender:
             self._too_large_for_peer(len(data))
         if self.queued >= self._queue_limit:
             raise SendQueueFull(
-                f"send queue is full ({self.queued} messages); await drain() before sending"
+                f"send queue is full ({self.queued} messages){self._paused_note()}; "
+                "await drain() before sending"
             )
         if delivery is not None or depends_on is not None:
             return self._send_mode(data, channel, reliable, delivery, depends_on, now)
@@ -499,7 +506,8 @@ class Sender:
         if self.queued + count > self._queue_limit:
             raise SendQueueFull(
                 f"a {count}-fragment message does not fit the send queue ({self.queued} of "
-                f"{self._queue_limit} messages); await drain() before sending"
+                f"{self._queue_limit} messages){self._paused_note()}; await drain() before "
+                "sending"
             )
         base = self._next_seq(mode, channel, count)
         parent = OutMessage(data, mode, channel, base, b"")

@@ -171,6 +171,13 @@ class Connection:
     def queued(self) -> int:
         return self._core.queued
 
+    @property
+    def peer_paused(self) -> bool:
+        """The peer asked us to stop sending new reliable messages (its application is
+        behind): they wait in the send queue, and ``drain()`` waits, until it resumes.
+        ``Config.peer_pause_timeout`` ends a pause that keeps them waiting too long."""
+        return self._core.peer_paused
+
     # -- sending -------------------------------------------------------------------
 
     def send(

@@ -351,6 +351,54 @@ def test_close_with_the_peer_paused_ends_after_the_close_timeout() -> None:
     assert server.received() == []
 
 
+def test_a_pause_that_holds_messages_back_too_long_ends_the_connection() -> None:
+    net, server, client, conn, _ = _paused_server(Config(peer_pause_timeout=30.0))
+    net.run(100.0)  # a pause that holds nothing back is not timed
+    assert conn.state is State.CONNECTED
+    handle = conn.send(b"held")
+    start = net.now
+    net.run_until(lambda: conn.state is State.CLOSED, timeout=60)
+    assert 30.0 <= net.now - start <= 30.5
+    assert client.disconnects() == [Disconnected(DisconnectReason.PEER_PAUSED)]
+    assert not handle.acked and server.received() == []
+    # The paused server learns as after any local end of a client: by its idle
+    # timeout (only a server states a reset token that would make a NOCONN proof).
+    ended = net.now
+    net.run_until(lambda: bool(server.disconnects()), timeout=30)
+    assert server.disconnects() == [Disconnected(DisconnectReason.TIMEOUT)]
+    assert net.now - ended <= conn.config.idle_timeout + 0.5
+
+
+def test_a_resume_before_the_pause_timeout_keeps_the_connection() -> None:
+    net, server, client, conn, sconn = _paused_server(Config(peer_pause_timeout=30.0))
+    conn.send(b"first")
+    net.run(29.0)
+    sconn.resume_receiving(net.now)
+    net.run_until(lambda: server.received() == [b"first"])
+    sconn.pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    conn.send(b"second")  # the count starts again from this wait
+    net.run(29.0)
+    assert conn.state is State.CONNECTED
+    net.run_until(lambda: conn.state is State.CLOSED, timeout=5)
+    assert client.disconnects() == [Disconnected(DisconnectReason.PEER_PAUSED)]
+
+
+def test_a_full_send_queue_names_the_peers_pause() -> None:
+    net, server, client, conn, _ = _paused_server(Config(send_queue_limit=10))
+    for i in range(10):
+        conn.send(b"%d" % i)
+    with pytest.raises(SendQueueFull, match="the peer paused receiving"):
+        conn.send(b"one too many")
+    with pytest.raises(SendQueueFull, match="the peer paused receiving"):
+        conn.send(bytes(5000))  # fragmented: its own check
+
+
+def test_peer_pause_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="peer_pause_timeout"):
+        Config(peer_pause_timeout=0)
+
+
 def test_a_resume_during_close_lets_the_close_finish_gracefully() -> None:
     net, server, client, conn, sconn = _paused_server(Config(close_timeout=2.0))
     conn.send(b"late but delivered")
@@ -411,6 +459,7 @@ async def test_a_slow_reader_pauses_its_peer_and_its_queue_stays_bounded() -> No
         # what was on its way after the PAUSE: each at most ``limit``.
         assert limit <= sconn._inbox_bytes <= 3 * limit + 1300
         assert sconn._core.receiving_paused and conn._core.peer_paused
+        assert conn.peer_paused and not sconn.peer_paused
         assert conn.queued > 0  # held at the sender, not piled up at the receiver
         reading.set()
         await asyncio.wait_for(conn.drain(), 10)
