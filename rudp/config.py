@@ -158,6 +158,12 @@ class Config:
     long ends the connection with a protocol error: an honest peer resends them
     long before, so they will never come."""
 
+    ack_timeout: float = 30.0
+    """A reliable message that the peer has not acknowledged this long after it first
+    left ends the connection (reason "message unacknowledged"): the peer is heard
+    (else ``idle_timeout`` ends it sooner) yet never takes the message, so waiting
+    longer cannot help. ENet's peers give up after 30 s too (``timeoutMaximum``)."""
+
     peer_pause_timeout: float = 60.0
     """A peer whose PAUSE has kept our queued reliable messages from leaving for this
     long ends the connection (reason "peer paused too long"): a stall that a peer
@@ -329,6 +335,7 @@ class Config:
             "unreliable_max_age",
             "dependency_timeout",
             "peer_pause_timeout",
+            "ack_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)!r}")

@@ -362,6 +362,10 @@ class Connection:
             t = min(t, graph.deadline(self.config.dependency_timeout))
         if self._held_since is not None:
             t = min(t, self._held_since + self.config.peer_pause_timeout)
+        order = self._sender.sent_order
+        if order:
+            # The head may be done with already: the timer then only pops it.
+            t = min(t, order[0].first_sent + self.config.ack_timeout)
         return t
 
     def handle_timer(self, now: float) -> None:
@@ -623,6 +627,10 @@ class Connection:
             # Not a close: the peer keeps us from sending a DISCONNECT's queued messages
             # first. It learns from the NOCONN its next packet gets.
             self._end(DisconnectReason.PEER_PAUSED, 0, "", by_peer=False)
+            return
+        oldest = self._sender.oldest_unacked()
+        if oldest is not None and now >= oldest.first_sent + cfg.ack_timeout:
+            self._end(DisconnectReason.UNACKNOWLEDGED, 0, "", by_peer=False)
             return
         if self._migration.on_timer(now):
             return  # the connection ended (packet numbers exhausted)

@@ -30,6 +30,9 @@ class DisconnectReason(enum.StrEnum):
     """Ended locally without a handshake (the endpoint was shut down)."""
     EXHAUSTED = "packet numbers exhausted"
     """2**62 packets were sent: another would reuse a nonce. Connect again."""
+    UNACKNOWLEDGED = "message unacknowledged"
+    """A reliable message went unacknowledged for ``Config.ack_timeout`` while the
+    peer was heard."""
     PEER_PAUSED = "peer paused too long"
     """The peer's PAUSE kept our reliable messages waiting for
     ``Config.peer_pause_timeout``."""

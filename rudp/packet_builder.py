@@ -268,7 +268,7 @@ class PacketBuilder:
         if room and not sender.retx and not conn.peer_paused:
             # A paused peer gets no new reliable messages; unreliable ones still go (they
             # expire rather than wait, and the peer bounds what it accepts while paused).
-            budget = self._take_new_reliable(parts, messages, budget)
+            budget = self._take_new_reliable(parts, messages, budget, now)
         if self._redundancy and messages:
             level = self.redundancy_level()
             if level:
@@ -422,7 +422,7 @@ class PacketBuilder:
         return budget
 
     def _take_new_reliable(
-        self, parts: list[bytes], messages: list[OutMessage], budget: int
+        self, parts: list[bytes], messages: list[OutMessage], budget: int, now: float
     ) -> int:
         sender = self._sender
         queue = sender.rel_queue
@@ -467,6 +467,7 @@ class PacketBuilder:
                 room -= cost
             queue.popleft()
             msg.state = SENT
+            sender.mark_sent(msg, now)
             parts.append(frame)
             messages.append(msg)
             budget -= size

@@ -101,6 +101,7 @@ class OutMessage:
         "channel",
         "copies",
         "data",
+        "first_sent",
         "fragments",
         "frame",
         "graph",
@@ -124,6 +125,7 @@ class OutMessage:
         self.frame = frame  # encoded once; a resend carries the same frame
         self.state = QUEUED
         self.copies = 0  # packets in flight that carry it
+        self.first_sent = 0.0  # when a reliable one first left (Config.ack_timeout)
         self.notify = False  # emit MessageAcked when acknowledged
         self.user: object = None  # free slot for the asyncio layer
         # What makes the handle awaitable (see ``Waiter`` and ``__await__``).
@@ -194,6 +196,7 @@ class Sender:
         "queued",
         "rel_queue",
         "retx",
+        "sent_order",
         "tx_ch_next",
         "tx_ch_unacked",
         "tx_gid",
@@ -250,6 +253,9 @@ class Sender:
         self.tx_rseq_last: list[OutMessage | None] = [None] * config.channels
         self.tx_gid = 0  # next dependency-graph id
         self.tx_graph: deque[OutMessage] = deque()  # graph messages not known executed
+        # Reliable messages in the order they first left; the head is the oldest one not
+        # acknowledged (``Config.ack_timeout``) once those done with are popped.
+        self.sent_order: deque[OutMessage] = deque()
 
     def _paused_note(self) -> str:
         """Why a full queue does not drain, when the peer is the cause."""
@@ -589,6 +595,31 @@ class Sender:
         self.unacked_bytes -= freed
         self.queued -= newly
         self.unacked_reliable -= newly
+        if newly:
+            self.oldest_unacked()
+            if len(self.sent_order) > 2 * self.queued + 64:
+                self._compact_order()
+
+    def oldest_unacked(self) -> OutMessage | None:
+        """The reliable message sent longest ago and not acknowledged yet, if any."""
+        order = self.sent_order
+        while order and order[0].state > SENT:
+            order.popleft()
+        return order[0] if order else None
+
+    def mark_sent(self, msg: OutMessage, now: float) -> None:
+        """``msg`` (reliable) leaves for the first time."""
+        msg.first_sent = now
+        order = self.sent_order
+        order.append(msg)
+        if len(order) > 2 * self.queued + 64:
+            self._compact_order()
+
+    def _compact_order(self) -> None:
+        """Acknowledged messages behind an old unacknowledged one: keep only those still
+        waiting, so that the order stays within twice what is queued (amortized: each
+        compaction at least halves it)."""
+        self.sent_order = deque(m for m in self.sent_order if m.state <= SENT)
 
     def _graph_executed(self, msg: OutMessage) -> None:
         for executed in mark_executed(msg):
@@ -612,6 +643,7 @@ class Sender:
 
     def fail_all(self, in_flight: Iterable[SentPacket]) -> None:
         """The connection ended: every message not acknowledged yet failed."""
+        self.sent_order.clear()
         for queue in (self.rel_queue, self.unrel_queue, self.retx, self.tx_graph):
             for msg in queue:
                 _fail(msg)

@@ -3,6 +3,8 @@ timeouts, NOCONN replies, restarted peers. Stepped fake clock, in-memory network
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from rudp import wire
@@ -10,7 +12,7 @@ from rudp.config import Config
 from rudp.connection import State
 from rudp.events import Disconnected, DisconnectReason
 from rudp.wire import DropReason
-from tests.rudp.harness import CLIENT, SERVER, Link, Network, pair, server_conn
+from tests.rudp.harness import CLIENT, SERVER, Link, Network, frames_of, pair, server_conn
 
 # -- liveness ---------------------------------------------------------------------------------
 
@@ -33,6 +35,67 @@ def test_silence_ends_both_sides_with_timeout() -> None:
     assert server.disconnects() == [Disconnected(DisconnectReason.TIMEOUT)]
     assert conn.close_reason is not None
     assert net.now - start >= 10
+
+
+def _carries(payload: bytes) -> Callable[[bytes, object, object], bool]:
+    """A targeted loss: every DATA datagram that carries ``payload``."""
+
+    def drop(data: bytes, src: object, dst: object) -> bool:
+        return wire.decode_type(data) is wire.PacketType.DATA and any(
+            m[3] == payload for m in frames_of(data).messages
+        )
+
+    return drop
+
+
+def test_a_message_the_peer_never_acknowledges_ends_the_connection() -> None:
+    # The peer is heard all along (its keepalives and acknowledgments arrive), so no
+    # idle timeout ends the connection; the one message it never takes does.
+    net, server, client, conn = pair(config=Config(ack_timeout=30.0))
+    net.drop = _carries(b"never taken")
+    conn.send(b"delivered")
+    net.run(0.5)
+    handle = conn.send(b"never taken", channel=1)
+    start = net.now
+    for i in range(25):  # other messages keep flowing meanwhile
+        net.run(1.0)
+        conn.send(b"%d" % i, channel=2)
+    net.run_until(lambda: conn.state is State.CLOSED, timeout=60)
+    assert 30.0 <= net.now - start <= 30.5
+    assert client.disconnects() == [Disconnected(DisconnectReason.UNACKNOWLEDGED)]
+    assert handle.failed and b"never taken" not in server.received()
+    # (A message that shared a datagram with it was lost with it, then resent apart.)
+    assert {b"delivered", b"0", b"20"} <= set(server.received())
+
+
+def test_messages_acknowledged_late_but_within_the_ack_timeout_keep_the_connection() -> None:
+    net, server, client, conn = pair(config=Config(ack_timeout=30.0))
+    net.drop = _carries(b"late")
+    conn.send(b"late")
+    net.run(25.0)
+    net.drop = None  # the path heals: the next resend gets through
+    net.run_until(lambda: server.received() == [b"late"], timeout=5)
+    net.run(60.0)
+    assert conn.state is State.CONNECTED
+
+
+def test_the_oldest_unacknowledged_record_stays_bounded_behind_a_stuck_message() -> None:
+    # Acknowledged messages behind one the peer never takes are not kept for its sake.
+    net, server, client, conn = pair(config=Config(ack_timeout=30.0))
+    net.drop = _carries(b"stuck")
+    conn.send(b"stuck", channel=1)
+    for i in range(2000):
+        conn.send(b"m%d" % i, channel=2)
+        if i % 100 == 0:
+            net.run(0.2)
+    net.run(2.0)
+    assert conn.state is State.CONNECTED
+    assert len(conn._sender.sent_order) <= 2 * conn.queued + 64
+
+
+def test_ack_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="ack_timeout"):
+        Config(ack_timeout=0)
 
 
 # A server that restarts keeps its static key, from which its NOCONN reset tokens derive:
