@@ -195,14 +195,16 @@ class Receiver:
         # (channel, first seq, span, cost if buffered): replayed in sequence order per
         # channel, since a message later in the packet may release earlier ones.
         ordered: list[tuple[int, int, int, int]] = []
+        seen: set[int] = set()  # graph ids of the packet: a copy in it counts once
         for mode, channel, seq16, payload, more in messages:
             if mode == GRAPH:
                 if more is not None and more.parts:
                     continue
                 low = graph.low
                 gid = low + seq_diff(seq16, low & SEQ_MASK)
-                if graph.known(gid):
+                if gid in seen or graph.known(gid):
                     continue  # a copy of one already here: it costs nothing
+                seen.add(gid)
                 if more is not None and graph.pending(more.deps):
                     # It may wait for its dependencies (see ReceiveGraph.arrive's cost).
                     extra += len(payload) + BUFFER_ENTRY_COST * (1 + len(more.deps))
@@ -301,6 +303,7 @@ class Receiver:
         head = False
         starting: dict[tuple[int, int, int], tuple[int, int]] = {}
         credited: set[tuple[int, int, int]] = set()
+        with_deps: set[tuple[int, int, int]] = set()
         for mode, channel, seq16, payload, more in messages:
             if more is None or not more.parts or channel >= self._channels:
                 continue
@@ -311,6 +314,9 @@ class Receiver:
             if key is None:
                 continue
             part = self.parts.get(key)
+            if more.deps and key not in with_deps and (part is None or part.chunks[0] is None):
+                with_deps.add(key)
+                new_bytes += BUFFER_ENTRY_COST * self.graph.pending_count(more.deps)
             if part is None:
                 shape = starting.get(key)
                 if shape is None:
@@ -615,8 +621,13 @@ class Receiver:
         """Add a fragment; the whole message once the last one is in, else None."""
         parts = self.parts
         part = parts.get(key)
+        # A dependency list (on the first fragment of a graph message) is charged an
+        # entry per dependency it will wait for, as a message that is not fragmented.
+        deps_cost = 0
+        if more.deps and (part is None or part.chunks[0] is None):
+            deps_cost = BUFFER_ENTRY_COST * self.graph.pending_count(more.deps)
         if part is None:
-            reserved = _reservation(more)
+            reserved = _reservation(more) + deps_cost
             if key[0] == RELIABLE_SEQUENCED:
                 for old in self._older_rs_parts(channel, key[2]):
                     self.reassembly_bytes -= parts.pop(old).reserved
@@ -632,9 +643,12 @@ class Receiver:
         elif part.count != more.parts or part.total != more.total:
             self._stats.fragments_dropped += 1
             return None
-        if part.chunks[more.part] is not None:
+        elif part.chunks[more.part] is not None:
             self._stats.duplicate_messages += 1
             return None
+        elif deps_cost:
+            part.reserved += deps_cost
+            self.reassembly_bytes += deps_cost
         part.chunks[more.part] = payload
         part.have += 1
         part.size += len(payload)

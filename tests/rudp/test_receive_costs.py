@@ -1,0 +1,177 @@
+"""What a malicious peer (one that holds the session keys) can make the receive side
+spend: each packet costs work in proportion to its own messages, never to what earlier
+packets left waiting, and everything kept is charged to a budget.
+
+Work is counted in operations (lookups into the receiver's tables), not time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rudp import frames
+from rudp.config import BUFFER_ENTRY_COST
+from rudp.connection import State
+from rudp.events import DisconnectReason
+from rudp.receiving import PARTIAL_COST
+from rudp.wire import GRAPH, DropReason
+from tests.rudp.harness import inject_frames, pair, server_conn
+
+
+class CountingDict(dict[Any, Any]):
+    """A dict that counts the entries read through it by key and the walks over it."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.reads = 0
+        self.walks = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        self.reads += 1
+        return super().__getitem__(key)
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return super().__iter__()
+
+
+# -- the dependency graph ------------------------------------------------------------------
+
+
+def test_a_dependency_named_twice_ends_the_connection_naming_it() -> None:
+    # Each copy of an id waited separately: 255 copies of one missing id in a message
+    # of 274 reserved bytes put 255 entries on that id's list, walked in full for
+    # every message with that id in a later packet.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    first = frames.message_frame(GRAPH, 0, 1, b"a", deps=(0,) * 255, fragment=(0, 2, 2))
+    second = frames.message_frame(GRAPH, 0, 2, b"b", fragment=(1, 2, 2))
+    inject_frames(net, server, first, second)
+    assert sconn.state is State.CLOSED
+    assert sconn.close_reason is not None
+    assert sconn.close_reason.reason is DisconnectReason.PROTOCOL_ERROR
+    assert sconn.close_reason.text == "a message names the same dependency twice"
+    assert sconn._receiver.graph.waiters == {}
+
+
+def test_an_unfragmented_message_naming_a_dependency_twice_ends_the_connection() -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    inject_frames(net, server, frames.message_frame(GRAPH, 0, 5, b"a", deps=(3, 0, 3)))
+    assert sconn.close_reason is not None
+    assert sconn.close_reason.text == "a message names the same dependency twice"
+
+
+def test_a_fragmented_graph_message_is_charged_for_each_dependency_it_waits_for() -> None:
+    # It was charged its reassembly reservation only (total + 256 + 8 per fragment),
+    # whatever the entries its dependency list added to the graph.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    rx = sconn._receiver
+    deps = tuple(range(255))  # never sent
+    reservation = 2 + PARTIAL_COST + 8 * 2
+    first = frames.message_frame(GRAPH, 0, 300, b"a", deps=deps, fragment=(0, 2, 2))
+    second = frames.message_frame(GRAPH, 0, 301, b"b", fragment=(1, 2, 2))
+    assert inject_frames(net, server, first, second) is None
+    assert rx.graph.reserved == reservation + 255 * BUFFER_ENTRY_COST
+    # Second fragment first: the first one's dependencies are charged when it comes.
+    second = frames.message_frame(GRAPH, 0, 303, b"b", fragment=(1, 2, 2))
+    assert inject_frames(net, server, second) is None
+    assert rx.reassembly_bytes == reservation
+    first = frames.message_frame(GRAPH, 0, 302, b"a", deps=deps[:10], fragment=(0, 2, 2))
+    assert inject_frames(net, server, first, first) is None  # a copy is charged once
+    assert rx.graph.reserved == 2 * reservation + 265 * BUFFER_ENTRY_COST
+    assert rx.reassembly_bytes == 0
+    # Dependencies already run cost nothing; once they all have, nothing is held.
+    for i in range(0, 255, 50):
+        assert (
+            inject_frames(
+                net, server, *[frames.message_frame(GRAPH, 0, i + j, b"") for j in range(50)]
+            )
+            is None
+        )
+    assert (
+        inject_frames(
+            net, server, *[frames.message_frame(GRAPH, 0, j, b"") for j in range(250, 255)]
+        )
+        is None
+    )
+    assert rx.graph.nodes == {} and rx.graph.waiters == {} and rx.graph.frees == {}
+    assert rx.reserved_bytes == 0 and rx.buffered_bytes == 0
+    assert sconn.state is State.CONNECTED
+
+
+def test_the_reassembly_budget_bounds_the_entries_dependency_lists_hold() -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    rx = sconn._receiver
+    deps = tuple(range(255))
+    gid = 256
+    refused = 0
+    while gid + 1 < 4096 and refused < 3:
+        first = frames.message_frame(GRAPH, 0, gid, b"a", deps=deps, fragment=(0, 2, 2))
+        second = frames.message_frame(GRAPH, 0, gid + 1, b"b", fragment=(1, 2, 2))
+        if inject_frames(net, server, first, second) is DropReason.RECV_BUFFER_FULL:
+            refused += 1
+        gid += 2
+    assert refused == 3
+    entries = sum(len(w) for w in rx.graph.waiters.values())
+    assert entries > 60_000
+    # Every entry is charged, within the budget (plus the room kept for the head).
+    assert entries * BUFFER_ENTRY_COST <= rx.reserved_bytes <= rx._budget(True)
+    assert sconn.state is State.CONNECTED
+
+
+def test_can_buffer_costs_the_same_however_many_messages_wait_for_an_id() -> None:
+    # With the reorder buffer nearly full, each graph message of a packet asked what
+    # running it would free by walking every message waiting for it: a refused packet
+    # (which changes nothing, so the peer sends it again) of 250 messages with one id
+    # walked the list 250 times.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    rx = sconn._receiver
+    graph = rx.graph
+    for i in range(1, 201):  # 200 messages waiting for id 0, each for 1 and 0
+        dep = frames.message_frame(GRAPH, 0, 1000 + i, b"w", deps=(0, 1000))
+        assert inject_frames(net, server, dep) is None
+    waiting = graph.buffered
+    assert len(graph.waiters[0]) == 200
+    limit = sconn.config.recv_buffer_bytes
+    seq = 1
+    while rx.buffered_bytes + 1364 < limit - 300:
+        assert inject_frames(net, server, frames.reliable_frame(5, seq, b"B" * 1300)) is None
+        seq += 1
+    room = limit - rx.buffered_bytes
+    # Running 0 would free an entry of each (12,800 bytes): an early message larger
+    # than the room left but within that fits, with one copy of 0 or 250.
+    early = frames.reliable_frame(5, seq, b"C" * (room + 5000))
+    zeros = [frames.message_frame(GRAPH, 0, 0, b"") for _ in range(250)]
+    messages = frames.decode_frames(early + b"".join(zeros), 0).messages
+    graph.nodes = CountingDict(graph.nodes)
+    assert rx.can_buffer(messages, 1324)
+    assert graph.nodes.reads == 0
+    # One larger than that is refused, however many copies of 0 come with it.
+    early = frames.reliable_frame(5, seq, b"C" * (room + 200 * BUFFER_ENTRY_COST))
+    messages = frames.decode_frames(early + b"".join(zeros), 0).messages
+    assert not rx.can_buffer(messages, 1324)
+    assert graph.nodes.reads == 0
+    assert graph.buffered == waiting
+
+
+def test_what_running_an_id_frees_follows_the_messages_as_they_wait_and_run() -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    graph = sconn._receiver.graph
+    entry = BUFFER_ENTRY_COST
+    assert (
+        inject_frames(net, server, frames.message_frame(GRAPH, 0, 10, b"xy", deps=(1, 2))) is None
+    )
+    assert inject_frames(net, server, frames.message_frame(GRAPH, 0, 11, b"abc", deps=(2,))) is None
+    assert graph.releases(1) == entry
+    assert graph.releases(2) == entry + entry + 3 + entry
+    assert inject_frames(net, server, frames.message_frame(GRAPH, 0, 1, b"")) is None
+    # 10 now waits for 2 alone: running 2 frees both whole.
+    assert graph.releases(1) == 0
+    assert graph.releases(2) == (entry + 2 + entry) + (entry + 3 + entry)
+    assert graph.buffered == graph.releases(2)
+    assert inject_frames(net, server, frames.message_frame(GRAPH, 0, 2, b"")) is None
+    assert graph.buffered == 0 and graph.frees == {} and graph.nodes == {}
