@@ -324,10 +324,10 @@ class Receiver:
                     new_bytes += _reservation(more)
                     head = head or self._is_head(key)
                     if mode == RELIABLE_SEQUENCED:
-                        for old in self._older_rs_parts(channel, key[2]):
-                            if old not in credited:
-                                credited.add(old)
-                                new_bytes -= self.parts[old].reserved
+                        old = self._older_rs_part(channel, key[2])
+                        if old is not None and old not in credited:
+                            credited.add(old)
+                            new_bytes -= self.parts[old].reserved
                 elif shape != (more.parts, more.total):
                     self._stats.fragments_dropped += 1
                     return DropReason.MALFORMED
@@ -524,8 +524,9 @@ class Receiver:
         return 1
 
     def _drop_superseded_parts(self, channel: int, newest: int) -> None:
-        """Incomplete reliable-sequenced messages older than one delivered are moot."""
-        for key in self._older_rs_parts(channel, newest + 1):
+        """An incomplete reliable-sequenced message older than one delivered is moot."""
+        key = self._older_rs_part(channel, newest + 1)
+        if key is not None:
             self.reassembly_bytes -= self.parts.pop(key).reserved
 
     def _graph_message(
@@ -610,10 +611,13 @@ class Receiver:
             return base == self.graph.low
         return True  # reliable-sequenced: delivered as soon as it completes
 
-    def _older_rs_parts(self, channel: int, base: int) -> list[tuple[int, int, int]]:
-        return [
-            k for k in self.parts if k[0] == RELIABLE_SEQUENCED and k[1] == channel and k[2] < base
-        ]
+    def _older_rs_part(self, channel: int, base: int) -> tuple[int, int, int] | None:
+        """The incomplete reliable-sequenced message of ``channel`` older than ``base``,
+        if any. A channel has at most one: starting a message drops the older ones
+        and raises ``rseq_floor`` to its first number, below which none starts, so
+        the one left is the one that starts at the floor (a lookup, not a search)."""
+        key = (RELIABLE_SEQUENCED, channel, self.rseq_floor[channel])
+        return key if key[2] < base and key in self.parts else None
 
     def _assemble(
         self, key: tuple[int, int, int], payload: bytes, more: FrameExtra, channel: int
@@ -629,7 +633,8 @@ class Receiver:
         if part is None:
             reserved = _reservation(more) + deps_cost
             if key[0] == RELIABLE_SEQUENCED:
-                for old in self._older_rs_parts(channel, key[2]):
+                old = self._older_rs_part(channel, key[2])
+                if old is not None:
                     self.reassembly_bytes -= parts.pop(old).reserved
                 self.rseq_floor[channel] = key[2]
             if self.reserved_bytes + reserved > self._budget(self._is_head(key)):

@@ -13,7 +13,7 @@ from rudp.config import BUFFER_ENTRY_COST
 from rudp.connection import State
 from rudp.events import DisconnectReason
 from rudp.receiving import PARTIAL_COST
-from rudp.wire import GRAPH, DropReason
+from rudp.wire import GRAPH, RELIABLE_ORDERED, RELIABLE_SEQUENCED, DropReason
 from tests.rudp.harness import inject_frames, pair, server_conn
 
 
@@ -175,3 +175,40 @@ def test_what_running_an_id_frees_follows_the_messages_as_they_wait_and_run() ->
     assert graph.buffered == graph.releases(2)
     assert inject_frames(net, server, frames.message_frame(GRAPH, 0, 2, b"")) is None
     assert graph.buffered == 0 and graph.frees == {} and graph.nodes == {}
+
+
+# -- reliable-sequenced fragments ----------------------------------------------------------
+
+
+def test_reliable_sequenced_messages_cost_the_same_however_many_partials_are_held() -> None:
+    # Every reliable-sequenced message (and every new fragment of one, twice) looked
+    # for the channel's older partial messages by walking every partial message held,
+    # of every mode and channel: 15,300 fit the budget, and none of them expires.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    rx = sconn._receiver
+    for ch in range(2, 6):
+        held = [
+            frames.message_frame(RELIABLE_ORDERED, ch, s + 1, b"x", fragment=(1, 2, 2))
+            for s in range(1, 170, 2)
+        ]
+        assert inject_frames(net, server, *held) is None
+    assert len(rx.parts) == 4 * 85
+    rx.parts = CountingDict(rx.parts)
+    rs = [frames.message_frame(RELIABLE_SEQUENCED, 1, i, b"") for i in range(100)]
+    assert inject_frames(net, server, *rs) is None
+    assert rx.parts.walks == 0
+    starts = [
+        frames.message_frame(RELIABLE_SEQUENCED, 1, 100 + 2 * j, b"q", fragment=(0, 2, 2))
+        for j in range(50)
+    ]
+    assert inject_frames(net, server, *starts) is None
+    assert rx.parts.walks == 0
+    # Each start dropped the one before: one is left, and the budget holds it alone.
+    rs_parts = [k for k in dict(rx.parts) if k[0] == RELIABLE_SEQUENCED]
+    assert rs_parts == [(RELIABLE_SEQUENCED, 1, 198)]
+    assert rx.reassembly_bytes == (4 * 85 + 1) * (2 + PARTIAL_COST + 16)
+    # A newer whole message makes it moot.
+    assert inject_frames(net, server, frames.message_frame(RELIABLE_SEQUENCED, 1, 200, b"")) is None
+    assert [k for k in dict(rx.parts) if k[0] == RELIABLE_SEQUENCED] == []
+    assert rx.reassembly_bytes == 4 * 85 * (2 + PARTIAL_COST + 16)
