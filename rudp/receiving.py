@@ -368,6 +368,8 @@ class Receiver:
                             (conn, MessageReceived(payload, channel, True, RELIABLE_ORDERED))
                         )
                         delivered += 1
+                        if self.parts:
+                            self._drop_covered(channel, expected, 1)
                         expected += 1
                         buf = self.ch_buf[channel]
                         if buf:
@@ -441,9 +443,11 @@ class Receiver:
         (see ``_whole_in_packet``); returns how many messages were delivered."""
         data = b"".join([m[3] for m in messages[i : i + count]])
         self._events.append((self._conn, MessageReceived(data, channel, True)))
-        expected = self.ch_next[channel] + count
+        base = self.ch_next[channel]
+        expected = base + count
         buf = self.ch_buf[channel]
         if buf:
+            self._drop_covered(channel, base, count)
             return 1 + self._flush_buffered(channel, expected, buf)
         self.ch_next[channel] = expected
         return 1
@@ -469,14 +473,41 @@ class Receiver:
             if isinstance(early, bytes):
                 self.buffered -= len(early) + BUFFER_ENTRY_COST
                 events.append((conn, MessageReceived(early, channel, True, RELIABLE_ORDERED)))
-                expected += 1
+                span = 1
             else:
                 self.reassembly_bytes -= early.reserved
                 events.append((conn, MessageReceived(early.data, channel, True, RELIABLE_ORDERED)))
-                expected += early.span
+                span = early.span
+            if span > 1 or self.parts:
+                self._drop_covered(channel, expected, span)
+            expected += span
             n += 1
         self.ch_next[channel] = expected
         return n
+
+    def _drop_covered(self, channel: int, base: int, span: int) -> None:
+        """The message of ``span`` numbers from ``base`` was delivered: whatever else
+        claims one of those numbers (an early message or a message being reassembled,
+        only from a sender whose messages overlap) can never be delivered, and gives
+        its room back. Costs its span, which the message's fragments paid for."""
+        buf = self.ch_buf[channel]
+        if buf:
+            for seq in range(base + 1, base + span):
+                early = buf.pop(seq, None)
+                if early is None:
+                    continue
+                self._stats.duplicate_messages += 1
+                if isinstance(early, bytes):
+                    self.buffered -= len(early) + BUFFER_ENTRY_COST
+                else:
+                    self.reassembly_bytes -= early.reserved
+        parts = self.parts
+        if parts:
+            for seq in range(base, base + span):
+                part = parts.pop((RELIABLE_ORDERED, channel, seq), None)
+                if part is not None:
+                    self._stats.fragments_dropped += part.have
+                    self.reassembly_bytes -= part.reserved
 
     def _ordered_fragment(self, channel: int, seq16: int, payload: bytes, more: FrameExtra) -> int:
         whole = self._reassemble(RELIABLE_ORDERED, channel, seq16, payload, more)
@@ -493,6 +524,7 @@ class Receiver:
         self._events.append(
             (self._conn, MessageReceived(whole.data, channel, True, RELIABLE_ORDERED))
         )
+        self._drop_covered(channel, base, whole.span)
         return 1 + self._flush_buffered(channel, base + whole.span, buf)
 
     def _sequenced(

@@ -212,3 +212,67 @@ def test_reliable_sequenced_messages_cost_the_same_however_many_partials_are_hel
     assert inject_frames(net, server, frames.message_frame(RELIABLE_SEQUENCED, 1, 200, b"")) is None
     assert [k for k in dict(rx.parts) if k[0] == RELIABLE_SEQUENCED] == []
     assert rx.reassembly_bytes == 4 * 85 * (2 + PARTIAL_COST + 16)
+
+
+# -- overlapping ordered messages ----------------------------------------------------------
+
+
+def _fragments(channel: int, base: int, count: int) -> list[bytes]:
+    return [
+        frames.message_frame(RELIABLE_ORDERED, channel, base + i, b"x", fragment=(i, count, count))
+        for i in range(count)
+    ]
+
+
+def test_an_early_message_inside_a_delivered_message_is_dropped_and_uncharged() -> None:
+    # A message at b+1 waited early; a 3-fragment message at b..b+2 then completed and
+    # was delivered, and the channel moved past b+1: that entry stayed, charged, for
+    # the life of the connection. 1,971 such rounds filled the reorder buffer.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    rx = sconn._receiver
+    for b in range(0, 300, 3):
+        assert inject_frames(net, server, frames.reliable_frame(3, b + 1, b"L" * 1000)) is None
+        assert rx.buffered == 1000 + BUFFER_ENTRY_COST
+        assert inject_frames(net, server, *_fragments(3, b, 3)) is None
+        assert rx.ch_next[3] == b + 3
+        assert rx.ch_buf[3] == {} and rx.buffered == 0
+    net.run(0.1)
+    assert server.received() == [b"xxx"] * 100
+    assert sconn.stats.duplicate_messages == 100
+
+
+def test_an_early_message_inside_a_buffered_whole_message_is_dropped_when_it_goes() -> None:
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    rx = sconn._receiver
+    assert inject_frames(net, server, *_fragments(3, 1, 3)) is None  # complete, early
+    assert inject_frames(net, server, frames.reliable_frame(3, 2, b"L" * 100)) is None
+    assert inject_frames(net, server, frames.reliable_frame(3, 0, b"first")) is None
+    net.run(0.1)
+    assert server.received() == [b"first", b"xxx"]
+    assert rx.ch_next[3] == 4 and rx.ch_buf[3] == {}
+    assert rx.buffered == 0 and rx.reserved_bytes == 0
+
+
+def test_a_partial_message_the_channel_moved_past_gives_its_reservation_back() -> None:
+    # A message being reassembled at b (its second fragment in), then another message
+    # at b delivered whole: the partial one could never complete, and held its
+    # reservation for good.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    rx = sconn._receiver
+    late = frames.message_frame(RELIABLE_ORDERED, 3, 1, b"y", fragment=(1, 2, 2))
+    assert inject_frames(net, server, late) is None
+    assert rx.reassembly_bytes > 0
+    assert inject_frames(net, server, frames.reliable_frame(3, 0, b"first")) is None
+    assert rx.parts == {} and rx.reassembly_bytes == 0
+    # One the channel moves past inside a larger message, too.
+    late = frames.message_frame(RELIABLE_ORDERED, 3, 3, b"y", fragment=(1, 2, 2))
+    assert inject_frames(net, server, late) is None
+    assert inject_frames(net, server, *_fragments(3, 1, 3)) is None
+    assert rx.ch_next[3] == 4
+    assert rx.parts == {} and rx.reassembly_bytes == 0
+    net.run(0.1)
+    assert server.received() == [b"first", b"xxx"]
+    assert sconn.state is State.CONNECTED
