@@ -149,6 +149,7 @@ class ReceiveGraph:
         "frees",
         "low",
         "nodes",
+        "ran",
         "reserved",
         "violation",
         "waiters",
@@ -177,6 +178,8 @@ class ReceiveGraph:
         self.buffered = 0  # receive-buffer bytes charged for the waiting messages
         self.reserved = 0  # reassembly budget held by reassembled messages not yet run
         self.violation = ""  # what the peer did wrong, if it broke the protocol
+        # (id, span) of each message run, while the receiver asks (see Receiver._ran).
+        self.ran: list[tuple[int, int]] | None = None
 
     def known(self, gid: int) -> bool:
         """Whether ``gid`` already ran or is waiting: a copy of it costs nothing."""
@@ -287,6 +290,8 @@ class ReceiveGraph:
             events.append((conn, MessageReceived(data, channel, True, GRAPH)))
             n += 1
             self.reserved -= reserved
+            if self.ran is not None:
+                self.ran.append((gid, span))
             if span == 1:
                 done.add(gid)
             else:

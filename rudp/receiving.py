@@ -571,9 +571,16 @@ class Receiver:
             if whole is None:
                 return 0
             self.reassembly_bytes -= whole.reserved  # the graph holds it from here
-            return graph.arrive(
+            if not self.parts:
+                return graph.arrive(
+                    whole.base, whole.span, whole.data, whole.deps, channel, whole.reserved, now
+                )
+            graph.ran = []
+            n = graph.arrive(
                 whole.base, whole.span, whole.data, whole.deps, channel, whole.reserved, now
             )
+            self._ran()
+            return n
         low = graph.low
         diff = seq_diff(seq16, low & SEQ_MASK)
         gid = low + diff
@@ -581,7 +588,27 @@ class Receiver:
             self._stats.duplicate_messages += 1
             return 0
         deps = more.deps if more is not None else ()
-        return graph.arrive(gid, 1, payload, deps, channel, 0, now)
+        if not self.parts:
+            return graph.arrive(gid, 1, payload, deps, channel, 0, now)
+        graph.ran = []
+        n = graph.arrive(gid, 1, payload, deps, channel, 0, now)
+        self._ran()
+        return n
+
+    def _ran(self) -> None:
+        """Graph messages ran (``graph.ran`` says which): a message being reassembled at
+        one of their ids (only from a sender whose messages overlap) can never complete
+        now, and gives its room back, as on an ordered channel (``_drop_covered``)."""
+        ran = self.graph.ran
+        assert ran is not None
+        self.graph.ran = None
+        parts = self.parts
+        for gid, span in ran:
+            for seq in range(gid, gid + span):
+                part = parts.pop((GRAPH, 0, seq), None)
+                if part is not None:
+                    self._stats.fragments_dropped += part.have
+                    self.reassembly_bytes -= part.reserved
 
     # -- reassembly ----------------------------------------------------------------------
 

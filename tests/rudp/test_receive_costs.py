@@ -276,3 +276,34 @@ def test_a_partial_message_the_channel_moved_past_gives_its_reservation_back() -
     net.run(0.1)
     assert server.received() == [b"first", b"xxx"]
     assert sconn.state is State.CONNECTED
+
+
+def test_a_partial_graph_message_at_an_id_that_ran_gives_its_reservation_back() -> None:
+    # The graph's own case: a message being reassembled at b+1 (its second fragment,
+    # id b+2, in), then a 3-fragment message at b..b+2 ran. 15,307 such rounds held
+    # the whole reassembly budget, and every later fragment but the head's was refused.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    rx = sconn._receiver
+    for b in range(0, 300, 3):
+        late = frames.message_frame(GRAPH, 0, b + 2, b"y", fragment=(1, 2, 2))
+        assert inject_frames(net, server, late) is None
+        assert rx.reassembly_bytes == 2 + PARTIAL_COST + 16
+        whole = [frames.message_frame(GRAPH, 0, b + i, b"x", fragment=(i, 3, 3)) for i in range(3)]
+        assert inject_frames(net, server, *whole) is None
+        assert rx.graph.low == b + 3
+        assert rx.parts == {} and rx.reserved_bytes == 0
+    # One at an id that an unfragmented message then takes, waiting or not.
+    late = frames.message_frame(GRAPH, 0, 301, b"y", fragment=(1, 2, 2))
+    assert inject_frames(net, server, late) is None
+    assert inject_frames(net, server, frames.message_frame(GRAPH, 0, 300, b"first")) is None
+    late = frames.message_frame(GRAPH, 0, 303, b"y", fragment=(1, 2, 2))
+    assert inject_frames(net, server, late) is None
+    waits = frames.message_frame(GRAPH, 0, 302, b"second", deps=(301,))
+    assert inject_frames(net, server, waits) is None
+    assert len(rx.parts) == 1  # it cannot complete: it goes when 302 runs
+    assert inject_frames(net, server, frames.message_frame(GRAPH, 0, 301, b"")) is None
+    assert rx.parts == {} and rx.reserved_bytes == 0 and rx.buffered_bytes == 0
+    net.run(0.1)
+    assert server.received() == [b"xxx"] * 100 + [b"first", b"", b"second"]
+    assert sconn.state is State.CONNECTED
