@@ -116,16 +116,24 @@ def refresh_deps(msg: OutMessage) -> bool:
 class Waiting:
     """A received graph message waiting for its dependencies."""
 
-    __slots__ = ("arrived", "channel", "data", "reserved", "span", "waiting")
+    __slots__ = ("arrived", "channel", "data", "reserved", "rest", "span", "waiting")
 
     def __init__(
-        self, data: bytes, channel: int, span: int, reserved: int, waiting: int, arrived: float
+        self,
+        data: bytes,
+        channel: int,
+        span: int,
+        reserved: int,
+        waiting: int,
+        rest: int,
+        arrived: float,
     ) -> None:
         self.data = data
         self.channel = channel
         self.span = span
         self.reserved = reserved
-        self.waiting = waiting
+        self.waiting = waiting  # dependencies not yet executed
+        self.rest = rest  # the sum of their ids: the last one's id once one is left
         self.arrived = arrived
 
 
@@ -138,8 +146,10 @@ class ReceiveGraph:
         "_window",
         "buffered",
         "done",
+        "frees",
         "low",
         "nodes",
+        "ran",
         "reserved",
         "violation",
         "waiters",
@@ -158,14 +168,18 @@ class ReceiveGraph:
         self._window = window
         # Every id below ``low`` was executed; ``done`` holds executed ids above it,
         # ``nodes`` the messages waiting for dependencies (in arrival order),
-        # ``waiters`` who waits for which id.
+        # ``waiters`` who waits for which id, ``frees`` what executing that id would
+        # free of the receive buffer (see ``releases``).
         self.low = 0
         self.done: set[int] = set()
         self.nodes: dict[int, Waiting] = {}
         self.waiters: dict[int, list[int]] = {}
+        self.frees: dict[int, int] = {}
         self.buffered = 0  # receive-buffer bytes charged for the waiting messages
         self.reserved = 0  # reassembly budget held by reassembled messages not yet run
         self.violation = ""  # what the peer did wrong, if it broke the protocol
+        # (id, span) of each message run, while the receiver asks (see Receiver._ran).
+        self.ran: list[tuple[int, int]] | None = None
 
     def known(self, gid: int) -> bool:
         """Whether ``gid`` already ran or is waiting: a copy of it costs nothing."""
@@ -181,20 +195,23 @@ class ReceiveGraph:
                 return True
         return False
 
+    def pending_count(self, deps: tuple[int, ...]) -> int:
+        """How many of ``deps`` a message naming them would wait for."""
+        low = self.low
+        done = self.done
+        n = 0
+        for dep16 in deps:
+            back = seq_diff(dep16, low & SEQ_MASK)
+            if back >= 0 and low + back not in done:
+                n += 1
+        return n
+
     def releases(self, gid: int) -> int:
-        """Receive-buffer bytes freed by executing ``gid`` (one level, a lower bound)."""
-        freed = 0
-        left: dict[int, int] = {}
-        nodes = self.nodes
-        for succ in self.waiters.get(gid, ()):
-            node = nodes[succ]
-            if node.reserved:
-                continue
-            n = left[succ] = left.get(succ, node.waiting) - 1
-            freed += BUFFER_ENTRY_COST
-            if n == 0:
-                freed += len(node.data) + BUFFER_ENTRY_COST
-        return freed
+        """Receive-buffer bytes freed by executing ``gid`` (one level, a lower bound):
+        an entry of each message waiting for it, and the whole of each one waiting
+        for it alone. Kept up to date as messages wait and run, so that asking costs
+        the same however many wait (``Receiver.can_buffer`` asks per message)."""
+        return self.frees.get(gid, 0)
 
     def deadline(self, timeout: float) -> float:
         """When the oldest waiting message has waited ``timeout`` (some must wait)."""
@@ -221,9 +238,16 @@ class ReceiveGraph:
         returns how many messages were delivered. ``reserved`` bytes of the
         reassembly budget move here until the message runs."""
         self.reserved += reserved
+        if len(deps) > 1 and len(set(deps)) < len(deps):
+            # An honest sender names each dependency once; a repeated one would cost
+            # an entry per copy, and its release a walk over them all.
+            self.violation = "a message names the same dependency twice"
+            return 0
         low = self.low
         done = self.done
+        frees = self.frees
         waiting = 0
+        rest = 0
         for dep16 in deps:
             back = seq_diff(dep16, low & SEQ_MASK)
             dep = low + back
@@ -237,10 +261,15 @@ class ReceiveGraph:
                 continue  # executed already
             self.waiters.setdefault(dep, []).append(gid)
             waiting += 1
+            rest += dep
+            if not reserved:
+                frees[dep] = frees.get(dep, 0) + BUFFER_ENTRY_COST
         if waiting:
-            self.nodes[gid] = Waiting(data, channel, span, reserved, waiting, now)
+            self.nodes[gid] = Waiting(data, channel, span, reserved, waiting, rest, now)
             if not reserved:
                 self.buffered += len(data) + BUFFER_ENTRY_COST * (1 + waiting)
+                if waiting == 1:
+                    frees[rest] += len(data) + BUFFER_ENTRY_COST
             return 0
         return self._execute(gid, span, data, channel, reserved)
 
@@ -252,6 +281,7 @@ class ReceiveGraph:
         done = self.done
         nodes = self.nodes
         waiters = self.waiters
+        frees = self.frees
         ready: deque[tuple[int, int, bytes, int, int]] = deque()
         ready.append((gid, span, data, channel, reserved))
         n = 0
@@ -260,15 +290,21 @@ class ReceiveGraph:
             events.append((conn, MessageReceived(data, channel, True, GRAPH)))
             n += 1
             self.reserved -= reserved
+            if self.ran is not None:
+                self.ran.append((gid, span))
             if span == 1:
                 done.add(gid)
             else:
                 done.update(range(gid, gid + span))
+            frees.pop(gid, None)
             for successor in waiters.pop(gid, ()):
                 node = nodes[successor]
                 node.waiting -= 1
+                node.rest -= gid
                 if not node.reserved:
                     self.buffered -= BUFFER_ENTRY_COST
+                    if node.waiting == 1:  # what is left is waiting for ``rest`` alone
+                        frees[node.rest] += len(node.data) + BUFFER_ENTRY_COST
                 if node.waiting == 0:
                     del nodes[successor]
                     if not node.reserved:
@@ -285,5 +321,6 @@ class ReceiveGraph:
         """The connection ended: forget every waiting message."""
         self.nodes.clear()
         self.waiters.clear()
+        self.frees.clear()
         self.buffered = 0
         self.reserved = 0

@@ -195,14 +195,16 @@ class Receiver:
         # (channel, first seq, span, cost if buffered): replayed in sequence order per
         # channel, since a message later in the packet may release earlier ones.
         ordered: list[tuple[int, int, int, int]] = []
+        seen: set[int] = set()  # graph ids of the packet: a copy in it counts once
         for mode, channel, seq16, payload, more in messages:
             if mode == GRAPH:
                 if more is not None and more.parts:
                     continue
                 low = graph.low
                 gid = low + seq_diff(seq16, low & SEQ_MASK)
-                if graph.known(gid):
+                if gid in seen or graph.known(gid):
                     continue  # a copy of one already here: it costs nothing
+                seen.add(gid)
                 if more is not None and graph.pending(more.deps):
                     # It may wait for its dependencies (see ReceiveGraph.arrive's cost).
                     extra += len(payload) + BUFFER_ENTRY_COST * (1 + len(more.deps))
@@ -301,6 +303,7 @@ class Receiver:
         head = False
         starting: dict[tuple[int, int, int], tuple[int, int]] = {}
         credited: set[tuple[int, int, int]] = set()
+        with_deps: set[tuple[int, int, int]] = set()
         for mode, channel, seq16, payload, more in messages:
             if more is None or not more.parts or channel >= self._channels:
                 continue
@@ -311,6 +314,9 @@ class Receiver:
             if key is None:
                 continue
             part = self.parts.get(key)
+            if more.deps and key not in with_deps and (part is None or part.chunks[0] is None):
+                with_deps.add(key)
+                new_bytes += BUFFER_ENTRY_COST * self.graph.pending_count(more.deps)
             if part is None:
                 shape = starting.get(key)
                 if shape is None:
@@ -318,10 +324,10 @@ class Receiver:
                     new_bytes += _reservation(more)
                     head = head or self._is_head(key)
                     if mode == RELIABLE_SEQUENCED:
-                        for old in self._older_rs_parts(channel, key[2]):
-                            if old not in credited:
-                                credited.add(old)
-                                new_bytes -= self.parts[old].reserved
+                        old = self._older_rs_part(channel, key[2])
+                        if old is not None and old not in credited:
+                            credited.add(old)
+                            new_bytes -= self.parts[old].reserved
                 elif shape != (more.parts, more.total):
                     self._stats.fragments_dropped += 1
                     return DropReason.MALFORMED
@@ -362,6 +368,8 @@ class Receiver:
                             (conn, MessageReceived(payload, channel, True, RELIABLE_ORDERED))
                         )
                         delivered += 1
+                        if self.parts:
+                            self._drop_covered(channel, expected, 1)
                         expected += 1
                         buf = self.ch_buf[channel]
                         if buf:
@@ -435,9 +443,11 @@ class Receiver:
         (see ``_whole_in_packet``); returns how many messages were delivered."""
         data = b"".join([m[3] for m in messages[i : i + count]])
         self._events.append((self._conn, MessageReceived(data, channel, True)))
-        expected = self.ch_next[channel] + count
+        base = self.ch_next[channel]
+        expected = base + count
         buf = self.ch_buf[channel]
         if buf:
+            self._drop_covered(channel, base, count)
             return 1 + self._flush_buffered(channel, expected, buf)
         self.ch_next[channel] = expected
         return 1
@@ -463,14 +473,41 @@ class Receiver:
             if isinstance(early, bytes):
                 self.buffered -= len(early) + BUFFER_ENTRY_COST
                 events.append((conn, MessageReceived(early, channel, True, RELIABLE_ORDERED)))
-                expected += 1
+                span = 1
             else:
                 self.reassembly_bytes -= early.reserved
                 events.append((conn, MessageReceived(early.data, channel, True, RELIABLE_ORDERED)))
-                expected += early.span
+                span = early.span
+            if span > 1 or self.parts:
+                self._drop_covered(channel, expected, span)
+            expected += span
             n += 1
         self.ch_next[channel] = expected
         return n
+
+    def _drop_covered(self, channel: int, base: int, span: int) -> None:
+        """The message of ``span`` numbers from ``base`` was delivered: whatever else
+        claims one of those numbers (an early message or a message being reassembled,
+        only from a sender whose messages overlap) can never be delivered, and gives
+        its room back. Costs its span, which the message's fragments paid for."""
+        buf = self.ch_buf[channel]
+        if buf:
+            for seq in range(base + 1, base + span):
+                early = buf.pop(seq, None)
+                if early is None:
+                    continue
+                self._stats.duplicate_messages += 1
+                if isinstance(early, bytes):
+                    self.buffered -= len(early) + BUFFER_ENTRY_COST
+                else:
+                    self.reassembly_bytes -= early.reserved
+        parts = self.parts
+        if parts:
+            for seq in range(base, base + span):
+                part = parts.pop((RELIABLE_ORDERED, channel, seq), None)
+                if part is not None:
+                    self._stats.fragments_dropped += part.have
+                    self.reassembly_bytes -= part.reserved
 
     def _ordered_fragment(self, channel: int, seq16: int, payload: bytes, more: FrameExtra) -> int:
         whole = self._reassemble(RELIABLE_ORDERED, channel, seq16, payload, more)
@@ -487,6 +524,7 @@ class Receiver:
         self._events.append(
             (self._conn, MessageReceived(whole.data, channel, True, RELIABLE_ORDERED))
         )
+        self._drop_covered(channel, base, whole.span)
         return 1 + self._flush_buffered(channel, base + whole.span, buf)
 
     def _sequenced(
@@ -518,8 +556,9 @@ class Receiver:
         return 1
 
     def _drop_superseded_parts(self, channel: int, newest: int) -> None:
-        """Incomplete reliable-sequenced messages older than one delivered are moot."""
-        for key in self._older_rs_parts(channel, newest + 1):
+        """An incomplete reliable-sequenced message older than one delivered is moot."""
+        key = self._older_rs_part(channel, newest + 1)
+        if key is not None:
             self.reassembly_bytes -= self.parts.pop(key).reserved
 
     def _graph_message(
@@ -532,9 +571,16 @@ class Receiver:
             if whole is None:
                 return 0
             self.reassembly_bytes -= whole.reserved  # the graph holds it from here
-            return graph.arrive(
+            if not self.parts:
+                return graph.arrive(
+                    whole.base, whole.span, whole.data, whole.deps, channel, whole.reserved, now
+                )
+            graph.ran = []
+            n = graph.arrive(
                 whole.base, whole.span, whole.data, whole.deps, channel, whole.reserved, now
             )
+            self._ran()
+            return n
         low = graph.low
         diff = seq_diff(seq16, low & SEQ_MASK)
         gid = low + diff
@@ -542,7 +588,27 @@ class Receiver:
             self._stats.duplicate_messages += 1
             return 0
         deps = more.deps if more is not None else ()
-        return graph.arrive(gid, 1, payload, deps, channel, 0, now)
+        if not self.parts:
+            return graph.arrive(gid, 1, payload, deps, channel, 0, now)
+        graph.ran = []
+        n = graph.arrive(gid, 1, payload, deps, channel, 0, now)
+        self._ran()
+        return n
+
+    def _ran(self) -> None:
+        """Graph messages ran (``graph.ran`` says which): a message being reassembled at
+        one of their ids (only from a sender whose messages overlap) can never complete
+        now, and gives its room back, as on an ordered channel (``_drop_covered``)."""
+        ran = self.graph.ran
+        assert ran is not None
+        self.graph.ran = None
+        parts = self.parts
+        for gid, span in ran:
+            for seq in range(gid, gid + span):
+                part = parts.pop((GRAPH, 0, seq), None)
+                if part is not None:
+                    self._stats.fragments_dropped += part.have
+                    self.reassembly_bytes -= part.reserved
 
     # -- reassembly ----------------------------------------------------------------------
 
@@ -604,10 +670,13 @@ class Receiver:
             return base == self.graph.low
         return True  # reliable-sequenced: delivered as soon as it completes
 
-    def _older_rs_parts(self, channel: int, base: int) -> list[tuple[int, int, int]]:
-        return [
-            k for k in self.parts if k[0] == RELIABLE_SEQUENCED and k[1] == channel and k[2] < base
-        ]
+    def _older_rs_part(self, channel: int, base: int) -> tuple[int, int, int] | None:
+        """The incomplete reliable-sequenced message of ``channel`` older than ``base``,
+        if any. A channel has at most one: starting a message drops the older ones
+        and raises ``rseq_floor`` to its first number, below which none starts, so
+        the one left is the one that starts at the floor (a lookup, not a search)."""
+        key = (RELIABLE_SEQUENCED, channel, self.rseq_floor[channel])
+        return key if key[2] < base and key in self.parts else None
 
     def _assemble(
         self, key: tuple[int, int, int], payload: bytes, more: FrameExtra, channel: int
@@ -615,10 +684,16 @@ class Receiver:
         """Add a fragment; the whole message once the last one is in, else None."""
         parts = self.parts
         part = parts.get(key)
+        # A dependency list (on the first fragment of a graph message) is charged an
+        # entry per dependency it will wait for, as a message that is not fragmented.
+        deps_cost = 0
+        if more.deps and (part is None or part.chunks[0] is None):
+            deps_cost = BUFFER_ENTRY_COST * self.graph.pending_count(more.deps)
         if part is None:
-            reserved = _reservation(more)
+            reserved = _reservation(more) + deps_cost
             if key[0] == RELIABLE_SEQUENCED:
-                for old in self._older_rs_parts(channel, key[2]):
+                old = self._older_rs_part(channel, key[2])
+                if old is not None:
                     self.reassembly_bytes -= parts.pop(old).reserved
                 self.rseq_floor[channel] = key[2]
             if self.reserved_bytes + reserved > self._budget(self._is_head(key)):
@@ -632,9 +707,12 @@ class Receiver:
         elif part.count != more.parts or part.total != more.total:
             self._stats.fragments_dropped += 1
             return None
-        if part.chunks[more.part] is not None:
+        elif part.chunks[more.part] is not None:
             self._stats.duplicate_messages += 1
             return None
+        elif deps_cost:
+            part.reserved += deps_cost
+            self.reassembly_bytes += deps_cost
         part.chunks[more.part] = payload
         part.have += 1
         part.size += len(payload)
