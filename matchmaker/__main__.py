@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -71,10 +72,25 @@ def run_daemon(settings: Settings, serve: Callable[[], Coroutine[Any, Any, None]
     """Run ``serve()`` on rudp's event loop; the exit status (`guarded`)."""
 
     def body() -> int:
-        rudp.run(_to_the_end(serve()))
+        try:
+            rudp.run(_to_the_end(serve()))
+        finally:
+            _stopped()
         return EXIT_OK
 
     return guarded(settings, body)
+
+
+def _stopped() -> None:
+    """The daemon has stopped: a stop signal from now on (a supervisor, or coreutils'
+    ``timeout`` signalling the process group too) has nothing left to stop. Closing
+    the loop put the default actions back, which would end the process with status
+    143 or 130 instead of the one it is returning; they are ignored instead."""
+    for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            with contextlib.suppress(ValueError, OSError):  # not the main thread
+                signal.signal(sig, signal.SIG_IGN)
 
 
 async def _to_the_end(serving: Coroutine[Any, Any, None]) -> None:
@@ -106,17 +122,32 @@ def guarded(settings: Settings, body: Callable[[], int]) -> int:
     try:
         return body()
     except OSError as exc:
-        if exc.errno not in BIND_ERRNOS:
+        cause = bind_error(exc)
+        if cause is None:
             log.exception("matchmaker_failed")
             return EXIT_FAILED
         # The daemon has closed its sockets: binding each again finds the one at fault.
-        port = unbindable(settings, exc.errno) or "one of " + ", ".join(sockets(settings))
-        log.error("port_unavailable", port=port, error=exc.strerror)
+        port = unbindable(settings, cause.errno) or "one of " + ", ".join(sockets(settings))
+        log.error("port_unavailable", port=port, error=cause.strerror)
         return EXIT_PORT_UNAVAILABLE
     except Exception:
         # In the configured format (a JSON line), not as a bare traceback on stderr.
         log.exception("matchmaker_failed")
         return EXIT_FAILED
+
+
+def bind_error(exc: BaseException) -> OSError | None:
+    """The bind failure behind ``exc``, if that is what it is. uvloop raises its own
+    ``OSError("could not bind to local_addr ...")``, without an errno, from the
+    system's (its context), so the chain is followed."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in BIND_ERRNOS:
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def sockets(settings: Settings) -> dict[str, tuple[str, int, socket.SocketKind]]:

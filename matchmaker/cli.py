@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Every flag can also be set with the environment variable shown."
         ),
         argument_default=argparse.SUPPRESS,
+        # A flag is spelled out: an abbreviation would silently mean another flag
+        # once a longer one with the same start is added.
+        allow_abbrev=False,
     )
     for f in dataclasses.fields(Settings):
         help_text = f"{f.metadata['help']} (default: {f.default!r}; env {env_name(f.name)})"

@@ -338,8 +338,10 @@ class HttpServer:
                     await self._serve_one(reader, writer)
                 await self._linger(reader, writer)
             done = True
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away; nothing to answer
+        except (OSError, asyncio.IncompleteReadError):
+            # The client went away (reset, or gone before its FIN could be sent: ENOTCONN
+            # from write_eof): nothing to answer, and nothing for an operator to mend.
+            pass
         except TimeoutError:
             pass  # the client does not read its response
         except Exception:

@@ -30,6 +30,9 @@ ENV_PREFIX = "MATCHMAKER_"
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_WORKERS = 64
+MAX_KEEPALIVE = 3600.0
+"""The longest heartbeat interval a host takes from the daemon (its reader's bound on
+the `registered` reply's ``keepalive``)."""
 
 
 class SettingsError(ValueError):
@@ -279,7 +282,9 @@ def _is_ip(text: str) -> bool:
     return True
 
 
-Check = tuple[str, Callable[["Settings"], bool], str]
+Check = tuple[str, Callable[["Settings"], bool], str | Callable[["Settings"], str]]
+"""(setting, test, what is wrong: a text, or a function of the settings for a text that
+names the cause)."""
 
 _RULES: list[Check] = [
     ("bind", lambda s: _is_ip(s.bind), "must be an IP address"),
@@ -290,6 +295,11 @@ _RULES: list[Check] = [
         "master_port",
         lambda s: 0 <= s.master_port <= 65535,
         "must be in 0..65535 (0: any free port)",
+    ),
+    (
+        "master_port",
+        lambda s: not s.master or s.master_port == 0 or s.master_port != s.port,
+        "must differ from --port (both are UDP ports on --bind)",
     ),
     ("max_connections", lambda s: 1 <= s.max_connections <= 1_000_000, "must be 1..1000000"),
     (
@@ -304,11 +314,20 @@ _RULES: list[Check] = [
         lambda s: s.store == "memory://" or s.store.startswith(REDIS_SCHEMES),
         "must be memory:// or a redis://, rediss:// or unix:// URL",
     ),
+    (
+        "store",
+        lambda s: not s.uses_redis or _store_problem(s) is None,
+        lambda s: f"is not a usable Redis URL: {_store_problem(s)}",
+    ),
     ("redis_prefix", lambda s: 0 < len(s.redis_prefix) <= 64, "must be 1..64 characters"),
     ("replica_id", lambda s: len(s.replica_id) <= 64, "must be at most 64 characters"),
     ("hide_after", lambda s: s.hide_after > 0, "must be > 0"),
     ("expire_after", lambda s: s.expire_after >= s.hide_after, "must be >= --hide-after"),
-    ("keepalive", lambda s: 0 < s.keepalive * 2 <= s.hide_after, "must be in (0, hide_after/2]"),
+    (
+        "keepalive",
+        lambda s: 0 < s.keepalive * 2 <= s.hide_after and s.keepalive <= MAX_KEEPALIVE,
+        f"must be in (0, hide_after/2] and at most {MAX_KEEPALIVE:g} (what a host takes)",
+    ),
     (
         "sweep_interval",
         lambda s: 0 < s.sweep_interval <= s.hide_after,
@@ -321,7 +340,7 @@ _RULES: list[Check] = [
     ("register_burst", lambda s: s.register_burst >= 1, "must be >= 1"),
     ("list_burst", lambda s: s.list_burst >= 1, "must be >= 1"),
     ("introduce_burst", lambda s: s.introduce_burst >= 1, "must be >= 1"),
-    ("rate_limit_keys", lambda s: s.rate_limit_keys >= 1, "must be >= 1"),
+    ("rate_limit_keys", lambda s: 1 <= s.rate_limit_keys <= 1 << 24, "must be 1..16777216"),
     ("max_message_bytes", lambda s: 256 <= s.max_message_bytes <= 65536, "must be 256..65536"),
     (
         "max_info_bytes",
@@ -340,7 +359,9 @@ _RULES: list[Check] = [
     (
         "issuer_key_file",
         lambda s: not s.issuer_key_file or _key_problem(s) is None,
-        "must be a key file written by 'python -m matchmaker keygen --out'",
+        lambda s: (
+            f"must be a key file written by 'python -m matchmaker keygen --out' ({_key_problem(s)})"
+        ),
     ),
     ("issuer_key", lambda s: not s.issuer_key or _key_problem(s) is None, "must be 64 hex digits"),
     (
@@ -353,13 +374,16 @@ _RULES: list[Check] = [
     (
         "static_key_file",
         lambda s: not s.static_key_file or _static_key_problem(s) is None,
-        "must be a file with one line of 64 hex digits (a random 32-byte key)",
+        lambda s: (
+            "must be a file with one line of 64 hex digits (a random 32-byte key) "
+            f"({_static_key_problem(s)})"
+        ),
     ),
     ("workers", lambda s: 1 <= s.workers <= MAX_WORKERS, f"must be 1..{MAX_WORKERS}"),
     ("worker_watchdog", lambda s: 3 <= s.worker_watchdog <= 3600, "must be 3..3600"),
     (
         "workers",
-        lambda s: s.workers == 1 or s.uses_redis,
+        lambda s: s.workers <= 1 or s.uses_redis,
         "more than 1 needs a redis:// store: the workers share the registry as replicas "
         "do, and memory:// is one process's own",
     ),
@@ -385,5 +409,21 @@ def _static_key_problem(s: Settings) -> str | None:
     return None
 
 
+def _store_problem(s: Settings) -> str | None:
+    """What redis-py finds wrong in the store's URL (a port that is not a number, an
+    option it cannot read), before the daemon starts on it."""
+    try:
+        from redis.connection import parse_url
+    except ImportError:  # the daemon says so when it opens the store
+        return None
+    try:
+        parse_url(s.store)  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
 def _checks(s: Settings) -> list[tuple[str, str]]:
-    return [(name, msg) for name, ok, msg in _RULES if not ok(s)]
+    return [
+        (name, msg if isinstance(msg, str) else msg(s)) for name, ok, msg in _RULES if not ok(s)
+    ]

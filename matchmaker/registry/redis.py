@@ -467,6 +467,7 @@ class RedisRegistry(Registry):
         self._tasks: list[asyncio.Task[None]] = []
         self._last_id = "0-0"
         self._loaded_once = False
+        self._told_unreachable = False  # the first failure before a load was logged
         self._closing = False
         self._grace_until = 0.0
         self._epoch: bytes | None = None
@@ -525,6 +526,12 @@ class RedisRegistry(Registry):
         if self._frozen_now is None:
             self._frozen_now = self._clock() + self._offset
             log.warning("registry_stale", error=type(exc).__name__, detail=str(exc)[:200])
+        elif not self._loaded_once and not self._told_unreachable:
+            # Stale from the start (never loaded): the first failure says why, once.
+            self._told_unreachable = True
+            log.warning(
+                "registry_stale", error=type(exc).__name__, detail=str(exc)[:200], loaded=False
+            )
         self._synced.clear()
         self._went_stale.set()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -153,32 +154,69 @@ def records(stderr: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stderr.splitlines()]
 
 
-@pytest.mark.parametrize("kind", ["udp", "tcp"])
-def test_a_busy_port_is_one_line_naming_it_and_exit_status_3(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["udp", "tcp", "master"])
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_busy_port_is_one_line_naming_it_and_exit_status_3(kind: str, loop: str) -> None:
+    # (uvloop raises a bind failure of its own, without an errno, from the system's.)
     with socket.socket(
-        socket.AF_INET, socket.SOCK_DGRAM if kind == "udp" else socket.SOCK_STREAM
+        socket.AF_INET, socket.SOCK_STREAM if kind == "tcp" else socket.SOCK_DGRAM
     ) as taken:
         taken.bind(("127.0.0.1", 0))
         if kind == "tcp":
             taken.listen()
         port = str(taken.getsockname()[1])
-        ports = ["--port", port, "--http-port", "0"] if kind == "udp" else ["--http-port", port]
+        ports = {
+            "udp": ["--port", port, "--http-port", "0"],
+            "tcp": ["--http-port", port],
+            "master": ["--http-port", "0", "--master", "--master-port", port],
+        }[kind]
+        env = {k: v for k, v in os.environ.items() if k != "RUDP_NO_UVLOOP"}
+        if loop == "asyncio":
+            env["RUDP_NO_UVLOOP"] = "1"
         done = run_daemon(
-            "--bind", "127.0.0.1", "--http-bind", "127.0.0.1", "--port", "0", *ports
+            "--bind", "127.0.0.1", "--http-bind", "127.0.0.1", "--port", "0", *ports, env=env
         )  # fmt: skip
     assert done.returncode == 3, done.stderr
     lines = records(done.stderr)
     failed = [r for r in lines if r["level"] == "error"]
     assert len(failed) == 1, done.stderr
     assert failed[0]["event"] == "port_unavailable"
-    flag = "--port" if kind == "udp" else "--http-port"
-    assert failed[0]["port"] == f"{kind} 127.0.0.1:{port} ({flag})"
+    flag = {"udp": "--port", "tcp": "--http-port", "master": "--master-port"}[kind]
+    proto = "tcp" if kind == "tcp" else "udp"
+    assert failed[0]["port"] == f"{proto} 127.0.0.1:{port} ({flag})"
     assert "in use" in failed[0]["error"].lower()
     assert "Traceback" not in done.stderr
     # It never started, so it does not say it is stopping either.
     events = [r["event"] for r in lines]
     assert "matchmaker_started" not in events and "matchmaker_stopping" not in events
     assert "matchmaker_stopped" not in events
+
+
+STOPS_THEN_SIGNALLED = """
+import os, signal
+from matchmaker.__main__ import run_daemon
+from matchmaker.settings import Settings
+
+async def serve():
+    pass
+
+status = run_daemon(Settings(), serve)
+os.kill(os.getpid(), signal.SIGTERM)  # a second stop signal, after the daemon stopped
+os.kill(os.getpid(), signal.SIGINT)
+print("exiting with", status, flush=True)
+"""
+
+
+def test_a_stop_signal_after_the_daemon_stopped_does_not_change_its_exit_status() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", STOPS_THEN_SIGNALLED],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exiting with 0"
 
 
 def test_startup_fields_are_what_an_operator_checks() -> None:

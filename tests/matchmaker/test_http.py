@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import ipaddress
 import itertools
 import json
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from matchmaker.addresses import Address
@@ -187,6 +189,27 @@ async def test_a_handler_bug_is_a_bare_500(site: Site, monkeypatch: pytest.Monke
     status, body = await site.get("/servers?game=q3")
     assert (status, body) == (500, {"error": "internal"})
     assert (await site.get("/healthz"))[0] == 200
+
+
+async def test_a_client_gone_before_the_end_of_the_exchange_is_not_an_error(
+    site: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client that closed after reading a 431 can leave the socket unconnected before
+    # the server's FIN: write_eof() then raises a plain OSError (ENOTCONN), which is
+    # the client going away, not something for an operator's error alert.
+    async def gone(reader: object, writer: object) -> None:
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    monkeypatch.setattr(site.server, "_linger", gone)
+    with structlog.testing.capture_logs() as logs:
+        with contextlib.suppress(ConnectionError):  # the server resets what it gave up
+            await site.get("/healthz")
+        for _ in range(500):
+            if not site.server._clients:
+                break
+            await asyncio.sleep(0.01)
+    assert not site.server._clients
+    assert not [e for e in logs if e["log_level"] == "error"], logs
 
 
 async def test_a_client_that_never_reads_is_dropped() -> None:

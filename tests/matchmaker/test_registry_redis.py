@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import redis.asyncio as aioredis
+import structlog
 from prometheus_client import CollectorRegistry
 
 from matchmaker.addresses import Address, parse_key
@@ -858,3 +859,23 @@ async def test_a_loop_of_redis_calls_ends_at_its_first_cancellation(replica: Fac
             task.cancel()
             await asyncio.wait([task], timeout=5)
     assert lost == 0
+
+
+async def test_a_redis_unreachable_from_the_start_is_logged_once_with_its_cause() -> None:
+    # Stale from the start, the registry used to say nothing: the warning for going
+    # stale was only ever logged by a registry that had been fresh.
+    reg = RedisRegistry("redis://127.0.0.1:1/0", retry_interval=0.01, op_timeout=0.5)
+    with structlog.testing.capture_logs() as logs:
+        await reg.start()
+        try:
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if any(e["event"] == "registry_stale" for e in logs):
+                    break
+            await asyncio.sleep(0.2)  # more failed attempts (every 0.01 s): not logged again
+        finally:
+            await reg.close()
+    stale = [e for e in logs if e["event"] == "registry_stale"]
+    assert len(stale) == 1, logs
+    assert stale[0]["log_level"] == "warning" and stale[0]["loaded"] is False
+    assert stale[0]["error"] and stale[0]["detail"]

@@ -62,6 +62,29 @@ def test_conversion_errors_name_their_source() -> None:
         ),
         ({"MATCHMAKER_REGISTER_BURST": "0.5"}, "--register-burst"),
         ({"MATCHMAKER_STATIC_KEY_FILE": "/nonexistent/static.key"}, "--static-key-file"),
+        # What is wrong with a key file is said, not only what it should be.
+        ({"MATCHMAKER_STATIC_KEY_FILE": "/nonexistent/static.key"}, "No such file"),
+        ({"MATCHMAKER_ISSUER_KEY_FILE": "/nonexistent/issuer.key"}, "No such file"),
+        # A host refuses a heartbeat interval above an hour: it could never register.
+        (
+            {
+                "MATCHMAKER_KEEPALIVE": "4000",
+                "MATCHMAKER_HIDE_AFTER": "9000",
+                "MATCHMAKER_EXPIRE_AFTER": "9000",
+            },
+            "--keepalive (MATCHMAKER_KEEPALIVE): must be in (0, hide_after/2] and at most 3600",
+        ),
+        ({"MATCHMAKER_RATE_LIMIT_KEYS": "16777217"}, "--rate-limit-keys"),
+        (
+            {
+                "MATCHMAKER_MASTER": "1",
+                "MATCHMAKER_PORT": "29950",
+                "MATCHMAKER_MASTER_PORT": "29950",
+            },
+            "--master-port (MATCHMAKER_MASTER_PORT): must differ from --port",
+        ),
+        ({"MATCHMAKER_STORE": "redis://127.0.0.1:notaport/0"}, "not a usable Redis URL"),
+        ({"MATCHMAKER_STORE": "redis://127.0.0.1/0?socket_timeout=abc"}, "--store"),
     ],
 )
 def test_validation(env: dict[str, str], needle: str) -> None:
@@ -74,6 +97,17 @@ def test_all_problems_reported_at_once() -> None:
     with pytest.raises(SettingsError) as info:
         Settings.from_sources({}, {"MATCHMAKER_PORT": "-1", "MATCHMAKER_LOG_LEVEL": "loud"})
     assert len(info.value.problems) == 2
+
+
+def test_zero_workers_is_one_problem() -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.from_sources({}, {"MATCHMAKER_WORKERS": "0"})
+    assert len(info.value.problems) == 1
+
+
+def test_flags_are_not_abbreviated() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--shutdown", "5"])
 
 
 def test_settings_are_frozen() -> None:
