@@ -36,6 +36,15 @@ rebuild two, and so on).
   equations cover them. A rebuilt packet is processed as if it had arrived: it
   is marked in the replay window (the original, should it come late, is dropped
   as a replay), acknowledged like any other, its messages delivered.
+- **Cost.** What a peer's REPAIRs cost is bounded whatever they say: an exponent
+  of ``EXPONENTS`` or more, which no sender uses, is refused; at most
+  ``PENDING_MAX`` equations wait (a new one drops the oldest), and each only
+  until its carrier is ``KEEP`` packets behind the newest; elimination runs only
+  when an equation came or lost an unknown, divides every row by the gcd of its
+  factors (its numbers stay the size of the system's minors, as in Bareiss's
+  fraction-free elimination, instead of doubling at each pivot), and is paid for
+  by the peer's packets (``STEP_CREDIT`` row merges each, ``CREDIT_MAX`` saved):
+  a system that costs more waits for the packets that pay for it.
 - **Feedback.** A rebuilt packet is acknowledged, so the sender's loss detection
   never sees it lost; the sender's loss rate, which sizes parity, would fall and
   turn parity off. The receiver therefore reports how many packets it rebuilt, a
@@ -44,8 +53,10 @@ rebuild two, and so on).
 
 The receiver checks nothing it rebuilt beyond what the peer could have sent it
 directly: an equation the arithmetic refutes (a division with a remainder, a
-symbol out of range) is dropped and counted (``repairs_unusable``), and a rebuilt
-body that does not decode is dropped under ``malformed`` like any packet.
+symbol out of range) is dropped and counted (``repairs_unusable``; equations that
+refute one another are dropped together, counted once, as is a REPAIR of an
+exponent out of range), and a rebuilt body that does not decode is dropped under
+``malformed`` like any packet.
 
 Judgement calls: REPAIR protects *packets*, not messages, so a rebuilt packet
 is one the receiver really has, and what it means (acknowledgments, flow frames,
@@ -57,6 +68,7 @@ nothing but the constants, and a connection sends and receives.
 from __future__ import annotations
 
 from collections import deque
+from math import gcd
 from typing import TYPE_CHECKING, Final
 
 from rudp import frames
@@ -80,6 +92,14 @@ EXPONENTS: Final = 4  # a REPAIR's exponent cycles 0..EXPONENTS-1
 CONFIRM: Final = 64  # a rebuilt packet's original is taken as lost this many packets on
 KEEP: Final = 96  # symbols and equations kept, in packet numbers behind the newest
 SOLVE_MAX: Final = 24  # most unknowns the pending equations may hold for elimination
+PENDING_MAX: Final = 16  # most equations pending: a new one beyond it drops the oldest
+# Elimination is paid for by the peer's packets: each adds STEP_CREDIT steps (a step
+# merges two rows), saved up to CREDIT_MAX, twice the largest elimination (PENDING_MAX
+# - 1 rows updated at each of PENDING_MAX pivots); a step over values longer than
+# STEP_BITS counts once more per STEP_BITS.
+STEP_CREDIT: Final = 8
+CREDIT_MAX: Final = 512
+STEP_BITS: Final = 1 << 14
 # What a rebuilt packet counts as on the wire (its body is the ack fields and frames).
 REBUILT_OVERHEAD: Final = DATA_HEADER_SIZE - ACK_SIZE
 
@@ -112,14 +132,18 @@ class Parity:
         "_k",
         "_recovery",
         "_stats",
+        "changed",
+        "credit",
         "equations",
         "known",
+        "newest",
         "peer_total",
         "rebuilt",
         "recovered_total",
         "reported",
         "since",
         "sources",
+        "steps",
         "unconfirmed",
     )
 
@@ -136,6 +160,10 @@ class Parity:
         self.known: dict[int, int] = {}  # pn -> symbol, the peer's recent packets
         # Pending equations: [carrier pn, {missing pn: coefficient}, value].
         self.equations: list[tuple[int, dict[int, int], list[int]]] = []
+        self.changed = False  # an equation came or lost an unknown since the last solve
+        self.newest = -1  # the newest packet number of the peer's seen here
+        self.credit = CREDIT_MAX  # elimination steps we may still take (see STEP_CREDIT)
+        self.steps = 0  # elimination steps taken in all
         self.rebuilt: deque[tuple[int, bytes]] = deque()  # (pn, body) to process
         # Rebuilt packets whose original may still come (reordering): counted as lost,
         # and reported, only once CONFIRM packets later ones arrived without it.
@@ -232,6 +260,7 @@ class Parity:
     ) -> None:
         """The peer's packet ``seq`` (opened ``body``, symbol up to ``tail``) arrived or
         was rebuilt; ``repair`` is its REPAIR frame's (mask, exponent, data)."""
+        self.credit = min(CREDIT_MAX, self.credit + STEP_CREDIT)
         unconfirmed = self.unconfirmed
         while unconfirmed:
             first = next(iter(unconfirmed))
@@ -249,14 +278,22 @@ class Parity:
                 c = missing.pop(seq, 0)
                 if c:
                     value[0] -= c * x
+                    self.changed = True
         if repair is not None:
             self._add_equation(seq, repair, window)
+        if seq > self.newest:
+            self.newest = seq
             self._forget(seq)
-        if self.equations:
+        if self.changed:
             self._solve()
 
     def _add_equation(self, seq: int, repair: tuple[int, int, bytes], window: ReplayWindow) -> None:
         mask, exponent, data = repair
+        if exponent >= EXPONENTS:
+            # No sender uses it, and its factors (up to 64 ** 255) would make every
+            # later elimination over it costly: refused, like a refuted equation.
+            self._stats.repairs_unusable += 1
+            return
         value = int.from_bytes(data, "big")
         known = self.known
         missing: dict[int, int] = {}
@@ -275,7 +312,11 @@ class Parity:
             mask >>= 1
             i += 1
         if missing:
-            self.equations.append((seq, missing, [value]))
+            equations = self.equations
+            if len(equations) >= PENDING_MAX:
+                del equations[0]  # the oldest: the least likely to complete
+            equations.append((seq, missing, [value]))
+            self.changed = True
 
     def _forget(self, newest: int) -> None:
         low = newest - KEEP
@@ -289,8 +330,11 @@ class Parity:
 
     def _solve(self) -> None:
         """Rebuild what the pending equations determine: single unknowns at once, then
-        small systems by elimination."""
+        small systems by elimination, once (it finds every unknown they determine,
+        and a rebuilt packet determines no other one)."""
+        self.changed = False
         self.equations = [e for e in self.equations if e[1]]
+        eliminated = False
         progress = True
         while progress and self.equations:
             progress = False
@@ -306,82 +350,123 @@ class Parity:
                         self._rebuilt(pn, value // c)
                     progress = True
                     break
-            if not progress:
+            if not progress and not eliminated:
+                eliminated = True
                 progress = self._eliminate()
 
     def _eliminate(self) -> bool:
         """Gauss-Jordan elimination over the pending equations, newest unknowns first
-        (those are mostly packets still on their way), in integers (each step scales
-        a row instead of dividing). Rebuilds every unknown some row ends up holding
-        alone; the rest wait for more equations or for their packets."""
+        (those are mostly packets still on their way), in integers: each step scales a
+        row instead of dividing, then divides it by the gcd of its factors, so that
+        every number stays within the size of a minor of the pending equations (a
+        determinant of at most ``PENDING_MAX`` rows of factors up to ``64 ** 3``), as
+        in fraction-free (Bareiss) elimination. Rebuilds every unknown some row ends
+        up holding alone: the reduced form isolates every unknown the equations
+        determine. The equations stay as they came (less what got rebuilt): the rest
+        wait for more equations or for their packets."""
         eqs = self.equations
         if len(eqs) < 2:
             return False
-        rows = [(dict(missing), value[0]) for _, missing, value in eqs]
         unknown: dict[int, None] = {}
-        for missing, _ in rows:
+        for _, missing, _ in eqs:
             unknown.update(dict.fromkeys(missing))
-        if len(unknown) > SOLVE_MAX:
+        n = len(unknown)
+        if n > SOLVE_MAX:
             return False
-        used: list[bool] = [False] * len(rows)
-        for col in sorted(unknown, reverse=True):
+        values = [value[0] for _, _, value in eqs]
+        # Its cost in steps, at most: each pivot updates every other row once.
+        unit = 1 + max(abs(value).bit_length() for value in values) // STEP_BITS
+        cost = (len(eqs) - 1) * min(len(eqs), n) * unit
+        if cost > CREDIT_MAX:
+            return False  # too costly for any credit (long values): their packets must come
+        if cost > self.credit:
+            self.changed = True  # tried again once the peer's packets paid for it
+            return False
+        credit = self.credit
+        cols = sorted(unknown, reverse=True)  # column j is packet cols[j]
+        index = {pn: j for j, pn in enumerate(cols)}
+        rows: list[list[int]] = []
+        for _, missing, _ in eqs:
+            row = [0] * n
+            for pn, c in missing.items():
+                row[index[pn]] = c
+            rows.append(row)
+        weight = [len(missing) for _, missing, _ in eqs]  # unknowns left in each row
+        used = [False] * len(rows)
+        for j in range(n):
             pivot = -1
-            for r, (missing, _) in enumerate(rows):
-                if (
-                    not used[r]
-                    and missing.get(col)
-                    and (pivot < 0 or len(missing) < len(rows[pivot][0]))
-                ):
+            for r, row in enumerate(rows):
+                if not used[r] and row[j] and (pivot < 0 or weight[r] < weight[pivot]):
                     pivot = r
             if pivot < 0:
                 continue
             used[pivot] = True
-            head, head_value = rows[pivot]
-            hc = head[col]
-            for r, (missing, value) in enumerate(rows):
-                c = missing.get(col)
+            head = rows[pivot]
+            head_value = values[pivot]
+            hc = head[j]
+            for r, row in enumerate(rows):
+                c = row[j]
                 if r == pivot or not c:
                     continue
-                merged: dict[int, int] = {}
-                for pn in missing.keys() | head.keys():
-                    v = missing.get(pn, 0) * hc - head.get(pn, 0) * c
-                    if v:
-                        merged[pn] = v
-                rows[r] = (merged, value * hc - head_value * c)
-        solved = [(m, v) for m, v in rows if len(m) == 1]
-        if not solved:
-            return False
-        self.equations = [
-            (seq, missing, [value])
-            for (seq, _, _), (missing, value) in zip(eqs, rows, strict=True)
-            if len(missing) > 1
-        ]
-        for missing, value in solved:
-            ((pn, c),) = missing.items()
+                credit -= unit
+                row = [a * hc - h * c for a, h in zip(row, head, strict=True)]
+                value = values[r] * hc - head_value * c
+                g = gcd(*row)
+                if g > 1:
+                    value, rest = divmod(value, g)
+                    if rest:  # no integer symbols satisfy it
+                        self.steps += self.credit - credit
+                        self.credit = credit
+                        return self._refuted()
+                    row = [a // g for a in row]
+                rows[r] = row
+                values[r] = value
+                weight[r] = n - row.count(0)
+        self.steps += self.credit - credit
+        self.credit = credit
+        solved = False
+        for r, row in enumerate(rows):
+            if weight[r] != 1:
+                continue
+            solved = True
+            j = next(j for j, c in enumerate(row) if c)
+            pn, c, value = cols[j], row[j], values[r]
             if pn in self.known:
                 continue
             if value % c:
-                self._stats.repairs_unusable += 1
-                continue
-            self._rebuilt(pn, value // c)
+                return self._refuted()
+            if not self._rebuilt(pn, value // c):
+                self.equations = []
+                return True
+        if solved:
+            self.equations = [e for e in self.equations if e[1]]
+        return solved
+
+    def _refuted(self) -> bool:
+        """The pending equations contradict each other (one at least is false, which
+        cannot be told): all dropped, counted once."""
+        self._stats.repairs_unusable += 1
+        self.equations = []
         return True
 
-    def _rebuilt(self, pn: int, x: int) -> None:
+    def _rebuilt(self, pn: int, x: int) -> bool:
         body = from_symbol(x)
         if body is None or len(body) < ACK_SIZE:
             self._stats.repairs_unusable += 1
-            return
+            return False
         self.known[pn] = x
         for _, missing, value in self.equations:
             c = missing.pop(pn, 0)
             if c:
                 value[0] -= c * x
         self.rebuilt.append((pn, body))
+        return True
 
     def clear(self) -> None:
         self.sources.clear()
         self.known.clear()
         self.equations.clear()
+        self.changed = False
         self.rebuilt.clear()
         self.unconfirmed.clear()
 

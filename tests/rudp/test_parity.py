@@ -6,6 +6,7 @@ stream of 200-byte reliable messages over a jittered (reordering) path.
 
 from __future__ import annotations
 
+import random
 import struct
 
 import pytest
@@ -222,3 +223,110 @@ def test_the_recovery_hook_raises_the_loss_rate() -> None:
     recovery = _recovery(0.0)
     recovery.on_recovered(10)
     assert 0.03 < recovery.loss_rate < 0.04
+
+
+# -- a peer's REPAIRs that lie ------------------------------------------------------
+
+LIE = bytes(range(256)) * 5  # a REPAIR's data, 1,280 bytes that fit no packet
+
+
+def _plain(receiver: parity.Parity, window: ReplayWindow, pn: int) -> None:
+    window.accept(pn)
+    receiver.on_packet(pn, bytes(6), 6, None, window)
+
+
+def _lie(
+    receiver: parity.Parity, window: ReplayWindow, pn: int, names: list[int], exponent: int
+) -> None:
+    """Packet ``pn`` arrives with a REPAIR over ``names`` (packets that never came)."""
+    mask = 0
+    for m in names:
+        mask |= 1 << (pn - 1 - m)
+    window.accept(pn)
+    receiver.on_packet(pn, bytes(6), 6, (mask, exponent, LIE), window)
+
+
+def test_a_repair_of_an_exponent_no_sender_uses_is_refused_and_counted() -> None:
+    receiver, window = _parity(), ReplayWindow()
+    for i, exponent in enumerate((parity.EXPONENTS, 8, 255)):
+        _lie(receiver, window, 24 + i, list(range(24)), exponent)
+    assert receiver.equations == []
+    assert receiver._stats.repairs_unusable == 3
+    _lie(receiver, window, 300, list(range(276, 299)), parity.EXPONENTS - 1)
+    assert len(receiver.equations) == 1 and receiver._stats.repairs_unusable == 3
+
+
+def test_equations_age_out_with_any_packet_not_only_a_repair() -> None:
+    receiver, window = _parity(), ReplayWindow()
+    for r in range(4):  # 24 packets skipped, 4 REPAIRs over them: nothing determined
+        _lie(receiver, window, 24 + r, list(range(24)), 3 - r)
+    assert len(receiver.equations) == 4
+    steps = receiver.steps
+    for pn in range(28, 29 + parity.KEEP):
+        _plain(receiver, window, pn)
+        if pn == 24 + parity.KEEP:
+            assert len(receiver.equations) == 4  # kept while they may still complete
+    assert receiver.equations == []  # the carriers are now KEEP packets behind
+    assert receiver.steps == steps  # packets that changed no equation: no elimination
+
+
+def test_pending_equations_are_bounded_and_the_oldest_goes() -> None:
+    receiver, window = _parity(), ReplayWindow()
+    pn = 0
+    for r in range(40):  # each REPAIR over 3 packets of its own: 120 unknowns in all
+        _lie(receiver, window, pn + 3, [pn, pn + 1, pn + 2], r % parity.EXPONENTS)
+        assert len(receiver.equations) <= parity.PENDING_MAX
+        pn += 4
+    assert [seq for seq, _, _ in receiver.equations] == list(range(pn - 61, pn, 4))
+
+
+def test_lying_repairs_cost_elimination_steps_their_packets_paid_for() -> None:
+    """The densest systems the 32-packet span allows, over and over: 16 packets
+    skipped, then 16 REPAIRs over about 3/4 of them each. Elimination takes at most
+    STEP_CREDIT steps a packet in all, no more than PENDING_MAX equations wait, their
+    factors stay those of the REPAIRs, and the equations age out."""
+    receiver, window = _parity(), ReplayWindow()
+    steps = receiver.steps
+    stream = random.Random(5)
+    pn = packets = 0
+    for _ in range(12):
+        skipped = list(range(pn, pn + 16))
+        pn += 16
+        for r in range(16):
+            names = [m for m in skipped if stream.random() < 0.75]
+            _lie(receiver, window, pn, names, r % parity.EXPONENTS)
+            pn += 1
+            packets += 1
+            assert len(receiver.equations) <= parity.PENDING_MAX
+            factors = [c for _, missing, _ in receiver.equations for c in missing.values()]
+            assert max(factors, default=0) <= 64**3
+            assert receiver.steps - steps <= parity.CREDIT_MAX + packets * parity.STEP_CREDIT
+    assert receiver.steps > steps + 1000  # it did eliminate, as much as paid for
+    assert receiver._stats.repairs_unusable > 0  # systems the lies determined refute them
+    before = receiver.steps
+    for _ in range(parity.KEEP + 1):
+        _plain(receiver, window, pn)
+        pn += 1
+    # At most the elimination left waiting for credit, once; then nothing is pending.
+    assert receiver.steps - before <= (parity.PENDING_MAX - 1) * parity.PENDING_MAX
+    assert receiver.equations == []
+
+
+def test_an_elimination_the_credit_does_not_cover_waits_for_more_packets() -> None:
+    sender, receiver = _parity(), _parity()
+    bodies = {pn: frames.reliable_frame(0, pn, bytes([pn]) * (50 + pn)) for pn in range(40)}
+    sent = _sources(sender, bodies, 40)
+    window = ReplayWindow()
+    for pn in range(40):
+        if pn in (5, 9, 10):
+            continue
+        receiver.credit = -100  # as if lying REPAIRs had just spent it
+        window.accept(pn)
+        decoded = frames.decode_frames(sent[pn])
+        receiver.on_packet(pn, sent[pn], decoded.tail, decoded.repair, window)
+    assert sorted(dict(receiver.rebuilt)) != [5, 9, 10] and receiver.changed
+    for pn in range(40, 60):
+        _plain(receiver, window, pn)
+    rebuilt = dict(receiver.rebuilt)
+    assert sorted(rebuilt) == [5, 9, 10]
+    assert all(rebuilt[pn] == bytes(6) + bodies[pn] for pn in (5, 9, 10))
