@@ -32,7 +32,7 @@ OTHER_GAME = "_other"
 
 REGISTRATION_RESULTS = ("created", "replaced", "rejected", "rate_limited", "unavailable")
 UPDATE_RESULTS = ("ok", "rejected", "not_registered", "rate_limited", "unavailable")
-LIST_RESULTS = ("ok", "rate_limited", "failed")
+LIST_RESULTS = ("ok", "rate_limited", "busy", "unacknowledged", "failed")
 INTRODUCTION_RESULTS = ("local", "relayed", "not_found", "rate_limited", "unavailable")
 MASTER_RESULTS = ("answered", "rate_limited", "dropped")
 RATE_LIMITED_KINDS = ("register", "list", "introduce")
@@ -153,12 +153,14 @@ class Metrics:
         )
         self.list_duration = Histogram(
             "matchmaker_list_request_duration_seconds",
-            "Time from a list request to its last page handed to the transport.",
+            "Time from a list answer's turn to its last page handed to the transport.",
             buckets=_FAST_BUCKETS,
             registry=r,
         )
         self.list_hosts_sent = Counter(
-            "matchmaker_list_hosts_sent", "Host entries sent in list pages.", registry=r
+            "matchmaker_list_hosts_sent",
+            "Host entries in list answers acknowledged in full.",
+            registry=r,
         )
         self.introductions = Counter(
             "matchmaker_introductions", "NAT introductions, by result.", ["result"], registry=r

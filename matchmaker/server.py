@@ -129,7 +129,7 @@ class Matchmaker:
         # fits the 1,200 bytes a path is assumed to carry (a list page is at most
         # 1,150), so path MTU discovery would only cost each registration's short
         # connection a probe each way and its acknowledgement.  The window is
-        # what a list answer may have in flight (`pages_in_flight`): at rudp's
+        # what a connection's list answers may have in flight (`pages_in_flight`): at rudp's
         # 256 a 10,000-host list took 5 round trips instead of 2.
         idle = min(10.0, settings.hide_after)
         self._rudp_config = rudp_config or rudp.Config(

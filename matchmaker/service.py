@@ -36,9 +36,19 @@ the entry over (`run_takeovers`), or register there, and lists do not flicker
 meanwhile.
 
 List answers are cut into pages (`listing.paginate_positions`, then by encoded
-size) and sent by a task of their own with at most ``pages_in_flight`` unacknowledged
-pages, so a long list neither blocks the connection's other requests nor
-floods a slow client.
+size) and sent by a task of their own, so a long list does not block the
+connection's other requests.  A connection's answers go one at a time, in the
+order asked: at most ``lists_per_connection`` may be unanswered (one being sent,
+the rest waiting as their requests, nothing planned yet), and one more is refused
+with ``rate_limited`` (counted as ``busy``).  An answer counts as sent once its
+last page is acknowledged.  What a client has not acknowledged is what the daemon
+holds for it, so it is bounded three ways: ``pages_in_flight`` pages per
+connection, ``list_bytes_in_flight`` bytes of pages for every connection together
+(`_ListBudget`), and ``list_ack_timeout``: a connection whose pages go that long
+without any acknowledgement is closed (``unacknowledged``).  A client that keeps
+its connection alive but never acknowledges (never reads, or drops what it
+receives) thus holds one window of one answer, for a while, not every answer it
+asks for until rudp's send queue overflows.
 
 Introductions: the client and the host each get an `Introduction` with the
 other's public address, the LAN address too when both share a public IP, and
@@ -56,10 +66,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import random
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -137,7 +149,7 @@ _Page = tuple[list[int], list[bytes]]
 class _Session:
     """One connection's state."""
 
-    __slots__ = ("address", "conn", "peer", "sockaddr", "source", "tasks")
+    __slots__ = ("address", "conn", "listing", "lists", "peer", "sockaddr", "source", "tasks")
 
     def __init__(self, peer: Peer, address: Address, conn: int) -> None:
         self.peer = peer
@@ -150,6 +162,10 @@ class _Session:
         """The unit of the per-source rate limits (`addresses.rate_key`)."""
         self.tasks: set[asyncio.Task[None]] | None = None
         """Its background replies (list pages), made on the first one."""
+        self.lists: deque[ListRequest] | None = None
+        """List requests unanswered: the one being sent first, then those waiting."""
+        self.listing = False
+        """Whether an answer is being sent (by `MatchmakerService._send_lists`)."""
 
 
 class MatchmakerService:
@@ -179,6 +195,8 @@ class MatchmakerService:
         keys = settings.rate_limit_keys
         self._register_limit = RateLimiter(settings.register_bucket, max_keys=keys, clock=clock)
         self._list_limit = RateLimiter(settings.list_bucket, max_keys=keys, clock=clock)
+        self.list_budget = _ListBudget(settings.list_bytes_in_flight)
+        """Unacknowledged list page bytes, every connection's together."""
         self._introduce_limit = RateLimiter(settings.introduce_bucket, max_keys=keys, clock=clock)
         self._sessions: dict[Address, _Session] = {}
         self._takeover_due = asyncio.Event()
@@ -501,10 +519,22 @@ class MatchmakerService:
     # ------------------------------------------------------------------ lists
 
     def _list(self, session: _Session, req: ListRequest) -> None:
+        waiting = session.lists
+        if waiting is None:
+            waiting = session.lists = deque()
+        unanswered = len(waiting)  # the one being sent is its head
+        if unanswered >= self.settings.lists_per_connection:
+            # Refused before the rate limit: it costs nothing, so it takes no token.
+            self.metrics.list_requests.labels("busy").inc()
+            detail = f"lists: {unanswered} unanswered on this connection"
+            raise MessageError(ErrorReason.RATE_LIMITED, detail, request_id=req.request_id)
         if self._rate_limited(self._list_limit, "list", session):
             self.metrics.list_requests.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "lists", request_id=req.request_id)
-        self._spawn(session, self._send_list(session, req, self._clock()))
+        waiting.append(req)
+        if not session.listing:
+            session.listing = True
+            self._spawn(session, self._send_lists(session, waiting))
 
     async def build_pages(self, req: ListRequest) -> list[ListPage]:
         """The pages answering `req` (also what ``GET /servers`` uses, joined)."""
@@ -542,34 +572,57 @@ class MatchmakerService:
                 pages.append((page[a:b], entries[a:b]))
         return listing, pages or [([], [])]
 
-    async def _send_list(self, session: _Session, req: ListRequest, started: float) -> None:
-        total, pages = await self._plan_list(req)
-        window = _PageWindow(self.settings.pages_in_flight)
+    async def _send_lists(self, session: _Session, waiting: deque[ListRequest]) -> None:
+        """Answer the connection's list requests one after the other, each in full
+        (its last page acknowledged) before the next."""
+        s = self.settings
+        window = _PageWindow(s.pages_in_flight, self.list_budget, s.list_ack_timeout)
+        result = "failed"
         try:
-            for seq, (_, entries) in enumerate(pages):
-                await window.slot()  # raises if the connection ended
-                data = encode_page(
-                    request_id=req.request_id,
-                    seq=seq,
-                    total=total,
-                    end=seq == len(pages) - 1,
-                    entries=entries,
-                )
-                pending = self._send_bytes(session, data)
-                if pending is None:
-                    raise ConnectionError("page refused")
-                window.add(asyncio.ensure_future(pending))
+            while waiting:
+                await self._send_list(session, window, waiting[0])
+                waiting.popleft()
+        except _ListUnacknowledged:
+            result = "unacknowledged"
+            log.info("list_unacknowledged", pages=window.pages, size=window.size)
+            self._spawn(session, session.peer.close(text="list not acknowledged"))
         # The ack of a page fails when the connection ends (or the end of the
         # connection cancels this task): the rest cannot be sent.
         except _LIST_ABANDONED as exc:
-            self.metrics.list_requests.labels("failed").inc()
             log.debug("list_abandoned", error=type(exc).__name__)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            return
+        finally:
+            session.listing = False
+            window.close()
+            if waiting:
+                # The one being sent, and those that waited behind it: none is answered.
+                self.metrics.list_requests.labels(result).inc()
+                self.metrics.list_requests.labels("failed").inc(len(waiting) - 1)
+                waiting.clear()
+
+    async def _send_list(self, session: _Session, window: _PageWindow, req: ListRequest) -> None:
+        started = self._clock()
+        total, pages = await self._plan_list(req)
+        for seq, (_, entries) in enumerate(pages):
+            data = encode_page(
+                request_id=req.request_id,
+                seq=seq,
+                total=total,
+                end=seq == len(pages) - 1,
+                entries=entries,
+            )
+            await window.slot(len(data))  # raises if the connection ended
+            pending = self._send_bytes(session, data)
+            if pending is None:
+                raise ConnectionError("page refused")
+            window.add(pending, len(data))
+        # The daemon's part (what the latency alert watches): no client round trip.
+        handed = self._clock() - started
+        await window.drained()
         self.metrics.list_requests.labels("ok").inc()
         self.metrics.list_hosts_sent.inc(total)
-        self.metrics.list_duration.observe(self._clock() - started)
+        self.metrics.list_duration.observe(handed)
 
     # ------------------------------------------------------------------ info
 
@@ -740,36 +793,132 @@ def _error(exc: MessageError) -> Error:
     return Error(request_id=exc.request_id, reason=exc.reason, detail=detail)
 
 
+class _ListUnacknowledged(Exception):
+    """No page of a connection's list answer was acknowledged for ``list_ack_timeout``."""
+
+
+class _ListBudget:
+    """The bytes of list pages every connection may have unacknowledged together.
+
+    A window that finds it spent waits (`_PageWindow.slot`) until another's pages
+    are acknowledged, or that connection ends or is closed for not acknowledging.
+    """
+
+    __slots__ = ("free", "waiting")
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self.waiting: set[_PageWindow] = set()
+
+    def give(self, size: int) -> None:
+        self.free += size
+        for window in self.waiting:
+            window.wake()
+
+
 class _PageWindow:
-    """The pages of one list answer sent and not yet acknowledged, at most `size`.
+    """The pages of one connection's list answers sent and not yet acknowledged:
+    at most `limit` pages, and no more bytes than the shared `_ListBudget` has.
 
     The window moves on *any* page's ack, not the oldest: a lost page is resent
     by rudp while the pages behind it keep going.  Each ack costs O(1) (a
     callback), so a window of a thousand pages costs no more per page than one
-    of ten.  The first failed ack (the connection ended) is raised by `slot`.
+    of ten.  Every ack's outcome is retrieved, the failures too (the connection
+    ended: every page still out fails); the first one is raised by `slot` and
+    `drained`.  With pages out and none acknowledged for `timeout` seconds, they
+    raise `_ListUnacknowledged`.
     """
 
-    __slots__ = ("_error", "_free", "_moved")
+    __slots__ = (
+        "_budget",
+        "_closed",
+        "_error",
+        "_last_ack",
+        "_limit",
+        "_moved",
+        "_timeout",
+        "pages",
+        "size",
+    )
 
-    def __init__(self, size: int) -> None:
-        self._free = size
+    def __init__(self, limit: int, budget: _ListBudget, timeout: float) -> None:
+        self._limit = limit
+        self._budget = budget
+        self._timeout = timeout
+        self.pages = 0
+        """Pages out (sent, not acknowledged)."""
+        self.size = 0
+        """Their bytes, taken from the budget."""
         self._error: BaseException | None = None
         self._moved = asyncio.Event()
+        self._last_ack = 0.0
+        self._closed = False
 
-    def add(self, ack: asyncio.Future[None]) -> None:
-        self._free -= 1
-        ack.add_done_callback(self._on_ack)
+    def add(self, ack: Awaitable[None], size: int) -> None:
+        if self.pages == 0:
+            self._last_ack = asyncio.get_running_loop().time()  # the clock starts now
+        self.pages += 1
+        self.size += size
+        self._budget.free -= size
+        # A future as it is; rudp's send handle becomes a task (it is only awaitable).
+        future = asyncio.ensure_future(ack)
+        future.add_done_callback(functools.partial(self._on_ack, size))
 
-    def _on_ack(self, ack: asyncio.Future[None]) -> None:
-        self._free += 1
-        if self._error is None:
-            self._error = asyncio.CancelledError() if ack.cancelled() else ack.exception()
+    def _on_ack(self, size: int, ack: asyncio.Future[None]) -> None:
+        # Retrieved whatever happens: an unretrieved failure is logged by the loop.
+        error = asyncio.CancelledError() if ack.cancelled() else ack.exception()
+        if self._closed:
+            return  # its bytes went back to the budget already
+        self.pages -= 1
+        self.size -= size
+        self._budget.give(size)
+        if error is None:
+            self._last_ack = asyncio.get_running_loop().time()
+        elif self._error is None:
+            self._error = error
         self._moved.set()
 
-    async def slot(self) -> None:
-        """Return once a page may be sent; raise what ended the connection."""
-        while self._error is None and self._free <= 0:
-            self._moved.clear()
-            await self._moved.wait()
+    def wake(self) -> None:
+        self._moved.set()
+
+    def close(self) -> None:
+        """The connection's answers are over: what is still out goes back to the
+        budget now (the connection is ending, and its queue with it)."""
+        if not self._closed:
+            self._closed = True
+            self._budget.give(self.size)
+            self.pages = self.size = 0
+
+    async def slot(self, size: int) -> None:
+        """Return once a page of `size` bytes may be sent; raise what ended the
+        connection, or `_ListUnacknowledged`."""
+        budget = self._budget
+        while self.pages >= self._limit or budget.free < size:
+            if budget.free < size:  # woken by any connection's acks, not only ours
+                budget.waiting.add(self)
+            try:
+                await self._wait()
+            finally:
+                budget.waiting.discard(self)
         if self._error is not None:
             raise self._error
+
+    async def drained(self) -> None:
+        """Return once every page sent is acknowledged (raises as `slot` does)."""
+        while self.pages:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+
+    async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        self._moved.clear()
+        if not self.pages:  # waiting for the budget alone: others' acks free it
+            await self._moved.wait()
+            return
+        left = self._last_ack + self._timeout - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise _ListUnacknowledged
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._moved.wait(), left)

@@ -92,7 +92,17 @@ class Settings:
     # bandwidth, sets its time (docs/performance.md, "Matchmaker").  The
     # daemon's rudp window follows it (never below rudp's 256); 1024 is rudp's
     # replay window, beyond which a peer refuses packets as too old.
-    pages_in_flight: int = _s(1024, "unacknowledged list pages per request")
+    pages_in_flight: int = _s(1024, "unacknowledged list pages per connection")
+    # A client that never acknowledges must not make the daemon hold its answers:
+    # one answer is sent at a time per connection, a few more wait, and every
+    # connection's unacknowledged pages share one budget (docs/matchmaker.md, "Lists").
+    lists_per_connection: int = _s(4, "list requests one connection may have unanswered")
+    list_bytes_in_flight: int = _s(
+        16 * 1024 * 1024, "unacknowledged list page bytes, all connections together"
+    )
+    list_ack_timeout: float = _s(
+        15.0, "seconds list pages may wait unacknowledged before the connection is closed"
+    )
     # -- master server protocols (for server browsers that predate us)
     master: bool = _s(False, "answer Steam master and Quake III getservers queries (UDP)")
     master_port: int = _s(27011, "UDP port of --master (0: any free port)")
@@ -353,6 +363,13 @@ _RULES: list[Check] = [
     ("page_bytes", lambda s: 256 <= s.page_bytes <= 1150, "must be 256..1150 (one datagram)"),
     ("page_per_ip", lambda s: s.page_per_ip >= 1, "must be >= 1"),
     ("pages_in_flight", lambda s: 1 <= s.pages_in_flight <= 1024, "must be 1..1024"),
+    ("lists_per_connection", lambda s: 1 <= s.lists_per_connection <= 64, "must be 1..64"),
+    (
+        "list_bytes_in_flight",
+        lambda s: s.list_bytes_in_flight >= s.page_bytes,
+        "must be >= page_bytes",
+    ),
+    ("list_ack_timeout", lambda s: s.list_ack_timeout > 0, "must be > 0"),
     ("http_timeout", lambda s: s.http_timeout > 0, "must be > 0"),
     ("http_max_connections", lambda s: s.http_max_connections >= 1, "must be >= 1"),
     ("metrics_max_games", lambda s: 0 <= s.metrics_max_games <= 1000, "must be 0..1000"),
