@@ -172,9 +172,10 @@ async def main(argv: list[str] | None = None) -> int:
             return 1
         lan = (args.lan_ip, endpoint.address[1]) if args.lan_ip else None
         ticket = await mm.ticket(host, lan=lan, user_data=user_data)
-        target = ticket.address  # behind the host's own NAT, its LAN address
+        # Behind the host's own NAT its LAN address first, then its public one.
         conn = await ticket.connect(endpoint)
-        log(f"connected to {target.ip}:{target.port}, key {ticket.host_key.hex()[:16]}...")
+        target_ip, target_port = conn.remote_address[:2]
+        log(f"connected to {target_ip}:{target_port}, key {ticket.host_key.hex()[:16]}...")
 
         conn.set_receiver(play.on_message)  # handled as it arrives, no task per message
         conn.send(msgpack.packb({"t": "hello", "name": args.name}))

@@ -12,6 +12,11 @@ is written in its compressed form, so the same peer always gets the same key.
 `non_public_reason` is the bogon check: loopback, link-local, private,
 shared (CGNAT), multicast, unspecified and reserved ranges never appear in a
 public list unless the operator runs a LAN/dev matchmaker.
+
+`lan_reason` is the opposite check, for the LAN address a host registers and a
+client sends with an introduction: only the other side of an introduction behind
+the same public IP is given it, and connects to it, so it must name a machine of
+that LAN, never a third party on the Internet.
 """
 
 from __future__ import annotations
@@ -102,6 +107,41 @@ def non_public_reason(ip: str) -> str | None:
     # is_global is False for what is left of the special-purpose registry,
     # e.g. 100.64.0.0/10 (shared address space, carrier-grade NAT).
     return None if parsed.is_global else "bogon"
+
+
+_LAN_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "10.0.0.0/8",  # RFC 1918
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",  # shared address space (carrier-grade NAT, RFC 6598)
+        "169.254.0.0/16",  # link-local
+        "fc00::/7",  # unique local (RFC 4193)
+        "fe80::/10",  # link-local
+    )
+)
+
+
+def lan_reason(lan_ip: str, public_ip: str) -> str | None:
+    """Why `lan_ip` cannot be the LAN address of a peer the matchmaker sees at
+    `public_ip`, or None if it can.
+
+    A LAN address is private (RFC 1918, 100.64.0.0/10, link-local, unique local
+    IPv6): it is handed only to a peer behind the same public IP, which connects
+    to it, so a global address (``"global"``) would aim that peer at a third
+    party, and a special-purpose one (multicast, unspecified, documentation,
+    ...: ``"not_private"``) names no LAN machine.  Loopback (``"loopback"``) is
+    one only for a peer seen at a loopback address itself (a daemon run with
+    ``--allow-private`` on one machine): both sides then share that machine,
+    whereas the other side of a NAT would take it for its own.
+    """
+    parsed: IPAddress = ipaddress.ip_address(normalise_ip(lan_ip))
+    if parsed.is_loopback:
+        return None if ipaddress.ip_address(normalise_ip(public_ip)).is_loopback else "loopback"
+    if any(parsed in net for net in _LAN_NETWORKS):
+        return None
+    return "global" if parsed.is_global and not parsed.is_multicast else "not_private"
 
 
 def same_public_ip(a: Address, b: Address) -> bool:

@@ -73,9 +73,26 @@ registering with one that would refuse it.
 
 Introductions for a host go to its listed address as INTRODUCTION datagrams,
 sent again every ``resend_interval`` seconds until the host acknowledges one
-(INTRODUCTION_ACK, with a MAC) or ``attempts`` sends have gone out.  At most
-``max_pending`` introductions wait for an acknowledgement; beyond that the
-oldest is given up (``overflow``).
+(INTRODUCTION_ACK, with a MAC) or ``attempts`` sends have gone out, or the host
+is no longer listed or visible (``host_gone``: a host gone quiet is not sent
+what it cannot answer).  Whoever asks for introductions chooses where these
+datagrams go, among the listed hosts, so what one client's requests make the
+daemon send is bounded:
+
+- a client introduced again to a host that has not acknowledged its last
+  introduction yet has one introduction waiting, not two: the newer replaces
+  it (``coalesced``; the host gets the newest nonce), at its place in the
+  resend schedule and with the sends it had left (one at least), so a host
+  gets at most one datagram per ``resend_interval`` per client, however often
+  that client asks;
+- at most ``max_per_host`` introductions wait for one host, and
+  ``max_per_source`` for the clients of one source (`addresses.rate_key`),
+  each giving up its own oldest when full; at most ``max_pending`` wait in
+  all, and when they do, the oldest of whichever host or source has the most
+  is given up (a tie: the source's, all of whose introductions are its own
+  asking), so a crowd of sources asking for one host (or one source asking
+  for many) gives up its own introductions before anybody else's
+  (``overflow``).
 
 No I/O and no clock here: the caller passes ``now`` and a ``send`` function.
 """
@@ -84,12 +101,12 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from matchmaker import heartbeat as hb
-from matchmaker.addresses import Address, from_sockaddr, rate_key
+from matchmaker.addresses import Address, from_sockaddr, rate_key, source_key
 from matchmaker.metrics import Metrics
 from matchmaker.ratelimit import Rate, RateLimiter
 from matchmaker.registry import HostRecord, Registry, Takeover, TakeoverResult
@@ -103,13 +120,77 @@ TAKEOVER_RATE = Rate(rate=1.0, burst=2.0)
 still in flight when the first was taken."""
 
 
+_K = TypeVar("_K", bound=Hashable)
+
+
 @dataclass(slots=True)
 class _Pending:
     address: Address
+    """The host's."""
+    client: Address | None
+    """Whom it introduces (None: a relayed payload that does not say)."""
+    source: str
+    """The client's `rate_key` ("" when unknown)."""
     datagram: bytes
     left: int
     """Sends still allowed."""
     due: float
+
+
+class _Groups(Generic[_K]):
+    """The ids of the introductions waiting, by group (a host, a source), oldest
+    first; the group with the most is found in O(1)."""
+
+    __slots__ = ("_by_size", "_largest", "_members")
+
+    def __init__(self) -> None:
+        self._members: dict[_K, dict[int, None]] = {}
+        self._by_size: dict[int, dict[_K, None]] = {}
+        """Each size with the groups of that size."""
+        self._largest = 0
+
+    def count(self, key: _K) -> int:
+        ids = self._members.get(key)
+        return 0 if ids is None else len(ids)
+
+    def oldest(self, key: _K) -> int:
+        return next(iter(self._members[key]))
+
+    def largest(self) -> tuple[_K, int]:
+        """A group with the most (there must be one), and its size."""
+        return next(iter(self._by_size[self._largest])), self._largest
+
+    def add(self, key: _K, intro_id: int) -> None:
+        ids = self._members.get(key)
+        if ids is None:
+            ids = self._members[key] = {}
+        n = len(ids)
+        if n:
+            self._resize(key, n, None)
+        ids[intro_id] = None
+        self._resize(key, None, n + 1)
+        self._largest = max(self._largest, n + 1)
+
+    def discard(self, key: _K, intro_id: int) -> None:
+        ids = self._members[key]
+        n = len(ids)
+        del ids[intro_id]
+        if n > 1:
+            self._resize(key, n, n - 1)
+        else:
+            del self._members[key]
+            self._resize(key, n, None)
+        if n == self._largest and n not in self._by_size:
+            self._largest = n - 1  # the group just shrunk is of that size now, if any
+
+    def _resize(self, key: _K, old: int | None, new: int | None) -> None:
+        if old is not None:
+            keys = self._by_size[old]
+            del keys[key]
+            if not keys:
+                del self._by_size[old]
+        if new is not None:
+            self._by_size.setdefault(new, {})[key] = None
 
 
 class Liveness:
@@ -123,6 +204,8 @@ class Liveness:
         resend_interval: float = 0.5,
         attempts: int = 8,
         max_pending: int = 10_000,
+        max_per_host: int = 64,
+        max_per_source: int = 32,
         reply_limiter: RateLimiter | None = None,
         takeover_limiter: RateLimiter | None = None,
     ) -> None:
@@ -133,7 +216,11 @@ class Liveness:
         """Called when a takeover starts waiting (`take_takeovers` has work)."""
         self.resend_interval = resend_interval
         self.attempts = attempts
+        if min(max_pending, max_per_host, max_per_source) < 1:
+            raise ValueError("max_pending, max_per_host and max_per_source must be at least 1")
         self.max_pending = max_pending
+        self.max_per_host = max_per_host
+        self.max_per_source = max_per_source
         # `is None`, not `or`: an empty RateLimiter is falsy (it has a length).
         self.reply_limiter = RateLimiter(REPLY_RATE) if reply_limiter is None else reply_limiter
         """NOT_REGISTERED replies per source (module doc)."""
@@ -149,6 +236,10 @@ class Liveness:
         """Heartbeats of hosts another replica owns, waiting for `Registry.take_over`,
         with the source to answer."""
         self._pending: dict[int, _Pending] = {}
+        self._pairs: dict[tuple[Address, Address | None], int] = {}
+        """(host, client) -> the id of the introduction waiting for that host."""
+        self._hosts: _Groups[Address] = _Groups()
+        self._sources: _Groups[str] = _Groups()
         # Ids start at random: a host that moved from another replica does not
         # take a new introduction for one it already had.
         self._ids = itertools.count(secrets.randbits(48) + 1)
@@ -304,23 +395,77 @@ class Liveness:
         if record is None or not hb.introduction_ack_ok(self.secret(record), record.address, data):
             self._deliveries("bad_ack").inc()
             return
-        del self._pending[intro_id]
+        self._drop(intro_id)
         self._deliveries("acked").inc()
 
     # -- introductions
 
-    def introduce(self, record: HostRecord, payload: bytes, now: float) -> None:
-        """Send `payload` (an encoded `Introduction`) to the host, until it acknowledges."""
+    def introduce(
+        self, record: HostRecord, payload: bytes, now: float, client: Address | None
+    ) -> None:
+        """Send `payload` (an encoded `Introduction` of `client`) to the host, until it
+        acknowledges (module doc)."""
         intro_id = next(self._ids)
         datagram = hb.encode_introduction(self.secret(record), record.address, intro_id, payload)
-        while len(self._pending) >= self.max_pending:
-            del self._pending[next(iter(self._pending))]
-            self._deliveries("overflow").inc()
-        self._pending[intro_id] = _Pending(
-            record.address, datagram, self.attempts - 1, now + self.resend_interval
+        waiting = None if client is None else self._pairs.get((record.address, client))
+        if waiting is not None:
+            old = self._drop(waiting)  # its acknowledgement now counts as late
+            self._add(
+                intro_id,
+                _Pending(record.address, client, old.source, datagram, max(old.left, 1), old.due),
+            )
+            self._deliveries("coalesced").inc()
+            return
+        source = "" if client is None else source_key(client.ip)
+        self._make_room(record.address, source)
+        self._add(
+            intro_id,
+            _Pending(
+                record.address,
+                client,
+                source,
+                datagram,
+                self.attempts - 1,
+                now + self.resend_interval,
+            ),
         )
         self._send(datagram, record.address)
         self._deliveries("sent").inc()
+
+    def _make_room(self, host: Address, source: str) -> None:
+        """Give up what must go for one more introduction of `source` to `host`."""
+        if self._hosts.count(host) >= self.max_per_host:
+            self._overflow(self._hosts.oldest(host))
+        if self._sources.count(source) >= self.max_per_source:
+            self._overflow(self._sources.oldest(source))
+        while len(self._pending) >= self.max_pending:
+            busiest_host, host_count = self._hosts.largest()
+            busiest_source, source_count = self._sources.largest()
+            # A tie goes to the source: all of its introductions are its own asking,
+            # whereas a host's may be anybody's.
+            if source_count >= host_count:
+                self._overflow(self._sources.oldest(busiest_source))
+            else:
+                self._overflow(self._hosts.oldest(busiest_host))
+
+    def _overflow(self, intro_id: int) -> None:
+        self._drop(intro_id)
+        self._deliveries("overflow").inc()
+
+    def _add(self, intro_id: int, p: _Pending) -> None:
+        self._pending[intro_id] = p
+        if p.client is not None:
+            self._pairs[(p.address, p.client)] = intro_id
+        self._hosts.add(p.address, intro_id)
+        self._sources.add(p.source, intro_id)
+
+    def _drop(self, intro_id: int) -> _Pending:
+        p = self._pending.pop(intro_id)
+        if p.client is not None:
+            del self._pairs[(p.address, p.client)]
+        self._hosts.discard(p.address, intro_id)
+        self._sources.discard(p.source, intro_id)
+        return p
 
     @property
     def pending(self) -> int:
@@ -328,13 +473,25 @@ class Liveness:
         return len(self._pending)
 
     def resend(self, now: float) -> None:
-        """Send again what is due; give up what has had all its sends."""
+        """Send again what is due; give up what has had all its sends, and what is
+        for a host no longer listed or visible."""
+        listed: dict[Address, bool] = {}
+        registry_now = self.registry.now()
         for intro_id, p in list(self._pending.items()):
             if p.due > now:
                 continue
             if p.left <= 0:
-                del self._pending[intro_id]
+                self._drop(intro_id)
                 self._deliveries("unacked").inc()
+                continue
+            visible = listed.get(p.address)
+            if visible is None:
+                record = self.registry.get(p.address)
+                visible = record is not None and self.registry.is_visible(record, registry_now)
+                listed[p.address] = visible
+            if not visible:
+                self._drop(intro_id)
+                self._deliveries("host_gone").inc()
                 continue
             p.left -= 1
             p.due = now + self.resend_interval

@@ -55,7 +55,17 @@ HEARTBEAT_RESULTS = (
     "takeover_superseded",
     "takeover_stopping",
 )
-INTRODUCTION_DELIVERIES = ("sent", "resent", "acked", "unacked", "bad_ack", "late_ack", "overflow")
+INTRODUCTION_DELIVERIES = (
+    "sent",
+    "resent",
+    "acked",
+    "unacked",
+    "bad_ack",
+    "late_ack",
+    "overflow",
+    "coalesced",
+    "host_gone",
+)
 REGISTRY_OPS = (
     "upsert",
     "update",

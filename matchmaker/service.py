@@ -52,11 +52,14 @@ asks for until rudp's send queue overflows.
 
 Introductions: the client and the host each get an `Introduction` with the
 other's public address, the LAN address too when both share a public IP, and
-the same random nonce.  The client's also carries the host's registered key
-and, when it sent its handshake key and the daemon has an issuing key, a
-connect token for that host (`rudp.tokens`, signed with the key of
-`matchmaker.keys`).  The host's copy goes out as a datagram to its
-heartbeat address, repeated until the host acknowledges it; when the host
+the same random nonce.  A LAN address must be a private one
+(`addresses.lan_reason`, checked at `Register` and `Introduce`): the peer
+behind the same public IP connects to it, and must not be aimed elsewhere.
+The client's also carries the host's registered key and, when it sent its
+handshake key and the daemon has an issuing key, a connect token for that host
+(`rudp.tokens`, signed with the key of `matchmaker.keys`).  The host's copy
+goes out as a datagram to its heartbeat address, repeated until the host
+acknowledges it (`matchmaker.liveness` bounds what that sends); when the host
 heartbeats another replica (its ``owner``) the registry relays the payload
 there (`Registry.deliver`), since only that replica's datagrams pass the
 host's NAT.
@@ -81,6 +84,7 @@ from matchmaker import __version__
 from matchmaker.addresses import (
     Address,
     from_sockaddr,
+    lan_reason,
     non_public_reason,
     same_public_ip,
     source_key,
@@ -112,6 +116,7 @@ from matchmaker.messages import (
     Update,
     WrongVersion,
     WrongVersionError,
+    decode,
     decode_request,
     encode,
     encode_entry,
@@ -394,6 +399,11 @@ class MatchmakerService:
         if why is not None:
             counted["rejected"].inc()
             raise MessageError(ErrorReason.FORBIDDEN_ADDRESS, why, request_id=rid)
+        if req.host.lan is not None:
+            why = lan_reason(req.host.lan.ip, session.address.ip)
+            if why is not None:
+                counted["rejected"].inc()
+                raise MessageError(ErrorReason.BAD_FIELD, _lan_refused(why), request_id=rid)
         entry = self._listable(session.address, req.host)
         if entry is None:
             counted["rejected"].inc()
@@ -655,12 +665,19 @@ class MatchmakerService:
         if self._rate_limited(self._introduce_limit, "introduce", session):
             self.metrics.introductions.labels("rate_limited").inc()
             raise MessageError(ErrorReason.RATE_LIMITED, "introductions", request_id=rid)
+        if req.lan is not None:
+            why = lan_reason(req.lan.ip, session.address.ip)
+            if why is not None:
+                raise MessageError(ErrorReason.BAD_FIELD, _lan_refused(why), request_id=rid)
         target = self.registry.get(req.host)
         if target is None or not self.registry.is_visible(target, self.registry.now()):
             self.metrics.introductions.labels("not_found").inc()
             raise MessageError(ErrorReason.NOT_FOUND, req.host.key, request_id=rid)
         nonce = self._nonce(NONCE_BYTES)
         shared = same_public_ip(session.address, target.address)
+        host_lan = target.info.lan if shared else None
+        if host_lan is not None and lan_reason(host_lan.ip, target.address.ip) is not None:
+            host_lan = None  # registered before LAN addresses were checked (a shared registry)
         to_host = Introduction(
             role=Role.HOST, peer=session.address, peer_lan=req.lan if shared else None, nonce=nonce
         )
@@ -668,24 +685,26 @@ class MatchmakerService:
             request_id=rid,
             role=Role.CLIENT,
             peer=target.address,
-            peer_lan=target.info.lan if shared else None,
+            peer_lan=host_lan,
             nonce=nonce,
             peer_key=target.info.key or None,
-            token=self._token(req, target, shared),
+            token=self._token(req, target, host_lan),
         )
-        result = await self._reach_host(target, encode(to_host), rid)
+        result = await self._reach_host(target, encode(to_host), session.address, rid)
         self.metrics.introductions.labels(result).inc()
         log.info("introduced", host=target.address.key, result=result)
         self._send(session, to_client)
 
-    def _token(self, req: Introduce, target: HostRecord, shared: bool) -> bytes | None:
+    def _token(self, req: Introduce, target: HostRecord, host_lan: Address | None) -> bytes | None:
         """A connect token for this client and this host (``rudp.tokens``), when the
-        client asked for one, the host gave its key and we have an issuing key."""
+        client asked for one, the host gave its key and we have an issuing key; it
+        names the host's public address and `host_lan`, the LAN address the client
+        is given."""
         if self._issuer is None or req.client_key is None or not target.info.key:
             return None
         addresses = [(target.address.ip, target.address.port)]
-        if shared and target.info.lan is not None:
-            addresses.append((target.info.lan.ip, target.info.lan.port))
+        if host_lan is not None:
+            addresses.append((host_lan.ip, host_lan.port))
         return self._issuer.issue(
             client_key=req.client_key,
             host_key=target.info.key,
@@ -696,9 +715,11 @@ class MatchmakerService:
             user_data=req.user_data,
         )
 
-    async def _reach_host(self, target: HostRecord, payload: bytes, rid: int) -> str:
+    async def _reach_host(
+        self, target: HostRecord, payload: bytes, client: Address, rid: int
+    ) -> str:
         if target.owner == self.registry.replica_id:
-            self._deliver(target, payload)
+            self._deliver(target, payload, client)
             return "local"
         try:
             await self.registry.deliver(target.owner, Notice(target.address, payload))
@@ -707,15 +728,15 @@ class MatchmakerService:
             raise MessageError(ErrorReason.UNAVAILABLE, request_id=rid) from None
         return "relayed"
 
-    def _deliver(self, target: HostRecord, payload: bytes) -> None:
-        """Send an introduction to the host's heartbeat address, until it acknowledges;
-        over the host's connection instead while it holds one, unless that connection
-        has just ended (a host that updated its entry and released it): then by
-        datagram all the same, never lost."""
+    def _deliver(self, target: HostRecord, payload: bytes, client: Address | None) -> None:
+        """Send an introduction of `client` to the host's heartbeat address, until it
+        acknowledges; over the host's connection instead while it holds one, unless
+        that connection has just ended (a host that updated its entry and released
+        it): then by datagram all the same, never lost."""
         session = self._sessions.get(target.address)
         if session is not None and self._send_bytes(session, payload) is not None:
             return
-        self.liveness.introduce(target, payload, self._clock())
+        self.liveness.introduce(target, payload, self._clock(), client)
         self._intro_due.set()
 
     async def run_notices(self) -> None:
@@ -732,7 +753,7 @@ class MatchmakerService:
                 with contextlib.suppress(RegistryUnavailable):
                     await self.registry.deliver(target.owner, moved)
                 continue
-            self._deliver(target, notice.payload)
+            self._deliver(target, notice.payload, _introduced(notice.payload))
 
     async def run_takeovers(self) -> None:
         """Take over the hosts whose heartbeats came here instead of to their
@@ -786,6 +807,20 @@ class MatchmakerService:
             *(s.peer.close(text=_STOPPING) for s in sessions),
             return_exceptions=True,
         )
+
+
+def _lan_refused(why: str) -> str:
+    return f"lan: not a private address ({why})"
+
+
+def _introduced(payload: bytes) -> Address | None:
+    """The client a relayed introduction for a host introduces (None: not one we can
+    read, delivered all the same)."""
+    try:
+        msg = decode(payload)
+    except MessageError:
+        return None
+    return msg.peer if isinstance(msg, Introduction) else None
 
 
 def _error(exc: MessageError) -> Error:

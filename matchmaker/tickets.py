@@ -13,17 +13,28 @@ unsigned fields: it opens the token with the pinned key and takes the host key
 address it is about to connect to. It then connects with Noise NK to that key
 (``Ticket.connect``): only the host the matchmaker vouched for can answer, and
 the host admits the client on the token.
+
+Behind the same public IP as the host, the introduction also carries the host's
+LAN address (``peer_lan``): `Ticket.connect` tries it first, for at most
+``lan_timeout`` seconds (a LAN answers within milliseconds), then the public
+address.  A ``peer_lan`` that is no private address (`addresses.lan_reason`) is
+never used: the matchmaker refuses such a LAN address, and the client does not
+rely on that alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import rudp
-from matchmaker.addresses import Address
+from matchmaker.addresses import Address, lan_reason
 from matchmaker.messages import Introduction
 from rudp.tokens import TokenError, open_token
+
+LAN_TIMEOUT = 1.0
+"""Seconds `Ticket.connect` gives the host's LAN address before its public one."""
 
 
 class UntrustedIntroduction(Exception):
@@ -48,14 +59,33 @@ class Ticket:
 
     @property
     def address(self) -> Address:
-        """Where to connect: the host's LAN address when we share its NAT, else its public one."""
-        return self.introduction.peer_lan or self.introduction.peer
+        """Where to connect first: the host's LAN address when we share its NAT, else
+        its public one."""
+        return self.addresses[0]
 
-    async def connect(self, endpoint: rudp.Server) -> rudp.Connection:
+    @property
+    def addresses(self) -> tuple[Address, ...]:
+        """Where `connect` tries, in order: the host's LAN address (when we share its
+        NAT, and it is a private address), then its public one."""
+        return _targets(self.introduction)
+
+    async def connect(
+        self, endpoint: rudp.Server, *, lan_timeout: float = LAN_TIMEOUT
+    ) -> rudp.Connection:
         """Connect to the host from ``endpoint`` (the socket the matchmaker saw us on)
-        with Noise NK to the vouched key, presenting the token. Raises what
-        ``endpoint.connect`` raises (``rudp.ConnectRefused`` naming a refused token)."""
-        target = self.address
+        with Noise NK to the vouched key, presenting the token: to its LAN address
+        first when there is one (for at most ``lan_timeout`` seconds), then to its
+        public address if that failed. Raises what ``endpoint.connect`` raises for the
+        last address (``rudp.ConnectRefused`` naming a refused token)."""
+        *lan, public = self.addresses
+        for target in lan:
+            try:
+                return await asyncio.wait_for(self._connect(endpoint, target), lan_timeout)
+            except (rudp.ConnectError, TimeoutError):
+                pass  # not (or not only) on our LAN: the public address
+        return await self._connect(endpoint, public)
+
+    async def _connect(self, endpoint: rudp.Server, target: Address) -> rudp.Connection:
         return await endpoint.connect(
             target.ip,
             target.port,
@@ -63,6 +93,14 @@ class Ticket:
             token=self.token,
             token_key=self.handshake_key,
         )
+
+
+def _targets(intro: Introduction) -> tuple[Address, ...]:
+    """The host's addresses to connect to, in order (`Ticket.addresses`)."""
+    lan = intro.peer_lan
+    if lan is None or lan == intro.peer or lan_reason(lan.ip, intro.peer.ip) is not None:
+        return (intro.peer,)
+    return (lan, intro.peer)
 
 
 def check_introduction(
@@ -83,9 +121,9 @@ def check_introduction(
         raise UntrustedIntroduction("the connect token was issued for another client key")
     if intro.peer_key is not None and intro.peer_key != token.host_key:
         raise UntrustedIntroduction("the introduction's host key is not the one the token names")
-    target = intro.peer_lan or intro.peer
-    if (target.ip, target.port) not in token.addresses:
-        raise UntrustedIntroduction(f"the connect token does not name {target.key}")
+    for target in _targets(intro):
+        if (target.ip, target.port) not in token.addresses:
+            raise UntrustedIntroduction(f"the connect token does not name {target.key}")
     return Ticket(
         introduction=intro,
         host_key=token.host_key,

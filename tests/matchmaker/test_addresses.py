@@ -5,6 +5,7 @@ import pytest
 from matchmaker.addresses import (
     Address,
     from_sockaddr,
+    lan_reason,
     make_address,
     non_public_reason,
     normalise_ip,
@@ -81,3 +82,39 @@ def test_rate_key_groups_ipv6_by_64() -> None:
 def test_same_public_ip() -> None:
     assert same_public_ip(Address("198.51.100.1", 1), Address("198.51.100.1", 2))
     assert not same_public_ip(Address("198.51.100.1", 1), Address("198.51.100.2", 1))
+
+
+@pytest.mark.parametrize(
+    ("lan", "public", "reason"),
+    [
+        ("10.1.2.3", "93.184.216.1", None),
+        ("172.31.255.254", "93.184.216.1", None),
+        ("192.168.1.5", "93.184.216.1", None),
+        ("100.64.0.9", "93.184.216.1", None),  # carrier-grade NAT
+        ("169.254.3.3", "93.184.216.1", None),
+        ("fd12:3456::1", "2001:db8::1", None),
+        ("fe80::1%eth0", "2001:db8::1", None),
+        ("::ffff:192.168.1.5", "93.184.216.1", None),
+        ("10.1.2.3", "10.214.0.1", None),  # a LAN behind a private "public" address
+        # A third party on the Internet: what the peer behind the NAT would be aimed at.
+        ("8.8.8.8", "93.184.216.1", "global"),
+        ("93.184.216.1", "93.184.216.1", "global"),
+        ("172.32.0.1", "93.184.216.1", "global"),
+        ("2606:4700:4700::1111", "2001:db8::1", "global"),
+        # The peer's own machine, not the host's.
+        ("127.0.0.99", "93.184.216.1", "loopback"),
+        ("::1", "2001:db8::1", "loopback"),
+        ("127.0.0.99", "10.1.2.3", "loopback"),
+        # Both on the one machine the matchmaker sees them at (--allow-private).
+        ("127.0.0.99", "127.0.0.1", None),
+        ("::1", "127.0.0.1", None),
+        # No machine of a LAN.
+        ("0.0.0.0", "93.184.216.1", "not_private"),
+        ("224.0.0.1", "93.184.216.1", "not_private"),
+        ("255.255.255.255", "93.184.216.1", "not_private"),
+        ("192.0.2.1", "93.184.216.1", "not_private"),  # documentation
+        ("ff02::1", "2001:db8::1", "not_private"),
+    ],
+)
+def test_a_lan_address_is_a_private_one(lan: str, public: str, reason: str | None) -> None:
+    assert lan_reason(lan, public) == reason

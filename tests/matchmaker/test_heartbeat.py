@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from matchmaker import heartbeat as hb
 from matchmaker.addresses import Address
+from matchmaker.liveness import _Groups
 from matchmaker.messages import (
     Error,
     ErrorReason,
@@ -18,7 +21,7 @@ from matchmaker.messages import (
     Update,
     decode,
 )
-from matchmaker.registry import MemoryRegistry
+from matchmaker.registry import MemoryRegistry, RemovalReason
 from tests.matchmaker.fakes import settle
 from tests.matchmaker.helpers import Harness, info, pub
 
@@ -347,6 +350,172 @@ async def test_an_unacknowledged_introduction_is_given_up_after_its_attempts() -
     assert len(sent) == liveness.attempts
     assert liveness.pending == 0
     assert h.sample("matchmaker_introduction_datagrams_total", result="unacked") == 1
+
+
+def intro_id(secret: bytes, datagram: bytes, host: Address = HOST) -> int:
+    found = hb.decode_introduction(secret, host, datagram)
+    assert found is not None
+    return found[0]
+
+
+async def test_a_client_asking_again_has_one_introduction_waiting() -> None:
+    """However often one client asks to be introduced to a host that does not
+    acknowledge, the host gets one datagram per resend interval from it, `attempts`
+    in all: the datagrams are bounded per client and host, not per request."""
+    h = Harness()
+    secret = await registered(h)
+    sent: list[bytes] = []
+    liveness = h.service.liveness
+    liveness.send = lambda data, to: sent.append(data)
+    joiner = h.connect(pub(2), 5000)
+    for n in range(1, 6):
+        assert isinstance(await joiner.request(Introduce(request_id=n, host=HOST)), Introduction)
+    assert len(sent) == 1 and liveness.pending == 1
+    assert h.sample("matchmaker_introduction_datagrams_total", result="coalesced") == 4
+    # The one waiting is the newest (the host gets the nonce the client has now).
+    h.clock.advance(liveness.resend_interval)
+    liveness.resend(h.clock())
+    first, newest = intro_id(secret, sent[0]), intro_id(secret, sent[1])
+    assert newest == first + 4
+    liveness.receive(hb.encode_introduction_ack(secret, HOST, first), HOST)
+    assert h.sample("matchmaker_introduction_datagrams_total", result="late_ack") == 1
+    assert liveness.pending == 1
+    for _ in range(liveness.attempts - 2):
+        h.clock.advance(liveness.resend_interval)
+        liveness.resend(h.clock())
+    assert len(sent) == liveness.attempts
+    # Asked again after its last send: the newest still goes out, once.
+    await joiner.request(Introduce(request_id=9, host=HOST))
+    for _ in range(3):
+        h.clock.advance(liveness.resend_interval)
+        liveness.resend(h.clock())
+    assert len(sent) == liveness.attempts + 1 and liveness.pending == 0
+    assert intro_id(secret, sent[-1]) == newest + 1
+    assert h.sample("matchmaker_introduction_datagrams_total", result="unacked") == 1
+    # Another socket of the same machine is another client: its own introduction.
+    await h.connect(pub(2), 5001).request(Introduce(request_id=10, host=HOST))
+    assert len(sent) == liveness.attempts + 2 and liveness.pending == 1
+
+
+async def test_introductions_for_a_host_gone_quiet_or_removed_are_given_up() -> None:
+    h = Harness()
+    await registered(h)
+    other = Address(pub(3), 27960)
+    await registered(h, other)
+    sent: list[Address] = []
+    liveness = h.service.liveness
+    liveness.send = lambda data, to: sent.append(to)
+    joiner = h.connect(pub(2), 5000)
+    await joiner.request(Introduce(request_id=1, host=HOST))
+    await joiner.request(Introduce(request_id=2, host=other))
+    assert sent == [HOST, other]
+    assert await h.registry.remove(other, RemovalReason.UNREGISTERED)
+    h.clock.advance(liveness.resend_interval)
+    liveness.resend(h.clock())
+    assert sent == [HOST, other, HOST] and liveness.pending == 1
+    # HOST sends no heartbeat: once hidden, it is not sent what it cannot answer.
+    h.clock.advance(h.registry.hide_after)
+    assert not h.registry.is_visible(h.registry.get(HOST), h.registry.now())  # type: ignore[arg-type]
+    liveness.resend(h.clock())
+    assert sent == [HOST, other, HOST] and liveness.pending == 0
+    assert h.sample("matchmaker_introduction_datagrams_total", result="host_gone") == 2
+    assert h.sample("matchmaker_introduction_datagrams_total", result="unacked") == 0
+
+
+async def test_a_crowd_asking_for_one_host_gives_up_its_own_introductions() -> None:
+    """Many sources, each with many sockets, asking for one host that does not
+    acknowledge: that host's introductions are capped, and nobody else's is given up."""
+    h = Harness()
+    secret = await registered(h)
+    bait = Address(pub(3), 27960)
+    await registered(h, bait)
+    liveness = h.service.liveness
+    liveness.max_pending, liveness.max_per_host, liveness.max_per_source = 12, 8, 3
+    to_host: list[bytes] = []
+    liveness.send = lambda data, to: to_host.append(data) if to == HOST else None
+    await h.connect(pub(2), 5000).request(Introduce(request_id=1, host=HOST))
+    for n in range(20):
+        for port in range(5):
+            crowd = h.connect(pub(100 + n), 6000 + port)
+            assert isinstance(await crowd.request(Introduce(request_id=1, host=bait)), Introduction)
+    # No more for the bait host than its cap, none of a source's sockets beyond its.
+    assert 1 + liveness.max_per_source <= liveness.pending <= 1 + liveness.max_per_host
+    overflow = h.sample("matchmaker_introduction_datagrams_total", result="overflow")
+    assert overflow == 100 - (liveness.pending - 1)
+    for _ in range(liveness.attempts + 2):
+        h.clock.advance(liveness.resend_interval)
+        liveness.resend(h.clock())
+    assert len(to_host) == liveness.attempts  # every send of its one introduction
+    assert {intro_id(secret, d) for d in to_host} == {intro_id(secret, to_host[0])}
+
+
+async def test_one_source_asking_for_many_hosts_gives_up_its_own_introductions() -> None:
+    h = Harness()
+    hosts = [Address(pub(10 + n), 27960) for n in range(6)]
+    for address in hosts:
+        await registered(h, address)
+    liveness = h.service.liveness
+    liveness.max_per_source = 3
+    sent: list[Address] = []
+    liveness.send = lambda data, to: sent.append(to)
+    await h.connect(pub(2), 5000).request(Introduce(request_id=1, host=hosts[0]))
+    for n, address in enumerate(hosts):
+        await h.connect(pub(50), 6000 + n).request(Introduce(request_id=1, host=address))
+    assert liveness.pending == 1 + 3
+    assert h.sample("matchmaker_introduction_datagrams_total", result="overflow") == 3
+    h.clock.advance(liveness.resend_interval)
+    liveness.resend(h.clock())
+    assert sorted(sent[7:]) == sorted([hosts[0], *hosts[3:]])  # the newest three, and pub(2)'s
+
+
+async def test_when_all_are_full_the_busiest_host_or_source_gives_up_first() -> None:
+    """No host or source over its own cap, but `max_pending` reached: the oldest of
+    the host or source with the most goes, not the oldest of all."""
+    h = Harness()
+    await registered(h)
+    bait = Address(pub(3), 27960)
+    await registered(h, bait)
+    liveness = h.service.liveness
+    liveness.max_pending = 6
+    to_host: list[bytes] = []
+    liveness.send = lambda data, to: to_host.append(data) if to == HOST else None
+    await h.connect(pub(2), 5000).request(Introduce(request_id=1, host=HOST))
+    for port in range(10):  # one source: 5 ports to the bait host, then 5 to HOST
+        target = bait if port < 5 else HOST
+        await h.connect(pub(50), 6000 + port).request(Introduce(request_id=1, host=target))
+    assert liveness.pending == 6
+    assert h.sample("matchmaker_introduction_datagrams_total", result="overflow") == 5
+    for _ in range(liveness.attempts + 2):
+        h.clock.advance(liveness.resend_interval)
+        liveness.resend(h.clock())
+    # pub(2)'s introduction (the oldest of all) had every send; so did pub(50)'s last
+    # five, to HOST; its five to the bait host went first as the busiest.
+    assert len(to_host) == 6 * liveness.attempts
+
+
+def test_groups_track_counts_oldest_and_largest() -> None:
+    rng = random.Random(5)
+    groups: _Groups[int] = _Groups()
+    model: dict[int, list[int]] = {}
+    for intro_id in range(3000):
+        key = rng.randrange(12)
+        if rng.random() < 0.55:
+            groups.add(key, intro_id)
+            model.setdefault(key, []).append(intro_id)
+        elif model:
+            key = rng.choice(sorted(model))
+            gone = rng.choice(model[key])
+            groups.discard(key, gone)
+            model[key].remove(gone)
+            if not model[key]:
+                del model[key]
+        for k in range(12):
+            assert groups.count(k) == len(model.get(k, ()))
+            if k in model:
+                assert groups.oldest(k) == model[k][0]
+        if model:
+            key, size = groups.largest()
+            assert size == max(len(v) for v in model.values()) == len(model[key])
 
 
 class _Loading(MemoryRegistry):

@@ -35,6 +35,7 @@ from matchmaker.messages import (
     encode_entry,
 )
 from matchmaker.registry import Notice, RemovalReason
+from rudp.tokens import Issuer, decode_token, generate_issuer_key
 from tests.matchmaker.fakes import Wire, pipe, settle
 from tests.matchmaker.helpers import NONCE, Harness, collect_list, info, pub
 
@@ -387,6 +388,66 @@ async def test_introduction_behind_the_same_nat_includes_lan_addresses() -> None
     assert reply.peer_lan == Address("192.168.0.10", 27960)
     to_host = await host.recv()
     assert isinstance(to_host, Introduction) and to_host.peer_lan == Address("192.168.0.11", 5555)
+
+
+@pytest.mark.parametrize(
+    ("lan", "why"),
+    [
+        (Address("198.51.200.7", 27960), "global"),  # a third party on the Internet
+        (Address(pub(1), 9999), "global"),  # the host's own public IP: its public address
+        (Address("127.0.0.99", 27960), "loopback"),  # the client's own machine
+        (Address("224.0.0.1", 27960), "not_private"),
+    ],
+)
+async def test_a_lan_address_that_is_not_private_is_refused(lan: Address, why: str) -> None:
+    """Only a client behind the host's public IP is given the host's LAN address and
+    connects to it: one that is not private would aim those clients elsewhere."""
+    h = Harness()
+    wire = h.connect(pub(1), 4000)
+    err = await error_of(wire, Register(request_id=4, host=info(lan=lan)))
+    assert (err.reason, err.request_id) == (ErrorReason.BAD_FIELD, 4)
+    assert err.detail == f"lan: not a private address ({why})"
+    assert h.registry.get(Address(pub(1), 4000)) is None
+    assert h.sample("matchmaker_registrations_total", result="rejected") == 1
+    # Nor from a client, whose LAN address the host is given.
+    host = await h.host(pub(1), lan=Address("192.168.0.10", 27960))
+    client = h.connect(pub(1), 5555)
+    err = await error_of(client, Introduce(request_id=5, host=Address(pub(1), 27960), lan=lan))
+    assert (err.reason, err.request_id) == (ErrorReason.BAD_FIELD, 5)
+    assert h.sample("matchmaker_introductions_total", result="local") == 0
+    assert host.conn.inbox.empty()
+
+
+async def test_loopback_lan_addresses_only_for_hosts_on_loopback() -> None:
+    """A daemon that allows private hosts takes a loopback LAN address from a host it
+    sees at a loopback address: any client behind that address shares its machine."""
+    h = Harness(allow_private=True)
+    host = await h.host("127.0.0.1", 4000, lan=Address("127.0.0.1", 4000))
+    client = h.connect("127.0.0.1", 5555)
+    reply = await client.request(
+        Introduce(host=Address("127.0.0.1", 4000), lan=Address("127.0.0.1", 5555))
+    )
+    assert isinstance(reply, Introduction) and reply.peer_lan == Address("127.0.0.1", 4000)
+    to_host = await host.recv()
+    assert isinstance(to_host, Introduction) and to_host.peer_lan == Address("127.0.0.1", 5555)
+    err = await error_of(h.connect("10.0.0.8"), Register(host=info(lan=Address("127.0.0.1", 1))))
+    assert err.detail == "lan: not a private address (loopback)"
+
+
+async def test_a_stored_lan_address_that_is_not_private_is_never_handed_out() -> None:
+    """An entry written before LAN addresses were checked (a shared registry keeps
+    it): its LAN address goes neither to the client nor into the token."""
+    issuer = Issuer(generate_issuer_key())
+    h = Harness(issuer=issuer)
+    address = Address(pub(1), 27960)
+    await h.registry.upsert(
+        address, info(lan=Address("198.51.200.7", 27960), key=b"k" * 32), max_per_ip=16
+    )
+    client = h.connect(pub(1), 5555)  # behind the host's public IP
+    reply = await client.request(Introduce(host=address, client_key=b"c" * 32))
+    assert isinstance(reply, Introduction) and reply.peer_lan is None
+    assert reply.token is not None
+    assert decode_token(reply.token).addresses == ((pub(1), 27960),)
 
 
 async def test_introduction_to_unknown_or_hidden_host() -> None:

@@ -19,7 +19,7 @@ from matchmaker.keys import key_file_text, parse_key, read_key_file, read_public
 from matchmaker.messages import Introduce, Introduction, ListPage, Register, Registered, Role
 from matchmaker.server import Matchmaker, build_issuer
 from matchmaker.settings import Settings, SettingsError
-from matchmaker.tickets import UntrustedIntroduction, check_introduction
+from matchmaker.tickets import Ticket, UntrustedIntroduction, check_introduction
 from rudp.tokens import (
     Issuer,
     TokenVerifier,
@@ -136,6 +136,95 @@ async def test_the_client_believes_only_what_the_pinned_key_signed() -> None:
         check_introduction(reply, [issuer.public_key], rudp.generate_key())
     with pytest.raises(UntrustedIntroduction, match="no connect token"):
         check_introduction(replace(reply, token=None), [issuer.public_key], handshake)
+
+
+def _ticket(issuer: Issuer, peer_lan: Address | None) -> Ticket:
+    """A genuine ticket for the host at HOST_ADDRESS, whose LAN address is `peer_lan`
+    (the token names both)."""
+    handshake = rudp.generate_key()
+    addresses = [(HOST_ADDRESS.ip, HOST_ADDRESS.port)]
+    if peer_lan is not None:
+        addresses.append((peer_lan.ip, peer_lan.port))
+    token = issuer.issue(
+        client_key=rudp.public_key(handshake),
+        host_key=HOST_KEY,
+        addresses=addresses,
+        client_id=1,
+        now=WALL_CLOCK,
+    )
+    intro = Introduction(
+        role=Role.CLIENT,
+        peer=HOST_ADDRESS,
+        peer_lan=peer_lan,
+        nonce=b"n" * 16,
+        peer_key=HOST_KEY,
+        token=token,
+    )
+    return check_introduction(intro, [issuer.public_key], handshake)
+
+
+@pytest.mark.parametrize(
+    "lan",
+    [
+        Address("198.51.200.7", 27960),  # a third party on the Internet
+        Address("127.0.0.99", 27960),  # the client's own machine, not the host's
+        Address("224.0.0.1", 27960),
+    ],
+)
+def test_the_client_never_connects_to_a_lan_address_that_is_not_private(lan: Address) -> None:
+    ticket = _ticket(Issuer(generate_issuer_key()), lan)
+    assert ticket.address == HOST_ADDRESS and ticket.addresses == (HOST_ADDRESS,)
+
+
+def test_the_client_tries_a_private_lan_address_first() -> None:
+    lan = Address("192.168.1.5", 27960)
+    ticket = _ticket(Issuer(generate_issuer_key()), lan)
+    assert ticket.address == lan and ticket.addresses == (lan, HOST_ADDRESS)
+
+
+class _Endpoint:
+    """Where `Ticket.connect` connects: records each attempt; `answers` says what
+    each address does (an exception to raise, None: never answers, else returned)."""
+
+    def __init__(self, answers: dict[Address, object]) -> None:
+        self.answers = answers
+        self.tried: list[Address] = []
+
+    async def connect(self, ip: str, port: int, **_: object) -> object:
+        self.tried.append(Address(ip, port))
+        answer = self.answers[Address(ip, port)]
+        if isinstance(answer, BaseException):
+            raise answer
+        if answer is None:
+            await asyncio.Event().wait()
+        return answer
+
+
+LAN = Address("192.168.1.5", 27960)
+
+
+@pytest.mark.parametrize(
+    "lan_answer",
+    [
+        rudp.ConnectTimeout(address=(LAN.ip, LAN.port), timeout=5.0),
+        rudp.ConnectRefused("another server key"),  # someone else at that LAN address
+        None,  # nothing there: given up after lan_timeout
+    ],
+)
+async def test_a_join_falls_back_to_the_public_address(lan_answer: object) -> None:
+    ticket = _ticket(Issuer(generate_issuer_key()), LAN)
+    joined = object()
+    endpoint = _Endpoint({LAN: lan_answer, HOST_ADDRESS: joined})
+    conn = await ticket.connect(endpoint, lan_timeout=0.01)  # type: ignore[arg-type]
+    assert conn is joined and endpoint.tried == [LAN, HOST_ADDRESS]
+    # The public address's failure is the one raised.
+    endpoint = _Endpoint({LAN: lan_answer, HOST_ADDRESS: rudp.ConnectRefused("server full")})
+    with pytest.raises(rudp.ConnectRefused, match="server full"):
+        await ticket.connect(endpoint, lan_timeout=0.01)  # type: ignore[arg-type]
+    # A LAN address that answers is the one joined.
+    endpoint = _Endpoint({LAN: joined, HOST_ADDRESS: AssertionError("not reached")})
+    assert await ticket.connect(endpoint) is joined  # type: ignore[arg-type]
+    assert endpoint.tried == [LAN]
 
 
 async def test_ticket_needs_a_pinned_key() -> None:
