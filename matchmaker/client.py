@@ -204,22 +204,29 @@ class ServerList(list[HostEntry]):
     An answer is a random sample of at most `limit` matching hosts (the request's
     ``limit``, 1,000 by default; the matchmaker refuses one above its ``--list-limit``).
     At the limit there may be more: a narrower filter or a higher limit shows them.
+    So may there be when the matchmaker stopped looking first (`partial`: a filter
+    few hosts pass, such as a rare name, examined as many hosts as one request may).
     """
 
     limit: int
     """The most hosts this answer could hold."""
+    partial: bool
+    """The matchmaker stopped looking before it had `limit` hosts or every match."""
 
-    def __init__(self, hosts: Iterable[HostEntry], *, limit: int) -> None:
+    def __init__(self, hosts: Iterable[HostEntry], *, limit: int, partial: bool = False) -> None:
         super().__init__(hosts)
         self.limit = limit
+        self.partial = partial
 
     @property
     def limit_reached(self) -> bool:
-        """True when the answer holds `limit` hosts: it may have left some out."""
-        return len(self) >= self.limit
+        """True when the answer holds `limit` hosts or is `partial`: it may have left
+        some out."""
+        return self.partial or len(self) >= self.limit
 
     def __repr__(self) -> str:
-        return f"ServerList({list.__repr__(self)}, limit={self.limit})"
+        more = ", partial=True" if self.partial else ""
+        return f"ServerList({list.__repr__(self)}, limit={self.limit}{more})"
 
 
 @dataclass(slots=True)
@@ -839,7 +846,8 @@ class MatchmakerClient:
     async def list_servers(self, *, game: str, **filters: Any) -> ServerList:
         """Hosts of `game` matching the filters (see ListFilter), in the matchmaker's
         fair random order: a `ServerList`, whose ``limit_reached`` says the answer
-        was cut at ``limit`` hosts (1,000 unless the filters say otherwise)."""
+        was cut at ``limit`` hosts (1,000 unless the filters say otherwise) or is
+        partial (``ServerList.partial``)."""
         for key in ("tags_all", "tags_any"):
             if key in filters:
                 filters[key] = str_tuple(filters[key], key)
@@ -859,7 +867,8 @@ class MatchmakerClient:
         finally:
             self._lists.pop(rid, None)
         hosts = (entry for page in pages for entry in page.hosts)
-        return ServerList(hosts, limit=request.filter.limit)
+        partial = any(page.partial for page in pages)
+        return ServerList(hosts, limit=request.filter.limit, partial=partial)
 
     async def introduce(
         self, host: Address | tuple[str, int], *, lan: tuple[str, int] | None = None

@@ -15,7 +15,8 @@ Endpoints
                booleans as 1/0/true/false), validated by the same code as the
                wire protocol; rate limited per source like list requests.
                ``{"total", "limit", "limit_reached", "servers"}``:
-               ``limit_reached`` says the answer was cut at ``limit`` hosts.
+               ``limit_reached`` says the answer was cut at ``limit`` hosts, or
+               is partial (``"partial": true``: the bounded search stopped first).
 
 Why not a framework: this is four read-only endpoints, and a dependency for
 them would be most of the daemon's attack surface.  The server here reads one
@@ -42,7 +43,7 @@ import contextlib
 import json
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
@@ -115,6 +116,18 @@ class BadRequest(Exception):
 
 T = TypeVar("T")
 ListServers = Callable[[ListRequest], Awaitable[list[dict[str, Any]]]]
+"""The JSON entries answering a list request; a `Servers` says whether it is partial."""
+
+
+class Servers(list[dict[str, Any]]):
+    """A list answer's JSON entries, and whether the matchmaker stopped looking before
+    it had ``limit`` hosts or every match (`listing.scan_budget`)."""
+
+    def __init__(self, entries: Iterable[dict[str, Any]], *, partial: bool = False) -> None:
+        super().__init__(entries)
+        self.partial = partial
+
+
 Exposition = Callable[[], Awaitable[bytes]]
 """The /metrics body: by default this process's registry; with several workers, every
 worker's series with a ``worker`` label (`matchmaker.workers`)."""
@@ -219,9 +232,17 @@ class HttpApi:
     async def _servers_answer(self, f: ListFilter) -> Response:
         servers = await self._list_servers(ListRequest(filter=f))
         # The answer is a random sample of at most `limit` matches: at the limit, there
-        # may be more (a narrower filter, or a higher --list-limit, would show them).
+        # may be more (a narrower filter, or a higher --list-limit, would show them),
+        # and so may there be when the search stopped first (partial).
         limit = min(f.limit, self._limits.list_limit)
-        body = {"total": len(servers), "limit": limit, "limit_reached": len(servers) >= limit}
+        partial = isinstance(servers, Servers) and servers.partial
+        body: dict[str, Any] = {
+            "total": len(servers),
+            "limit": limit,
+            "limit_reached": partial or len(servers) >= limit,
+        }
+        if partial:
+            body["partial"] = True
         return Response.json(200, body | {"servers": servers})
 
 

@@ -24,19 +24,28 @@ of hosts per game and per `IndexKey` (`index_keys`: version, map, region, each
 tag, "not full", "not empty"), starts from the shortest array the filter
 requires (`filter_keys`), and draws random positions in it until `limit`
 hosts pass the rest of the filter (`sample_matching`).  A 1,000-host answer
-then costs about 1,000 checks whatever the registry's size; only a filter that
-few hosts of its shortest array pass (a name substring, say) falls back to a
-pass over that array.
+then costs about 1,000 checks whatever the registry's size.  A `tags_any`
+filter may be served from the arrays of its tags instead (`any_parts`: each
+host once, from the array of the first of its tags the filter names), when they
+hold fewer hosts.
+
+No request examines more than `scan_budget` hosts: a filter that few hosts of
+its arrays pass (a name substring, say) gets the matches a random draw of that
+many found, and the answer says it is partial (`Drawn.complete` False: a list's
+``limit_reached``), instead of a pass over every host of the game.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import random
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from matchmaker.addresses import Address, source_key
 from matchmaker.messages import HostInfo, ListFilter
@@ -53,10 +62,26 @@ class Listed(Protocol):
 
 T = TypeVar("T", bound=Listed)
 U = TypeVar("U")  # anything: registry rows too
+V = TypeVar("V")
+
+SCAN_MIN = 4096
+"""Hosts one list request may examine at least (`scan_budget`)."""
+SCAN_PER_HOST = 8
+"""...and per host it may answer with: a request for 1,000 hosts examines at most
+8,000, whatever its filter and the registry's size."""
+
+
+def scan_budget(limit: int) -> int:
+    """The most candidate hosts one list request for at most `limit` hosts examines.
+
+    An examined host that fails the filter costs a fraction of one that is sent
+    (its entry copied, paged and sent), so a request that uses its whole budget
+    costs about what a plain request for as many hosts does."""
+    return max(SCAN_MIN, SCAN_PER_HOST * limit)
 
 
 def matches(entry: Listed, f: ListFilter) -> bool:
-    """True when `entry` satisfies every filter in `f`."""
+    """True when `entry` satisfies every filter in `f` (`matcher` for many entries)."""
     h = entry.info
     # Cheapest and most selective tests first; each one can end the check.
     if h.game != f.game:
@@ -80,6 +105,42 @@ def matches(entry: Listed, f: ListFilter) -> bool:
     if f.tags_any and not any(t in h.tags for t in f.tags_any):
         return False
     return f.name is None or f.name.casefold() in h.name.casefold()
+
+
+def matcher(f: ListFilter) -> Callable[[Listed], bool]:
+    """`matches` against `f`, with what depends on `f` alone worked out once (the
+    name folded, the tags as sets), not once per entry checked."""
+    game, version, map_, region = f.game, f.version, f.map, f.region
+    not_full, not_empty, password, family = f.not_full, f.not_empty, f.password, f.family
+    tags_all = frozenset(f.tags_all)
+    tags_any = frozenset(f.tags_any)
+    name = None if f.name is None else f.name.casefold()
+
+    def test(entry: Listed) -> bool:
+        h = entry.info
+        if h.game != game:
+            return False
+        if version is not None and h.version != version:
+            return False
+        if map_ is not None and h.map != map_:
+            return False
+        if region is not None and h.region != region:
+            return False
+        if not_full and h.players >= h.max_players:
+            return False
+        if not_empty and h.players <= 0:
+            return False
+        if password is not None and h.password != password:
+            return False
+        if family is not None and entry.address.family != family:
+            return False
+        if tags_all and not tags_all.issubset(h.tags):
+            return False
+        if tags_any and tags_any.isdisjoint(h.tags):
+            return False
+        return name is None or name in h.name.casefold()
+
+    return test
 
 
 IndexKey = tuple[str, str]
@@ -134,6 +195,34 @@ def rest_of(f: ListFilter) -> ListFilter | None:
     return None if f == ListFilter(game=f.game, limit=f.limit) else f
 
 
+Part = tuple[Sequence[U], "ListFilter | None", frozenset[str]]
+"""Candidates from one index array: the array, the rest of the filter its hosts must
+still be checked for (None: nothing), and tags a host kept from it must not have
+(it is kept from the array of one of those: see `any_parts`)."""
+
+
+def any_parts(
+    f: ListFilter,
+    best: Sequence[U],
+    rest: ListFilter | None,
+    lookup: Callable[[IndexKey], Sequence[U] | None],
+) -> list[Part[U]]:
+    """Where to draw the candidates for `f` from: the shortest array its `filter_keys`
+    require (`best`, to be checked for `rest`), or, when they hold fewer hosts, the
+    arrays of the tags of `tags_any` (`lookup` gives the array of a key, None if no
+    host has it).  A host with several of those tags is in several arrays: it
+    counts in the array of the first of them that `f` names only, so every host
+    is a candidate once and a uniform draw stays uniform.  No array for any of
+    them: nothing can match."""
+    if not f.tags_any or not best:
+        return [(best, rest, frozenset())]
+    arrays = [(t, a) for t in dict.fromkeys(f.tags_any) if (a := lookup(("tag", t))) is not None]
+    if sum(len(a) for _, a in arrays) >= len(best):
+        return [(best, rest, frozenset())]
+    others = rest_of(dataclasses.replace(f, tags_any=()))
+    return [(a, others, frozenset(t for t, _ in arrays[:i])) for i, (_, a) in enumerate(arrays)]
+
+
 def select(entries: Iterable[T], f: ListFilter) -> list[T]:
     """The entries matching `f`, in input order, without `limit` applied."""
     return [e for e in entries if matches(e, f)]
@@ -148,31 +237,112 @@ def shuffled(entries: Sequence[U], rng: random.Random, limit: int | None = None)
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Drawn(Generic[U]):
+    """What `draw_matching` found."""
+
+    items: list[U]
+    """A uniform random sample of the kept items, in random order."""
+    complete: bool
+    """True when `items` holds `limit` items or every kept item: False when the
+    budget ran out first, and some kept items may have been left out."""
+    examined: int
+    """Items read and tested, at most (the budget, when one was given)."""
+
+
 def sample_matching(
     items: Sequence[U], keep: Callable[[U], bool], limit: int, rng: random.Random
 ) -> list[U]:
     """A uniform random sample of at most `limit` of the `items` that `keep` accepts,
     in random order: what ``shuffled([i for i in items if keep(i)], rng, limit)`` gives,
     at a cost proportional to `limit` over the share of items kept, not to ``len(items)``.
+    Without a budget: `draw_matching` says what a budget changes."""
+    return draw_matching([(items, keep)], limit, rng).items
+
+
+def draw_matching(
+    parts: Sequence[tuple[Sequence[U], Callable[[U], bool]]],
+    limit: int,
+    rng: random.Random,
+    budget: int | None = None,
+) -> Drawn[U]:
+    """`sample_matching` over several arrays, as if they were one (each with its own
+    `keep`), testing at most `budget` items (None: no bound).
 
     Random positions are drawn in batches, each a fresh uniform draw (with
     replacement; repeats dropped, which leaves a uniform draw without).  A batch
     holding at least `limit` kept items answers with its first `limit` of them:
     whether a batch answers depends only on how many it kept, so which of the
     kept items those are is uniform.  Otherwise a bigger batch is drawn (sized
-    from the share kept so far), and past half of `items` one full pass is cheaper.
+    from the share kept so far), and past half of the items one full pass is
+    cheaper.  When that pass would take the items tested past `budget`, the last
+    batch is as many positions as the budget still covers, and the batch that kept
+    the most answers: a uniform sample too, but maybe of fewer than `limit` while
+    more exist (``complete`` False).
     """
-    n = len(items)
+    if len(parts) == 1:
+        items, keep = parts[0]
+
+        def kept_items() -> Iterable[U]:
+            return filter(keep, items)
+
+        return _draw(len(items), items.__getitem__, keep, kept_items, limit, rng, budget)
+    starts = list(itertools.accumulate((len(a) for a, _ in parts), initial=0))
+    keeps = [k for _, k in parts]
+
+    def at(p: int) -> tuple[int, U]:
+        i = bisect.bisect_right(starts, p) - 1
+        return i, parts[i][0][p - starts[i]]
+
+    def kept(pair: tuple[int, U]) -> bool:
+        return keeps[pair[0]](pair[1])
+
+    def every() -> Iterable[tuple[int, U]]:
+        return ((i, x) for i, (a, k) in enumerate(parts) for x in a if k(x))
+
+    found = _draw(starts[-1], at, kept, every, limit, rng, budget)
+    return Drawn([x for _, x in found.items], found.complete, found.examined)
+
+
+def _draw(
+    n: int,
+    at: Callable[[int], V],
+    keep: Callable[[V], bool],
+    every: Callable[[], Iterable[V]],
+    limit: int,
+    rng: random.Random,
+    budget: int | None,
+) -> Drawn[V]:
+    cap = sys.maxsize if budget is None else budget
+    # Within the budget, a batch is drawn only if the pass after it still fits: a
+    # game of at most `budget` candidates always gets a complete answer.
+    whole = n <= cap
+    reserve = n if whole else 0
+    examined = 0
     want = limit + limit // 4 + 8  # first guess: nearly everything is kept
     draw = rng.random
-    while want <= n // 2:
+    best: list[V] = []
+    while want <= n // 2 and examined + want + reserve <= cap:
         positions = dict.fromkeys([int(draw() * n) for _ in range(want)])
-        got = list(itertools.islice(filter(keep, map(items.__getitem__, positions)), limit))
+        examined += len(positions)
+        got = list(itertools.islice(filter(keep, map(at, positions)), limit))
         if len(got) >= limit:
-            return got
+            return Drawn(got, True, examined)
+        if len(got) > len(best):
+            best = got
         share = max(len(got), 1) / want
         want = max(2 * want, int(limit / share * 1.25) + 8)
-    return shuffled([x for x in items if keep(x)], rng, limit)
+    if whole:
+        return Drawn(shuffled(list(every()), rng, limit), True, examined + n)
+    # A pass would cost more than the budget: a last batch of as many positions as
+    # it still covers (fewer than n, repeats dropped as above), then the batch that
+    # kept the most answers (chosen by its size alone, its items are as uniform a
+    # sample as any batch's).
+    positions = dict.fromkeys([int(draw() * n) for _ in range(cap - examined)])
+    got = list(itertools.islice(filter(keep, map(at, positions)), limit))
+    if len(best) > len(got):
+        got = best
+    return Drawn(got, len(got) >= limit, examined + len(positions))
 
 
 def _source(entry: Listed) -> str:

@@ -27,7 +27,7 @@ from matchmaker.addresses import Address
 from matchmaker.catalog import EVERY_GAME, every_game_list
 from matchmaker.gctuning import tune_gc
 from matchmaker.heartbeat import FIRST_BYTES
-from matchmaker.http import Exposition, HttpApi, HttpServer, entry_json
+from matchmaker.http import Exposition, HttpApi, HttpServer, Servers, entry_json
 from matchmaker.master import MasterProtocol, MasterResponder
 from matchmaker.messages import HostEntry, ListRequest, entry_fields
 from matchmaker.metrics import MASTER_RESULTS, Metrics
@@ -308,7 +308,8 @@ class Matchmaker:
             entries = [HostEntry(address=r.address, info=r.info) for page in records for r in page]
             return [entry_json(entry_fields(e)) for e in entries]
         pages = await self.service.build_pages(req)
-        return [entry_json(entry_fields(e)) for page in pages for e in page.hosts]
+        rows = (entry_json(entry_fields(e)) for page in pages for e in page.hosts)
+        return Servers(rows, partial=pages[0].partial)
 
     async def shutdown(self) -> None:
         """Stop serving, bounded by ``shutdown_timeout``; safe to call twice."""

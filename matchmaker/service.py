@@ -145,6 +145,7 @@ _LIST_ABANDONED: tuple[type[BaseException], ...] = (*TRANSPORT_ERRORS, asyncio.C
 # msgpack overhead of a page around its entries (envelope, seq, total, end).
 _STOPPING = "matchmaker shutting down: use another replica"
 _PAGE_OVERHEAD = 48
+_PARTIAL_BYTES = 9  # "partial": true, on the pages of a partial answer
 _TOO_BIG = "host: too large to list (shorter name, map, tags or info)"
 
 _Page = tuple[list[int], list[bytes]]
@@ -557,24 +558,27 @@ class MatchmakerService:
                 total=len(listing.entries),
                 end=i == len(pages) - 1,
                 hosts=tuple(HostEntry(address=r.address, info=r.info) for r in page),
+                partial=not listing.complete,
             )
             for i, page in enumerate(records)
         ]
 
-    async def _plan_list(self, req: ListRequest) -> tuple[int, list[_Page]]:
-        """(total, each page's hosts and their encoded entries): see `_plan`."""
+    async def _plan_list(self, req: ListRequest) -> tuple[int, list[_Page], bool]:
+        """(total, each page's hosts and their encoded entries, whether the answer is
+        partial): see `_plan`."""
         listing, pages = await self._plan(req)
-        return len(listing.entries), pages
+        return len(listing.entries), pages, not listing.complete
 
     async def _plan(self, req: ListRequest) -> tuple[Listing, list[_Page]]:
         """A random sample of the matching hosts (from the registry's index, without a
         pass over every host, nor a record per host sent), cut into per-IP pages,
-        then by encoded size."""
+        then by encoded size.  The registry examines a bounded number of hosts
+        (`listing.scan_budget`): the listing says when that left matches out."""
         limit = min(req.filter.limit, self._limits.list_limit)
         listing = await self.registry.sample_listing(req.filter, limit, self._rng)
         everything = listing.entries
         s = self.settings
-        budget = s.page_bytes - _PAGE_OVERHEAD
+        budget = s.page_bytes - _PAGE_OVERHEAD - (0 if listing.complete else _PARTIAL_BYTES)
         pages: list[_Page] = []
         for page in paginate_positions(listing.sources, s.page_hosts, s.page_per_ip):
             entries = [everything[i] for i in page]
@@ -613,7 +617,7 @@ class MatchmakerService:
 
     async def _send_list(self, session: _Session, window: _PageWindow, req: ListRequest) -> None:
         started = self._clock()
-        total, pages = await self._plan_list(req)
+        total, pages, partial = await self._plan_list(req)
         for seq, (_, entries) in enumerate(pages):
             data = encode_page(
                 request_id=req.request_id,
@@ -621,6 +625,7 @@ class MatchmakerService:
                 total=total,
                 end=seq == len(pages) - 1,
                 entries=entries,
+                partial=partial,
             )
             await window.slot(len(data))  # raises if the connection ended
             pending = self._send_bytes(session, data)

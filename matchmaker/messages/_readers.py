@@ -413,6 +413,7 @@ def _read_page(r: _Reader) -> ListPage:
         total=r.integer("total", 0, 2**31),
         end=r.boolean("end"),
         hosts=tuple(_read_entry(item, r) for item in raw),
+        partial=r.boolean("partial", default=False),
     )
 
 

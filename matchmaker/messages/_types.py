@@ -318,6 +318,10 @@ class ListPage:
     end: bool
     """Last page (the article's NOMOREHOSTS)."""
     hosts: tuple[HostEntry, ...]
+    partial: bool = False
+    """The matchmaker stopped looking before it had found ``limit`` hosts or every
+    match (each request examines a bounded number of hosts): more may match.  Sent
+    (``true``, on every page of the answer) only then."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -110,7 +110,13 @@ def encode_entry(e: HostEntry) -> bytes:
 
 
 def encode_page(
-    *, request_id: int = 0, seq: int, total: int, end: bool, entries: Sequence[bytes]
+    *,
+    request_id: int = 0,
+    seq: int,
+    total: int,
+    end: bool,
+    entries: Sequence[bytes],
+    partial: bool = False,
 ) -> bytes:
     """``encode(ListPage(...))`` from already encoded entries (`encode_entry`), byte
     for byte: the daemon encodes each host once, not once per list request."""
@@ -118,6 +124,8 @@ def encode_page(
     if request_id:
         head["id"] = request_id
     head |= {"seq": seq, "total": total, "end": end}
+    if partial:
+        head["partial"] = True
     packer = msgpack.Packer(use_bin_type=True)
     parts = [packer.pack_map_header(len(head) + 1)]
     for key, value in head.items():
@@ -139,7 +147,10 @@ def _fields(msg: Message) -> dict[str, object]:
             return _filter_fields(msg.filter)
         case ListPage():
             hosts = [wire_entry_fields(e) for e in msg.hosts]
-            return {"seq": msg.seq, "total": msg.total, "end": msg.end, "hosts": hosts}
+            page: dict[str, object] = {"seq": msg.seq, "total": msg.total, "end": msg.end}
+            if msg.partial:
+                page["partial"] = True
+            return page | {"hosts": hosts}
         case InfoReply():
             return {"software": msg.software, "hosts": msg.hosts, "keepalive": msg.keepalive}
         case Introduce():

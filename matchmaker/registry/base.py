@@ -20,7 +20,8 @@ per filterable field, see `listing.index_keys`).  The Redis registry keeps its
 index current from a change stream; the memory one *is* its index.  A list
 answer (`Registry.sample`) starts from the shortest array its filter requires
 and draws random positions in it, so its cost follows the size of the answer,
-not the number of hosts.
+not the number of hosts; it examines at most `listing.scan_budget` hosts
+whatever the filter, and says when that left matches out (`Listing.complete`).
 
 Two feeds leave a registry:
 
@@ -46,7 +47,18 @@ from typing import Protocol
 
 from matchmaker.addresses import Address, source_key
 from matchmaker.interning import share
-from matchmaker.listing import IndexKey, filter_keys, index_keys, matches, rest_of, sample_matching
+from matchmaker.listing import (
+    Drawn,
+    IndexKey,
+    Part,
+    any_parts,
+    draw_matching,
+    filter_keys,
+    index_keys,
+    matcher,
+    rest_of,
+    scan_budget,
+)
 from matchmaker.messages import HostEntry, HostInfo, ListFilter, encode_entry
 
 
@@ -232,6 +244,10 @@ class Listing:
     entries: list[bytes]
     sources: list[str]
     record: Callable[[int], HostRecord]
+    complete: bool = True
+    """False when the registry stopped looking before it had `limit` hosts or every
+    match (`listing.scan_budget`): more hosts may match.  A list says so
+    (``limit_reached``) as it does for an answer cut at its limit."""
 
 
 def new_token() -> str:
@@ -418,10 +434,37 @@ class LocalIndex:
                 best, rest = array.items, narrowed
         return best, rest
 
+    def candidate_parts(self, f: ListFilter) -> list[Part[HostRecord]]:
+        """`candidates`, or the arrays of `f`'s `tags_any` when they are shorter
+        (`listing.any_parts`)."""
+        best, rest = self.candidates(f)
+        game = self._by_game.get(f.game)
+        keys = {} if game is None else game.keys
+        return any_parts(f, best, rest, lambda k: None if (a := keys.get(k)) is None else a.items)
+
     def clear(self) -> None:
         self._records.clear()
         self._by_game.clear()
         self._by_source.clear()
+
+
+def _keep(
+    index: LocalIndex, now: float, hide: float, rest: ListFilter | None, excluded: frozenset[str]
+) -> Callable[[HostRecord], bool]:
+    """The test of a candidate: current in `index`, visible, matching `rest`, and
+    none of the `excluded` tags (see `listing.any_parts`)."""
+    # The arrays may hold ghosts (LocalIndex): records whose home is not the index.
+    if rest is None and not excluded:
+        return lambda r: now - r.last_seen <= hide and r.home is index
+    test = (lambda r: True) if rest is None else matcher(rest)
+    if not excluded:
+        return lambda r: now - r.last_seen <= hide and r.home is index and test(r)
+    return lambda r: (
+        now - r.last_seen <= hide
+        and r.home is index
+        and excluded.isdisjoint(r.info.tags)
+        and test(r)
+    )
 
 
 class Index(Protocol):
@@ -571,47 +614,56 @@ class Registry(abc.ABC):
         """The silence after which `is_visible` is False at `now` (for checks in bulk)."""
         return self.hide_after
 
-    def _keeps(self, f: ListFilter) -> tuple[Sequence[HostRecord], Callable[[HostRecord], bool]]:
-        """The candidates for `f`, and the test each must pass (one call per record)."""
+    def _parts(
+        self, f: ListFilter
+    ) -> list[tuple[Sequence[HostRecord], Callable[[HostRecord], bool]]]:
+        """The arrays the candidates for `f` are in, each with the test its records
+        must pass (one call per record)."""
         index = self.index()
         # A registry keeping another kind of index overrides query and sample.
         assert isinstance(index, LocalIndex)
-        candidates, rest = index.candidates(f)
         now = self.now()
         hide = self.hidden_after(now)
-        # The arrays may hold ghosts (LocalIndex): records whose home is not the index.
-        if rest is None:
-            return candidates, lambda r: now - r.last_seen <= hide and r.home is index
-        return (
-            candidates,
-            lambda r: now - r.last_seen <= hide and r.home is index and matches(r, rest),
-        )
+        out: list[tuple[Sequence[HostRecord], Callable[[HostRecord], bool]]] = []
+        for candidates, rest, excluded in index.candidate_parts(f):
+            out.append((candidates, _keep(index, now, hide, rest, excluded)))
+        return out
 
     async def query(self, f: ListFilter) -> list[HostRecord]:
         """Visible records of `f.game` matching `f` (unordered, `limit` not applied)."""
-        candidates, keep = self._keeps(f)
-        return [r for r in candidates if keep(r)]
+        return [r for candidates, keep in self._parts(f) for r in candidates if keep(r)]
 
     async def sample(self, f: ListFilter, limit: int, rng: random.Random) -> list[HostRecord]:
         """At most `limit` visible records matching `f`: a uniform random sample, in
-        random order (the fair order of `listing.shuffled`), without a pass over them all."""
-        candidates, keep = self._keeps(f)
-        return sample_matching(candidates, keep, limit, rng)
+        random order (the fair order of `listing.shuffled`), without a pass over them all
+        (`draw` says whether it left matches out)."""
+        return (await self.draw(f, limit, rng)).items
+
+    async def draw(self, f: ListFilter, limit: int, rng: random.Random) -> Drawn[HostRecord]:
+        """`sample`, examining at most `listing.scan_budget` candidates: ``complete``
+        False when that left matches out."""
+        return draw_matching(self._parts(f), limit, rng, scan_budget(limit))
 
     async def sample_listing(self, f: ListFilter, limit: int, rng: random.Random) -> Listing:
-        """`sample`, as a list sends it: each host's entry (encoded now if it has none)
+        """`draw`, as a list sends it: each host's entry (encoded now if it has none)
         and source.  The memory registry reads them from its rows instead."""
-        chosen = await self.sample(f, limit, rng)
+        drawn = await self.draw(f, limit, rng)
+        chosen = drawn.items
         for r in chosen:
             if not r.entry:
                 list_entry(r)
-        return Listing([r.entry for r in chosen], [r.source for r in chosen], chosen.__getitem__)
+        return Listing(
+            [r.entry for r in chosen],
+            [r.source for r in chosen],
+            chosen.__getitem__,
+            drawn.complete,
+        )
 
     def visible(self, f: ListFilter) -> list[HostRecord]:
         """Visible records of `f.game` matching `f`, in index order, `limit` not
         applied: a pass over every host of the game (the master protocols' lists)."""
-        now = self.now()
-        return [r for r in self.index().game(f.game) if self.is_visible(r, now) and matches(r, f)]
+        now, test = self.now(), matcher(f)
+        return [r for r in self.index().game(f.game) if self.is_visible(r, now) and test(r)]
 
     def game_names(self) -> list[str]:
         """The games with hosts in the index (some may have none visible)."""

@@ -57,7 +57,17 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 from matchmaker.addresses import Address, source_key
-from matchmaker.listing import IndexKey, filter_keys, index_keys_of, rest_of, sample_matching
+from matchmaker.listing import (
+    Drawn,
+    IndexKey,
+    Part,
+    any_parts,
+    draw_matching,
+    filter_keys,
+    index_keys_of,
+    rest_of,
+    scan_budget,
+)
 from matchmaker.messages import HostEntry, HostInfo, ListFilter, encode_entry
 from matchmaker.registry.base import (
     COMPACT_MIN,
@@ -140,30 +150,67 @@ def _info(row: Row, players: int) -> HostInfo:
     )
 
 
-def _row_matches(row: Row, players: int, f: ListFilter) -> bool:
-    """`listing.matches` on a row (the same tests, in the same order)."""
-    if row[_GAME] != f.game:
-        return False
-    if f.version is not None and row[_VERSION] != f.version:
-        return False
-    if f.map is not None and row[_MAP] != f.map:
-        return False
-    if f.region is not None and row[_REGION] != f.region:
-        return False
-    if f.not_full and players >= row[_MAX_PLAYERS]:
-        return False
-    if f.not_empty and players <= 0:
-        return False
-    if f.password is not None and row[_PASSWORD] != f.password:
-        return False
-    if f.family is not None and (6 if ":" in row[_IP] else 4) != f.family:
-        return False
-    tags = row[_TAGS]
-    if f.tags_all and not all(t in tags for t in f.tags_all):
-        return False
-    if f.tags_any and not any(t in tags for t in f.tags_any):
-        return False
-    return f.name is None or f.name.casefold() in row[_NAME].casefold()
+def _row_matcher(
+    f: ListFilter, excluded: frozenset[str] = frozenset()
+) -> Callable[[Row, int], bool]:
+    """`listing.matcher` on a row and its player count (the same tests, in the same
+    order), and rows with any of the `excluded` tags refused (`listing.any_parts`)."""
+    game, version, map_, region = f.game, f.version, f.map, f.region
+    not_full, not_empty, password, family = f.not_full, f.not_empty, f.password, f.family
+    tags_all = frozenset(f.tags_all)
+    tags_any = frozenset(f.tags_any)
+    name = None if f.name is None else f.name.casefold()
+
+    def test(row: Row, players: int) -> bool:
+        if row[_GAME] != game:
+            return False
+        if version is not None and row[_VERSION] != version:
+            return False
+        if map_ is not None and row[_MAP] != map_:
+            return False
+        if region is not None and row[_REGION] != region:
+            return False
+        if not_full and players >= row[_MAX_PLAYERS]:
+            return False
+        if not_empty and players <= 0:
+            return False
+        if password is not None and row[_PASSWORD] != password:
+            return False
+        if family is not None and (6 if ":" in row[_IP] else 4) != family:
+            return False
+        tags = row[_TAGS]
+        if excluded and not excluded.isdisjoint(tags):
+            return False
+        if tags_all and not tags_all.issubset(tags):
+            return False
+        if tags_any and tags_any.isdisjoint(tags):
+            return False
+        return name is None or name in row[_NAME].casefold()
+
+    return test
+
+
+def _without_players(
+    test: Callable[[Row, int], bool],
+    rows: list[Row | None],
+    seen: array[float],
+    now: float,
+    hide: float,
+) -> Callable[[int], bool]:
+    """A slot's test: visible, and its row passes `test` (which reads no player count)."""
+    return lambda s: now - seen[s] <= hide and test(rows[s], 0)  # type: ignore[arg-type]
+
+
+def _with_players(
+    test: Callable[[Row, int], bool],
+    rows: list[Row | None],
+    seen: array[float],
+    players: array[int],
+    now: float,
+    hide: float,
+) -> Callable[[int], bool]:
+    """A slot's test: visible, and its row passes `test` with its player count."""
+    return lambda s: now - seen[s] <= hide and test(rows[s], players[s])  # type: ignore[arg-type]
 
 
 class StoredRecord(HostRecord):
@@ -560,6 +607,14 @@ class RowIndex:
                 best, rest = keyed.items, narrowed
         return best, rest
 
+    def candidate_parts(self, f: ListFilter) -> list[Part[int]]:
+        """`candidates`, or the arrays of `f`'s `tags_any` when they are shorter
+        (`listing.any_parts`)."""
+        best, rest = self.candidates(f)
+        game = self._by_game.get(f.game)
+        keys = {} if game is None else game.keys
+        return any_parts(f, best, rest, lambda k: None if (a := keys.get(k)) is None else a.items)
+
     def clear(self) -> None:
         self._by_address.clear()
         self._rows.clear()
@@ -658,64 +713,70 @@ class MemoryRegistry(Registry):
 
     # -- reads: straight from the rows
 
-    def _slot_test(self, f: ListFilter) -> tuple[Sequence[int], Callable[[int], bool]]:
+    def _slot_tests(self, f: ListFilter) -> list[tuple[Sequence[int], Callable[[int], bool]]]:
+        """The arrays of slots the candidates for `f` are in, each with the test its
+        slots must pass."""
         index = self._index
-        candidates, rest = index.candidates(f)
         now = self.now()
         # A ghost's slot was seen _NEVER, which fails the visibility test first: no
         # look at the row (an infinite hide_after is capped for that).
         hide = min(self.hidden_after(now), sys.float_info.max)
         rows, seen, players = index._rows, index._seen, index._players
-        if rest is None:
-            return candidates, lambda s: now - seen[s] <= hide
-        if not (rest.not_full or rest.not_empty):  # the player count is not read
-            return (
-                candidates,
-                lambda s: (
-                    now - seen[s] <= hide and _row_matches(rows[s], 0, rest)  # type: ignore[arg-type]
-                ),
-            )
-        return (
-            candidates,
-            lambda s: (
-                now - seen[s] <= hide and _row_matches(rows[s], players[s], rest)  # type: ignore[arg-type]
-            ),
-        )
+        out: list[tuple[Sequence[int], Callable[[int], bool]]] = []
+        for candidates, rest, excluded in index.candidate_parts(f):
+            if rest is None and not excluded:
+                out.append((candidates, lambda s: now - seen[s] <= hide))
+                continue
+            test = _row_matcher(rest or ListFilter(game=f.game), excluded)
+            if rest is None or not (rest.not_full or rest.not_empty):
+                out.append((candidates, _without_players(test, rows, seen, now, hide)))
+            else:
+                out.append((candidates, _with_players(test, rows, seen, players, now, hide)))
+        return out
 
     async def query(self, f: ListFilter) -> list[HostRecord]:
-        candidates, keep = self._slot_test(f)
-        index = self._index
-        return [StoredRecord(index, index._rows[s]) for s in candidates if keep(s)]  # type: ignore[arg-type]
-
-    async def sample(self, f: ListFilter, limit: int, rng: random.Random) -> list[HostRecord]:
-        candidates, keep = self._slot_test(f)
         index = self._index
         rows = index._rows
-        chosen = sample_matching(candidates, keep, limit, rng)
-        return [StoredRecord(index, rows[s]) for s in chosen]  # type: ignore[arg-type]
+        return [
+            StoredRecord(index, rows[s])  # type: ignore[arg-type]
+            for candidates, keep in self._slot_tests(f)
+            for s in candidates
+            if keep(s)
+        ]
+
+    def _draw(self, f: ListFilter, limit: int, rng: random.Random) -> Drawn[int]:
+        return draw_matching(self._slot_tests(f), limit, rng, scan_budget(limit))
+
+    async def draw(self, f: ListFilter, limit: int, rng: random.Random) -> Drawn[HostRecord]:
+        drawn = self._draw(f, limit, rng)
+        index = self._index
+        rows = index._rows
+        chosen: list[HostRecord] = [StoredRecord(index, rows[s]) for s in drawn.items]  # type: ignore[arg-type]
+        return Drawn(chosen, drawn.complete, drawn.examined)
 
     async def sample_listing(self, f: ListFilter, limit: int, rng: random.Random) -> Listing:
-        """`sample` read straight from the rows: each host's entry and source, and a
+        """`draw` read straight from the rows: each host's entry and source, and a
         record made only for a caller that asks for one."""
-        candidates, keep = self._slot_test(f)
+        drawn = self._draw(f, limit, rng)
         index = self._index
         rows, sources = index._rows, index._sources
-        chosen = sample_matching(candidates, keep, limit, rng)
+        chosen = drawn.items
         return Listing(
             index.entries(chosen),
             [sources[s] for s in chosen],
             # Called before the next await (nothing has left the index since).
             lambda i: StoredRecord(index, rows[chosen[i]]),  # type: ignore[arg-type]
+            drawn.complete,
         )
 
     def visible(self, f: ListFilter) -> list[HostRecord]:
         index = self._index
         now, hide, seen = self.now(), self.hidden_after(self.now()), index._seen
-        players, view = index._players, index.view
+        players, view, test = index._players, index.view, _row_matcher(f)
         return [
             view(r)
             for r in index.game_rows(f.game)
-            if now - seen[s := r[_SLOT]] <= hide and _row_matches(r, players[s], f)
+            if now - seen[s := r[_SLOT]] <= hide and test(r, players[s])
         ]
 
     def game_names(self) -> list[str]:

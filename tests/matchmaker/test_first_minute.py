@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 import rudp
+from matchmaker import listing
+from matchmaker.addresses import Address
 from matchmaker.client import MatchmakerClient
 from matchmaker.messages import HostInfo, HostUpdate, ListFilter, str_tuple
 from matchmaker.server import Matchmaker
@@ -272,6 +274,37 @@ async def test_servers_says_when_the_answer_reached_its_limit(daemon: Matchmaker
         for game, mm in hosts:
             await mm.close()
             await game.close()
+
+
+async def test_a_list_that_stopped_looking_says_so(
+    daemon: Matchmaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A request examines at most scan_budget(limit) hosts; here 16 (of 40), and 5
+    # hosts match: an answer for at most 10 that examined 16 may have left some out.
+    monkeypatch.setattr(listing, "SCAN_MIN", 16)
+    monkeypatch.setattr(listing, "SCAN_PER_HOST", 1)
+    for i in range(40):
+        name = f"match {i}" if i % 8 == 0 else f"other {i}"
+        info = HostInfo(**(HOST | {"name": name}))
+        await daemon.registry.upsert(Address(f"198.51.100.{i + 1}", 27960), info, max_per_ip=9)
+    partial = await http_get(daemon.http_address, "/servers?game=q3&name=MATCH&limit=10")
+    assert partial["total"] <= 5 and partial["limit"] == 10
+    assert partial["limit_reached"] is True and partial["partial"] is True
+    assert all(s["name"].startswith("match") for s in partial["servers"])
+    # Few enough candidates for a pass (a budget of 40): every match, and no flag.
+    whole = await http_get(daemon.http_address, "/servers?game=q3&name=MATCH&limit=40")
+    assert whole["total"] == 5 and whole["limit_reached"] is False and "partial" not in whole
+    game, _ = await accepting_endpoint()
+    lister = MatchmakerClient.to(*daemon.udp_address, via=game)
+    try:
+        cut = await lister.list_servers(game="q3", name="match", limit=10)
+        assert len(cut) <= 5 and cut.partial is True and cut.limit_reached is True
+        assert "partial=True" in repr(cut)
+        full = await lister.list_servers(game="q3", name="match", limit=40)
+        assert len(full) == 5 and full.partial is False and full.limit_reached is False
+    finally:
+        await lister.close()
+        await game.close()
 
 
 # -- the examples and the Makefile ----------------------------------------------------------

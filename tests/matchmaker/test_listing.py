@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import matchmaker.listing as listing
 from matchmaker.addresses import Address, source_key
 from matchmaker.listing import (
     filter_keys,
@@ -247,6 +248,82 @@ def test_sample_matching_properties(n: int, every: int, limit: int, seed: int) -
     kept = len(range(0, n, every))
     assert len(got) == min(limit, kept) == len(set(got))
     assert all(x % every == 0 for x in got)
+
+
+def test_a_draw_tests_at_most_its_budget_and_says_when_it_left_matches_out() -> None:
+    rng = random.Random(5)
+    items = list(range(100_000))
+    rare = CountingKeep(lambda x: x % 1000 == 0)  # 100 kept
+    found = listing.draw_matching([(items, rare)], 50, rng, 5000)
+    assert rare.calls <= 5000 and found.examined <= 5000
+    assert not found.complete and len(found.items) < 50
+    assert all(x % 1000 == 0 for x in found.items) and len(set(found.items)) == len(found.items)
+    # None kept: the budget, not a pass over the 100,000.
+    nothing = CountingKeep(lambda x: False)
+    found = listing.draw_matching([(items, nothing)], 1, rng, 4096)
+    assert (found.items, found.complete) == ([], False) and nothing.calls <= 4096
+    # Enough kept within the budget, or few enough items for a pass: complete.
+    common = CountingKeep(lambda x: x % 2 == 0)
+    found = listing.draw_matching([(items, common)], 100, rng, 5000)
+    assert found.complete and len(found.items) == 100 and common.calls <= 5000
+    small = list(range(4000))
+    rare = CountingKeep(lambda x: x % 1000 == 0)
+    found = listing.draw_matching([(small, rare)], 50, rng, 4096)
+    assert found.complete and sorted(found.items) == [0, 1000, 2000, 3000]
+    assert rare.calls <= 4096
+
+
+def test_a_request_may_examine_a_small_multiple_of_its_limit() -> None:
+    assert listing.scan_budget(1) == listing.SCAN_MIN
+    assert listing.scan_budget(1000) == 1000 * listing.SCAN_PER_HOST
+    assert listing.scan_budget(10_000) <= 100_000
+
+
+def test_a_partial_draw_is_uniform_too() -> None:
+    # 100 kept of 200, at most 50 positions drawn (~44 of them distinct): each kept
+    # item found ~22 % of the time.
+    rng = random.Random(8)
+    items = list(range(200))
+    found: Counter[int] = Counter()
+    for _ in range(2000):
+        drawn = listing.draw_matching([(items, lambda x: x % 2 == 0)], 1000, rng, 50)
+        assert not drawn.complete and len(drawn.items) <= 50
+        found.update(drawn.items)
+    assert set(found) == set(range(0, 200, 2))
+    assert all(350 < c < 530 for c in found.values()), found
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.integers(0, 400), min_size=1, max_size=4),
+    st.integers(1, 7),
+    st.integers(0, 300),
+    st.one_of(st.none(), st.integers(0, 600)),
+    st.integers(0, 2**32),
+)
+def test_draw_matching_over_several_arrays_properties(
+    sizes: list[int], every: int, limit: int, budget: int | None, seed: int
+) -> None:
+    # Several arrays drawn as one, each with its own test; within the budget (or
+    # without one) the answer is exact, and it never tests more than the budget.
+    parts: list[tuple[list[int], CountingKeep]] = []
+    kept: set[int] = set()
+    start = 0
+    for k, n in enumerate(sizes):
+        items = list(range(start, start + n))
+        parts.append((items, CountingKeep(lambda x, k=k: x % every == k % every)))
+        kept |= {x for x in items if x % every == k % every}
+        start += n
+    drawn = listing.draw_matching(parts, limit, random.Random(seed), budget)
+    calls = sum(keep.calls for _, keep in parts)
+    assert set(drawn.items) <= kept and len(set(drawn.items)) == len(drawn.items)
+    assert len(drawn.items) <= limit
+    if budget is not None:
+        assert calls <= budget and drawn.examined <= budget
+    if budget is None or start <= budget:
+        assert drawn.complete
+    if drawn.complete:
+        assert len(drawn.items) == min(limit, len(kept))
 
 
 def test_paginate_takes_the_source_from_the_caller() -> None:

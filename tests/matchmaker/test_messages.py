@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -428,6 +429,24 @@ def test_encode_page_from_encoded_entries_matches_encode(request_id: int) -> Non
             entries=[encode_entry(e) for e in hosts],
         )
         assert data == encode(page)
+
+
+def test_a_partial_answer_says_so_on_its_pages_and_only_then() -> None:
+    entries = (HostEntry(address=A, info=BARE),)
+    page = ListPage(request_id=3, seq=0, total=1, end=True, hosts=entries, partial=True)
+    data = encode_page(
+        request_id=3,
+        seq=0,
+        total=1,
+        end=True,
+        entries=[encode_entry(e) for e in entries],
+        partial=True,
+    )
+    assert data == encode(page) and decode(data) == page
+    assert msgpack.unpackb(data)["partial"] is True
+    whole = replace(page, partial=False)
+    assert "partial" not in msgpack.unpackb(encode(whole))  # as before: nothing added
+    assert decode(encode(whole)) == whole
 
 
 def test_page_seq_is_not_capped_by_the_readers_list_limit() -> None:

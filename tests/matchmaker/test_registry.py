@@ -9,12 +9,13 @@ import gc
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from matchmaker.addresses import Address, source_key
 from matchmaker.listing import matches
-from matchmaker.messages import HostEntry, ListFilter, encode_entry
+from matchmaker.messages import HostEntry, HostInfo, ListFilter, encode_entry
 from matchmaker.registry import (
     ChangeKind,
     FeedOverflow,
@@ -504,3 +505,175 @@ async def test_one_expiry_sweep_reads_a_slice_of_a_large_registry_and_all_within
     for _ in range(SWEEP_ROUNDS - 1):
         removed += len(await reg.expire())
     assert removed == n and len(reg.index()) == 0
+
+
+# -- a list examines a bounded number of hosts, whatever its filter
+
+
+class _Counted(Sequence[object]):
+    """An index array that counts the candidates read from it."""
+
+    def __init__(self, items: Sequence[object], counter: list[int]) -> None:
+        self.items = items
+        self.counter = counter
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> object:  # type: ignore[override]
+        self.counter[0] += 1
+        return self.items[i]
+
+
+class _CountedSeen:
+    """The memory index's last-seen array, counting the reads: every slot a list
+    examines is read there first, from whichever array it was drawn."""
+
+    def __init__(self, seen: Sequence[float]) -> None:
+        self.seen = seen
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.seen)
+
+    def __getitem__(self, slot: int) -> float:
+        self.reads += 1
+        return self.seen[slot]
+
+
+# Filters no index array covers, none of which any host passes.
+NO_MATCH = [
+    ListFilter(game="q3", name="\u00df" * 64),
+    ListFilter(game="q3", password=True),
+    ListFilter(game="q3", tags_any=tuple(f"zz{k:02d}" for k in range(16))),
+    ListFilter(game="q3", tags_any=tuple(f"zz{k:02d}" for k in range(16)), name="Q" * 64),
+    ListFilter(game="q3", not_full=True, name="Q" * 64),
+]
+
+
+async def _fleet(reg: Registry, n: int) -> None:
+    rng = random.Random(n)
+    for i in range(n):
+        info = host(
+            f"Server number {i}",
+            players=rng.randrange(0, 9),
+            tags=tuple(t for t in ("ctf", "ffa", "insta") if rng.random() < 0.5),
+        )
+        address = Address(f"198.18.{i // 250}.{i % 250 + 1}", 27960)
+        await reg.upsert(address, info, max_per_ip=10**6)
+
+
+@pytest.mark.parametrize("limit", [1, 100])
+async def test_a_list_examines_at_most_its_budget_whatever_the_filter(
+    make_registry: RegistryFactory, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    # 6,000 hosts, a filter none passes: a pass over the game read them all (plus
+    # the batches before it). A request for at most 100 hosts examines 4,096.
+    reg = await make_registry()
+    await _fleet(reg, 6000)
+    read = [0]
+    index: Any = reg.index()
+    real = index.candidates
+    monkeypatch.setattr(index, "candidates", lambda f: (_Counted(real(f)[0], read), real(f)[1]))
+    for f in NO_MATCH:
+        read[0] = 0
+        assert await reg.sample(f, limit, random.Random(1)) == []
+        assert read[0] <= 4096, (f, read[0])
+        listing = await reg.sample_listing(f, limit, random.Random(1))
+        assert listing.entries == []
+        # The name and password filters stopped looking: the answer says it may
+        # have left matches out. No host has any of those tags: nothing was left.
+        assert listing.complete is bool(f.tags_any), f
+
+
+async def test_a_list_examines_at_most_its_budget_in_the_memory_registry() -> None:
+    # Counted where every examined slot is read, whichever array it came from.
+    reg = MemoryRegistry()
+    await _fleet(reg, 20_000)
+    rare = Address("198.51.100.7", 1)
+    await reg.upsert(rare, host("rare", tags=("rare1", "ctf")), max_per_ip=10)
+    index = reg.index()
+    seen = index._seen
+    try:
+        counted = index._seen = _CountedSeen(seen)  # type: ignore[assignment]
+        for f in NO_MATCH:
+            for limit in (1, 1000):
+                counted.reads = 0
+                assert await reg.sample(f, limit, random.Random(1)) == []
+                assert counted.reads <= max(4096, 8 * limit), (f, limit, counted.reads)
+        # A rare tag among unknown ones: read from its array, not from the game's.
+        counted.reads = 0
+        f = ListFilter(game="q3", tags_any=("nope", "rare1", "other"))
+        assert [r.address for r in await reg.sample(f, 1000, random.Random(1))] == [rare]
+        assert counted.reads <= 8
+    finally:
+        index._seen = seen
+
+
+async def test_tags_any_lists_what_a_scan_of_every_host_finds(
+    make_registry: RegistryFactory,
+) -> None:
+    # Hosts with several tags are in several tag arrays: each is listed once, and
+    # every list agrees with a filter of every host, through updates and removals
+    # (ghosts in the arrays).
+    reg = await make_registry()
+    rng = random.Random(21)
+    pool = ("a", "b", "c", "d", "e", "f")
+    weights = (0.5, 0.3, 0.1, 0.05, 0.02, 0.0)  # "f": no host; "e": a few
+    tokens: dict[Address, str] = {}
+
+    def random_info(i: int) -> HostInfo:
+        return host(
+            f"h{i} {rng.choice(('alpha', 'beta'))}",
+            game=rng.choice(("q3", "q3", "q3", "ut")),
+            region=rng.choice(("eu", "us")),
+            players=rng.randrange(0, 9),
+            tags=tuple(t for t, w in zip(pool, weights, strict=True) if rng.random() < w),
+        )
+
+    addresses = [Address(f"198.18.{i // 250}.{i % 250 + 1}", 27960) for i in range(500)]
+    for i, a in enumerate(addresses):
+        tokens[a] = (await reg.upsert(a, random_info(i), max_per_ip=10**6)).token
+    for _ in range(300):
+        a = rng.choice(addresses)
+        if a not in tokens:
+            tokens[a] = (await reg.upsert(a, random_info(0), max_per_ip=10**6)).token
+        elif rng.random() < 0.5:
+            await reg.update(a, tokens[a], random_info(1))
+        else:
+            await reg.remove(a, RemovalReason.UNREGISTERED, token=tokens.pop(a))
+    current = [r for r in (reg.get(a) for a in addresses) if r is not None]
+    for _ in range(60):
+        tags_any = tuple(rng.sample((*pool, "nope"), rng.randrange(1, 5)))
+        extra: dict[str, Any] = rng.choice(
+            [{}, {"region": "eu"}, {"not_full": True}, {"name": "ALPHA"}, {"tags_all": ("a",)}]
+        )
+        f = ListFilter(game="q3", tags_any=tags_any, **extra)
+        want = {r.address for r in current if matches(r, f)}
+        assert {r.address for r in await reg.query(f)} == want, f
+        for limit in (1, 7, 1000):
+            got = [r.address for r in await reg.sample(f, limit, rng)]
+            assert len(got) == len(set(got)) == min(limit, len(want)), (f, limit)
+            assert set(got) <= want
+
+
+async def test_tags_any_from_the_tag_arrays_draws_every_host_as_often() -> None:
+    # 40 hosts with both tags are in both arrays, 40 in one each: each one is
+    # drawn ~1/4 of the time (10 of 120), whichever arrays it is in.
+    reg = MemoryRegistry()
+    tags = [("a", "b")] * 40 + [("a",)] * 40 + [("b",)] * 40 + [()] * 400
+    both = set()
+    for i, t in enumerate(tags):
+        address = Address(f"198.18.{i // 250}.{i % 250 + 1}", 27960)
+        await reg.upsert(address, host(f"h{i}", tags=t), max_per_ip=10**6)
+        if len(t) == 2:
+            both.add(address)
+    rng = random.Random(3)
+    drawn: dict[Address, int] = {}
+    f = ListFilter(game="q3", tags_any=("a", "b"))
+    for _ in range(2000):
+        for r in await reg.sample(f, 10, rng):
+            drawn[r.address] = drawn.get(r.address, 0) + 1
+    assert len(drawn) == 120
+    assert all(110 < n < 230 for n in drawn.values()), sorted(drawn.values())
+    assert 6000 < sum(drawn[a] for a in both) < 7400  # a third of the 20,000 draws
