@@ -134,9 +134,13 @@ def lan_reason(lan_ip: str, public_ip: str) -> str | None:
     ...: ``"not_private"``) names no LAN machine.  Loopback (``"loopback"``) is
     one only for a peer seen at a loopback address itself (a daemon run with
     ``--allow-private`` on one machine): both sides then share that machine,
-    whereas the other side of a NAT would take it for its own.
+    whereas the other side of a NAT would take it for its own.  The peer's own
+    public address is one too (a machine with a public IP of its own names it):
+    only a peer behind that very address gets it.
     """
     parsed: IPAddress = ipaddress.ip_address(normalise_ip(lan_ip))
+    if parsed == ipaddress.ip_address(normalise_ip(public_ip)):
+        return None  # the peer's own address (a host with a public IP of its own)
     if parsed.is_loopback:
         return None if ipaddress.ip_address(normalise_ip(public_ip)).is_loopback else "loopback"
     if any(parsed in net for net in _LAN_NETWORKS):

@@ -40,8 +40,11 @@ size) and sent by a task of their own, so a long list does not block the
 connection's other requests.  A connection's answers go one at a time, in the
 order asked: at most ``lists_per_connection`` may be unanswered (one being sent,
 the rest waiting as their requests, nothing planned yet), and one more is refused
-with ``rate_limited`` (counted as ``busy``).  An answer counts as sent once its
-last page is acknowledged.  What a client has not acknowledged is what the daemon
+with ``rate_limited`` (counted as ``busy``).  An answer whose pages are all handed
+to rudp no longer counts as unanswered (the client may have it whole and ask
+again before its acknowledgment is back), though the next one still waits for
+that acknowledgment; it counts as sent (``ok``) once its last page is
+acknowledged.  What a client has not acknowledged is what the daemon
 holds for it, so it is bounded three ways: ``pages_in_flight`` pages per
 connection, ``list_bytes_in_flight`` bytes of pages for every connection together
 (`_ListBudget`), and ``list_ack_timeout``: a connection whose pages go that long
@@ -155,7 +158,17 @@ _Page = tuple[list[int], list[bytes]]
 class _Session:
     """One connection's state."""
 
-    __slots__ = ("address", "conn", "listing", "lists", "peer", "sockaddr", "source", "tasks")
+    __slots__ = (
+        "address",
+        "conn",
+        "handed",
+        "listing",
+        "lists",
+        "peer",
+        "sockaddr",
+        "source",
+        "tasks",
+    )
 
     def __init__(self, peer: Peer, address: Address, conn: int) -> None:
         self.peer = peer
@@ -172,6 +185,10 @@ class _Session:
         """List requests unanswered: the one being sent first, then those waiting."""
         self.listing = False
         """Whether an answer is being sent (by `MatchmakerService._send_lists`)."""
+        self.handed = False
+        """Whether every page of the answer being sent (the head of ``lists``) is handed
+        to rudp: the client may have it all, and ask again, before its acknowledgment
+        of the last page is back; it no longer counts as unanswered."""
 
 
 class MatchmakerService:
@@ -533,7 +550,8 @@ class MatchmakerService:
         waiting = session.lists
         if waiting is None:
             waiting = session.lists = deque()
-        unanswered = len(waiting)  # the one being sent is its head
+        # The one being sent is the head, unless the client may already have all of it.
+        unanswered = len(waiting) - session.handed
         if unanswered >= self.settings.lists_per_connection:
             # Refused before the rate limit: it costs nothing, so it takes no token.
             self.metrics.list_requests.labels("busy").inc()
@@ -596,6 +614,7 @@ class MatchmakerService:
             while waiting:
                 await self._send_list(session, window, waiting[0])
                 waiting.popleft()
+                session.handed = False
         except _ListUnacknowledged:
             result = "unacknowledged"
             log.info("list_unacknowledged", pages=window.pages, size=window.size)
@@ -608,6 +627,7 @@ class MatchmakerService:
                 raise
         finally:
             session.listing = False
+            session.handed = False
             window.close()
             if waiting:
                 # The one being sent, and those that waited behind it: none is answered.
@@ -634,6 +654,7 @@ class MatchmakerService:
             window.add(pending, len(data))
         # The daemon's part (what the latency alert watches): no client round trip.
         handed = self._clock() - started
+        session.handed = True
         await window.drained()
         self.metrics.list_requests.labels("ok").inc()
         self.metrics.list_hosts_sent.inc(total)
@@ -683,6 +704,8 @@ class MatchmakerService:
         host_lan = target.info.lan if shared else None
         if host_lan is not None and lan_reason(host_lan.ip, target.address.ip) is not None:
             host_lan = None  # registered before LAN addresses were checked (a shared registry)
+        if host_lan is not None and (":" in host_lan.ip) != (":" in session.address.ip):
+            host_lan = None  # the client could not reach it from its socket's family
         to_host = Introduction(
             role=Role.HOST, peer=session.address, peer_lan=req.lan if shared else None, nonce=nonce
         )

@@ -81,7 +81,8 @@ class Ticket:
         for target in lan:
             try:
                 return await asyncio.wait_for(self._connect(endpoint, target), lan_timeout)
-            except (rudp.ConnectError, TimeoutError):
+            except (rudp.ConnectError, OSError):  # OSError: TimeoutError, or a family
+                # the socket lacks (an IPv6 LAN address from an IPv4 socket)
                 pass  # not (or not only) on our LAN: the public address
         return await self._connect(endpoint, public)
 

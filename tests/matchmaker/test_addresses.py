@@ -98,7 +98,10 @@ def test_same_public_ip() -> None:
         ("10.1.2.3", "10.214.0.1", None),  # a LAN behind a private "public" address
         # A third party on the Internet: what the peer behind the NAT would be aimed at.
         ("8.8.8.8", "93.184.216.1", "global"),
-        ("93.184.216.1", "93.184.216.1", "global"),
+        # The peer's own public address (a host with a public IP of its own): only a
+        # peer behind that very address is given it.
+        ("93.184.216.1", "93.184.216.1", None),
+        ("2606:4700:4700::1111", "2606:4700:4700::1111", None),
         ("172.32.0.1", "93.184.216.1", "global"),
         ("2606:4700:4700::1111", "2001:db8::1", "global"),
         # The peer's own machine, not the host's.

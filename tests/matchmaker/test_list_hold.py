@@ -256,3 +256,29 @@ async def test_the_stock_client_runs_a_few_lists_at_once_on_one_connection() -> 
     assert len(tasks) == 1
     assert h.sample("matchmaker_list_requests_total", result="ok") == 8
     assert h.sample("matchmaker_list_requests_total", result="busy") == 1
+
+
+async def test_a_client_that_has_a_whole_answer_may_ask_again_before_acknowledging_it() -> None:
+    # One list at a time (--lists-per-connection 1): the client gets every page of an
+    # answer and asks again before its acknowledgment of the last page is back. That
+    # request used to be refused (the answer still counted as unanswered): every other
+    # call of a client that lists one call at a time failed over real rudp.
+    h = Harness(page_hosts=1, lists_per_connection=1)
+    await listed(h, 5)
+    wire = h.connect(pub(100))
+    server_side = deaf(wire)
+    ask(wire, 1)
+    await settle()
+    assert len([m for m in received(wire) if isinstance(m, ListPage)]) == 5
+    wire.send(ListRequest(request_id=2, filter=ListFilter(game="q3")))
+    await settle()
+    assert not [m for m in received(wire) if isinstance(m, Error)]  # taken, waiting
+    assert h.sample("matchmaker_list_requests_total", result="busy") == 0
+    wire.send(ListRequest(request_id=3, filter=ListFilter(game="q3")))
+    await settle()
+    (refused,) = [m for m in received(wire) if isinstance(m, Error)]
+    assert refused.request_id == 3 and refused.reason is ErrorReason.RATE_LIMITED
+    await ack_all(server_side)
+    pages = [m for m in received(wire) if isinstance(m, ListPage)]
+    assert [p.request_id for p in pages if p.end] == [2]
+    assert h.sample("matchmaker_list_requests_total", result="ok") == 2

@@ -394,7 +394,6 @@ async def test_introduction_behind_the_same_nat_includes_lan_addresses() -> None
     ("lan", "why"),
     [
         (Address("198.51.200.7", 27960), "global"),  # a third party on the Internet
-        (Address(pub(1), 9999), "global"),  # the host's own public IP: its public address
         (Address("127.0.0.99", 27960), "loopback"),  # the client's own machine
         (Address("224.0.0.1", 27960), "not_private"),
     ],
@@ -416,6 +415,28 @@ async def test_a_lan_address_that_is_not_private_is_refused(lan: Address, why: s
     assert (err.reason, err.request_id) == (ErrorReason.BAD_FIELD, 5)
     assert h.sample("matchmaker_introductions_total", result="local") == 0
     assert host.conn.inbox.empty()
+
+
+async def test_a_lan_address_that_is_the_peers_own_public_ip_is_taken() -> None:
+    """A host with a public IP of its own (a VPS) may name it as its LAN address: only
+    a client behind that very address is given it, so it aims nobody elsewhere."""
+    h = Harness()
+    own = Address(pub(1), 9999)
+    await h.host(pub(1), lan=own)
+    assert h.registry.get(Address(pub(1), 27960)) is not None
+    client = h.connect(pub(1), 5555)
+    reply = await client.request(Introduce(request_id=5, host=Address(pub(1), 27960), lan=own))
+    assert isinstance(reply, Introduction) and reply.peer_lan == own
+
+
+async def test_a_lan_address_of_another_family_than_the_clients_is_not_given() -> None:
+    """An IPv4 client's socket cannot reach an IPv6 LAN address (its connect would fail
+    at once): it is given the host's public address only."""
+    h = Harness()
+    await h.host(pub(1), lan=Address("fd00::5", 27960))
+    client = h.connect(pub(1), 5555)
+    reply = await client.request(Introduce(request_id=5, host=Address(pub(1), 27960)))
+    assert isinstance(reply, Introduction) and reply.peer_lan is None
 
 
 async def test_loopback_lan_addresses_only_for_hosts_on_loopback() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 from dataclasses import replace
 from pathlib import Path
@@ -209,6 +210,8 @@ LAN = Address("192.168.1.5", 27960)
         rudp.ConnectTimeout(address=(LAN.ip, LAN.port), timeout=5.0),
         rudp.ConnectRefused("another server key"),  # someone else at that LAN address
         None,  # nothing there: given up after lan_timeout
+        # An IPv6 LAN address from an IPv4 socket: refused by the socket at once.
+        socket.gaierror(socket.EAI_ADDRFAMILY, "Address family for hostname not supported"),
     ],
 )
 async def test_a_join_falls_back_to_the_public_address(lan_answer: object) -> None:
