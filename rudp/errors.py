@@ -112,7 +112,8 @@ def check_port(value: object, name: str = "port") -> int:
     if type(value) is int:
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} takes an int, not {value!r}: write 27960, not '27960'")
+        hint = f": write {int(value)}" if isinstance(value, str) and value.isdigit() else ""
+        raise TypeError(f"{name} takes an int, not {value!r}{hint}")
     return int(value)
 
 
