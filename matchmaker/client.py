@@ -166,13 +166,30 @@ class RequestTimeout(TimeoutError):
         self.seconds = seconds
 
 
-class MatchmakerUnreachable(ConnectionError, TimeoutError):
-    """No matchmaker address answered: `tried` names each one and what went wrong."""
+class ReplyRefused(ConnectionError):
+    """A replica answered a request with a reply this client could not accept (not a
+    message it reads, or one past its `limits`: a matchmaker whose operator raised
+    them, or of another version). The request fails at once; `detail` says what
+    was wrong with the reply."""
 
-    def __init__(self, tried: Sequence[str], seconds: float) -> None:
+    def __init__(self, replica: str, detail: str) -> None:
+        super().__init__(f"matchmaker {replica} answered with a reply the client refused: {detail}")
+        self.replica = replica
+        self.detail = detail
+
+
+class MatchmakerUnreachable(ConnectionError, TimeoutError):
+    """No matchmaker address answered (or, for `register`, took the registration):
+    `tried` names each one and what went wrong there last; `seconds` is how long
+    the attempts took."""
+
+    def __init__(
+        self, tried: Sequence[str], seconds: float, what: str = "no matchmaker answered"
+    ) -> None:
         where = "; ".join(tried) or "no address"
-        super().__init__(f"no matchmaker answered within {seconds:g} s (tried {where})")
+        super().__init__(f"{what} in {seconds:.1f} s (tried {where})")
         self.tried = tuple(tried)
+        self.seconds = seconds
 
 
 _SOCKET_HOSTS: dict[int, weakref.ref[MatchmakerClient]] = {}
@@ -330,6 +347,9 @@ class MatchmakerClient:
         self._reader: asyncio.Task[None] | None = None
         self._connecting = asyncio.Lock()
         self._ids = itertools.cycle(range(1, MAX_REQUEST_ID + 1))
+        self._refused: tuple[str, str] | None = None
+        """The last reply over a connection the client could not accept: (replica, why)."""
+        self._refusals = 0
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self._lists: dict[int, _PendingList] = {}
         self._host: HostInfo | None = None
@@ -562,8 +582,10 @@ class MatchmakerClient:
 
     async def _register_first(self, host: HostInfo) -> Address:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._register_timeout
+        start = loop.time()
+        deadline = start + self._register_timeout
         delay = self._reconnect_delay
+        last = False
         self._tried.clear()
         while True:
             try:
@@ -577,11 +599,19 @@ class MatchmakerClient:
                     raise
                 self._note_failure(exc)
                 wait = 0.0 if self._moves_on(exc) else delay
-                if loop.time() + wait >= deadline:
+                left = deadline - loop.time()
+                if left <= 0 or last:
                     if isinstance(exc, MatchmakerError):
                         raise
                     tried = [f"{where} ({why})" for where, why in self._tried.items()]
-                    raise MatchmakerUnreachable(tried, self._register_timeout) from exc
+                    elapsed = loop.time() - start
+                    what = "no matchmaker took the registration"
+                    raise MatchmakerUnreachable(tried, elapsed, what) from exc
+                if wait >= left:
+                    # The backoff would end past the deadline: one last attempt,
+                    # started in time to get a full ``timeout`` (or what is left).
+                    wait = max(0.0, left - self._timeout)
+                    last = True
                 log.info("register_retry error=%s delay=%s", type(exc).__name__, wait)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._closed.wait(), wait)
@@ -1031,6 +1061,7 @@ class MatchmakerClient:
         """Connect to the first address that answers, starting after the one last
         used (when its connection ended) so that a dead replica is tried last;
         by `deadline` (the loop's time) at the latest."""
+        start = asyncio.get_running_loop().time()
         routes = await self._routes()
         self._route_count = len(routes)
         labels = [label for label, _ in routes]
@@ -1067,7 +1098,7 @@ class MatchmakerClient:
                 log.info("matchmaker_connected address=%s", label)
             return conn
         self._avoid = self._route
-        raise MatchmakerUnreachable(failures, self._timeout)
+        raise MatchmakerUnreachable(failures, asyncio.get_running_loop().time() - start)
 
     async def _connect_unless_closed(self, connect: Connector, timeout: float) -> Peer:
         """``connect()`` within `timeout` (else TimeoutError), given up at once, with
@@ -1177,11 +1208,15 @@ class MatchmakerClient:
         to another."""
         route = self._route or "the matchmaker"
         wait = self._budget(deadline)
+        refusals = self._refusals
         try:
             return await asyncio.wait_for(future, wait)
         except TimeoutError:
             if self._conn is conn and wait >= self._timeout:
                 self._abandon(register_again=self._beats is None)
+            if self._refusals != refusals and self._refused is not None:
+                # The matchmaker answered, with a reply whose id could not be read.
+                raise ReplyRefused(*self._refused) from None
             raise RequestTimeout(route, wait) from None
 
     def _budget(self, deadline: float | None) -> float:
@@ -1194,7 +1229,7 @@ class MatchmakerClient:
     async def _read(self, conn: Peer) -> None:
         try:
             async for received in conn:
-                self._on_message(received.data)
+                self._on_message(received.data, reply=True)
         finally:
             # A connection already given up (`_abandon`) no longer speaks for the client.
             if self._conn is conn:
@@ -1204,11 +1239,15 @@ class MatchmakerClient:
                 if self._host is not None:
                     self._needs_register.set()
 
-    def _on_message(self, data: bytes) -> None:
+    def _on_message(self, data: bytes, *, reply: bool = False) -> None:
+        """A message from the matchmaker: over the connection (`reply`), or an
+        introduction's payload from a datagram."""
         try:
             msg = decode(data, self._limits)
         except MessageError as exc:
             log.warning("bad_reply reason=%s detail=%r", exc.reason, exc.detail)
+            if reply:
+                self._refuse_reply(exc)
             return
         if isinstance(msg, Introduction) and msg.role is Role.HOST:
             self._queue_introduction(msg)
@@ -1219,6 +1258,22 @@ class MatchmakerClient:
             self._resolve(msg)
         else:
             self._resolve(msg)
+
+    def _refuse_reply(self, exc: MessageError) -> None:
+        """A reply over the connection that the client could not accept fails the
+        request it answers at once, when its id could be read; else a request that
+        times out meanwhile says so (`_reply`): the matchmaker did answer."""
+        detail = str(exc)
+        if exc.reason is ErrorReason.TOO_LARGE or exc.reason is ErrorReason.BAD_FIELD:
+            detail += " (past the client's limits: does the matchmaker have larger ones?)"
+        self._refused = (self._route or "the matchmaker", detail)
+        self._refusals += 1
+        future: asyncio.Future[Any] | None = self._pending.get(exc.request_id)
+        pending_list = self._lists.get(exc.request_id)
+        if pending_list is not None:
+            future = pending_list.future
+        if future is not None and not future.done():
+            future.set_exception(ReplyRefused(*self._refused))
 
     def _resolve(self, msg: Message) -> None:
         future: asyncio.Future[Any] | None = self._pending.get(msg.request_id)

@@ -200,8 +200,12 @@ class Metrics:
             registry=r,
         )
         self.dropped = Counter(
+            # The name says datagrams, for the alert rules and dashboards built on it.
             "matchmaker_dropped_datagrams",
-            "Incoming messages refused or dropped, by reason.",
+            "Matchmaker messages (not datagrams: rudp_datagrams_dropped_total counts those) "
+            "refused or dropped, by reason: requests and unconnected queries refused with "
+            "an error reason, and replies or introductions the socket would not send "
+            "(send_failed).",
             ["reason"],
             registry=r,
         )

@@ -42,7 +42,7 @@ once its predecessor has exited, so two processes never hold one id.
 
 A worker that dies is restarted after a backoff (`BACKOFF_FIRST` doubling to
 `BACKOFF_MAX`, back to the first once a worker has served `STABLE_AFTER`
-seconds), logged (``worker_exited``) and counted (``matchmaker_worker_restarts``);
+seconds), logged (``worker_exited``) and counted (``matchmaker_worker_restarts_total``);
 a start the system refuses (``fork`` failing: EAGAIN, ENOMEM) is logged
 (``worker_spawn_failed``) and retried the same way.  One that exits
 `START_ATTEMPTS` times in a row before serving (a bad config, a port, a crash at
@@ -101,7 +101,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -431,12 +431,7 @@ def worker_main(argv: Sequence[str]) -> int:
         master=socket.socket(fileno=spec.master_fd) if spec.master_fd >= 0 else None,
     )
     metrics = Metrics()
-    restarts = Gauge(
-        "matchmaker_worker_restarts",
-        "Times the supervisor restarted this worker (its index) after it died.",
-        registry=metrics.registry,
-    )
-    restarts.set(spec.restarts)
+    count_restarts(metrics.registry, spec.restarts)
     siblings = Siblings(Path(spec.directory), spec.index, spec.workers, metrics)
 
     def serve() -> Coroutine[Any, Any, None]:
@@ -447,6 +442,20 @@ def worker_main(argv: Sequence[str]) -> int:
         return _serve_worker(mm, siblings, spec.beat_fd)
 
     return run_daemon(settings, serve)
+
+
+def count_restarts(registry: CollectorRegistry, restarts: int) -> Counter:
+    """``matchmaker_worker_restarts_total``: times the supervisor restarted this worker
+    after it died, as the supervisor counted them. A counter: each process of the
+    worker starts it at that count, which only grows, so ``increase()`` over a window
+    gives the restarts within it."""
+    counter = Counter(
+        "matchmaker_worker_restarts",
+        "Times the supervisor restarted this worker (its index) after it died.",
+        registry=registry,
+    )
+    counter.inc(restarts)
+    return counter
 
 
 def _read_key(fd: int) -> bytes:

@@ -10,7 +10,8 @@ variants with :func:`dataclasses.replace`::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Final
 
 from rudp.frames import FRAGMENT_FRAME_OVERHEAD, MAX_FRAGMENTS
@@ -287,6 +288,7 @@ class Config:
     """In-process link conditioner for this endpoint (testing and demos). Off by default."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for name in ("static_key", "server_key"):
             key = getattr(self, name)
             if key is not None and (not isinstance(key, bytes) or len(key) != 32):
@@ -385,6 +387,33 @@ class Config:
         if self.drain_low_water is None:
             return self.send_queue_limit // 4
         return self.drain_low_water
+
+
+_NUMBER_KINDS: Final = {
+    "int": "an int",
+    "int | None": "an int or None",
+    "float": "a number (int or float)",
+}
+"""What each numeric field's annotation takes, as a wrong type's TypeError words it."""
+
+
+def _check_types(config: Config) -> None:
+    """A numeric field given something that is not a number is a TypeError naming the
+    field and the type, before any comparison fails on it without naming either. As
+    ``congestion_control`` takes only a bool, a bool is no number here."""
+    for item in fields(config):
+        kind = _NUMBER_KINDS.get(str(item.type))
+        if kind is None:
+            continue
+        value = getattr(config, item.name)
+        if type(value) is int or (value is None and item.type == "int | None"):
+            continue
+        if type(value) is float and item.type == "float":
+            continue
+        if isinstance(value, bool) or not isinstance(
+            value, numbers.Integral if item.type != "float" else numbers.Real
+        ):
+            raise TypeError(f"Config.{item.name} takes {kind}, not {value!r}")
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:

@@ -254,6 +254,12 @@ class Connection:
             # A float or None would fail deep in the sender ("list indices must be
             # integers"); compiled, the call itself refuses it.
             raise TypeError(f"channel must be an int, not {type(channel).__name__}")
+        if reliable is not True and reliable is not False:
+            # Truthiness would send "no" reliably; compiled, the call itself refuses it.
+            raise TypeError(
+                f"reliable must be True or False, not {reliable!r} (a delivery mode goes "
+                "in delivery=rudp.Delivery...)"
+            )
         return self._sender.send(data, reliable, channel, delivery, depends_on, now)
 
     def _check_can_send(self) -> None:

@@ -7,6 +7,8 @@ counted, or the connection ends with reason "protocol error".
 
 from __future__ import annotations
 
+import numbers
+
 
 class RudpError(Exception):
     """Base class of every rudp exception."""
@@ -102,6 +104,17 @@ def check_address(value: object, name: str) -> None:
     if isinstance(value, tuple | list) and len(value) >= 2 and isinstance(value[0], str):
         return
     raise TypeError(f"{name} takes a (host, port) tuple, not {value!r}: write ('1.2.3.4', 27960)")
+
+
+def check_port(value: object, name: str = "port") -> int:
+    """A port number as an ``int``: anything else (``"9000"``, ``9000.0``, ``True``)
+    is a TypeError naming the parameter, not a failed comparison deep inside."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        hint = f": write {int(value)}" if isinstance(value, str) and value.isdigit() else ""
+        raise TypeError(f"{name} takes an int, not {value!r}{hint}")
+    return int(value)
 
 
 def format_address(address: tuple[str, int]) -> str:

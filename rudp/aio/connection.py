@@ -199,10 +199,10 @@ class Connection:
         otherwise as soon as it arrives (it implies ``DEPENDENCY_ORDERED``).
         """
         if delivery is None and depends_on is None:
-            if reliable:
+            if reliable is True:
                 msg = self._core.send(data, channel=channel)
-            else:
-                msg = self._core.send(data, reliable=False, channel=channel, now=monotonic())
+            else:  # False, or not a bool: the core refuses that with a TypeError
+                msg = self._core.send(data, reliable=reliable, channel=channel, now=monotonic())
         else:
             msg = self._core.send(
                 data,

@@ -22,7 +22,7 @@ from rudp.aio.endpoint import (
 from rudp.aio.protocol import DatagramLink, open_protocol_endpoint, reads_with_add_reader
 from rudp.config import Config
 from rudp.connection import Address
-from rudp.errors import check_address, format_address
+from rudp.errors import check_address, check_port, format_address
 from rudp.stats import EndpointStats
 
 
@@ -74,15 +74,20 @@ def _check_config(config: object) -> Config:
     return config
 
 
-def _check_destination_port(port: int) -> None:
+def _check_destination_port(port: int) -> int:
+    port = check_port(port)
     if port == 0:
         # Nothing listens there: the handshake would be resent until ConnectTimeout.
         raise ValueError("cannot connect to port 0")
+    return port
 
 
-async def _resolve(host: str, port: int, family: int = 0, flags: int = 0) -> tuple[int, Address]:
+async def _resolve(
+    host: str, port: int, family: int = 0, flags: int = 0, name: str = "port"
+) -> tuple[int, Address]:
+    port = check_port(port, name)
     if not 0 <= port <= 65535:  # getaddrinfo would silently take it modulo 65536
-        raise ValueError(f"port must be in 0..65535, got {port}")
+        raise ValueError(f"{name} must be in 0..65535, got {port}")
     literal = _literal(host, port, family, flags)
     if literal is not None:
         return literal
@@ -124,11 +129,23 @@ async def _open_socket(host: str | None, port: int, family: int, config: Config)
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         _set_buffers(sock, config.socket_buffer_size)
         _forbid_fragmentation(sock)
-        sock.bind(sockaddr)
+        _bind(sock, sockaddr)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _bind(sock: socket.socket, address: Address) -> None:
+    """``sock.bind(address)``; an error names the address (``[Errno 98] Address already
+    in use`` alone does not say which), with the same errno and exception class."""
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        if exc.errno is None:
+            raise
+        where = format_address((str(address[0]), int(address[1])))
+        raise type(exc)(exc.errno, f"cannot bind {where}: {exc.strerror}") from exc
 
 
 def _adopt_socket(sock: socket.socket, config: Config) -> None:
@@ -235,7 +252,7 @@ class Endpoint:
         ``server_key`` (default ``Config.server_key``): the peer's public key to expect;
         ``token`` and ``token_key``: a connect token, as for ``rudp.connect``.
         """
-        _check_destination_port(port)
+        port = _check_destination_port(port)
         _, address = await _resolve(host, port, *self._endpoint.destination_family())
         return await self._endpoint.connect(
             address, server_key=server_key, token=token, token_key=token_key
@@ -250,7 +267,8 @@ class Endpoint:
         """
         seconds = check_query_timeout(timeout)
         check_address(address, "query() address")
-        _, resolved = await _resolve(address[0], address[1], *self._endpoint.destination_family())
+        family, flags = self._endpoint.destination_family()
+        _, resolved = await _resolve(address[0], address[1], family, flags, "query() address port")
         return await self._endpoint.query(resolved, payload, seconds)
 
     def close(self) -> asyncio.Future[None]:
@@ -392,8 +410,9 @@ async def connect(
     """
     if local_addr is not None:
         check_address(local_addr, "local_addr")
+        check_port(local_addr[1], "local_addr port")
     cfg = _check_config(config)
-    _check_destination_port(port)
+    port = _check_destination_port(port)
     family, address = await _resolve(host, port)
     local_host = local_addr[0] if local_addr else ("::" if family == socket.AF_INET6 else "0.0.0.0")
     server = await open_endpoint(

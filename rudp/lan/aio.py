@@ -34,7 +34,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
-from rudp.errors import check_address, check_sequence
+from rudp.errors import check_address, check_port, check_sequence
 from rudp.lan.interfaces import format_address, list_interfaces
 from rudp.lan.messages import (
     DEFAULT_DISCOVERY_PORT,
@@ -167,6 +167,7 @@ async def serve_discovery(
     logged and skipped. ``port=0`` picks a free port (the IPv6 socket then
     reuses that number).
     """
+    port = check_port(port)
     responder = DiscoveryResponder(info, game=game)
     loop = asyncio.get_running_loop()
     sock4 = _bind_udp(socket.AF_INET, host, port)
@@ -299,6 +300,7 @@ async def discover(
     other games to stay silent. ``request_size`` pads each call, and so caps
     the answer size (answers larger than the call are never sent).
     """
+    port = check_port(port)
     loop = asyncio.get_running_loop()
     collector = _Collector(
         game,
@@ -354,7 +356,7 @@ def _destinations(
     result: list[Destination] = []
     for target in targets:
         check_address(target, "each of targets")
-        host, target_port = target[0], target[1]
+        host, target_port = target[0], check_port(target[1], "each of targets' port")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         result.append((family, _resolve(family, host, target_port)))
     interfaces = list_interfaces() if broadcast or ipv6 else []

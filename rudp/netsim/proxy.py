@@ -32,7 +32,7 @@ import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rudp.errors import check_address
+from rudp.errors import check_address, check_port
 from rudp.netsim.aio import ConditionedPipe
 from rudp.netsim.conditioner import LinkProfile, LinkStats
 
@@ -388,6 +388,8 @@ async def start_proxy(
     """
     check_address(listen, "listen")
     check_address(target, "target")
+    check_port(listen[1], "listen port")
+    check_port(target[1], "target port")
     if not (idle_timeout > 0.0 and math.isfinite(idle_timeout)):
         raise ValueError(
             f"idle_timeout must be a finite number of seconds > 0, got {idle_timeout!r}"

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rudp
 from matchmaker.addresses import Address
 from matchmaker.client import MatchmakerClient
 from matchmaker.master import STEAM_REPLY
-from matchmaker.workers import BACKOFF_MAX, Supervisor, merge_expositions
+from matchmaker.workers import BACKOFF_MAX, Supervisor, count_restarts, merge_expositions
 from tests.matchmaker.helpers import (
     HOST,
     DaemonProcess,
@@ -193,7 +194,7 @@ async def test_a_killed_worker_is_restarted_and_its_hosts_stay_listed(
         killed = time.monotonic()
 
         async def restarted() -> bool:
-            return await replica.metric('matchmaker_worker_restarts{worker="0"}', 0.0) == 1.0
+            return await replica.metric('matchmaker_worker_restarts_total{worker="0"}', 0.0) == 1.0
 
         async def served_again() -> bool:
             # The restarted worker (same socket, same replica id) answers its hosts.
@@ -380,6 +381,17 @@ def test_merge_expositions_labels_every_series_by_worker() -> None:
     assert text.count("# TYPE x_total counter") == 1
 
 
+def test_worker_restarts_are_a_counter_with_the_total_suffix() -> None:
+    registry = CollectorRegistry()
+    count_restarts(registry, 3)
+    text = merge_expositions([("1", generate_latest(registry))], 2).decode()
+    family = {f.name: f for f in text_string_to_metric_families(text)}["matchmaker_worker_restarts"]
+    assert family.type == "counter"
+    totals = [(s.name, s.labels, s.value) for s in family.samples if s.name.endswith("_total")]
+    assert totals == [("matchmaker_worker_restarts_total", {"worker": "1"}, 3.0)]
+    assert "matchmaker_worker_restarts{" not in text
+
+
 # -- the supervisor's death, stops, the watchdog ------------------------------------------
 
 
@@ -559,7 +571,7 @@ async def test_a_hung_worker_is_reported_and_killed_by_the_watchdog(
         else:
 
             async def restarted() -> bool:
-                return await daemon.metric('matchmaker_worker_restarts{worker="1"}', 0.0) == 1
+                return await daemon.metric('matchmaker_worker_restarts_total{worker="1"}', 0.0) == 1
 
             await until(restarted, 30, "the stopped worker was not restarted")
             await both_answered(daemon)

@@ -4,6 +4,7 @@ that names the fix: a str where a sequence or an address belongs."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import warnings
 from collections.abc import AsyncIterator
@@ -373,3 +374,61 @@ async def test_connect_refuses_a_config_that_is_not_a_config_and_port_0_at_once(
         await asyncio.wait_for(rudp.connect("127.0.0.1", 0), 1)
     with pytest.raises(ValueError, match="port 0"):
         await asyncio.wait_for(server.connect("127.0.0.1", 0), 1)
+
+
+# -- a port that is not an int, a port in use, a reliable that is not a bool ----------------
+
+
+@pytest.mark.parametrize("port", ["9000", 9000.0, None, True])
+async def test_a_port_that_is_not_an_int_is_a_type_error_naming_the_parameter(
+    pair: tuple[rudp.Server, rudp.Connection], port: Any
+) -> None:
+    server, _ = pair
+    with pytest.raises(TypeError, match=r"^port takes an int, not "):
+        await asyncio.wait_for(rudp.connect("127.0.0.1", port), 5)
+    with pytest.raises(TypeError, match=r"^port takes an int, not "):
+        await asyncio.wait_for(rudp.serve(hold, "127.0.0.1", port), 5)
+    with pytest.raises(TypeError, match=r"^port takes an int, not "):
+        await asyncio.wait_for(rudp.open_endpoint("127.0.0.1", port), 5)
+    with pytest.raises(TypeError, match=r"^port takes an int, not "):
+        await asyncio.wait_for(server.connect("127.0.0.1", port), 5)
+    with pytest.raises(TypeError, match=r"^local_addr port takes an int"):
+        await asyncio.wait_for(rudp.connect(*server.address, local_addr=("127.0.0.1", port)), 5)
+    with pytest.raises(TypeError, match=r"^query\(\) address port takes an int"):
+        await asyncio.wait_for(server.query(("127.0.0.1", port), b"q"), 5)
+    with pytest.raises(TypeError, match=r"^port takes an int"):
+        await discover(port, broadcast=False, ipv6=False, timeout=0.01)
+    with pytest.raises(TypeError, match=r"targets' port takes an int"):
+        await discover(targets=[("127.0.0.1", port)], broadcast=False, ipv6=False, timeout=0.01)
+    link = LinkProfile()
+    with pytest.raises(TypeError, match=r"^target port takes an int"):
+        await start_proxy(("127.0.0.1", 0), ("127.0.0.1", port), upstream=link, downstream=link)
+
+
+async def test_serve_on_a_port_in_use_names_the_address_and_keeps_the_errno(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, _ = pair
+    host, port = server.address
+    with pytest.raises(OSError, match=rf"cannot bind 127\.0\.0\.1:{port}: ") as caught:
+        await asyncio.wait_for(rudp.serve(hold, host, port), 5)
+    assert caught.value.errno == errno.EADDRINUSE and type(caught.value) is OSError
+    with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}") as caught:
+        await asyncio.wait_for(rudp.open_endpoint(host, port), 5)
+    assert caught.value.errno == errno.EADDRINUSE
+    with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}") as caught:
+        await asyncio.wait_for(rudp.connect(host, port, local_addr=(host, port)), 5)
+    assert caught.value.errno == errno.EADDRINUSE
+
+
+@pytest.mark.parametrize("reliable", ["no", "", 0, 1, None])
+@pytest.mark.parametrize("delivery", [None, rudp.Delivery.RELIABLE_UNORDERED])
+async def test_a_reliable_that_is_not_a_bool_is_a_type_error_and_sends_nothing(
+    pair: tuple[rudp.Server, rudp.Connection], reliable: Any, delivery: Any
+) -> None:
+    _, conn = pair
+    # Compiled (mypyc), the core's call itself refuses a non-bool, in mypyc's words.
+    with pytest.raises(TypeError, match=r"reliable must be True or False|bool object expected"):
+        conn.send(b"x", reliable=reliable, delivery=delivery)
+    assert conn.queued == 0 and conn.stats.messages_sent == 0
+    await asyncio.wait_for(conn.send(b"x", reliable=True, delivery=delivery), 5)

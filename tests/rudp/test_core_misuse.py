@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -75,3 +76,42 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="rto"):
         Config(rto_min=1.0, rto_initial=0.5)
     assert dataclasses.replace(Config(), window=8).window == 8
+
+
+@pytest.mark.parametrize("reliable", ["no", "", 0, 1, None, b"x"])
+def test_a_reliable_that_is_not_a_bool_is_a_type_error_and_sends_nothing(reliable: object) -> None:
+    net, server, client, conn = pair()
+    sent = conn.stats.messages_sent
+    # Compiled (mypyc), the call itself refuses a non-bool, in mypyc's words.
+    with pytest.raises(TypeError, match=r"reliable must be True or False|bool object expected"):
+        conn.send(b"x", reliable=reliable)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"reliable must be True or False|bool object expected"):
+        conn.send(b"x", reliable=reliable, now=net.now)  # type: ignore[arg-type]
+    assert conn.queued == 0 and conn.stats.messages_sent == sent
+    conn.send(b"x", reliable=True)
+    conn.send(b"x", reliable=False, now=net.now)
+
+
+def _numeric_fields() -> list[tuple[str, str]]:
+    kinds = {"int": "an int", "int | None": "an int or None", "float": r"a number \(int or float\)"}
+    return [(f.name, kinds[f.type]) for f in dataclasses.fields(Config) if f.type in kinds]
+
+
+@pytest.mark.parametrize(("name", "kind"), _numeric_fields())
+@pytest.mark.parametrize("wrong", ["5", b"5", [5], True])
+def test_a_numeric_config_field_given_no_number_is_a_type_error_naming_it(
+    name: str, kind: str, wrong: object
+) -> None:
+    message = rf"Config\.{name} takes {kind}, not {re.escape(repr(wrong))}$"
+    with pytest.raises(TypeError, match=message):
+        Config(**{name: wrong})  # type: ignore[arg-type]
+
+
+def test_every_numeric_config_field_is_checked_and_numbers_still_pass() -> None:
+    names = {name for name, _ in _numeric_fields()}
+    assert {"idle_timeout", "window", "drain_low_water", "max_ack_delay"} <= names
+    assert len(names) >= 36
+    with pytest.raises(TypeError, match=r"Config\.window takes an int, not 1\.5"):
+        Config(window=1.5)  # type: ignore[arg-type]
+    config = Config(idle_timeout=20, rto_max=3, window=64, drain_low_water=None)
+    assert (config.idle_timeout, config.rto_max, config.window) == (20, 3, 64)
