@@ -163,12 +163,15 @@ class Config:
     """A reliable message that the peer has not acknowledged this long after it first
     left ends the connection (reason "message unacknowledged"): the peer is heard
     (else ``idle_timeout`` ends it sooner) yet never takes the message, so waiting
-    longer cannot help. ENet's peers give up after 30 s too (``timeoutMaximum``)."""
+    longer cannot help. ENet's peers give up after 30 s too (``timeoutMaximum``).
+    Not counted while the peer pauses us (``peer_pause_timeout`` times that), and
+    counted again from its resume."""
 
     peer_pause_timeout: float = 60.0
-    """A peer whose PAUSE has kept our queued reliable messages from leaving for this
-    long ends the connection (reason "peer paused too long"): a stall that a peer
-    could otherwise hold for good, pinning our send queue, ends with a reason."""
+    """A peer whose PAUSE has kept our reliable messages waiting (queued, or sent and
+    not acknowledged) for this long ends the connection (reason "peer paused too
+    long"): a stall that a peer could otherwise hold for good, pinning our send
+    queue, ends with a reason."""
 
     recv_buffer_bytes: int = 2 * 1024 * 1024
     """Bytes of out-of-order reliable data held per connection; a packet that would

@@ -63,6 +63,7 @@ aioquic, and the connection holds one of each.
 from __future__ import annotations
 
 import hmac
+import math
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -192,6 +193,7 @@ class Connection:
         # Since when the peer's PAUSE has held back reliable messages of ours (None:
         # it holds back nothing): the connection ends at ``peer_pause_timeout``.
         self._held_since: float | None = None
+        self._resumed_at = -math.inf  # when the peer last resumed (Config.ack_timeout)
         self._released = False  # the parts' references back to us are gone (``_release``)
 
     # -- public API -----------------------------------------------------------------
@@ -369,9 +371,9 @@ class Connection:
         if self._held_since is not None:
             t = min(t, self._held_since + self.config.peer_pause_timeout)
         order = self._sender.sent_order
-        if order:
+        if order and not self.peer_paused:
             # The head may be done with already: the timer then only pops it.
-            t = min(t, order[0].first_sent + self.config.ack_timeout)
+            t = min(t, max(order[0].first_sent, self._resumed_at) + self.config.ack_timeout)
         return t
 
     def handle_timer(self, now: float) -> None:
@@ -430,7 +432,9 @@ class Connection:
         except PacketNumbersExhausted:
             self._numbers_exhausted()
             self._release()
-        if self.peer_paused and self._sender.rel_queue:
+        if self.peer_paused and (
+            self._sender.rel_queue or self._sender.oldest_unacked() is not None
+        ):
             if self._held_since is None:
                 self._held_since = now
         elif self._held_since is not None:
@@ -554,6 +558,7 @@ class Connection:
             if self.state is CLOSING and self._deadline is None:
                 self._deadline = now + self.config.close_timeout
         else:
+            self._resumed_at = now
             self._sink.dirty[self] = None  # what waited goes out now
             if self.state is CLOSING and not self._disconnect_queued:
                 self._deadline = None
@@ -634,8 +639,11 @@ class Connection:
             # first. It learns from the NOCONN its next packet gets.
             self._end(DisconnectReason.PEER_PAUSED, 0, "", by_peer=False)
             return
-        oldest = self._sender.oldest_unacked()
-        if oldest is not None and now >= oldest.first_sent + cfg.ack_timeout:
+        # A paused peer may refuse what it cannot buffer, unacknowledged, until it
+        # resumes: the pause is timed by peer_pause_timeout, and each message has its
+        # whole ack_timeout again from the resume.
+        oldest = None if self.peer_paused else self._sender.oldest_unacked()
+        if oldest is not None and now >= max(oldest.first_sent, self._resumed_at) + cfg.ack_timeout:
             self._end(DisconnectReason.UNACKNOWLEDGED, 0, "", by_peer=False)
             return
         if self._migration.on_timer(now):

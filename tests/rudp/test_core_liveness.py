@@ -79,6 +79,37 @@ def test_messages_acknowledged_late_but_within_the_ack_timeout_keep_the_connecti
     assert conn.state is State.CONNECTED
 
 
+def test_a_message_unacknowledged_under_an_honest_pause_waits_for_the_resume() -> None:
+    # A paused peer refuses what it cannot buffer, unacknowledged, until it resumes:
+    # that is the pause's (peer_pause_timeout), and the message gets its whole
+    # ack_timeout again from the resume.
+    net, server, client, conn = pair(config=Config(ack_timeout=30.0))
+    sconn = server_conn(server)
+    net.drop = _carries(b"refused while paused")
+    conn.send(b"refused while paused")
+    net.run(0.1)
+    sconn.pause_receiving()
+    net.run_until(lambda: conn.peer_paused)
+    net.run(50.0)  # past ack_timeout, within peer_pause_timeout (60 s)
+    assert conn.state is State.CONNECTED
+    net.drop = None
+    sconn.resume_receiving(net.now)
+    net.run_until(lambda: server.received() == [b"refused while paused"], timeout=5)
+    net.run(40.0)
+    assert conn.state is State.CONNECTED
+
+
+def test_a_pause_that_holds_an_unacknowledged_message_is_timed_too() -> None:
+    net, server, client, conn = pair(config=Config(ack_timeout=30.0, peer_pause_timeout=40.0))
+    sconn = server_conn(server)
+    net.drop = _carries(b"refused while paused")
+    conn.send(b"refused while paused")
+    net.run(0.1)
+    sconn.pause_receiving()
+    net.run_until(lambda: conn.state is State.CLOSED, timeout=60)
+    assert client.disconnects() == [Disconnected(DisconnectReason.PEER_PAUSED)]
+
+
 def test_the_oldest_unacknowledged_record_stays_bounded_behind_a_stuck_message() -> None:
     # Acknowledged messages behind one the peer never takes are not kept for its sake.
     net, server, client, conn = pair(config=Config(ack_timeout=30.0))
