@@ -80,6 +80,8 @@ REGISTRY_OPS = (
     "load",
     "time",
 )
+REGISTRY_FULL_OPS = ("upsert", "update")
+NOTICE_DROP_REASONS = ("queue_full", "host_gone", "forward_failed", "malformed")
 HTTP_PATHS = ("/metrics", "/healthz", "/readyz", "/servers", "other")
 DROP_REASONS = (*(r.value for r in ErrorReason), "send_failed")
 
@@ -222,6 +224,20 @@ class Metrics:
             ["op"],
             registry=r,
         )
+        self.registry_full = Counter(
+            "matchmaker_registry_full",
+            "Registrations and updates Redis refused over its maxmemory (the host is"
+            " told unavailable), by operation.",
+            ["op"],
+            registry=r,
+        )
+        self.notices_dropped = Counter(
+            "matchmaker_notices_dropped",
+            "Introductions relayed between replicas and dropped before reaching their"
+            " host, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.http_requests = Counter(
             "matchmaker_http_requests",
             "HTTP requests, by path and status.",
@@ -254,6 +270,10 @@ class Metrics:
             self.dropped.labels(label)
         for label in MASTER_RESULTS:
             self.master_queries.labels(label)
+        for label in REGISTRY_FULL_OPS:
+            self.registry_full.labels(label)
+        for label in NOTICE_DROP_REASONS:
+            self.notices_dropped.labels(label)
 
     def bind_state(
         self,
@@ -277,12 +297,21 @@ class Metrics:
         """
         return RudpCollector(endpoints, registry=self.registry)
 
-    def observe_registry_op(self, op: str, seconds: float, failed: bool) -> None:
-        """The Redis registry's OpObserver."""
+    def observe_registry_op(
+        self, op: str, seconds: float, failed: bool, *, full: bool = False
+    ) -> None:
+        """The Redis registry's OpObserver (`full`: Redis refused the write over its
+        ``maxmemory``)."""
         label = op if op in REGISTRY_OPS else "other"
         self.registry_latency.labels(label).observe(seconds)
         if failed:
             self.registry_errors.labels(label).inc()
+        if full:
+            self.registry_full.labels(label).inc()
+
+    def count_notice_dropped(self, reason: str) -> None:
+        """A relayed introduction dropped (`NOTICE_DROP_REASONS`)."""
+        self.notices_dropped.labels(reason if reason in NOTICE_DROP_REASONS else "other").inc()
 
     def observe_http(self, path: str, code: int) -> None:
         self.http_requests.labels(path if path in HTTP_PATHS else "other", str(code)).inc()

@@ -768,20 +768,32 @@ class MatchmakerService:
         self._intro_due.set()
 
     async def run_notices(self) -> None:
-        """Deliver payloads relayed by other replicas to local hosts, until cancelled."""
+        """Deliver payloads relayed by other replicas to local hosts, until cancelled.
+
+        Every payload dropped on the way is counted, by reason
+        (``matchmaker_notices_dropped_total``): the registry's own drops (a full
+        queue, a malformed payload) through its `on_notice_dropped`."""
+        dropped = self.metrics.count_notice_dropped
+        self.registry.on_notice_dropped = dropped
         while not self.loops_stopped:
             notice = await self.registry.next_notice()
-            target = self.registry.get(notice.target)
-            if target is None:
-                continue
-            if target.owner != self.registry.replica_id and not notice.forwarded:
-                # The host moved to another replica (a takeover) after the sender
-                # looked: only the new owner's datagrams are sure to pass its NAT.
-                moved = Notice(notice.target, notice.payload, forwarded=True)
-                with contextlib.suppress(RegistryUnavailable):
-                    await self.registry.deliver(target.owner, moved)
-                continue
-            self._deliver(target, notice.payload, _introduced(notice.payload))
+            try:
+                target = self.registry.get(notice.target)
+                if target is None:
+                    dropped("host_gone")
+                    continue
+                if target.owner != self.registry.replica_id and not notice.forwarded:
+                    # The host moved to another replica (a takeover) after the sender
+                    # looked: only the new owner's datagrams are sure to pass its NAT.
+                    moved = Notice(notice.target, notice.payload, forwarded=True)
+                    try:
+                        await self.registry.deliver(target.owner, moved)
+                    except RegistryUnavailable:
+                        dropped("forward_failed")
+                    continue
+                self._deliver(target, notice.payload, _introduced(notice.payload))
+            except Exception:  # one bad notice must not end relayed introductions
+                log.exception("notice_failed")
 
     async def run_takeovers(self) -> None:
         """Take over the hosts whose heartbeats came here instead of to their

@@ -86,6 +86,16 @@ class RegistryBusy(RegistryUnavailable):
     """
 
 
+class RegistryFull(RegistryBusy):
+    """The backing store refused a write that would make it grow: it is at its
+    memory limit (Redis over ``maxmemory``, with no eviction).
+
+    Handled as `RegistryBusy` is: not an outage, the registry stays fresh and
+    nothing is written locally in its place; the host is told "unavailable" and
+    retries.  Heartbeats, removals and expiry still run, and expiry frees the room.
+    """
+
+
 class FeedOverflow(RegistryError):
     """A change subscriber fell too far behind and was dropped."""
 
@@ -529,6 +539,12 @@ class Registry(abc.ABC):
         self.expire_after = expire_after
         self._subscriptions: list[Subscription] = []
         self._notices: asyncio.Queue[Notice] = asyncio.Queue(maxsize=10_000)
+        self.notices_dropped: dict[str, int] = {}
+        """Notices for this replica's hosts dropped before they reached the service,
+        by reason (``queue_full``: 10,000 waiting; ``malformed``: a relayed payload
+        that does not parse)."""
+        self.on_notice_dropped: Callable[[str], None] | None = None
+        """Called with the reason of each such drop (the service counts them)."""
 
     # -- lifecycle
 
@@ -695,9 +711,17 @@ class Registry(abc.ABC):
         """Hand `notice` to replica `owner` (possibly this one)."""
 
     def _receive_notice(self, notice: Notice) -> None:
-        # Introductions are retried by clients; dropping under overload is fine.
-        if not self._notices.full():
+        # Introductions are retried by clients; dropping under overload is fine,
+        # as long as it is counted.
+        if self._notices.full():
+            self._drop_notice("queue_full")
+        else:
             self._notices.put_nowait(notice)
+
+    def _drop_notice(self, reason: str) -> None:
+        self.notices_dropped[reason] = self.notices_dropped.get(reason, 0) + 1
+        if self.on_notice_dropped is not None:
+            self.on_notice_dropped(reason)
 
     async def next_notice(self) -> Notice:
         """The next payload addressed to a host on this replica."""

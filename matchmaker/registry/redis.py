@@ -62,8 +62,14 @@ use an operation waits for one, up to ``pool_timeout``; running out of that
 time raises `RegistryBusy` and is *not* an outage: nothing turns stale and
 nothing is written locally, the host is told "unavailable" and retries.
 
+**Full.**  Redis over its ``maxmemory`` refuses the registration and update
+scripts before they run (``#!lua``): `RegistryFull`, handled as `RegistryBusy`
+(counted, the host retries).  Every other script is flagged ``allow-oom`` and
+runs (heartbeats, takeovers, removals, expiry, the clock a reload reads), so a
+full Redis turns no replica stale, and expiry makes room again.
+
 **Outage.**  When a Redis call fails (no connection, or an error reply such as
-OOM or READONLY) the registry turns *stale*: `now()` freezes
+READONLY) the registry turns *stale*: `now()` freezes
 at the last known Redis time (so nobody gets hidden for silence that is our
 fault), queries keep answering from the index, writes by this replica's own
 hosts are applied to the index and remembered (`_owned`, `_pending_removals`),
@@ -100,7 +106,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import redis.asyncio as aioredis
@@ -108,7 +114,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from matchmaker.addresses import Address, parse_key, source_key
@@ -130,6 +136,7 @@ from matchmaker.registry.base import (
     NotRegistered,
     Registry,
     RegistryBusy,
+    RegistryFull,
     RegistryUnavailable,
     RemovalReason,
     Takeover,
@@ -141,17 +148,42 @@ from matchmaker.stopping import STOP_WITHIN, cancel_and_wait
 
 log = structlog.get_logger("matchmaker.registry.redis")
 
-OpObserver = Callable[[str, float, bool], None]
-"""Called as (operation, seconds, failed) after every Redis operation."""
+
+class OpObserver(Protocol):
+    """Called as (operation, seconds, failed) after every Redis operation, and with
+    ``full=True`` besides for a write Redis refused over its ``maxmemory``."""
+
+    def __call__(self, op: str, seconds: float, failed: bool, /, *, full: bool = ...) -> None: ...
+
+
+_FULL_LOG_INTERVAL = 60.0
+"""Seconds between two ``registry_full`` warnings at least."""
+
+_GROWING_OPS = frozenset({"upsert", "update"})
+"""The operations of the scripts Redis refuses over ``maxmemory`` (`_GROWS`)."""
 
 StreamId = tuple[int, int]
 
 _FOLLOW_COUNT = 1000
 """Stream entries one ``XREAD`` returns at most."""
 
-# Connection-level failures end loops quietly; in `_op` every Redis error
-# (these, and also OOM, READONLY, BUSY, ...) turns the registry stale.
+# Connection-level failures end loops quietly; in `_op` every Redis error (these,
+# and also READONLY, BUSY, ...) turns the registry stale, but for an OOM refusal.
 _DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, asyncio.TimeoutError)
+
+# Every script starts with a shebang (Redis 7.0 or later), so that Redis checks its
+# memory limit once, before the script runs, by what the script is for.  Without
+# one Redis checks it at a script's first write command only, and never for a
+# delete: a registration whose first write was an HDEL got past ``maxmemory``
+# while the writes that keep hosts alive and expire them (a ZADD, a SET first)
+# were refused, so a full Redis stayed full for good.
+_GROWS = "#!lua"
+"""The scripts that store new data (registrations, updates): refused up front while
+Redis is over ``maxmemory`` (`RegistryFull`), so that nothing more lands."""
+_ALLOW_OOM = "#!lua flags=allow-oom"
+"""The scripts that keep hosts alive or free memory (heartbeats, takeovers, removals,
+expiry), and the clock a resync reads: a few bytes each, they run over
+``maxmemory`` too, so that hosts stay listed and expiry makes room again."""
 
 _NOW = """
 local t = redis.call('TIME')
@@ -171,7 +203,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # registration another replica took over.
 # Returns {status, now, stream id, reg}; status 1 written, 0 over the cap, 2 lost.
 _UPSERT = (
-    _NOW
+    _GROWS
+    + _NOW
     + """
 local cur = redis.call('HGET', KEYS[1], 'token')
 local reg = now
@@ -215,7 +248,8 @@ return {1, now, id, reg}
 
 # KEYS: h, seen, events.  ARGV: addr, token, info, maxlen.
 _UPDATE = (
-    _NOW
+    _GROWS
+    + _NOW
     + """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[2] then return {0, now, '', '', 0} end
 redis.call('HSET', KEYS[1], 'info', ARGV[3])
@@ -230,7 +264,8 @@ return {1, now, id, h[1], tonumber(h[2])}
 # KEYS: seen, events.  ARGV: maxlen, prefix, then addr, beat pairs (beat: the
 # heartbeat counter as 20 digits, so that strings compare as the numbers do; '' for none).
 _TOUCH = (
-    _NOW
+    _ALLOW_OOM
+    + _NOW
     + """
 local touched, missing = {}, {}
 for i = 3, #ARGV, 2 do
@@ -262,7 +297,8 @@ return {now, missing}
 # replayed heartbeat moves nothing).  Result per host: 1 taken, 0 not registered,
 # 2 replayed.
 _TAKE_OVER = (
-    _NOW
+    _ALLOW_OOM
+    + _NOW
     + """
 local out, moved, first = {}, {}, nil
 for i = 4, #ARGV, 3 do
@@ -315,7 +351,8 @@ end
 
 # KEYS: seen, events.  ARGV: prefix, maxlen, addr, reason, token ('' = any).
 _REMOVE = (
-    _NOW
+    _ALLOW_OOM
+    + _NOW
     + _REMOVE_ONE
     + """
 local gone = remove_one(ARGV[1], KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
@@ -326,7 +363,8 @@ return {0, now, ''}
 
 # KEYS: seen, events, sweep, grace.  ARGV: prefix, maxlen, expire_ms, gap_ms, batch.
 _EXPIRE = (
-    _NOW
+    _ALLOW_OOM
+    + _NOW
     + _REMOVE_ONE
     + """
 local last = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -349,6 +387,23 @@ end
 return {now, out, 0}
 """
 )
+
+
+# KEYS: sweep, grace, epoch, hbkey.  ARGV: an epoch and a heartbeat key, written
+# only where missing.  Returns TIME's two fields, then the four keys' values.
+_CLOCK = (
+    _ALLOW_OOM
+    + """
+local t = redis.call('TIME')
+redis.call('SET', KEYS[3], ARGV[1], 'NX')
+redis.call('SET', KEYS[4], ARGV[2], 'NX')
+return {t[1], t[2], redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2]),
+  redis.call('GET', KEYS[3]), redis.call('GET', KEYS[4])}
+"""
+)
+
+MIN_REDIS_VERSION = (7, 0)
+"""Script flags (``#!lua flags=...``) are new in Redis 7.0."""
 
 
 def default_replica_id() -> str:
@@ -454,6 +509,7 @@ class RedisRegistry(Registry):
                 ("take_over", _TAKE_OVER),
                 ("remove", _REMOVE),
                 ("expire", _EXPIRE),
+                ("clock", _CLOCK),
             )
         }
         self._index = LocalIndex()
@@ -472,6 +528,12 @@ class RedisRegistry(Registry):
         self._grace_until = 0.0
         self._epoch: bytes | None = None
         self._carried: dict[Address, HostRecord] = {}
+        self.refused_full: dict[str, int] = {}
+        """Writes Redis refused over ``maxmemory``, by operation (``upsert``, ``update``)."""
+        self._told_full = False  # registry_full logged; registry_not_full not yet
+        self._full_told_at = -math.inf
+        self._version_checked = False
+        self._told_version = False
         self.dropped_events: dict[str, int] = {}
         """Stream events not applied, by reason (``bad_event``: a field missing or
         malformed; ``bad_record``: an upsert whose record does not validate), and
@@ -578,11 +640,14 @@ class RedisRegistry(Registry):
     async def _op(self, name: str, call: Awaitable[Any], *, gated: bool = True) -> Any:
         """Run one Redis call, timing it; any Redis failure turns us stale.
 
-        Not only connection failures: an error reply (OOM, READONLY after a
+        Not only connection failures: an error reply (READONLY after a
         failover, BUSY script) also means the write did not happen, and stale
-        mode plus the resync afterwards is what repairs that.  Waiting too long
-        for a free connection is not a failure of Redis: that raises
-        `RegistryBusy` and leaves the registry fresh.
+        mode plus the resync afterwards is what repairs that.  Two refusals are
+        not failures of Redis, raise a `RegistryBusy` and leave the registry
+        fresh: waiting too long for a free connection, and Redis over its
+        ``maxmemory`` refusing a registration or an update (`RegistryFull`; every
+        other write is allowed over it, see `_GROWS`).  A stale registry would
+        stop expiring hosts, the one thing that makes room again.
         """
         if gated:
             try:
@@ -601,6 +666,18 @@ class RedisRegistry(Registry):
             # exception mid-read), so no late reply is read by the next call.
             async with asyncio.timeout(self._op_timeout):
                 result = await call
+        except OutOfMemoryError as exc:
+            # A script flagged to grow Redis, refused before it ran: nothing written.
+            self._observe(name, start, failed=True, full=True)
+            self.refused_full[name] = self.refused_full.get(name, 0) + 1
+            now = self._clock()
+            if not self._told_full and now - self._full_told_at >= _FULL_LOG_INTERVAL:
+                # Once, until a registration goes through again; at most once a
+                # minute when memory hovers at the limit.
+                self._told_full = True
+                self._full_told_at = now
+                log.warning("registry_full", op=name, detail=str(exc)[:200])
+            raise RegistryFull(name) from exc
         except (*_DOWN, RedisError) as exc:
             self._observe(name, start, failed=True)
             self._mark_stale(exc)
@@ -609,11 +686,17 @@ class RedisRegistry(Registry):
             if gated:
                 self._gate.release()
         self._observe(name, start, failed=False)
+        if self._told_full and name in _GROWING_OPS:
+            self._told_full = False
+            log.info("registry_not_full", op=name)
         return result
 
-    def _observe(self, name: str, start: float, *, failed: bool) -> None:
+    def _observe(self, name: str, start: float, *, failed: bool, full: bool = False) -> None:
         if self._observer is not None:
-            self._observer(name, self._clock() - start, failed)
+            if full:
+                self._observer(name, self._clock() - start, failed, full=True)
+            else:
+                self._observer(name, self._clock() - start, failed)
 
     async def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return await self._op(name, self._scripts[name](keys=keys, args=args))
@@ -910,9 +993,12 @@ class RedisRegistry(Registry):
         try:
             key, payload, *rest = msgpack.unpackb(data, raw=False)  # type: ignore[arg-type]
             forwarded = bool(rest[0]) if rest else False  # a replica of an older release
-            self._receive_notice(Notice(parse_key(key), payload, forwarded))
+            notice = Notice(parse_key(key), payload, forwarded)
         except Exception as exc:  # another replica's bug must not kill the loop
+            self._drop_notice("malformed")
             log.warning("bad_notice", error=type(exc).__name__)
+            return
+        self._receive_notice(notice)
 
     # ------------------------------------------------------------------ sync
 
@@ -950,6 +1036,8 @@ class RedisRegistry(Registry):
         The loaded copy is merged before it replaces the index, so that a list
         never shows fewer hosts than before (`_merge`).
         """
+        if not self._version_checked:
+            await self._check_version()
         last = await self._op("xrevrange", self._redis.xrevrange(self._k("events"), count=1))
         self._last_id = last[0][0].decode() if last else "0-0"
         fresh, lost = await self._load()
@@ -973,6 +1061,29 @@ class RedisRegistry(Registry):
                 await self._replay_removal(address, token)
             await self._reassert(todo, stored)
             done.update((a, (r.token, r.info)) for a, r in todo.items())
+
+    async def _check_version(self) -> None:
+        """Refuse, with one clear log line, a Redis older than `MIN_REDIS_VERSION`:
+        it cannot run the scripts (their flags).  The replica stays stale (never
+        ready) and checks again at each retry."""
+        try:
+            async with asyncio.timeout(self._op_timeout):
+                server = await self._redis.info("server")
+        except ResponseError:
+            self._version_checked = True  # INFO renamed away: not checked
+            return
+        text = str(server.get("redis_version", ""))
+        try:
+            version = tuple(int(part) for part in text.split(".")[:2])
+        except ValueError:
+            version = MIN_REDIS_VERSION  # not a number: a compatible server's own scheme
+        if version < MIN_REDIS_VERSION:
+            if not self._told_version:
+                self._told_version = True
+                need = ".".join(map(str, MIN_REDIS_VERSION))
+                log.error("redis_unsupported", version=text[:32], need=need)
+            raise RegistryUnavailable("redis_unsupported")
+        self._version_checked = True
 
     def _drop_taken_over(self, fresh: LocalIndex) -> None:
         """Stop counting as ours the hosts another replica took over while we were
@@ -1069,23 +1180,22 @@ class RedisRegistry(Registry):
         finds it missing: a different value than last time means the data
         this replica loaded before is gone (a restart without persistence, a
         flush, a failover to an empty replica).
+
+        One script (`_CLOCK`), allowed over ``maxmemory``: a replica must resync
+        while Redis is full, since only fresh replicas expire hosts and so make
+        room again.
         """
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.time()
-        pipe.get(self._k("sweep"))
-        pipe.get(self._k("grace"))
-        pipe.set(self._k("epoch"), new_token(), nx=True)
-        pipe.get(self._k("epoch"))
+        keys = [self._k("sweep"), self._k("grace"), self._k("epoch"), self._k("hbkey")]
         # Every replica derives heartbeat secrets from the same key (written back
         # by the first replica to reload after Redis lost its data).
-        pipe.set(self._k("hbkey"), self.heartbeat_key, nx=True)
-        pipe.get(self._k("hbkey"))
-        t, sweep, grace, _, epoch, _, key = await self._op("time", pipe.execute())
+        args: list[Any] = [new_token(), self.heartbeat_key]
+        call = self._scripts["clock"](keys=keys, args=args)
+        secs, usecs, sweep, grace, epoch, key = await self._op("time", call)
         if isinstance(key, bytes) and len(key) == len(self.heartbeat_key):
             self.heartbeat_key = key
         lost = self._epoch is not None and epoch != self._epoch
         self._epoch = epoch
-        now_ms = int(t[0]) * 1000 + int(t[1]) // 1000
+        now_ms = int(secs) * 1000 + int(usecs) // 1000
         self._set_redis_now(now_ms)
         grace_ms = int(grace or 0)
         if now_ms - int(sweep or 0) > self._sweep_gap * 1000:
@@ -1115,9 +1225,13 @@ class RedisRegistry(Registry):
                 continue
             # 10**6: the host was accepted under the cap once; do not evict it
             # because others registered from its IP while we were away.
-            got, status = await self._upsert_remote(
-                address, rec.info, rec.token, 10**6, "reassert", rec.registered_at, rec
-            )
+            try:
+                got, status = await self._upsert_remote(
+                    address, rec.info, rec.token, 10**6, "reassert", rec.registered_at, rec
+                )
+            except RegistryFull:
+                self._refused_reassert(address, rec, there)
+                continue
             if got is not None:
                 stored[address] = got
                 continue
@@ -1126,6 +1240,28 @@ class RedisRegistry(Registry):
                 del self._owned[address]
         if still_ours:
             await self._touch_remote(still_ours)
+
+    def _refused_reassert(
+        self, address: Address, rec: HostRecord, there: HostRecord | None
+    ) -> None:
+        """A registration made here while Redis was out of reach, refused on the way
+        back because Redis is full: as if it had never been accepted.  Lists drop it
+        and the host, told `not_registered` by its next heartbeat, registers again
+        (and is told "unavailable" while Redis stays full).  A resync must not fail
+        for it: a stale replica expires nothing, and Redis would stay full."""
+        log.info("reassert_refused", host=address.key, reason="registry_full")
+        if self._owned.get(address) is not rec:
+            return  # registered again or removed meanwhile: that is written next
+        if there is not None and there.token == rec.token and there.owner == self.replica_id:
+            # Redis holds this registration still, with older info: it stays ours.
+            self._owned[address] = there
+            return
+        del self._owned[address]
+        if self._index.get(address) is rec:
+            self._index.pop(address)
+            self._publish(
+                Change(kind=ChangeKind.REMOVE, address=address, reason=RemovalReason.EXPIRED)
+            )
 
     async def _follow(self) -> None:
         stream = self._k("events")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+from unittest.mock import ANY
 
 import pytest
 import redis.asyncio as aioredis
@@ -13,11 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from matchmaker.addresses import Address, parse_key
 from matchmaker.heartbeat import derive_secret
-from matchmaker.messages import ListFilter, decode_host
+from matchmaker.messages import Error, ErrorReason, HostInfo, ListFilter, Register, decode_host
 from matchmaker.metrics import Metrics
 from matchmaker.registry import (
     Notice,
     RegistryBusy,
+    RegistryFull,
     RegistryUnavailable,
     RemovalReason,
     Takeover,
@@ -28,7 +30,15 @@ from matchmaker.registry.redis import RedisRegistry
 from matchmaker.server import build_registry
 from matchmaker.settings import Settings
 from tests.matchmaker.fakes import FakeClock
-from tests.matchmaker.helpers import RedisProcess, RegistryFactory, eventually, host
+from tests.matchmaker.helpers import (
+    Harness,
+    RedisProcess,
+    RegistryFactory,
+    eventually,
+    free_port,
+    host,
+    pub,
+)
 
 Q3 = ListFilter(game="q3")
 Factory = RegistryFactory
@@ -381,13 +391,15 @@ async def test_redis_error_replies_turn_stale_and_resync(
     await a.upsert(addr(1), host(), max_per_ip=10)
     r = aioredis.Redis.from_url(redis_server.url)
     try:
-        await r.config_set("maxmemory", 1)  # every write now fails with OOM
+        # A replica of a master that is not there: every write now fails (READONLY).
+        await r.replicaof("127.0.0.1", free_port())
         assert await a.touch([addr(1)]) == set()  # answered locally, not raised
         assert a.stale
-        await r.config_set("maxmemory", 0)
+        await r.replicaof("NO", "ONE")
         await asyncio.wait_for(a.wait_synced(), 5)
         assert not a.stale and a.get(addr(1)) is not None
     finally:
+        await r.replicaof("NO", "ONE")
         await r.aclose()
 
 
@@ -879,3 +891,127 @@ async def test_a_redis_unreachable_from_the_start_is_logged_once_with_its_cause(
     assert len(stale) == 1, logs
     assert stale[0]["log_level"] == "warning" and stale[0]["loaded"] is False
     assert stale[0]["error"] and stale[0]["detail"]
+
+
+def big(name: str) -> HostInfo:
+    """A host entry of ~1 KB stored (its hash, and again in the change stream)."""
+    return host(name, info=b"i" * 512, map="m" * 64)
+
+
+async def fill_redis(
+    a: RedisRegistry, admin: aioredis.Redis, room: int, first: int = 1000
+) -> list[Address]:
+    """Caps Redis at its memory now plus `room` bytes and registers large hosts until
+    Redis refuses one (bounded); returns the hosts that got in."""
+    used = int((await admin.info("memory"))["used_memory"])
+    await admin.config_set("maxmemory", used + room)
+    filler: list[Address] = []
+    for i in range(first, first + 20_000):
+        try:
+            await a.upsert(addr(i, "203.0.113.7"), big(f"filler {i}"), max_per_ip=10**6)
+        except RegistryFull:
+            return filler
+        filler.append(addr(i, "203.0.113.7"))
+    raise AssertionError("Redis never refused a registration")
+
+
+async def test_a_full_redis_refuses_registrations_but_keeps_hosts_alive_and_expiring(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    metrics = Metrics(CollectorRegistry())
+    kw: dict[str, object] = {"hide_after": 0.5, "expire_after": 1.0, "sweep_gap": 30.0}
+    a = await replica(replica_id="a", stream_maxlen=100, observer=metrics.observe_registry_op, **kw)
+    b = await replica(replica_id="b", stream_maxlen=100, **kw)
+    honest = (await a.upsert(addr(1), host("honest"), max_per_ip=10)).address
+    await a.expire()  # the very first sweep opens a grace period
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        filler = await fill_redis(a, admin, 256 * 1024)
+        assert len(filler) > 10
+        # Refused up front, counted, nothing written, nobody stale.
+        with pytest.raises(RegistryFull):
+            await b.upsert(addr(2), host("late"), max_per_ip=10)
+        assert await admin.exists(f"{{mm}}:h:{addr(2).key}") == 0
+        mine = a.get(honest)
+        assert mine is not None
+        with pytest.raises(RegistryFull):
+            await a.update(honest, mine.token, host("renamed"))
+        # A host registering over the wire is told, and the refusal counted.
+        h = Harness(registry=a)
+        reply = await h.connect(pub(3)).request(Register(request_id=1, host=host("wire")))
+        assert isinstance(reply, Error) and reply.reason is ErrorReason.UNAVAILABLE
+        assert h.sample("matchmaker_registrations_total", result="unavailable") == 1
+        assert not a.stale and not b.stale
+        assert a.refused_full == {"upsert": 2, "update": 1}
+        full = metrics.registry.get_sample_value
+        assert full("matchmaker_registry_full_total", {"op": "upsert"}) == 2
+        assert full("matchmaker_registry_full_total", {"op": "update"}) == 1
+        # Heartbeats still land; the filler stops heartbeating and expires, which
+        # makes room: registrations are taken again.
+        for _ in range(400):
+            assert await a.touch({honest: 7}) == set()
+            await a.expire()
+            await b.expire()
+            if await admin.zcard("{mm}:seen") == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert not a.stale and not b.stale
+        assert [m async for m in admin.zscan_iter("{mm}:seen")] == [(honest.key.encode(), ANY)]
+        assert await admin.hget(f"{{mm}}:h:{honest.key}", "beat") == b"%020d" % 7
+        assert not any([await admin.exists(f"{{mm}}:h:{f.key}") for f in filler])
+        await eventually(lambda: a.get(filler[0]) is None and b.get(filler[-1]) is None)
+        await b.upsert(addr(2), host("late"), max_per_ip=10)
+        await eventually(lambda: a.get(addr(2)) is not None)
+    finally:
+        await admin.config_set("maxmemory", 0)
+        await admin.aclose()
+
+
+async def test_a_replica_resyncs_while_redis_is_full(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a", stream_maxlen=100)
+    b = await replica(replica_id="b", stream_maxlen=100)
+    kept = await a.upsert(addr(1), host("kept"), max_per_ip=10)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await admin.config_set("maxmemory", 1)  # over it from now on
+        # Cut off a moment (any failure): what registers meanwhile is kept locally.
+        a._mark_stale(RuntimeError("cut off"))
+        local = await a.upsert(addr(2), host("while stale"), max_per_ip=10)
+        assert a.get(local.address) is not None
+        # It reloads over maxmemory; the registration Redis cannot take is dropped
+        # (the host registers again), the one Redis holds stays ours.
+        await asyncio.wait_for(a.wait_synced(), 10)
+        assert not a.stale
+        assert a.get(addr(2)) is None and a.get(addr(1)) is not None
+        assert [r.address for r in a.owned()] == [kept.address]
+        assert await a.touch([addr(1), addr(2)]) == {addr(2)}
+        assert await a.expire() == [] and not a.stale and not b.stale
+    finally:
+        await admin.config_set("maxmemory", 0)
+        await admin.aclose()
+
+
+async def test_relayed_notices_dropped_are_counted(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    seen: list[str] = []
+    a.on_notice_dropped = seen.append
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        garbage = b"\x93\x01"  # a msgpack array cut short
+
+        async def published() -> bool:
+            await admin.publish("{mm}:notice:a", garbage)
+            return bool(a.notices_dropped)
+
+        for _ in range(250):  # pub/sub drops what comes before the subscription
+            if await published():
+                break
+            await asyncio.sleep(0.02)
+        assert a.notices_dropped.get("malformed", 0) >= 1
+        assert seen and set(seen) == {"malformed"}
+    finally:
+        await admin.aclose()

@@ -34,7 +34,7 @@ from matchmaker.messages import (
     encode,
     encode_entry,
 )
-from matchmaker.registry import Notice, RemovalReason
+from matchmaker.registry import HostRecord, Notice, RegistryUnavailable, RemovalReason
 from rudp.tokens import Issuer, decode_token, generate_issuer_key
 from tests.matchmaker.fakes import Wire, pipe, settle
 from tests.matchmaker.helpers import NONCE, Harness, collect_list, info, pub
@@ -688,3 +688,60 @@ async def test_requests_follow_a_migrated_connection() -> None:
     assert h.service.connections == 1
     await wire.close()
     assert h.service.connections == 0
+
+
+async def test_relayed_notices_dropped_are_counted_and_a_bug_does_not_end_relaying(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = Harness()
+    reg = h.registry
+    relay = asyncio.create_task(h.service.run_notices())
+    await asyncio.sleep(0)
+
+    def dropped(reason: str) -> float:
+        return h.sample("matchmaker_notices_dropped_total", reason=reason)
+
+    try:
+        assert [dropped(r) for r in ("queue_full", "host_gone", "forward_failed")] == [0] * 3
+        there = Address(pub(2), 1)
+        # A host that moved to another replica meanwhile.
+        moved = HostRecord(
+            address=there, info=info(), owner="elsewhere", token="t", registered_at=0, last_seen=0
+        )
+        calls: list[Address] = []
+
+        def get_failing_once(address: Address) -> HostRecord | None:
+            calls.append(address)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            return moved if address == there else None
+
+        monkeypatch.setattr(reg, "get", get_failing_once)
+        reg._receive_notice(Notice(Address(pub(8), 1), b"bug"))
+        # For a host no longer here.
+        reg._receive_notice(Notice(Address(pub(9), 1), b"gone"))
+        for _ in range(100):
+            if dropped("host_gone"):
+                break
+            await asyncio.sleep(0.01)
+        assert dropped("host_gone") == 1 and not relay.done()
+
+        # For a host that moved to a replica out of reach.
+        async def unreachable(owner: str, notice: Notice) -> None:
+            raise RegistryUnavailable("publish")
+
+        monkeypatch.setattr(reg, "deliver", unreachable)
+        reg._receive_notice(Notice(there, b"moved"))
+        for _ in range(100):
+            if dropped("forward_failed"):
+                break
+            await asyncio.sleep(0.01)
+        assert dropped("forward_failed") == 1 and not relay.done()
+    finally:
+        relay.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await relay
+    # More than the queue holds, at once.
+    for i in range(10_001):
+        reg._receive_notice(Notice(Address(pub(9), 1), b"%d" % i))
+    assert dropped("queue_full") == 1 and reg.notices_dropped == {"queue_full": 1}
