@@ -250,20 +250,38 @@ def _plain(value: Any) -> Any:
 
 
 def decode(data: bytes, config: LockstepConfig) -> Message:
-    """Decode and validate one message; raises :class:`MalformedMessage`."""
+    """Decode and validate one message; raises :class:`MalformedMessage`, and nothing else.
+
+    Error texts name types, never the peer's values: a repr of attacker data (a
+    thousand nested arrays fit in 1,001 bytes) can itself raise ``RecursionError``.
+    """
     if len(data) > config.max_message_size:
         raise MalformedMessage("message too large")
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise MalformedMessage(f"bad msgpack: {exc}") from None
-    if not isinstance(obj, list) or not obj:
-        raise MalformedMessage("not a non-empty array")
-    code, fields = obj[0], obj[1:]
-    parser = _PARSERS.get(code) if type(code) is int else None
-    if parser is None:
-        raise MalformedMessage(f"unknown message type {code!r}")
-    return parser(fields, config)
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            # No lockstep message holds a map or an ext; no array or string is
+            # longer than the message itself.
+            max_str_len=len(data),
+            max_bin_len=len(data),
+            max_array_len=len(data),
+            max_map_len=0,
+            max_ext_len=0,
+        )
+        if type(obj) is not list or not obj:
+            raise MalformedMessage("not a non-empty array")
+        code, fields = obj[0], obj[1:]
+        parser = _PARSERS.get(code) if type(code) is int else None
+        if parser is None:
+            raise MalformedMessage(f"unknown message type ({type(code).__name__})")
+        return parser(fields, config)
+    except MalformedMessage:
+        raise
+    except Exception as exc:  # msgpack's errors, and RecursionError on deep nesting
+        raise MalformedMessage(f"bad msgpack: {type(exc).__name__}") from None
 
 
 def _arity(fields: list[Any], n: int) -> None:
@@ -274,7 +292,7 @@ def _arity(fields: list[Any], n: int) -> None:
 def _int(value: Any, lo: int, hi: int) -> int:
     # type() rather than isinstance(): True/False must not pass for 1/0.
     if type(value) is not int or not lo <= value <= hi:
-        raise MalformedMessage(f"integer out of range: {value!r}")
+        raise MalformedMessage(f"bad integer ({type(value).__name__})")
     return value
 
 
@@ -307,7 +325,7 @@ def _enum(cls: type[enum.IntEnum], value: Any) -> Any:
     try:
         return cls(_int(value, 0, 255))
     except ValueError:
-        raise MalformedMessage(f"bad {cls.__name__}: {value!r}") from None
+        raise MalformedMessage(f"bad {cls.__name__}") from None
 
 
 def _client_id(value: Any) -> int:
