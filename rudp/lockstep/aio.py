@@ -163,6 +163,8 @@ class LockstepServer:
                 if msg.channel == self.channel:
                     self.host.receive(conn, msg.data, self._pump.now())
                     self._flush()
+                else:
+                    self.host.stats.ignored += 1
         finally:
             self.host.peer_disconnected(conn, self._pump.now())
             self._flush()
@@ -196,6 +198,7 @@ class LockstepSession:
         self.client = client
         self.channel = channel
         self._pump = _Pump(client.get_timer, self._handle_timer)
+        self._hung_up = False
         _check_message_size(conn, client.config)
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self._flush()
@@ -251,6 +254,8 @@ class LockstepSession:
                 if msg.channel == self.channel:
                     self.client.receive(msg.data, self._pump.now())
                     self._flush()
+                else:
+                    self.client.stats.ignored += 1
         finally:
             self._pump.stop()
             self._pump.put(None)
@@ -267,4 +272,9 @@ class LockstepSession:
                 log.info("send_failed error=%r", str(exc))
         while (event := self.client.next_event()) is not None:
             self._pump.put(event)
+        if self.client.fault is not None and not self._hung_up:
+            # The client gave up on a broken host (HostFaulted, queued above): hang up
+            # once its LEAVE is sent; the reader then ends events().
+            self._hung_up = True
+            self._pump.spawn_close(self.conn)
         self._pump.rearm()

@@ -8,6 +8,7 @@ lagger, everywhere).
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass
 
@@ -20,7 +21,9 @@ __all__ = [
     "ClientUnresponsive",
     "DesyncDetected",
     "Event",
+    "FaultReason",
     "GameStarted",
+    "HostFaulted",
     "HostResponsive",
     "HostUnresponsive",
     "JoinRefused",
@@ -139,6 +142,28 @@ class HostResponsive:
     """Client: turns flow again after :class:`HostUnresponsive`."""
 
 
+class FaultReason(enum.Enum):
+    """Why a client gave up on its host (:class:`HostFaulted`)."""
+
+    MALFORMED_MESSAGE = "malformed_message"
+    """A message from the host failed to decode or validate. The stream is
+    reliable and ordered, so a dropped message (a turn, above all) would leave
+    this client stalled or diverged for good."""
+    BACKLOG_FULL = "backlog_full"
+    """The host sent more than ``max_backlog`` turns ahead of the application."""
+    LIMITS_MISMATCH = "limits_mismatch"
+    """The host's ``max_command_size`` or ``max_message_size`` (in WELCOME) exceeds
+    ours: it would send turns this client cannot decode."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostFaulted:
+    """Client: the host broke the protocol; the client said LEAVE and has ended
+    (the asyncio session then closes the connection)."""
+
+    reason: FaultReason
+
+
 Event = (
     Joined
     | JoinRefused
@@ -152,6 +177,7 @@ Event = (
     | TimeDropped
     | HostUnresponsive
     | HostResponsive
+    | HostFaulted
 )
 
 

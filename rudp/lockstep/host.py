@@ -95,6 +95,8 @@ class HostStats:
     """Turns whose checksums differed (reported or not)."""
     dropped_turns: int = 0
     """Turn intervals of wall time the clock dropped (see :class:`TimeDropped`)."""
+    ignored: int = 0
+    """Messages on other channels, ignored by the asyncio server."""
 
 
 @dataclass(slots=True)
@@ -267,6 +269,8 @@ class LockstepHost(Generic[P]):
             self.config.turn_interval,
             self.config.input_delay,
             (*roster, (client.client_id, client.name)),
+            self.config.max_command_size,
+            self.config.max_message_size,
         )
         self._send(peer, welcome)
         self._events.append(ClientJoined(client.client_id, client.name))

@@ -11,7 +11,8 @@ name       code  direction  fields after the code                          artic
 =========  ====  =========  ==============================================  =======================
 JOIN       1     c -> h     protocol: int, game_version: str, name: str     JOIN
 WELCOME    2     h -> c     client_id, turn_interval: float, input_delay,   SELFCLIENT + ADDCLIENT
-                            roster: [[client_id, name], ...]
+                            roster: [[client_id, name], ...],
+                            max_command_size, max_message_size
 REFUSED    3     h -> c     reason: RefuseReason                            GAMESTARTED, TOOMANYCL,
                                                                             WRONGVERSION
 JOINED     4     h -> c     client_id, name                                 ADDCLIENT
@@ -44,6 +45,9 @@ from rudp.lockstep.config import (
     MAX_TURN,
     LockstepConfig,
 )
+
+#: Largest size limit a WELCOME may announce.
+MAX_LIMIT = 2**32 - 1
 
 __all__ = [
     "ClientStatus",
@@ -137,6 +141,9 @@ class Welcome:
     turn_interval: float
     input_delay: int
     roster: tuple[tuple[int, str], ...]
+    # The host's limits (LockstepConfig's defaults if not given).
+    max_command_size: int = 256
+    max_message_size: int = 1100
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +238,7 @@ def encode(msg: Message) -> bytes:
         case Welcome():
             roster = [list(entry) for entry in msg.roster]
             fields += [msg.client_id, float(msg.turn_interval), msg.input_delay, roster]
+            fields += [msg.max_command_size, msg.max_message_size]
         case NetTurn():
             fields += [msg.turn, [list(entry) for entry in msg.commands]]
         case Desync():
@@ -348,14 +356,21 @@ def _join(f: list[Any], c: LockstepConfig) -> Join:
 
 
 def _welcome(f: list[Any], c: LockstepConfig) -> Welcome:
-    _arity(f, 4)
+    _arity(f, 6)
     interval = f[1]
     if type(interval) is not float or not (math.isfinite(interval) and 0 < interval <= 10):
         raise MalformedMessage("bad turn interval")
     roster = [_pair(e) for e in _list(f[3], MAX_CLIENTS_LIMIT)]
     entries = [(_client_id(cid), _str(name, MAX_NAME_LENGTH)) for cid, name in roster]
     _unique_ids(entries)
-    return Welcome(_client_id(f[0]), interval, _int(f[2], 1, 1000), tuple(entries))
+    return Welcome(
+        _client_id(f[0]),
+        interval,
+        _int(f[2], 1, 1000),
+        tuple(entries),
+        _int(f[4], 1, MAX_LIMIT),
+        _int(f[5], 1, MAX_LIMIT),
+    )
 
 
 def _refused(f: list[Any], c: LockstepConfig) -> Refused:
@@ -385,7 +400,9 @@ def _command(f: list[Any], c: LockstepConfig) -> Command:
 
 def _netturn(f: list[Any], c: LockstepConfig) -> NetTurn:
     _arity(f, 2)
-    pairs = [_pair(e) for e in _list(f[1], MAX_CLIENTS_LIMIT * c.max_pending_commands)]
+    # Each command takes at least 3 bytes: the message size bounds their number, whatever
+    # the receiver's own max_pending_commands.
+    pairs = [_pair(e) for e in _list(f[1], c.max_message_size // 3)]
     commands = tuple((_client_id(cid), _bytes(data, c.max_command_size)) for cid, data in pairs)
     return NetTurn(_turn(f[0]), commands)
 

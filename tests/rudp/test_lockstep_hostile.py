@@ -6,10 +6,22 @@ sizes are asserted, never wall-clock times.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import msgpack
 import pytest
 
-from rudp.lockstep import ClientState, LockstepClient, LockstepConfig, LockstepHost
+from rudp.errors import LocalProtocolError
+from rudp.lockstep import (
+    PROTOCOL_VERSION,
+    ClientState,
+    FaultReason,
+    HostFaulted,
+    LockstepClient,
+    LockstepConfig,
+    LockstepHost,
+)
 from rudp.lockstep import messages as m
 
 CFG = LockstepConfig()
@@ -66,3 +78,136 @@ def test_undecodable_msgpack_is_malformed() -> None:
     for data in (b"\xc1", b"\xdd\xff\xff\xff\xff", b"\xc7\x01\xff"):
         with pytest.raises(m.MalformedMessage):
             m.decode(data, CFG)
+
+
+def _started_client(config: LockstepConfig = CFG) -> LockstepClient:
+    client = LockstepClient(name="v", config=config)
+    client.messages_to_send()
+    client.receive(m.encode(m.Welcome(0, 0.1, 2, ((0, "v"),))), 0.0)
+    client.receive(m.encode(m.Start(0)), 0.0)
+    assert client.state is ClientState.RUNNING
+    return client
+
+
+def _events(client: LockstepClient) -> list[object]:
+    out = []
+    while (event := client.next_event()) is not None:
+        out.append(event)
+    return out
+
+
+# ============================================================================ turn backlog
+
+
+def test_a_host_flooding_turns_ends_the_client_at_max_backlog() -> None:
+    client = _started_client(LockstepConfig(max_backlog=50))
+    dense = tuple((i % 128, b"") for i in range(200))
+    for turn in range(500):
+        client.receive(m.encode(m.NetTurn(turn, dense)), 0.0)
+        assert client.backlog <= 50
+    assert client.state is ClientState.ENDED
+    assert client.fault is FaultReason.BACKLOG_FULL
+    assert HostFaulted(FaultReason.BACKLOG_FULL) in _events(client)
+    assert client.backlog == 0  # what it held is released
+    assert client.messages_to_send()[-1] == m.encode(m.Leave())
+    assert client.stats.unexpected == 500 - 51  # everything after the fault
+
+
+def test_a_client_running_its_turns_never_hits_max_backlog() -> None:
+    client = _started_client(LockstepConfig(max_backlog=3))
+    for turn in range(100):
+        client.receive(m.encode(m.NetTurn(turn, ())), 0.0)
+        if turn % 3 == 2:
+            while (t := client.next_turn()) is not None:
+                client.complete_turn(t.number, 1)
+    assert client.state is ClientState.RUNNING and client.fault is None
+
+
+def test_default_max_backlog_is_bounded() -> None:
+    client = _started_client()
+    for turn in range(CFG.max_backlog + 10):
+        client.receive(m.encode(m.NetTurn(turn, ())), 0.0)
+    assert client.fault is FaultReason.BACKLOG_FULL and CFG.max_backlog == 1000
+    with pytest.raises(ValueError):
+        LockstepConfig(max_backlog=0)
+
+
+# ============================================================================ limits and faults
+
+
+def _lobby(host: LockstepHost[str], clients: dict[str, LockstepClient]) -> None:
+    for _ in range(5):
+        for peer, client in clients.items():
+            for data in client.messages_to_send():
+                host.receive(peer, data, 0.0)
+        for peer, data in host.messages_to_send():
+            clients[peer].receive(data, 0.0)
+
+
+def test_welcome_carries_the_host_limits_and_a_stricter_client_refuses() -> None:
+    host = LockstepHost[str](config=LockstepConfig(max_command_size=512))
+    client = LockstepClient(name="a")  # 256-byte commands: could not decode a 300-byte one
+    _lobby(host, {"a": client})
+    assert client.state is ClientState.ENDED
+    assert client.fault is FaultReason.LIMITS_MISMATCH
+    assert HostFaulted(FaultReason.LIMITS_MISMATCH) in _events(client)
+    assert host.clients == {}  # its LEAVE reached the host
+
+
+def test_a_client_adopts_smaller_host_limits() -> None:
+    host = LockstepHost[str](config=LockstepConfig(max_command_size=128))
+    client = LockstepClient(name="a")
+    _lobby(host, {"a": client})
+    host.start(0.0)
+    _lobby(host, {"a": client})
+    assert client.state is ClientState.RUNNING and client.max_command_size == 128
+    with pytest.raises(LocalProtocolError):
+        client.send_command(b"x" * 200)  # the host would have dropped it as malformed
+    client.send_command(b"x" * 128)
+
+
+def test_welcome_roundtrip_carries_limits() -> None:
+    welcome = m.Welcome(1, 0.05, 3, ((1, "a"),), 100, 900)
+    assert m.decode(m.encode(welcome), CFG) == welcome
+    old_layout = msgpack.packb([m.MsgType.WELCOME, 1, 0.05, 3, [[1, "a"]]])
+    with pytest.raises(m.MalformedMessage):
+        m.decode(old_layout, CFG)
+    assert PROTOCOL_VERSION == 2
+
+
+def test_a_malformed_message_from_the_host_ends_the_client_with_a_reason() -> None:
+    client = _started_client()
+    too_big = m.encode(m.NetTurn(0, ((1, b"x" * (CFG.max_command_size + 1)),)))
+    client.receive(too_big, 0.0)
+    assert client.stats.malformed == 1
+    assert client.fault is FaultReason.MALFORMED_MESSAGE
+    assert HostFaulted(FaultReason.MALFORMED_MESSAGE) in _events(client)
+    assert client.get_timer() is None  # no HostUnresponsive blaming a host that is fine
+
+
+async def test_session_hangs_up_on_a_faulty_host_and_events_end() -> None:
+    """A hostile host over loopback rudp: the session ends with a named event, close() is quiet."""
+    import rudp
+    from rudp.lockstep.aio import LockstepSession
+
+    async def evil_host(conn: rudp.Connection) -> None:
+        await conn.recv()  # the JOIN
+        conn.send(b"\x00", channel=1)  # another channel: ignored, counted
+        conn.send(DEEP_TYPE)
+        await asyncio.sleep(5)
+
+    server = await rudp.serve(evil_host, "127.0.0.1", 0)
+    session = await LockstepSession.connect("127.0.0.1", server.address[1], name="victim")
+    try:
+        seen = [event async for event in _bounded(session.events())]
+        assert seen == [HostFaulted(FaultReason.MALFORMED_MESSAGE)]
+        assert session.client.stats.malformed == 1 and session.client.stats.ignored == 1
+    finally:
+        await session.close()
+        server.close()
+
+
+async def _bounded(events: AsyncIterator[object]) -> AsyncIterator[object]:
+    async with asyncio.timeout(10):
+        async for event in events:
+            yield event
