@@ -65,6 +65,7 @@ class _Pump:
         self._timer: asyncio.TimerHandle | None = None
         self._events: asyncio.Queue[Event | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing: set[rudp.Connection] = set()
         self._stopped = False
 
     def now(self) -> float:
@@ -84,9 +85,14 @@ class _Pump:
         self._on_timer(self.now())
 
     def spawn_close(self, conn: rudp.Connection) -> None:
+        """Close ``conn`` in the background; once, however often it is asked."""
+        if conn in self._closing:
+            return
+        self._closing.add(conn)
         task = self._loop.create_task(self._close(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._closing.discard(conn))
 
     @staticmethod
     async def _close(conn: rudp.Connection) -> None:

@@ -27,6 +27,10 @@ in-process and talks to its own host through a local peer id.)
   turn)``. Past ``unresponsive_after`` everyone is told (CLSTATE); past
   ``drop_after`` it is dropped (LEFT, TIMED_OUT) and its peer listed in
   :meth:`peers_to_close`. Leaving, kicking and transport loss take the same path.
+* **Hanging up.** A peer refused, or removed other than by transport loss, is
+  listed in :meth:`peers_to_close` once and then barred: whatever it sends
+  until :meth:`peer_disconnected` is dropped unread (``unexpected``), so a JOIN
+  already in flight behind a LEAVE is not admitted again.
 
 Every entry point takes ``now``; :meth:`get_timer` gives the one deadline to
 wake at and :meth:`handle_timer` acts on it. Output is pulled: messages with
@@ -84,7 +88,8 @@ class HostStats:
     malformed: int = 0
     """Messages that failed to decode or validate."""
     unexpected: int = 0
-    """Well-formed messages that made no sense now (wrong sender, state or turn)."""
+    """Well-formed messages that made no sense now (wrong sender, state or turn), and
+    any message from a peer refused or removed whose connection has not ended yet."""
     refused_commands: int = 0
     """Commands beyond ``max_command_lead`` or ``max_pending_commands``."""
     late_commands: int = 0
@@ -145,6 +150,8 @@ class LockstepHost(Generic[P]):
         self._blamed: set[int] = set()
         self._outbox: list[tuple[P, bytes]] = []
         self._to_close: list[P] = []
+        self._closing: set[P] = set()
+        """Peers listed to close whose connection has not ended yet: barred."""
         self._events: deque[Event] = deque()
 
     def __repr__(self) -> str:
@@ -205,13 +212,19 @@ class LockstepHost(Generic[P]):
         self._remove(client_id, m.LeaveReason.KICKED, now)
 
     def peer_disconnected(self, peer: P, now: float) -> None:
-        """The transport lost ``peer``; harmless for unknown peers."""
+        """The transport lost ``peer``; harmless for unknown peers. Call it for every
+        connection that ends, including those listed by :meth:`peers_to_close`."""
+        self._closing.discard(peer)
         client_id = self._by_peer.get(peer)
         if client_id is not None:
             self._remove(client_id, m.LeaveReason.DISCONNECTED, now)
 
     def receive(self, peer: P, data: bytes, now: float) -> None:
         """Handle one message from ``peer``. Never raises on bad input."""
+        if peer in self._closing:
+            # Refused or removed, its close under way: nothing it says counts now.
+            self.stats.unexpected += 1
+            return
         try:
             msg = m.decode(data, self.config)
         except m.MalformedMessage as exc:
@@ -252,7 +265,7 @@ class LockstepHost(Generic[P]):
         reason = self._refusal(msg)
         if reason is not None:
             self._send(peer, m.Refused(reason))
-            self._to_close.append(peer)
+            self._hang_up(peer)
             self._events.append(JoinRefused(reason, msg.name))
             return
         # Joins happen only in the lobby, where the lowest free id is reused: the
@@ -425,7 +438,7 @@ class LockstepHost(Generic[P]):
         left = m.Left(client_id, reason)
         if reason is not m.LeaveReason.DISCONNECTED:
             self._send(client.peer, left)  # tell it why before hanging up
-            self._to_close.append(client.peer)
+            self._hang_up(client.peer)
         del self._clients[client_id]
         del self._by_peer[client.peer]
         self._broadcast(left)
@@ -435,6 +448,11 @@ class LockstepHost(Generic[P]):
         self._settle_turns()  # its departure may complete turns it was holding up
 
     # ------------------------------------------------------------------ plumbing
+
+    def _hang_up(self, peer: P) -> None:
+        if peer not in self._closing:
+            self._closing.add(peer)
+            self._to_close.append(peer)
 
     def _send(self, peer: P, msg: m.Message) -> None:
         self._outbox.append((peer, m.encode(msg)))

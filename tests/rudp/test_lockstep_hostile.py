@@ -15,9 +15,12 @@ import pytest
 from rudp.errors import LocalProtocolError
 from rudp.lockstep import (
     PROTOCOL_VERSION,
+    ClientJoined,
+    ClientLeft,
     ClientState,
     FaultReason,
     HostFaulted,
+    JoinRefused,
     LockstepClient,
     LockstepConfig,
     LockstepHost,
@@ -211,3 +214,51 @@ async def _bounded(events: AsyncIterator[object]) -> AsyncIterator[object]:
     async with asyncio.timeout(10):
         async for event in events:
             yield event
+
+
+# ============================================================================ hanging up
+
+
+def _host_events(host: LockstepHost[str]) -> list[object]:
+    out = []
+    while (event := host.next_event()) is not None:
+        out.append(event)
+    return out
+
+
+def test_join_leave_churn_on_one_connection_is_admitted_once() -> None:
+    host = LockstepHost[str]()
+    join = m.encode(m.Join(PROTOCOL_VERSION, "", "x" * 32))
+    for _ in range(300):  # pipelined: all arrive before the host's close completes
+        host.receive("bad", join, 0.0)
+        host.receive("bad", m.encode(m.Leave()), 0.0)
+    events = _host_events(host)
+    assert sum(isinstance(e, ClientJoined) for e in events) == 1
+    assert sum(isinstance(e, ClientLeft) for e in events) == 1
+    assert host.peers_to_close() == ["bad"]
+    assert host.stats.unexpected == 598 and host.clients == {}
+
+
+def test_a_refused_burst_gets_one_answer_and_one_close() -> None:
+    host = LockstepHost[str]()
+    join = m.encode(m.Join(PROTOCOL_VERSION, "other-version", "x"))
+    for _ in range(2000):
+        host.receive("bad", join, 0.0)
+    sent = host.messages_to_send()
+    assert sent == [("bad", m.encode(m.Refused(m.RefuseReason.WRONG_VERSION)))]
+    assert sum(isinstance(e, JoinRefused) for e in _host_events(host)) == 1
+    assert host.peers_to_close() == ["bad"] and host.stats.unexpected == 1999
+
+
+def test_a_kicked_peer_cannot_rejoin_until_its_connection_ends() -> None:
+    host = LockstepHost[str]()
+    join = m.encode(m.Join(PROTOCOL_VERSION, "", "mallory"))
+    host.receive("bad", join, 0.0)
+    [client_id] = host.clients
+    host.kick(client_id, 0.0)
+    host.receive("bad", join, 0.0)
+    assert host.clients == {} and host.stats.unexpected == 1
+    assert host.peers_to_close() == ["bad"]
+    host.peer_disconnected("bad", 1.0)  # the close completed; the id may be reused
+    host.receive("bad", join, 1.0)
+    assert list(host.clients) == [0]
