@@ -266,8 +266,8 @@ class _Collector(asyncio.DatagramProtocol):
         return self.search.sent_at
 
     @property
-    def hosts(self) -> dict[bytes, DiscoveredHost]:
-        """The search's fastest answer of every responder, by instance id."""
+    def hosts(self) -> dict[tuple[bytes, int], DiscoveredHost]:
+        """The search's fastest answer of every host, by ``(instance id, n)``."""
         return self.search.hosts
 
     @property

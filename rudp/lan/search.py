@@ -11,9 +11,13 @@ an answer is only accepted for a nonce we sent, so stray, replayed or late
 answers from an earlier round are ignored, and its round-trip time is measured
 against the very send it answers (Karn's rule, for free).
 
-Answers are merged by the responder's instance id, keeping the fastest, so a
-host heard over IPv4 and IPv6, or on two interfaces, is reported once. The
-round ends at the deadline, or as soon as ``expected`` distinct hosts have
+Answers with the same responder instance id are merged, keeping the fastest,
+when they come from the same address (a later call's answer, its info maybe
+updated) or say exactly the same thing (the same host heard over IPv4 and
+IPv6, or on two interfaces), so such a host is reported once. Two answers with
+one instance id that differ, from different addresses, are both listed: the id
+is no secret (any call reveals it), so a spoofer reusing it must not hide the
+host it copies. The round ends at the deadline, or as soon as ``expected`` distinct hosts have
 answered.
 
 Anyone on the link can answer, so an answer is cheap to refuse: one longer
@@ -59,7 +63,7 @@ __all__ = ["DEFAULT_MAX_HOSTS", "DiscoveredHost", "Search", "SearchStats"]
 
 log = logging.getLogger(__name__)
 
-#: Hosts one search keeps at most; answers from further instance ids are dropped.
+#: Hosts one search keeps at most; answers from further hosts are dropped.
 DEFAULT_MAX_HOSTS = 256
 
 
@@ -98,7 +102,8 @@ class DiscoveredHost:
     rtt: float
     """Round-trip time of the fastest answer, in seconds."""
     instance_id: bytes = field(repr=False)
-    """Random id of the responder, used to merge answers that arrived by several routes."""
+    """Random id of the responder; answers under one id are merged when they come from one
+    address or are identical (several routes to one host)."""
 
 
 class Search:
@@ -126,8 +131,10 @@ class Search:
         """Only answers for this game are kept (``None``: any game)."""
         self.sent_at: dict[bytes, float] = {}
         """Send time of every call, by nonce."""
-        self.hosts: dict[bytes, DiscoveredHost] = {}
-        """The fastest answer of every responder so far, by instance id."""
+        self.hosts: dict[tuple[bytes, int], DiscoveredHost] = {}
+        """The fastest answer of every host so far, by ``(instance id, n)``: ``n`` is 0
+        for the first answer listed under that id, 1 for the next distinct one, ..."""
+        self._by_instance: dict[bytes, list[tuple[bytes, int]]] = {}
         self.stats = SearchStats()
         """What happened to every datagram received."""
         self._request_size = request_size
@@ -191,21 +198,32 @@ class Search:
             return False
         if host is None:
             return False
-        best = self.hosts.get(host.instance_id)
-        if best is not None and best.rtt <= host.rtt:
+        keys = self._by_instance.setdefault(host.instance_id, [])
+        key = next((k for k in keys if self._same_host(self.hosts[k], host)), None)
+        if key is not None and self.hosts[key].rtt <= host.rtt:
             stats.slower += 1
             return False
-        if best is None and len(self.hosts) >= self._max_hosts:
-            stats.too_many_hosts += 1
-            return False
+        if key is None:
+            if len(self.hosts) >= self._max_hosts:
+                stats.too_many_hosts += 1
+                if not keys:
+                    del self._by_instance[host.instance_id]
+                return False
+            key = (host.instance_id, len(keys))
+            keys.append(key)
         stats.answers += 1
-        self.hosts[host.instance_id] = host
+        self.hosts[key] = host
         self._over = self._over or self._enough()
         return True
 
     def results(self) -> list[DiscoveredHost]:
         """The hosts found so far, fastest first."""
         return sorted(self.hosts.values(), key=lambda h: h.rtt)
+
+    @staticmethod
+    def _same_host(known: DiscoveredHost, new: DiscoveredHost) -> bool:
+        """Whether two answers with one instance id are one host (see the module doc)."""
+        return known.address == new.address or (known.game, known.info) == (new.game, new.info)
 
     def _enough(self) -> bool:
         return self._expected is not None and len(self.hosts) >= self._expected

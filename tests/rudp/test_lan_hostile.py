@@ -175,3 +175,30 @@ async def test_failed_answer_is_not_also_counted_as_answered() -> None:
             sock.close()
     finally:
         responder.close()
+
+
+# ----------------------------------------------------------------------------- instance ids
+
+
+def test_a_spoofer_reusing_an_instance_id_does_not_hide_the_host() -> None:
+    search, nonce = _search()
+    real, spoof = ("10.0.0.5", 47474), ("10.0.0.66", 47474)
+    assert search.datagram_received(_answer(nonce, b"R" * 8, {"port": 7777}), real, 100.2)
+    # Faster, same id, its own info: listed too, never instead.
+    assert search.datagram_received(_answer(nonce, b"R" * 8, {"port": 6666}), spoof, 100.1)
+    ports = sorted(h.info["port"] for h in search.results())
+    assert ports == [6666, 7777]
+    assert {h.address for h in search.results()} == {real, spoof}
+
+
+def test_one_host_heard_by_two_routes_or_twice_is_listed_once() -> None:
+    search, nonce = _search()
+    info = {"port": 7777}
+    assert search.datagram_received(_answer(nonce, b"R" * 8, info), ("10.0.0.5", 47474), 100.3)
+    # The same answer over IPv6: one host, the faster route kept.
+    v6 = ("fe80::5%eth0", 47474)
+    assert search.datagram_received(_answer(nonce, b"R" * 8, info), v6, 100.2)
+    # A later answer from a known address with updated info: the same host.
+    assert not search.datagram_received(_answer(nonce, b"R" * 8, {"port": 7777, "n": 2}), v6, 100.4)
+    [host] = search.results()
+    assert host.address == v6 and search.stats.slower == 1
