@@ -26,6 +26,7 @@ from rudp.lockstep.events import (
     Joined,
     JoinRefused,
     TimeDropped,
+    TurnsExhausted,
     TurnsReady,
 )
 from rudp.lockstep.host import ClientRecord, HostState, HostStats, LockstepHost
@@ -61,5 +62,6 @@ __all__ = [
     "TimeDropped",
     "Turn",
     "TurnClock",
+    "TurnsExhausted",
     "TurnsReady",
 ]

@@ -38,7 +38,13 @@ from dataclasses import dataclass
 
 from rudp.errors import LocalProtocolError
 from rudp.lockstep import messages as m
-from rudp.lockstep.config import MAX_CHECKSUM, MAX_NAME_LENGTH, PROTOCOL_VERSION, LockstepConfig
+from rudp.lockstep.config import (
+    MAX_CHECKSUM,
+    MAX_NAME_LENGTH,
+    MAX_TURN,
+    PROTOCOL_VERSION,
+    LockstepConfig,
+)
 from rudp.lockstep.events import (
     ClientJoined,
     ClientLeft,
@@ -52,6 +58,7 @@ from rudp.lockstep.events import (
     HostUnresponsive,
     Joined,
     JoinRefused,
+    TurnsExhausted,
     TurnsReady,
     split_checksums,
 )
@@ -157,6 +164,8 @@ class LockstepClient:
         """When :meth:`handle_timer` next has work (host silence check), or ``None``."""
         if self.state is not ClientState.RUNNING or self.host_unresponsive:
             return None
+        if self.latest_turn >= MAX_TURN:
+            return None  # the last turn came: the host's silence is expected
         return self._last_heard + self.config.unresponsive_after
 
     # ------------------------------------------------------------------ the application's side
@@ -183,6 +192,8 @@ class LockstepClient:
         if len(data) > self.max_command_size:
             raise LocalProtocolError(f"command larger than {self.max_command_size} bytes")
         turn = self.latest_turn + self.input_delay
+        if turn > MAX_TURN:
+            raise LocalProtocolError("no turn left to schedule a command for")
         self._send(m.Command(turn, bytes(data)))
         return turn
 
@@ -283,6 +294,8 @@ class LockstepClient:
             self.host_unresponsive = False
             self._events.append(HostResponsive())
         self._events.append(TurnsReady(msg.turn))
+        if msg.turn == MAX_TURN:
+            self._events.append(TurnsExhausted(msg.turn))
         return True
 
     def _on_left(self, msg: m.Left) -> None:

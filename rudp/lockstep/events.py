@@ -29,6 +29,7 @@ __all__ = [
     "JoinRefused",
     "Joined",
     "TimeDropped",
+    "TurnsExhausted",
     "TurnsReady",
     "split_checksums",
 ]
@@ -142,6 +143,18 @@ class HostResponsive:
     """Client: turns flow again after :class:`HostUnresponsive`."""
 
 
+@dataclass(frozen=True, slots=True)
+class TurnsExhausted:
+    """Both: turn ``MAX_TURN`` (2**31 - 1) was sent; the host sends no more turns.
+
+    That is 24.9 days at the smallest ``turn_interval`` (1 ms), 6.8 years at the
+    default. The game is over: the host keeps its clients (and still collects
+    their checksums) until the application ends the game."""
+
+    last_turn: int
+    """The last turn, ``MAX_TURN``."""
+
+
 class FaultReason(enum.Enum):
     """Why a client gave up on its host (:class:`HostFaulted`)."""
 
@@ -178,6 +191,7 @@ Event = (
     | HostUnresponsive
     | HostResponsive
     | HostFaulted
+    | TurnsExhausted
 )
 
 

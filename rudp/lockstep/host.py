@@ -53,6 +53,7 @@ from rudp.lockstep.clock import TurnClock
 from rudp.lockstep.config import (
     COMMAND_OVERHEAD,
     MAX_CLIENTS_LIMIT,
+    MAX_TURN,
     NETTURN_OVERHEAD,
     PROTOCOL_VERSION,
     LockstepConfig,
@@ -66,6 +67,7 @@ from rudp.lockstep.events import (
     GameStarted,
     JoinRefused,
     TimeDropped,
+    TurnsExhausted,
     split_checksums,
 )
 
@@ -202,6 +204,7 @@ class LockstepHost(Generic[P]):
         self.clock.start(now)
         for client in self._clients.values():
             client.last_ack_at = now
+            client.acked = self.next_turn - 1  # nothing owed before the first turn
         self._broadcast(m.Start(self.next_turn))
         self._events.append(GameStarted(self.next_turn))
 
@@ -254,6 +257,12 @@ class LockstepHost(Generic[P]):
             ticks, dropped = self.clock.advance(now)
             for _ in range(ticks):
                 self._send_turn(now)
+                if self.next_turn > MAX_TURN:
+                    # Turn numbers end here (the wire caps them): stop, and say so.
+                    self.clock.stop()
+                    self._events.append(TurnsExhausted(MAX_TURN))
+                    log.info("turns_exhausted last_turn=%d", MAX_TURN)
+                    break
             if dropped:
                 self.stats.dropped_turns += dropped
                 self._events.append(TimeDropped(dropped))

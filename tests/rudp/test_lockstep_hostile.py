@@ -20,12 +20,15 @@ from rudp.lockstep import (
     ClientState,
     FaultReason,
     HostFaulted,
+    HostUnresponsive,
     JoinRefused,
     LockstepClient,
     LockstepConfig,
     LockstepHost,
+    TurnsExhausted,
 )
 from rudp.lockstep import messages as m
+from rudp.lockstep.config import MAX_TURN
 
 CFG = LockstepConfig()
 
@@ -262,3 +265,56 @@ def test_a_kicked_peer_cannot_rejoin_until_its_connection_ends() -> None:
     host.peer_disconnected("bad", 1.0)  # the close completed; the id may be reused
     host.receive("bad", join, 1.0)
     assert list(host.clients) == [0]
+
+
+# ============================================================================ the last turn
+
+
+def test_the_game_stops_at_max_turn_with_a_named_event() -> None:
+    cfg = LockstepConfig(turn_interval=0.001)
+    host = LockstepHost[str](config=cfg)
+    clients = {"a": LockstepClient(name="a", config=cfg), "b": LockstepClient(name="b", config=cfg)}
+    host_events: list[object] = []
+    client_events: list[object] = []
+
+    def pump(now: float) -> None:
+        for _ in range(20):
+            moved = False
+            for peer, client in clients.items():
+                for data in client.messages_to_send():
+                    host.receive(peer, data, now)
+                    moved = True
+            for peer, data in host.messages_to_send():
+                clients[peer].receive(data, now)
+                moved = True
+            for client in clients.values():
+                while (turn := client.next_turn()) is not None:
+                    client.complete_turn(turn.number, 1)
+                client_events.extend(_events(client))
+            host_events.extend(_host_events(host))
+            if not moved:
+                return
+
+    pump(0.0)
+    host.next_turn = MAX_TURN - 3  # stands in for 24.9 days of 1 ms turns
+    host.start(0.0)
+    pump(0.0)
+    now = 0.0
+    while now < 12.0:  # past unresponsive_after and drop_after
+        now = round(now + 0.01, 4)
+        if (deadline := host.get_timer()) is not None and deadline <= now:
+            host.handle_timer(now)
+        for client in clients.values():
+            if (deadline := client.get_timer()) is not None and deadline <= now:
+                client.handle_timer(now)
+        pump(now)
+    assert host_events.count(TurnsExhausted(MAX_TURN)) == 1
+    assert client_events.count(TurnsExhausted(MAX_TURN)) == 2
+    assert not any(
+        isinstance(e, ClientLeft | HostUnresponsive) for e in host_events + client_events
+    )
+    assert [c.executed_turn for c in clients.values()] == [MAX_TURN, MAX_TURN]
+    assert host.clock.deadline is None and host.get_timer() is None
+    assert host.stats.malformed == host.stats.unexpected == 0
+    with pytest.raises(LocalProtocolError):
+        clients["a"].send_command(b"x")  # no turn left to carry it
