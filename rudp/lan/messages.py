@@ -46,6 +46,7 @@ __all__ = [
     "MAGIC",
     "MAX_CALL_BODY",
     "MAX_DATAGRAM",
+    "MAX_DEPTH",
     "MAX_GAME_NAME",
     "NONCE_SIZE",
     "VERSION",
@@ -76,6 +77,9 @@ INSTANCE_ID_SIZE = 8
 MAX_GAME_NAME = 64
 #: Upper bound on what we read from a socket: calls are never larger than this.
 MAX_DATAGRAM = 65_507
+#: Deepest nesting of lists and maps a body may have; info is handed to the application,
+#: where comparing or printing a 500-deep structure raises RecursionError.
+MAX_DEPTH = 32
 #: Largest CALL body: ``{"game": str}`` with a game name of MAX_GAME_NAME characters
 #: of 4 UTF-8 bytes each (map header 1, key 5, str16 header 3). An honest body is ~12 bytes.
 MAX_CALL_BODY = 1 + 5 + 3 + 4 * MAX_GAME_NAME
@@ -156,7 +160,19 @@ def _unpack_map(raw: bytes) -> dict[str, Any]:
         raise MalformedDatagram(f"bad msgpack: {type(exc).__name__}") from None
     if not isinstance(obj, dict):
         raise MalformedDatagram("body is not a map")
+    _check_depth(obj)
     return obj
+
+
+def _check_depth(body: dict[str, Any]) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` (iteratively: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise MalformedDatagram("body nested too deep")
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in items if isinstance(v, dict | list))
 
 
 def encode_call(nonce: bytes, game: str | None, request_size: int) -> bytes:

@@ -202,3 +202,17 @@ def test_one_host_heard_by_two_routes_or_twice_is_listed_once() -> None:
     assert not search.datagram_received(_answer(nonce, b"R" * 8, {"port": 7777, "n": 2}), v6, 100.4)
     [host] = search.results()
     assert host.address == v6 and search.stats.slower == 1
+
+
+def test_deeply_nested_answers_are_malformed() -> None:
+    search, nonce = _search()
+    deep: Any = 1
+    for _ in range(500):
+        deep = [deep]
+    assert not search.datagram_received(_answer(nonce, b"D" * 8, {"k": deep}), ADDR, 100.1)
+    assert search.stats.malformed == 1
+    ok: Any = 1
+    for _ in range(lan_messages.MAX_DEPTH - 2):  # the body and info maps are two levels
+        ok = [ok]
+    assert search.datagram_received(_answer(nonce, b"D" * 8, {"k": ok}), ADDR, 100.1)
+    repr(search.results())  # what an application does with it
