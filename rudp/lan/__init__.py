@@ -46,7 +46,7 @@ from rudp.lan.messages import (
     encode_packet,
 )
 from rudp.lan.responder import DiscoveryStats, InfoSource, Responder
-from rudp.lan.search import DiscoveredHost, Search
+from rudp.lan.search import DiscoveredHost, Search, SearchStats
 
 __all__ = [
     "DEFAULT_DISCOVERY_PORT",
@@ -65,6 +65,7 @@ __all__ = [
     "Packet",
     "Responder",
     "Search",
+    "SearchStats",
     "decode_packet",
     "discover",
     "encode_packet",

@@ -43,7 +43,7 @@ from rudp.lan.messages import (
     INSTANCE_ID_SIZE,
 )
 from rudp.lan.responder import DiscoveryStats, InfoSource, Responder
-from rudp.lan.search import DiscoveredHost, Search
+from rudp.lan.search import DEFAULT_MAX_HOSTS, DiscoveredHost, Search
 
 __all__ = ["DiscoveryResponder", "discover", "serve_discovery"]
 
@@ -134,13 +134,18 @@ class DiscoveryResponder:
         answer = self._answer_for(data, addr)
         if answer is None:
             return
+        # asyncio reports a failed sendto to error_received() (which counts it in
+        # send_errors) from inside sendto() rather than raising; either way the
+        # answer was not sent and is not counted as answered.
+        errors = self.stats.send_errors
         try:
             transport.sendto(answer, addr)
         except OSError as exc:
             self.stats.send_errors += 1
             log.debug("answer_send_failed peer=%s error=%r", format_address(addr), str(exc))
             return
-        self.stats.answered += 1
+        if self.stats.send_errors == errors:
+            self.stats.answered += 1
 
     def _answer_for(self, data: bytes, addr: tuple[Any, ...]) -> bytes | None:
         """The answer to send for ``data``, or ``None`` (and a counter bumped)."""
@@ -242,6 +247,7 @@ class _Collector(asyncio.DatagramProtocol):
         attempts: int = 3,
         request_size: int = DEFAULT_REQUEST_SIZE,
         expected: int | None = None,
+        max_hosts: int = DEFAULT_MAX_HOSTS,
     ) -> None:
         self.loop = loop
         self.search = Search(
@@ -251,6 +257,7 @@ class _Collector(asyncio.DatagramProtocol):
             attempts=attempts,
             request_size=request_size,
             expected=expected,
+            max_hosts=max_hosts,
         )
         self.changed = asyncio.Event()
 
@@ -260,8 +267,8 @@ class _Collector(asyncio.DatagramProtocol):
         return self.search.sent_at
 
     @property
-    def hosts(self) -> dict[bytes, DiscoveredHost]:
-        """The search's fastest answer of every responder, by instance id."""
+    def hosts(self) -> dict[tuple[bytes, int], DiscoveredHost]:
+        """The search's fastest answer of every host, by ``(instance id, n)``."""
         return self.search.hosts
 
     @property
@@ -289,6 +296,7 @@ async def discover(
     attempts: int = 3,
     request_size: int = DEFAULT_REQUEST_SIZE,
     expected: int | None = None,
+    max_hosts: int = DEFAULT_MAX_HOSTS,
 ) -> list[DiscoveredHost]:
     """Find discovery responders; returns them fastest first.
 
@@ -298,7 +306,10 @@ async def discover(
     first half of ``timeout``. Answers are collected for ``timeout`` seconds, or
     until ``expected`` distinct hosts have answered. ``game`` asks responders of
     other games to stay silent. ``request_size`` pads each call, and so caps
-    the answer size (answers larger than the call are never sent).
+    the answer size: answers larger than the call are never sent, and any
+    larger datagram is dropped unread. At most ``max_hosts`` hosts are listed.
+    What happened to each datagram is not returned; a :class:`Search` driven
+    directly keeps it in ``stats``.
     """
     port = check_port(port)
     loop = asyncio.get_running_loop()
@@ -309,6 +320,7 @@ async def discover(
         attempts=attempts,
         request_size=request_size,
         expected=expected,
+        max_hosts=max_hosts,
     )
     destinations = _destinations(port, targets, broadcast, ipv6, ipv6_group)
     async with contextlib.AsyncExitStack() as stack:

@@ -21,7 +21,10 @@ Wire format (network byte order, both directions)::
     ANSWER body:  {"id": bin(8), "game": str, "info": map}
 
 An ANSWER must end exactly after its body; a CALL may be longer (its padding
-is what caps the answer's size, see :mod:`rudp.lan.responder`).
+is what caps the answer's size, see :mod:`rudp.lan.responder`). A CALL body is
+at most :data:`MAX_CALL_BODY` bytes (the map with the longest game name): a
+responder refuses a longer one before unpacking it, since it only ever reads
+``game``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ __all__ = [
     "HEADER",
     "INSTANCE_ID_SIZE",
     "MAGIC",
+    "MAX_CALL_BODY",
     "MAX_DATAGRAM",
+    "MAX_DEPTH",
     "MAX_GAME_NAME",
     "NONCE_SIZE",
     "VERSION",
@@ -72,6 +77,12 @@ INSTANCE_ID_SIZE = 8
 MAX_GAME_NAME = 64
 #: Upper bound on what we read from a socket: calls are never larger than this.
 MAX_DATAGRAM = 65_507
+#: Deepest nesting of lists and maps a body may have; info is handed to the application,
+#: where comparing or printing a 500-deep structure raises RecursionError.
+MAX_DEPTH = 32
+#: Largest CALL body: ``{"game": str}`` with a game name of MAX_GAME_NAME characters
+#: of 4 UTF-8 bytes each (map header 1, key 5, str16 header 3). An honest body is ~12 bytes.
+MAX_CALL_BODY = 1 + 5 + 3 + 4 * MAX_GAME_NAME
 
 
 class Kind(enum.IntEnum):
@@ -103,34 +114,65 @@ def encode_packet(kind: Kind, nonce: bytes, body: Mapping[str, Any], *, pad_to: 
     return data
 
 
-def decode_packet(data: bytes) -> Packet:
-    """Parse a datagram, raising :class:`MalformedDatagram` on any defect."""
+def decode_packet(data: bytes, *, kind: Kind | None = None, max_body: int = 0xFFFF) -> Packet:
+    """Parse a datagram, raising :class:`MalformedDatagram` on any defect.
+
+    With ``kind``, any other kind is refused, and a body longer than ``max_body``
+    bytes too, both from the header alone, before the body is unpacked.
+    """
     if len(data) < HEADER.size:
         raise MalformedDatagram("short header")
-    magic, version, kind, nonce, length = HEADER.unpack_from(data)
+    magic, version, found, nonce, length = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise MalformedDatagram("bad magic")
     if version != VERSION:
         raise MalformedDatagram("unsupported version")
-    if kind not in (Kind.CALL, Kind.ANSWER):
+    if found not in (Kind.CALL, Kind.ANSWER):
         raise MalformedDatagram("unknown kind")
+    if kind is not None and found != kind:
+        raise MalformedDatagram(f"not a {kind.name.lower()}")
+    if length > max_body:
+        raise MalformedDatagram("body too large")
     end = HEADER.size + length
     if end > len(data):
         raise MalformedDatagram("truncated body")
-    if kind == Kind.ANSWER and end != len(data):
+    if found == Kind.ANSWER and end != len(data):
         raise MalformedDatagram("trailing bytes")
     body = _unpack_map(data[HEADER.size : end])
-    return Packet(Kind(kind), nonce, body)
+    return Packet(Kind(found), nonce, body)
 
 
 def _unpack_map(raw: bytes) -> dict[str, Any]:
+    n = len(raw)
     try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise MalformedDatagram(f"bad msgpack: {exc}") from None
+        # No container or string can hold more items than the body has bytes.
+        obj = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n,
+            max_ext_len=n,
+        )
+    except Exception as exc:  # msgpack's errors, and RecursionError on deep nesting
+        raise MalformedDatagram(f"bad msgpack: {type(exc).__name__}") from None
     if not isinstance(obj, dict):
         raise MalformedDatagram("body is not a map")
+    _check_depth(obj)
     return obj
+
+
+def _check_depth(body: dict[str, Any]) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` (iteratively: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise MalformedDatagram("body nested too deep")
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in items if isinstance(v, dict | list))
 
 
 def encode_call(nonce: bytes, game: str | None, request_size: int) -> bytes:

@@ -11,10 +11,21 @@ an answer is only accepted for a nonce we sent, so stray, replayed or late
 answers from an earlier round are ignored, and its round-trip time is measured
 against the very send it answers (Karn's rule, for free).
 
-Answers are merged by the responder's instance id, keeping the fastest, so a
-host heard over IPv4 and IPv6, or on two interfaces, is reported once. The
-round ends at the deadline, or as soon as ``expected`` distinct hosts have
+Answers with the same responder instance id are merged, keeping the fastest,
+when they come from the same address (a later call's answer, its info maybe
+updated) or say exactly the same thing (the same host heard over IPv4 and
+IPv6, or on two interfaces), so such a host is reported once. Two answers with
+one instance id that differ, from different addresses, are both listed: the id
+is no secret (any call reveals it), so a spoofer reusing it must not hide the
+host it copies. The round ends at the deadline, or as soon as ``expected`` distinct hosts have
 answered.
+
+Anyone on the link can answer, so an answer is cheap to refuse: one longer
+than ``request_size`` (no honest responder sends one, see
+:mod:`rudp.lan.responder`) is dropped unparsed, and so is one whose nonce is
+not ours (read from the header); at most ``max_hosts`` hosts are kept. Every
+datagram that does not find a host or a faster route lands in one counter of
+:class:`SearchStats`.
 
 The aioquic pattern: every entry point takes ``now``. The caller sends what
 :meth:`Search.call_to_send` returns to every destination, feeds every received
@@ -36,8 +47,10 @@ from typing import Any
 from rudp.lan.messages import (
     DEFAULT_REQUEST_SIZE,
     HEADER,
+    MAGIC,
     MAX_DATAGRAM,
     NONCE_SIZE,
+    VERSION,
     Kind,
     MalformedDatagram,
     answer_fields,
@@ -46,9 +59,34 @@ from rudp.lan.messages import (
     log_address,
 )
 
-__all__ = ["DiscoveredHost", "Search"]
+__all__ = ["DEFAULT_MAX_HOSTS", "DiscoveredHost", "Search", "SearchStats"]
 
 log = logging.getLogger(__name__)
+
+#: Hosts one search keeps at most; answers from further hosts are dropped.
+DEFAULT_MAX_HOSTS = 256
+
+
+@dataclass(slots=True)
+class SearchStats:
+    """Counters kept by a search: every datagram received lands in exactly one."""
+
+    answers: int = 0
+    """Answers that listed a new host, or a faster route to a known one."""
+    slower: int = 0
+    """Valid answers from a known host that were no faster than its best one."""
+    malformed: int = 0
+    """Datagrams that failed to parse."""
+    oversize: int = 0
+    """Datagrams longer than ``request_size``, dropped unparsed (no honest answer is)."""
+    calls: int = 0
+    """Calls: our own broadcast looping back, or another client's."""
+    stray: int = 0
+    """Answers to a nonce we never sent (late, replayed, or for another client)."""
+    other_game: int = 0
+    """Answers for a game other than the one searched for."""
+    too_many_hosts: int = 0
+    """Answers from a new host once ``max_hosts`` were listed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +102,8 @@ class DiscoveredHost:
     rtt: float
     """Round-trip time of the fastest answer, in seconds."""
     instance_id: bytes = field(repr=False)
-    """Random id of the responder, used to merge answers that arrived by several routes."""
+    """Random id of the responder; answers under one id are merged when they come from one
+    address or are identical (several routes to one host)."""
 
 
 class Search:
@@ -79,21 +118,27 @@ class Search:
         attempts: int = 3,
         request_size: int = DEFAULT_REQUEST_SIZE,
         expected: int | None = None,
+        max_hosts: int = DEFAULT_MAX_HOSTS,
         randbytes: Callable[[int], bytes] = os.urandom,
     ) -> None:
         if timeout <= 0 or attempts < 1:
             raise ValueError("timeout must be positive and attempts at least 1")
         if request_size < HEADER.size or request_size > MAX_DATAGRAM:
             raise ValueError(f"request_size must be in {HEADER.size}..{MAX_DATAGRAM}")
+        if max_hosts < 1:
+            raise ValueError("max_hosts must be at least 1")
         self.game = game
         """Only answers for this game are kept (``None``: any game)."""
         self.sent_at: dict[bytes, float] = {}
         """Send time of every call, by nonce."""
-        self.hosts: dict[bytes, DiscoveredHost] = {}
-        """The fastest answer of every responder so far, by instance id."""
-        self.malformed = 0
-        """Datagrams dropped because they failed to parse."""
+        self.hosts: dict[tuple[bytes, int], DiscoveredHost] = {}
+        """The fastest answer of every host so far, by ``(instance id, n)``: ``n`` is 0
+        for the first answer listed under that id, 1 for the next distinct one, ..."""
+        self._by_instance: dict[bytes, list[tuple[bytes, int]]] = {}
+        self.stats = SearchStats()
+        """What happened to every datagram received."""
         self._request_size = request_size
+        self._max_hosts = max_hosts
         self._expected = expected
         self._randbytes = randbytes
         self._deadline = now + timeout
@@ -101,6 +146,11 @@ class Search:
         self._calls_left = attempts
         self._next_call: float | None = now
         self._over = self._enough()
+
+    @property
+    def malformed(self) -> int:
+        """Datagrams dropped because they failed to parse (``stats.malformed``)."""
+        return self.stats.malformed
 
     @property
     def finished(self) -> bool:
@@ -134,18 +184,35 @@ class Search:
 
     def datagram_received(self, data: bytes, address: tuple[str, int], now: float) -> bool:
         """Take in a datagram from ``address``; ``True`` if it found a host or a faster route."""
+        stats = self.stats
+        if len(data) > self._request_size:
+            # A responder never answers with more than the call it got.
+            stats.oversize += 1
+            log.debug("answer_oversize peer=%s size=%d", log_address(address), len(data))
+            return False
         try:
             host = self._parse(data, address, now)
         except MalformedDatagram as exc:
-            self.malformed += 1
+            stats.malformed += 1
             log.debug("answer_malformed peer=%s reason=%r", log_address(address), str(exc))
             return False
         if host is None:
             return False
-        best = self.hosts.get(host.instance_id)
-        if best is not None and best.rtt <= host.rtt:
+        keys = self._by_instance.setdefault(host.instance_id, [])
+        key = next((k for k in keys if self._same_host(self.hosts[k], host)), None)
+        if key is not None and self.hosts[key].rtt <= host.rtt:
+            stats.slower += 1
             return False
-        self.hosts[host.instance_id] = host
+        if key is None:
+            if len(self.hosts) >= self._max_hosts:
+                stats.too_many_hosts += 1
+                if not keys:
+                    del self._by_instance[host.instance_id]
+                return False
+            key = (host.instance_id, len(keys))
+            keys.append(key)
+        stats.answers += 1
+        self.hosts[key] = host
         self._over = self._over or self._enough()
         return True
 
@@ -153,17 +220,30 @@ class Search:
         """The hosts found so far, fastest first."""
         return sorted(self.hosts.values(), key=lambda h: h.rtt)
 
+    @staticmethod
+    def _same_host(known: DiscoveredHost, new: DiscoveredHost) -> bool:
+        """Whether two answers with one instance id are one host (see the module doc)."""
+        return known.address == new.address or (known.game, known.info) == (new.game, new.info)
+
     def _enough(self) -> bool:
         return self._expected is not None and len(self.hosts) >= self._expected
 
     def _parse(self, data: bytes, address: tuple[str, int], now: float) -> DiscoveredHost | None:
-        packet = decode_packet(data)
-        if packet.kind != Kind.ANSWER:
-            return None  # our own broadcast call looping back, or another client's
-        sent = self.sent_at.get(packet.nonce)
-        if sent is None:
-            return None  # not an answer to any of our calls
+        if len(data) >= HEADER.size:
+            # Calls and strays are told from the header alone, before any unpacking.
+            magic, version, kind, nonce, _ = HEADER.unpack_from(data)
+            if (magic, version, kind) == (MAGIC, VERSION, Kind.CALL):
+                self.stats.calls += 1  # our own broadcast call looping back, or another client's
+                return None
+            if (magic, version, kind) == (MAGIC, VERSION, Kind.ANSWER) and (
+                nonce not in self.sent_at
+            ):
+                self.stats.stray += 1  # not an answer to any of our calls
+                return None
+        packet = decode_packet(data, kind=Kind.ANSWER)
+        sent = self.sent_at[packet.nonce]
         instance, game, info = answer_fields(packet.body)
         if self.game is not None and game != self.game:
+            self.stats.other_game += 1
             return None
         return DiscoveredHost(address, game, info, max(0.0, now - sent), instance)

@@ -18,12 +18,15 @@ from rudp.lockstep.events import (
     ClientUnresponsive,
     DesyncDetected,
     Event,
+    FaultReason,
     GameStarted,
+    HostFaulted,
     HostResponsive,
     HostUnresponsive,
     Joined,
     JoinRefused,
     TimeDropped,
+    TurnsExhausted,
     TurnsReady,
 )
 from rudp.lockstep.host import ClientRecord, HostState, HostStats, LockstepHost
@@ -42,7 +45,9 @@ __all__ = [
     "ClientUnresponsive",
     "DesyncDetected",
     "Event",
+    "FaultReason",
     "GameStarted",
+    "HostFaulted",
     "HostResponsive",
     "HostState",
     "HostStats",
@@ -57,5 +62,6 @@ __all__ = [
     "TimeDropped",
     "Turn",
     "TurnClock",
+    "TurnsExhausted",
     "TurnsReady",
 ]

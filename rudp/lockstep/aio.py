@@ -65,6 +65,7 @@ class _Pump:
         self._timer: asyncio.TimerHandle | None = None
         self._events: asyncio.Queue[Event | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing: set[rudp.Connection] = set()
         self._stopped = False
 
     def now(self) -> float:
@@ -84,9 +85,14 @@ class _Pump:
         self._on_timer(self.now())
 
     def spawn_close(self, conn: rudp.Connection) -> None:
+        """Close ``conn`` in the background; once, however often it is asked."""
+        if conn in self._closing:
+            return
+        self._closing.add(conn)
         task = self._loop.create_task(self._close(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._closing.discard(conn))
 
     @staticmethod
     async def _close(conn: rudp.Connection) -> None:
@@ -163,6 +169,8 @@ class LockstepServer:
                 if msg.channel == self.channel:
                     self.host.receive(conn, msg.data, self._pump.now())
                     self._flush()
+                else:
+                    self.host.stats.ignored += 1
         finally:
             self.host.peer_disconnected(conn, self._pump.now())
             self._flush()
@@ -196,6 +204,7 @@ class LockstepSession:
         self.client = client
         self.channel = channel
         self._pump = _Pump(client.get_timer, self._handle_timer)
+        self._hung_up = False
         _check_message_size(conn, client.config)
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self._flush()
@@ -251,6 +260,8 @@ class LockstepSession:
                 if msg.channel == self.channel:
                     self.client.receive(msg.data, self._pump.now())
                     self._flush()
+                else:
+                    self.client.stats.ignored += 1
         finally:
             self._pump.stop()
             self._pump.put(None)
@@ -267,4 +278,9 @@ class LockstepSession:
                 log.info("send_failed error=%r", str(exc))
         while (event := self.client.next_event()) is not None:
             self._pump.put(event)
+        if self.client.fault is not None and not self._hung_up:
+            # The client gave up on a broken host (HostFaulted, queued above): hang up
+            # once its LEAVE is sent; the reader then ends events().
+            self._hung_up = True
+            self._pump.spawn_close(self.conn)
         self._pump.rearm()

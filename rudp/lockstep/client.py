@@ -38,18 +38,27 @@ from dataclasses import dataclass
 
 from rudp.errors import LocalProtocolError
 from rudp.lockstep import messages as m
-from rudp.lockstep.config import MAX_CHECKSUM, MAX_NAME_LENGTH, PROTOCOL_VERSION, LockstepConfig
+from rudp.lockstep.config import (
+    MAX_CHECKSUM,
+    MAX_NAME_LENGTH,
+    MAX_TURN,
+    PROTOCOL_VERSION,
+    LockstepConfig,
+)
 from rudp.lockstep.events import (
     ClientJoined,
     ClientLeft,
     ClientResponsive,
     ClientUnresponsive,
     Event,
+    FaultReason,
     GameStarted,
+    HostFaulted,
     HostResponsive,
     HostUnresponsive,
     Joined,
     JoinRefused,
+    TurnsExhausted,
     TurnsReady,
     split_checksums,
 )
@@ -74,6 +83,8 @@ class ClientStats:
     """Messages that failed to decode or validate."""
     unexpected: int = 0
     """Well-formed messages that made no sense now (wrong state, turn out of order)."""
+    ignored: int = 0
+    """Messages on other channels, ignored by the asyncio session."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +112,10 @@ class LockstepClient:
         """Adopted from the host's WELCOME."""
         self.input_delay = self.config.input_delay
         """Adopted from the host's WELCOME."""
+        self.max_command_size = self.config.max_command_size
+        """Ours, or the host's from WELCOME if smaller: larger commands are refused."""
+        self.fault: FaultReason | None = None
+        """Why the client gave up on the host, if it did (see :class:`HostFaulted`)."""
         self.latest_turn = -1
         """Newest turn received."""
         self.executed_turn = -1
@@ -149,6 +164,8 @@ class LockstepClient:
         """When :meth:`handle_timer` next has work (host silence check), or ``None``."""
         if self.state is not ClientState.RUNNING or self.host_unresponsive:
             return None
+        if self.latest_turn >= MAX_TURN:
+            return None  # the last turn came: the host's silence is expected
         return self._last_heard + self.config.unresponsive_after
 
     # ------------------------------------------------------------------ the application's side
@@ -172,9 +189,11 @@ class LockstepClient:
         """Queue a command; returns the turn it is scheduled for (the host may delay it)."""
         if self.state is not ClientState.RUNNING:
             raise LocalProtocolError(f"cannot send commands while {self.state.value}")
-        if len(data) > self.config.max_command_size:
-            raise LocalProtocolError(f"command larger than {self.config.max_command_size} bytes")
+        if len(data) > self.max_command_size:
+            raise LocalProtocolError(f"command larger than {self.max_command_size} bytes")
         turn = self.latest_turn + self.input_delay
+        if turn > MAX_TURN:
+            raise LocalProtocolError("no turn left to schedule a command for")
         self._send(m.Command(turn, bytes(data)))
         return turn
 
@@ -194,6 +213,9 @@ class LockstepClient:
         except m.MalformedMessage as exc:
             self.stats.malformed += 1
             log.debug("malformed_message reason=%r", str(exc))
+            if self.state is not ClientState.ENDED:
+                # Ordered and reliable: whatever it was, we are now out of step.
+                self._fail(FaultReason.MALFORMED_MESSAGE)
             return
         if not self._dispatch(msg, now):
             self.stats.unexpected += 1
@@ -238,6 +260,13 @@ class LockstepClient:
         return True
 
     def _on_welcome(self, msg: m.Welcome) -> None:
+        if (
+            msg.max_command_size > self.config.max_command_size
+            or msg.max_message_size > self.config.max_message_size
+        ):
+            self._fail(FaultReason.LIMITS_MISMATCH)
+            return
+        self.max_command_size = msg.max_command_size
         self.state = ClientState.LOBBY
         self.client_id = msg.client_id
         self.turn_interval = msg.turn_interval
@@ -255,6 +284,9 @@ class LockstepClient:
     def _on_netturn(self, msg: m.NetTurn, now: float) -> bool:
         if msg.turn != self.latest_turn + 1:
             return False  # the transport is ordered: a gap or repeat is a broken peer
+        if len(self._pending) >= self.config.max_backlog:
+            self._fail(FaultReason.BACKLOG_FULL)
+            return True
         self.latest_turn = msg.turn
         self._pending.append(Turn(msg.turn, msg.commands))
         self._last_heard = now
@@ -262,6 +294,8 @@ class LockstepClient:
             self.host_unresponsive = False
             self._events.append(HostResponsive())
         self._events.append(TurnsReady(msg.turn))
+        if msg.turn == MAX_TURN:
+            self._events.append(TurnsExhausted(msg.turn))
         return True
 
     def _on_left(self, msg: m.Left) -> None:
@@ -278,6 +312,15 @@ class LockstepClient:
         else:
             self._lagging.discard(msg.client_id)
             self._events.append(ClientResponsive(msg.client_id))
+
+    def _fail(self, reason: FaultReason) -> None:
+        """Give up on the host: say LEAVE, end, and report why."""
+        log.info("host_fault reason=%s state=%s", reason.value, self.state.value)
+        self._send(m.Leave())
+        self.state = ClientState.ENDED
+        self.fault = reason
+        self._pending.clear()
+        self._events.append(HostFaulted(reason))
 
     def _send(self, msg: m.Message) -> None:
         self._outbox.append(m.encode(msg))

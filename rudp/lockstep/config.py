@@ -2,8 +2,12 @@
 
 The host is authoritative for the pacing values (``turn_interval``,
 ``input_delay``): it sends them to each client in WELCOME and clients adopt
-them, so only the host's copy of those matters. The limits apply on whichever
-side receives the message they bound.
+them, so only the host's copy of those matters. It sends its message limits
+(``max_command_size``, ``max_message_size``) too: a client whose own limits
+are smaller ends at once (``HostFaulted(LIMITS_MISMATCH)``) rather than
+dropping a turn it cannot decode later, and one whose limits are larger
+adopts the host's for the commands it sends. The other limits apply on
+whichever side receives the message they bound.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-#: Bumped whenever the message layout changes; JOIN carries it.
-PROTOCOL_VERSION = 1
+#: Bumped whenever the message layout changes; JOIN carries it. 2: WELCOME carries
+#: the host's max_command_size and max_message_size.
+PROTOCOL_VERSION = 2
 #: Client ids are small integers so they fit one msgpack byte.
 MAX_CLIENTS_LIMIT = 128
 #: Turn numbers stay below 2**31 (68 years at 1 turn/s): no wraparound to handle.
@@ -80,6 +85,13 @@ class LockstepConfig:
     NETTURN up to this size and defers the remaining commands to the next
     turn; incoming messages larger than this are dropped unparsed."""
 
+    max_backlog: int = 1000
+    """Client: most turns received but not yet completed by the application. A
+    host that sends more (honest ones drop a client long before: 100 turns at
+    the default pacing and ``drop_after``) ends the client with
+    ``HostFaulted(BACKLOG_FULL)``; each turn held costs up to about 16 times
+    ``max_message_size`` of memory. Raise it for very short turn intervals."""
+
     def __post_init__(self) -> None:
         if not (math.isfinite(self.turn_interval) and 0.001 <= self.turn_interval <= 10.0):
             raise ValueError("turn_interval must be between 0.001 and 10 seconds")
@@ -93,7 +105,7 @@ class LockstepConfig:
             raise ValueError("need 0 < unresponsive_after <= drop_after")
         if self.max_command_lead < self.input_delay:
             raise ValueError("max_command_lead must be at least input_delay")
-        if min(self.max_command_size, self.max_pending_commands) < 1:
+        if min(self.max_command_size, self.max_pending_commands, self.max_backlog) < 1:
             raise ValueError("size limits must be positive")
         if self.max_command_size + COMMAND_OVERHEAD + NETTURN_OVERHEAD > self.max_message_size:
             raise ValueError("max_message_size must fit a NETTURN carrying one largest command")

@@ -8,6 +8,7 @@ lagger, everywhere).
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass
 
@@ -20,12 +21,15 @@ __all__ = [
     "ClientUnresponsive",
     "DesyncDetected",
     "Event",
+    "FaultReason",
     "GameStarted",
+    "HostFaulted",
     "HostResponsive",
     "HostUnresponsive",
     "JoinRefused",
     "Joined",
     "TimeDropped",
+    "TurnsExhausted",
     "TurnsReady",
     "split_checksums",
 ]
@@ -139,6 +143,40 @@ class HostResponsive:
     """Client: turns flow again after :class:`HostUnresponsive`."""
 
 
+@dataclass(frozen=True, slots=True)
+class TurnsExhausted:
+    """Both: turn ``MAX_TURN`` (2**31 - 1) was sent; the host sends no more turns.
+
+    That is 24.9 days at the smallest ``turn_interval`` (1 ms), 6.8 years at the
+    default. The game is over: the host keeps its clients (and still collects
+    their checksums) until the application ends the game."""
+
+    last_turn: int
+    """The last turn, ``MAX_TURN``."""
+
+
+class FaultReason(enum.Enum):
+    """Why a client gave up on its host (:class:`HostFaulted`)."""
+
+    MALFORMED_MESSAGE = "malformed_message"
+    """A message from the host failed to decode or validate. The stream is
+    reliable and ordered, so a dropped message (a turn, above all) would leave
+    this client stalled or diverged for good."""
+    BACKLOG_FULL = "backlog_full"
+    """The host sent more than ``max_backlog`` turns ahead of the application."""
+    LIMITS_MISMATCH = "limits_mismatch"
+    """The host's ``max_command_size`` or ``max_message_size`` (in WELCOME) exceeds
+    ours: it would send turns this client cannot decode."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostFaulted:
+    """Client: the host broke the protocol; the client said LEAVE and has ended
+    (the asyncio session then closes the connection)."""
+
+    reason: FaultReason
+
+
 Event = (
     Joined
     | JoinRefused
@@ -152,6 +190,8 @@ Event = (
     | TimeDropped
     | HostUnresponsive
     | HostResponsive
+    | HostFaulted
+    | TurnsExhausted
 )
 
 

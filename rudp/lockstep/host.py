@@ -27,6 +27,10 @@ in-process and talks to its own host through a local peer id.)
   turn)``. Past ``unresponsive_after`` everyone is told (CLSTATE); past
   ``drop_after`` it is dropped (LEFT, TIMED_OUT) and its peer listed in
   :meth:`peers_to_close`. Leaving, kicking and transport loss take the same path.
+* **Hanging up.** A peer refused, or removed other than by transport loss, is
+  listed in :meth:`peers_to_close` once and then barred: whatever it sends
+  until :meth:`peer_disconnected` is dropped unread (``unexpected``), so a JOIN
+  already in flight behind a LEAVE is not admitted again.
 
 Every entry point takes ``now``; :meth:`get_timer` gives the one deadline to
 wake at and :meth:`handle_timer` acts on it. Output is pulled: messages with
@@ -49,6 +53,7 @@ from rudp.lockstep.clock import TurnClock
 from rudp.lockstep.config import (
     COMMAND_OVERHEAD,
     MAX_CLIENTS_LIMIT,
+    MAX_TURN,
     NETTURN_OVERHEAD,
     PROTOCOL_VERSION,
     LockstepConfig,
@@ -62,6 +67,7 @@ from rudp.lockstep.events import (
     GameStarted,
     JoinRefused,
     TimeDropped,
+    TurnsExhausted,
     split_checksums,
 )
 
@@ -84,7 +90,8 @@ class HostStats:
     malformed: int = 0
     """Messages that failed to decode or validate."""
     unexpected: int = 0
-    """Well-formed messages that made no sense now (wrong sender, state or turn)."""
+    """Well-formed messages that made no sense now (wrong sender, state or turn), and
+    any message from a peer refused or removed whose connection has not ended yet."""
     refused_commands: int = 0
     """Commands beyond ``max_command_lead`` or ``max_pending_commands``."""
     late_commands: int = 0
@@ -95,6 +102,8 @@ class HostStats:
     """Turns whose checksums differed (reported or not)."""
     dropped_turns: int = 0
     """Turn intervals of wall time the clock dropped (see :class:`TimeDropped`)."""
+    ignored: int = 0
+    """Messages on other channels, ignored by the asyncio server."""
 
 
 @dataclass(slots=True)
@@ -143,6 +152,8 @@ class LockstepHost(Generic[P]):
         self._blamed: set[int] = set()
         self._outbox: list[tuple[P, bytes]] = []
         self._to_close: list[P] = []
+        self._closing: set[P] = set()
+        """Peers listed to close whose connection has not ended yet: barred."""
         self._events: deque[Event] = deque()
 
     def __repr__(self) -> str:
@@ -193,6 +204,7 @@ class LockstepHost(Generic[P]):
         self.clock.start(now)
         for client in self._clients.values():
             client.last_ack_at = now
+            client.acked = self.next_turn - 1  # nothing owed before the first turn
         self._broadcast(m.Start(self.next_turn))
         self._events.append(GameStarted(self.next_turn))
 
@@ -203,13 +215,19 @@ class LockstepHost(Generic[P]):
         self._remove(client_id, m.LeaveReason.KICKED, now)
 
     def peer_disconnected(self, peer: P, now: float) -> None:
-        """The transport lost ``peer``; harmless for unknown peers."""
+        """The transport lost ``peer``; harmless for unknown peers. Call it for every
+        connection that ends, including those listed by :meth:`peers_to_close`."""
+        self._closing.discard(peer)
         client_id = self._by_peer.get(peer)
         if client_id is not None:
             self._remove(client_id, m.LeaveReason.DISCONNECTED, now)
 
     def receive(self, peer: P, data: bytes, now: float) -> None:
         """Handle one message from ``peer``. Never raises on bad input."""
+        if peer in self._closing:
+            # Refused or removed, its close under way: nothing it says counts now.
+            self.stats.unexpected += 1
+            return
         try:
             msg = m.decode(data, self.config)
         except m.MalformedMessage as exc:
@@ -239,6 +257,12 @@ class LockstepHost(Generic[P]):
             ticks, dropped = self.clock.advance(now)
             for _ in range(ticks):
                 self._send_turn(now)
+                if self.next_turn > MAX_TURN:
+                    # Turn numbers end here (the wire caps them): stop, and say so.
+                    self.clock.stop()
+                    self._events.append(TurnsExhausted(MAX_TURN))
+                    log.info("turns_exhausted last_turn=%d", MAX_TURN)
+                    break
             if dropped:
                 self.stats.dropped_turns += dropped
                 self._events.append(TimeDropped(dropped))
@@ -250,7 +274,7 @@ class LockstepHost(Generic[P]):
         reason = self._refusal(msg)
         if reason is not None:
             self._send(peer, m.Refused(reason))
-            self._to_close.append(peer)
+            self._hang_up(peer)
             self._events.append(JoinRefused(reason, msg.name))
             return
         # Joins happen only in the lobby, where the lowest free id is reused: the
@@ -267,6 +291,8 @@ class LockstepHost(Generic[P]):
             self.config.turn_interval,
             self.config.input_delay,
             (*roster, (client.client_id, client.name)),
+            self.config.max_command_size,
+            self.config.max_message_size,
         )
         self._send(peer, welcome)
         self._events.append(ClientJoined(client.client_id, client.name))
@@ -421,7 +447,7 @@ class LockstepHost(Generic[P]):
         left = m.Left(client_id, reason)
         if reason is not m.LeaveReason.DISCONNECTED:
             self._send(client.peer, left)  # tell it why before hanging up
-            self._to_close.append(client.peer)
+            self._hang_up(client.peer)
         del self._clients[client_id]
         del self._by_peer[client.peer]
         self._broadcast(left)
@@ -431,6 +457,11 @@ class LockstepHost(Generic[P]):
         self._settle_turns()  # its departure may complete turns it was holding up
 
     # ------------------------------------------------------------------ plumbing
+
+    def _hang_up(self, peer: P) -> None:
+        if peer not in self._closing:
+            self._closing.add(peer)
+            self._to_close.append(peer)
 
     def _send(self, peer: P, msg: m.Message) -> None:
         self._outbox.append((peer, m.encode(msg)))

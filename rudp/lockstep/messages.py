@@ -11,7 +11,8 @@ name       code  direction  fields after the code                          artic
 =========  ====  =========  ==============================================  =======================
 JOIN       1     c -> h     protocol: int, game_version: str, name: str     JOIN
 WELCOME    2     h -> c     client_id, turn_interval: float, input_delay,   SELFCLIENT + ADDCLIENT
-                            roster: [[client_id, name], ...]
+                            roster: [[client_id, name], ...],
+                            max_command_size, max_message_size
 REFUSED    3     h -> c     reason: RefuseReason                            GAMESTARTED, TOOMANYCL,
                                                                             WRONGVERSION
 JOINED     4     h -> c     client_id, name                                 ADDCLIENT
@@ -44,6 +45,9 @@ from rudp.lockstep.config import (
     MAX_TURN,
     LockstepConfig,
 )
+
+#: Largest size limit a WELCOME may announce.
+MAX_LIMIT = 2**32 - 1
 
 __all__ = [
     "ClientStatus",
@@ -137,6 +141,9 @@ class Welcome:
     turn_interval: float
     input_delay: int
     roster: tuple[tuple[int, str], ...]
+    # The host's limits (LockstepConfig's defaults if not given).
+    max_command_size: int = 256
+    max_message_size: int = 1100
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +238,7 @@ def encode(msg: Message) -> bytes:
         case Welcome():
             roster = [list(entry) for entry in msg.roster]
             fields += [msg.client_id, float(msg.turn_interval), msg.input_delay, roster]
+            fields += [msg.max_command_size, msg.max_message_size]
         case NetTurn():
             fields += [msg.turn, [list(entry) for entry in msg.commands]]
         case Desync():
@@ -250,20 +258,38 @@ def _plain(value: Any) -> Any:
 
 
 def decode(data: bytes, config: LockstepConfig) -> Message:
-    """Decode and validate one message; raises :class:`MalformedMessage`."""
+    """Decode and validate one message; raises :class:`MalformedMessage`, and nothing else.
+
+    Error texts name types, never the peer's values: a repr of attacker data (a
+    thousand nested arrays fit in 1,001 bytes) can itself raise ``RecursionError``.
+    """
     if len(data) > config.max_message_size:
         raise MalformedMessage("message too large")
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise MalformedMessage(f"bad msgpack: {exc}") from None
-    if not isinstance(obj, list) or not obj:
-        raise MalformedMessage("not a non-empty array")
-    code, fields = obj[0], obj[1:]
-    parser = _PARSERS.get(code) if type(code) is int else None
-    if parser is None:
-        raise MalformedMessage(f"unknown message type {code!r}")
-    return parser(fields, config)
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            # No lockstep message holds a map or an ext; no array or string is
+            # longer than the message itself.
+            max_str_len=len(data),
+            max_bin_len=len(data),
+            max_array_len=len(data),
+            max_map_len=0,
+            max_ext_len=0,
+        )
+        if type(obj) is not list or not obj:
+            raise MalformedMessage("not a non-empty array")
+        code, fields = obj[0], obj[1:]
+        parser = _PARSERS.get(code) if type(code) is int else None
+        if parser is None:
+            raise MalformedMessage(f"unknown message type ({type(code).__name__})")
+        return parser(fields, config)
+    except MalformedMessage:
+        raise
+    except Exception as exc:  # msgpack's errors, and RecursionError on deep nesting
+        raise MalformedMessage(f"bad msgpack: {type(exc).__name__}") from None
 
 
 def _arity(fields: list[Any], n: int) -> None:
@@ -274,7 +300,7 @@ def _arity(fields: list[Any], n: int) -> None:
 def _int(value: Any, lo: int, hi: int) -> int:
     # type() rather than isinstance(): True/False must not pass for 1/0.
     if type(value) is not int or not lo <= value <= hi:
-        raise MalformedMessage(f"integer out of range: {value!r}")
+        raise MalformedMessage(f"bad integer ({type(value).__name__})")
     return value
 
 
@@ -307,7 +333,7 @@ def _enum(cls: type[enum.IntEnum], value: Any) -> Any:
     try:
         return cls(_int(value, 0, 255))
     except ValueError:
-        raise MalformedMessage(f"bad {cls.__name__}: {value!r}") from None
+        raise MalformedMessage(f"bad {cls.__name__}") from None
 
 
 def _client_id(value: Any) -> int:
@@ -330,14 +356,21 @@ def _join(f: list[Any], c: LockstepConfig) -> Join:
 
 
 def _welcome(f: list[Any], c: LockstepConfig) -> Welcome:
-    _arity(f, 4)
+    _arity(f, 6)
     interval = f[1]
     if type(interval) is not float or not (math.isfinite(interval) and 0 < interval <= 10):
         raise MalformedMessage("bad turn interval")
     roster = [_pair(e) for e in _list(f[3], MAX_CLIENTS_LIMIT)]
     entries = [(_client_id(cid), _str(name, MAX_NAME_LENGTH)) for cid, name in roster]
     _unique_ids(entries)
-    return Welcome(_client_id(f[0]), interval, _int(f[2], 1, 1000), tuple(entries))
+    return Welcome(
+        _client_id(f[0]),
+        interval,
+        _int(f[2], 1, 1000),
+        tuple(entries),
+        _int(f[4], 1, MAX_LIMIT),
+        _int(f[5], 1, MAX_LIMIT),
+    )
 
 
 def _refused(f: list[Any], c: LockstepConfig) -> Refused:
@@ -367,7 +400,9 @@ def _command(f: list[Any], c: LockstepConfig) -> Command:
 
 def _netturn(f: list[Any], c: LockstepConfig) -> NetTurn:
     _arity(f, 2)
-    pairs = [_pair(e) for e in _list(f[1], MAX_CLIENTS_LIMIT * c.max_pending_commands)]
+    # Each command takes at least 3 bytes: the message size bounds their number, whatever
+    # the receiver's own max_pending_commands.
+    pairs = [_pair(e) for e in _list(f[1], c.max_message_size // 3)]
     commands = tuple((_client_id(cid), _bytes(data, c.max_command_size)) for cid, data in pairs)
     return NetTurn(_turn(f[0]), commands)
 
