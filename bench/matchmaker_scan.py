@@ -53,6 +53,7 @@ async def main(hosts: int, repeat: int) -> None:
         max_connections_per_source=0,
         handshake_rate=0.0,
         list_burst=1000.0,  # the burst below is one source's, ten requests
+        lists_per_connection=10,  # on one connection, all unanswered at once
         log_level="warning",
     )
     mm = Matchmaker(settings)

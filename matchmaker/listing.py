@@ -269,16 +269,18 @@ def draw_matching(
     """`sample_matching` over several arrays, as if they were one (each with its own
     `keep`), testing at most `budget` items (None: no bound).
 
-    Random positions are drawn in batches, each a fresh uniform draw (with
-    replacement; repeats dropped, which leaves a uniform draw without).  A batch
-    holding at least `limit` kept items answers with its first `limit` of them:
-    whether a batch answers depends only on how many it kept, so which of the
-    kept items those are is uniform.  Otherwise a bigger batch is drawn (sized
-    from the share kept so far), and past half of the items one full pass is
-    cheaper.  When that pass would take the items tested past `budget`, the last
-    batch is as many positions as the budget still covers, and the batch that kept
-    the most answers: a uniform sample too, but maybe of fewer than `limit` while
-    more exist (``complete`` False).
+    Random positions are drawn in batches (uniformly, with replacement; repeats and
+    positions an earlier batch drew are dropped), and every item drawn counts: the
+    items examined so far, in the order first drawn, are a uniform random order of
+    a uniform random subset of the items.  The answer is the first `limit` kept
+    items in that order.  When to stop depends only on how many items were drawn
+    and kept, never on which, so the answer is a uniform random sample of the kept
+    items in random order.  A batch is sized from the share kept so far, for the
+    kept items still missing; past half of the items one full pass is cheaper.
+    When that pass would take the items tested past `budget`, the last batches
+    draw as many new positions as the budget still covers, and the answer holds
+    the kept items among everything examined: a uniform sample too, but maybe of
+    fewer than `limit` while more exist (``complete`` False).
     """
     if len(parts) == 1:
         items, keep = parts[0]
@@ -313,36 +315,59 @@ def _draw(
     rng: random.Random,
     budget: int | None,
 ) -> Drawn[V]:
+    if limit <= 0:
+        return Drawn([], True, 0)
     cap = sys.maxsize if budget is None else budget
     # Within the budget, a batch is drawn only if the pass after it still fits: a
     # game of at most `budget` candidates always gets a complete answer.
     whole = n <= cap
     reserve = n if whole else 0
-    examined = 0
+    # Every position drawn so far is examined once, in the order first drawn: those
+    # of the batches before the last in `seen`, the last one's in `last` (added to
+    # `seen` only if another batch follows: most answers take one).
+    seen: set[int] = set()
+    last: list[int] = []
+    got: list[V] = []  # the kept items among them, in the same order
     want = limit + limit // 4 + 8  # first guess: nearly everything is kept
     draw = rng.random
-    best: list[V] = []
-    while want <= n // 2 and examined + want + reserve <= cap:
-        positions = dict.fromkeys([int(draw() * n) for _ in range(want)])
-        examined += len(positions)
-        got = list(itertools.islice(filter(keep, map(at, positions)), limit))
+
+    def more(k: int, most: int | None = None) -> None:
+        # k positions drawn, the first `most` new ones kept (None: all), then the
+        # new ones examined until `limit` items are kept.
+        seen.update(last)
+        drawn = dict.fromkeys([int(draw() * n) for _ in range(k)])
+        fresh = itertools.filterfalse(seen.__contains__, drawn) if seen else iter(drawn)
+        last[:] = itertools.islice(fresh, most)
+        got.extend(itertools.islice(filter(keep, map(at, last)), limit - len(got)))
+
+    while len(seen) + len(last) + want <= min(n // 2, cap - reserve):
+        more(want)
+        examined = len(seen) + len(last)
         if len(got) >= limit:
             return Drawn(got, True, examined)
-        if len(got) > len(best):
-            best = got
-        share = max(len(got), 1) / want
-        want = max(2 * want, int(limit / share * 1.25) + 8)
+        # Enough draws for the kept items still missing, at the share kept so far
+        # and the share of positions not drawn yet; never a smaller batch.
+        share = max(len(got), 1) / examined * (n - examined) / n
+        want = max(want, int((limit - len(got)) / share * 1.25) + 8)
     if whole:
-        return Drawn(shuffled(list(every()), rng, limit), True, examined + n)
-    # A pass would cost more than the budget: a last batch of as many positions as
-    # it still covers (fewer than n, repeats dropped as above), then the batch that
-    # kept the most answers (chosen by its size alone, its items are as uniform a
-    # sample as any batch's).
-    positions = dict.fromkeys([int(draw() * n) for _ in range(cap - examined)])
-    got = list(itertools.islice(filter(keep, map(at, positions)), limit))
-    if len(best) > len(got):
-        got = best
-    return Drawn(got, len(got) >= limit, examined + len(positions))
+        return Drawn(shuffled(list(every()), rng, limit), True, len(seen) + len(last) + n)
+    # A pass would cost more than the budget: as many new positions as it still
+    # covers (n > cap, so there are that many), drawn as above with a margin for
+    # the repeats expected (more rounds only when the items are barely more than
+    # the budget, or a round drew more repeats than expected).
+    for _ in range(_LAST_ROUNDS):
+        examined = len(seen) + len(last)
+        room = cap - examined
+        if room <= 0 or len(got) >= limit:
+            break
+        more(int(room * n / (n - examined - room / 2) * 1.02) + 32, room)
+    return Drawn(got, len(got) >= limit, len(seen) + len(last))
+
+
+_LAST_ROUNDS = 4
+"""Rounds of draws that spend what a request's budget still covers once a pass is
+out of reach: the first nearly always spends it all, unless the items are barely
+more than the budget."""
 
 
 def _source(entry: Listed) -> str:

@@ -280,8 +280,7 @@ def test_a_request_may_examine_a_small_multiple_of_its_limit() -> None:
 
 
 def test_a_partial_draw_is_uniform_too() -> None:
-    # 100 kept of 200, at most 50 positions drawn (~44 of them distinct): each kept
-    # item found ~22 % of the time.
+    # 100 kept of 200, 50 positions examined: each kept item found 25 % of the time.
     rng = random.Random(8)
     items = list(range(200))
     found: Counter[int] = Counter()
@@ -290,7 +289,78 @@ def test_a_partial_draw_is_uniform_too() -> None:
         assert not drawn.complete and len(drawn.items) <= 50
         found.update(drawn.items)
     assert set(found) == set(range(0, 200, 2))
-    assert all(350 < c < 530 for c in found.values()), found
+    assert all(420 < c < 580 for c in found.values()), found
+
+
+class RecordingKeep(CountingKeep):
+    """A keep that also remembers which of the items it tested it kept."""
+
+    def __init__(self, keep: Callable[[int], bool]) -> None:
+        super().__init__(keep)
+        self.kept: set[int] = set()
+
+    def __call__(self, x: int) -> bool:
+        ok = super().__call__(x)
+        if ok:
+            self.kept.add(x)
+        return ok
+
+
+def test_a_draw_answers_with_every_match_it_examined() -> None:
+    # 13.5 % of 100,000 kept, limit 1,000, budget 8,000: the budget holds ~1,080
+    # matches, so (nearly) every answer is complete; one that is not holds every
+    # match the draw tested.  (Keeping only the last batch's matches, no answer of
+    # 50 was complete: ~880 hosts each.)
+    n, limit, budget = 100_000, 1000, listing.scan_budget(1000)
+    chosen = set(random.Random(1).sample(range(n), n * 135 // 1000))
+    items = list(range(n))
+    complete = 0
+    for seed in range(50):
+        keep = RecordingKeep(chosen.__contains__)
+        drawn = listing.draw_matching([(items, keep)], limit, random.Random(seed), budget)
+        assert keep.calls <= budget and drawn.examined <= budget
+        assert len(set(drawn.items)) == len(drawn.items) and set(drawn.items) <= keep.kept
+        if drawn.complete:
+            assert len(drawn.items) == limit
+            complete += 1
+        else:
+            assert set(drawn.items) == keep.kept and keep.calls == budget
+    assert complete >= 48, complete
+    # A filter no examined item passes often enough still spends the whole budget.
+    keep = RecordingKeep(lambda x: x % 10 == 0)
+    drawn = listing.draw_matching([(items, keep)], limit, random.Random(99), budget)
+    assert not drawn.complete and keep.calls == drawn.examined == budget
+    assert set(drawn.items) == keep.kept and 700 < len(drawn.items) < 900
+
+
+def test_a_draw_over_several_batches_is_uniform() -> None:
+    # 2,000 kept of 20,000 (every tenth), limit 40, budget 4,096: the answer takes
+    # several batches, and their matches together.  Every tenth of the items should
+    # be drawn equally often, and as often first.
+    rng = random.Random(12)
+    items = list(range(20_000))
+    drawn_in: Counter[int] = Counter()
+    first: Counter[int] = Counter()
+    for _ in range(2000):
+        drawn = listing.draw_matching([(items, lambda x: x % 10 == 0)], 40, rng, 4096)
+        assert drawn.complete and len(drawn.items) == 40
+        drawn_in.update(x // 2000 for x in drawn.items)
+        first[drawn.items[0] // 2000] += 1
+    assert all(7400 < c < 8600 for c in drawn_in.values()), drawn_in  # 8,000 expected
+    assert all(150 < c < 250 for c in first.values()), first  # 200 expected
+    # 50 kept of 400, budget 160: ~20 matches examined, so some answers are
+    # complete and some partial; every kept item is drawn as often either way.
+    small = list(range(400))
+    found: Counter[int] = Counter()
+    outcomes: Counter[bool] = Counter()
+    for _ in range(3000):
+        drawn = listing.draw_matching([(small, lambda x: x % 8 == 0)], 20, rng, 160)
+        outcomes[drawn.complete] += 1
+        found.update(drawn.items)
+    assert outcomes[True] > 300 and outcomes[False] > 300, outcomes
+    assert set(found) == set(range(0, 400, 8))
+    mean = sum(found.values()) / 50
+    assert all(abs(c - mean) < 0.15 * mean for c in found.values()), (mean, found)
 
 
 @settings(max_examples=80, deadline=None)
