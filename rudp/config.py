@@ -164,8 +164,8 @@ class Config:
     left ends the connection (reason "message unacknowledged"): the peer is heard
     (else ``idle_timeout`` ends it sooner) yet never takes the message, so waiting
     longer cannot help. ENet's peers give up after 30 s too (``timeoutMaximum``).
-    Not counted while the peer pauses us (``peer_pause_timeout`` times that), and
-    counted again from its resume."""
+    Time the peer pauses us is not counted (``peer_pause_timeout`` times that); the
+    count goes on at its resume."""
 
     peer_pause_timeout: float = 60.0
     """A peer whose PAUSE has kept our reliable messages waiting (queued, or sent and

@@ -63,7 +63,6 @@ aioquic, and the connection holds one of each.
 from __future__ import annotations
 
 import hmac
-import math
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -193,7 +192,10 @@ class Connection:
         # Since when the peer's PAUSE has held back reliable messages of ours (None:
         # it holds back nothing): the connection ends at ``peer_pause_timeout``.
         self._held_since: float | None = None
-        self._resumed_at = -math.inf  # when the peer last resumed (Config.ack_timeout)
+        # Config.ack_timeout counts time the peer could take our messages: time it
+        # paused us is left out (``first_sent`` is on a clock without it).
+        self.paused_total = 0.0  # the peer's pauses so far, ended ones
+        self._paused_at = 0.0  # when the current one began
         self._released = False  # the parts' references back to us are gone (``_release``)
 
     # -- public API -----------------------------------------------------------------
@@ -373,7 +375,7 @@ class Connection:
         order = self._sender.sent_order
         if order and not self.peer_paused:
             # The head may be done with already: the timer then only pops it.
-            t = min(t, max(order[0].first_sent, self._resumed_at) + self.config.ack_timeout)
+            t = min(t, order[0].first_sent + self.paused_total + self.config.ack_timeout)
         return t
 
     def handle_timer(self, now: float) -> None:
@@ -554,11 +556,12 @@ class Connection:
             return
         self.peer_paused = paused
         if paused:
+            self._paused_at = now
             self.stats.peer_pauses += 1
             if self.state is CLOSING and self._deadline is None:
                 self._deadline = now + self.config.close_timeout
         else:
-            self._resumed_at = now
+            self.paused_total += now - self._paused_at
             self._sink.dirty[self] = None  # what waited goes out now
             if self.state is CLOSING and not self._disconnect_queued:
                 self._deadline = None
@@ -643,7 +646,7 @@ class Connection:
         # resumes: the pause is timed by peer_pause_timeout, and each message has its
         # whole ack_timeout again from the resume.
         oldest = None if self.peer_paused else self._sender.oldest_unacked()
-        if oldest is not None and now >= max(oldest.first_sent, self._resumed_at) + cfg.ack_timeout:
+        if oldest is not None and now >= oldest.first_sent + self.paused_total + cfg.ack_timeout:
             self._end(DisconnectReason.UNACKNOWLEDGED, 0, "", by_peer=False)
             return
         if self._migration.on_timer(now):

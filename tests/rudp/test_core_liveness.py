@@ -99,6 +99,25 @@ def test_a_message_unacknowledged_under_an_honest_pause_waits_for_the_resume() -
     assert conn.state is State.CONNECTED
 
 
+def test_a_peer_that_pauses_and_resumes_over_and_over_cannot_hold_a_message_for_good() -> None:
+    # Each resume used to give the message a fresh ack_timeout: a receiver flapping
+    # its pause (9 s paused, 1 s not) held a message the path never delivers for
+    # good. The count is of the time the peer could take it: 5 s here, about 50 s
+    # of flapping.
+    net, server, client, conn = pair(config=Config(ack_timeout=5.0))
+    sconn = server_conn(server)
+    net.drop = _carries(b"never delivered")
+    conn.send(b"never delivered")
+    start = net.now
+    while conn.state is State.CONNECTED and net.now - start < 200:
+        sconn.pause_receiving()
+        net.run(9.0)
+        sconn.resume_receiving(net.now)
+        net.run(1.0)
+    assert client.disconnects() == [Disconnected(DisconnectReason.UNACKNOWLEDGED)]
+    assert 45 <= net.now - start <= 60
+
+
 def test_a_pause_that_holds_an_unacknowledged_message_is_timed_too() -> None:
     net, server, client, conn = pair(config=Config(ack_timeout=30.0, peer_pause_timeout=40.0))
     sconn = server_conn(server)
