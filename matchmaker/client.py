@@ -607,9 +607,10 @@ class MatchmakerClient:
                     elapsed = loop.time() - start
                     what = "no matchmaker took the registration"
                     raise MatchmakerUnreachable(tried, elapsed, what) from exc
-                if wait >= left:
-                    # The backoff would end past the deadline: one last attempt,
-                    # started in time to get a full ``timeout`` (or what is left).
+                if wait + self._timeout > left:
+                    # The backoff would leave the next attempt less than a full
+                    # ``timeout``: one last attempt, started in time to get it (or
+                    # what is left).
                     wait = max(0.0, left - self._timeout)
                     last = True
                 log.info("register_retry error=%s delay=%s", type(exc).__name__, wait)
@@ -1267,13 +1268,15 @@ class MatchmakerClient:
         if exc.reason is ErrorReason.TOO_LARGE or exc.reason is ErrorReason.BAD_FIELD:
             detail += " (past the client's limits: does the matchmaker have larger ones?)"
         self._refused = (self._route or "the matchmaker", detail)
-        self._refusals += 1
         future: asyncio.Future[Any] | None = self._pending.get(exc.request_id)
         pending_list = self._lists.get(exc.request_id)
         if pending_list is not None:
             future = pending_list.future
         if future is not None and not future.done():
             future.set_exception(ReplyRefused(*self._refused))
+        elif future is None:
+            # Whose it was cannot be told: a request timing out meanwhile says so.
+            self._refusals += 1
 
     def _resolve(self, msg: Message) -> None:
         future: asyncio.Future[Any] | None = self._pending.get(msg.request_id)

@@ -81,7 +81,7 @@ REGISTRY_OPS = (
     "time",
 )
 REGISTRY_FULL_OPS = ("upsert", "update")
-NOTICE_DROP_REASONS = ("queue_full", "host_gone", "forward_failed", "malformed")
+NOTICE_DROP_REASONS = ("queue_full", "host_gone", "forward_failed", "malformed", "other")
 HTTP_PATHS = ("/metrics", "/healthz", "/readyz", "/servers", "other")
 DROP_REASONS = (*(r.value for r in ErrorReason), "send_failed")
 
@@ -297,17 +297,17 @@ class Metrics:
         """
         return RudpCollector(endpoints, registry=self.registry)
 
-    def observe_registry_op(
-        self, op: str, seconds: float, failed: bool, *, full: bool = False
-    ) -> None:
-        """The Redis registry's OpObserver (`full`: Redis refused the write over its
-        ``maxmemory``)."""
+    def observe_registry_op(self, op: str, seconds: float, failed: bool) -> None:
+        """The Redis registry's OpObserver."""
         label = op if op in REGISTRY_OPS else "other"
         self.registry_latency.labels(label).observe(seconds)
         if failed:
             self.registry_errors.labels(label).inc()
-        if full:
-            self.registry_full.labels(label).inc()
+
+    def count_registry_full(self, op: str) -> None:
+        """The Redis registry's ``on_full``: Redis refused the write over its
+        ``maxmemory``."""
+        self.registry_full.labels(op if op in REGISTRY_OPS else "other").inc()
 
     def count_notice_dropped(self, reason: str) -> None:
         """A relayed introduction dropped (`NOTICE_DROP_REASONS`)."""

@@ -63,6 +63,7 @@ def build_registry(settings: Settings, metrics: Metrics) -> Registry:
             replica_id=settings.replica_id or None,
             prefix=settings.redis_prefix,
             observer=metrics.observe_registry_op,
+            on_full=metrics.count_registry_full,
             limits=settings.limits,
         )
     return MemoryRegistry(

@@ -793,6 +793,7 @@ class MatchmakerService:
                     continue
                 self._deliver(target, notice.payload, _introduced(notice.payload))
             except Exception:  # one bad notice must not end relayed introductions
+                dropped("other")
                 log.exception("notice_failed")
 
     async def run_takeovers(self) -> None:

@@ -150,10 +150,10 @@ log = structlog.get_logger("matchmaker.registry.redis")
 
 
 class OpObserver(Protocol):
-    """Called as (operation, seconds, failed) after every Redis operation, and with
-    ``full=True`` besides for a write Redis refused over its ``maxmemory``."""
+    """Called as (operation, seconds, failed) after every Redis operation (a write
+    Redis refused over its ``maxmemory`` is told to ``on_full`` besides)."""
 
-    def __call__(self, op: str, seconds: float, failed: bool, /, *, full: bool = ...) -> None: ...
+    def __call__(self, op: str, seconds: float, failed: bool, /) -> None: ...
 
 
 _FULL_LOG_INTERVAL = 60.0
@@ -453,6 +453,7 @@ class RedisRegistry(Registry):
         sweep_gap: float | None = None,
         stream_maxlen: int = 100_000,
         observer: OpObserver | None = None,
+        on_full: Callable[[str], None] | None = None,
         limits: Limits = DEFAULT_LIMITS,
         pool_size: int = 32,
         pool_timeout: float = 10.0,
@@ -471,6 +472,7 @@ class RedisRegistry(Registry):
         self._sweep_gap = sweep_gap if sweep_gap is not None else max(expire_after / 3, 2.0)
         self._maxlen = stream_maxlen
         self._observer = observer
+        self._on_full = on_full  # told the operation Redis refused over its maxmemory
         # Stored info is re-validated when read back, with the limits it was accepted under.
         self._limits = limits
         # Operations wait (bounded) for one of `pool_size` connections instead of
@@ -693,10 +695,9 @@ class RedisRegistry(Registry):
 
     def _observe(self, name: str, start: float, *, failed: bool, full: bool = False) -> None:
         if self._observer is not None:
-            if full:
-                self._observer(name, self._clock() - start, failed, full=True)
-            else:
-                self._observer(name, self._clock() - start, failed)
+            self._observer(name, self._clock() - start, failed)
+        if full and self._on_full is not None:
+            self._on_full(name)
 
     async def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return await self._op(name, self._scripts[name](keys=keys, args=args))
@@ -992,6 +993,8 @@ class RedisRegistry(Registry):
     def _on_notice(self, data: object) -> None:
         try:
             key, payload, *rest = msgpack.unpackb(data, raw=False)  # type: ignore[arg-type]
+            if not isinstance(payload, bytes):
+                raise TypeError(f"a notice's payload is bytes, not {type(payload).__name__}")
             forwarded = bool(rest[0]) if rest else False  # a replica of an older release
             notice = Notice(parse_key(key), payload, forwarded)
         except Exception as exc:  # another replica's bug must not kill the loop

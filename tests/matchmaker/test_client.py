@@ -711,6 +711,29 @@ def test_register_retries_for_all_of_register_timeout_and_says_how_long_it_took(
     )
 
 
+def test_the_last_register_attempt_always_gets_a_full_timeout() -> None:
+    # register_timeout 30 s: after the attempt at 18.5 s the 8 s backoff would leave
+    # the next one 1.5 s, not 5: it starts at 25 s instead (it used to start at 27.5 s
+    # with 2.5 s left).
+    attempts: list[float] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def closed_port() -> FakeConnection:
+            attempts.append(loop.time())
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async with MatchmakerClient(closed_port, register_timeout=30.0) as host:
+            with pytest.raises(MatchmakerUnreachable):
+                await host.register(**HOST)
+            assert loop.time() == 30.0
+
+    in_virtual_time(main)
+    assert attempts == [0.0, 5.5, 11.5, 18.5, 25.0]
+
+
 def refusing_connector(ip: str, reply: Callable[[int], bytes]) -> Any:
     """A replica that answers every request with `reply(request id)`."""
 
@@ -761,6 +784,36 @@ def test_a_reply_whose_id_cannot_be_read_is_named_when_its_request_times_out() -
             assert "did not answer" not in str(caught.value)
             assert caught.value.detail.startswith("too_large: ")
             assert "limits" in caught.value.detail
+
+    in_virtual_time(main)
+
+
+def test_a_request_never_answered_times_out_even_if_another_reply_was_refused() -> None:
+    # Only the first request is answered, with a reply the client refuses (its id
+    # readable: that request fails at once). The second is never answered: a timeout,
+    # not a refusal it never got.
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def connect() -> FakeConnection:
+        server_side, client_side = pipe((pub(2), 27960))
+
+        async def answer_the_first() -> None:
+            async for received in server_side:
+                server_side.send(unknown_type(decode(received.data).request_id))
+                break
+            await asyncio.Event().wait()  # the rest: silence
+
+        tasks.add(asyncio.create_task(answer_the_first()))
+        return client_side
+
+    async def main() -> None:
+        async with MatchmakerClient(connect) as browser:
+            first = asyncio.ensure_future(browser.info())
+            second = asyncio.ensure_future(browser.info())
+            with pytest.raises(ReplyRefused):
+                await first
+            with pytest.raises(RequestTimeout):
+                await second
 
     in_virtual_time(main)
 

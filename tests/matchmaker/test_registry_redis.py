@@ -7,6 +7,7 @@ import random
 import shutil
 from unittest.mock import ANY
 
+import msgpack
 import pytest
 import redis.asyncio as aioredis
 import structlog
@@ -920,7 +921,15 @@ async def test_a_full_redis_refuses_registrations_but_keeps_hosts_alive_and_expi
 ) -> None:
     metrics = Metrics(CollectorRegistry())
     kw: dict[str, object] = {"hide_after": 0.5, "expire_after": 1.0, "sweep_gap": 30.0}
-    a = await replica(replica_id="a", stream_maxlen=100, observer=metrics.observe_registry_op, **kw)
+    # An observer of three arguments, as OpObserver always took: Redis being full is
+    # told to on_full, not through it.
+    a = await replica(
+        replica_id="a",
+        stream_maxlen=100,
+        observer=lambda op, seconds, failed: metrics.observe_registry_op(op, seconds, failed),
+        on_full=metrics.count_registry_full,
+        **kw,
+    )
     b = await replica(replica_id="b", stream_maxlen=100, **kw)
     honest = (await a.upsert(addr(1), host("honest"), max_per_ip=10)).address
     await a.expire()  # the very first sweep opens a grace period
@@ -1013,5 +1022,14 @@ async def test_relayed_notices_dropped_are_counted(
             await asyncio.sleep(0.02)
         assert a.notices_dropped.get("malformed", 0) >= 1
         assert seen and set(seen) == {"malformed"}
+        # Well formed, but its payload is not bytes: malformed too, never queued.
+        before = a.notices_dropped["malformed"]
+        await admin.publish("{mm}:notice:a", msgpack.packb([addr(1).key, 123]))
+        for _ in range(250):
+            if a.notices_dropped["malformed"] > before:
+                break
+            await asyncio.sleep(0.02)
+        assert a.notices_dropped["malformed"] == before + 1
+        assert a._notices.empty()
     finally:
         await admin.aclose()
