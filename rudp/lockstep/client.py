@@ -42,8 +42,10 @@ from rudp.lockstep.config import (
     MAX_CHECKSUM,
     MAX_NAME_LENGTH,
     MAX_TURN,
+    MIN_TURN_INTERVAL,
     PROTOCOL_VERSION,
     LockstepConfig,
+    backlog_allowance,
 )
 from rudp.lockstep.events import (
     ClientJoined,
@@ -114,6 +116,10 @@ class LockstepClient:
         """Adopted from the host's WELCOME."""
         self.max_command_size = self.config.max_command_size
         """Ours, or the host's from WELCOME if smaller: larger commands are refused."""
+        self.max_backlog = self.config.max_backlog
+        """Turns held at most before ``HostFaulted(BACKLOG_FULL)``: ``config.max_backlog``,
+        or more if the host's WELCOME says it keeps a stalled client longer (up to
+        ``config.max_backlog_seconds`` of its turns)."""
         self.fault: FaultReason | None = None
         """Why the client gave up on the host, if it did (see :class:`HostFaulted`)."""
         self.latest_turn = -1
@@ -271,6 +277,13 @@ class LockstepClient:
         self.client_id = msg.client_id
         self.turn_interval = msg.turn_interval
         self.input_delay = msg.input_delay
+        # An honest host drops a stalled client after sending it this many turns at
+        # most; a hostile one may state any drop_after, so it counts up to our own
+        # max_backlog_seconds (and the decoder bounds the interval and catch-up).
+        drop_after = min(msg.drop_after, self.config.max_backlog_seconds)
+        interval = max(msg.turn_interval, MIN_TURN_INTERVAL)
+        honest = backlog_allowance(interval, drop_after, msg.max_catchup)
+        self.max_backlog = max(self.config.max_backlog, honest)
         self._roster = dict(msg.roster)
         self._roster.setdefault(msg.client_id, self.name)
         self._events.append(Joined(msg.client_id, tuple(sorted(self._roster.items()))))
@@ -284,7 +297,7 @@ class LockstepClient:
     def _on_netturn(self, msg: m.NetTurn, now: float) -> bool:
         if msg.turn != self.latest_turn + 1:
             return False  # the transport is ordered: a gap or repeat is a broken peer
-        if len(self._pending) >= self.config.max_backlog:
+        if len(self._pending) >= self.max_backlog:
             self._fail(FaultReason.BACKLOG_FULL)
             return True
         self.latest_turn = msg.turn

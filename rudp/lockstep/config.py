@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 #: Bumped whenever the message layout changes; JOIN carries it. 2: WELCOME carries
-#: the host's max_command_size and max_message_size.
+#: the host's max_command_size, max_message_size, drop_after and max_catchup.
 PROTOCOL_VERSION = 2
 #: Client ids are small integers so they fit one msgpack byte.
 MAX_CLIENTS_LIMIT = 128
@@ -32,6 +32,22 @@ NETTURN_OVERHEAD = 16
 COMMAND_OVERHEAD = 6
 #: Worst-case msgpack bytes of one WELCOME roster or DESYNC entry.
 ROSTER_ENTRY_MAX = MAX_NAME_LENGTH + 8
+#: Shortest turn interval, and largest ``max_catchup``, a config (and a WELCOME) may have.
+MIN_TURN_INTERVAL = 0.001
+MAX_CATCHUP_LIMIT = 1000
+
+
+def backlog_allowance(turn_interval: float, drop_after: float, max_catchup: int) -> int:
+    """Most turns a host with these settings sends a client before dropping it as stalled.
+
+    The host drops a client once the oldest turn it owes was sent ``drop_after``
+    ago. Turns leave on a fixed grid, ``turn_interval`` apart, at most
+    ``max_catchup`` per tick after the host itself fell behind: the burst that
+    carried the oldest owed turn, the grid points in the next ``drop_after``
+    seconds, and one last burst on the tick that drops the client. One more
+    turn covers rounding.
+    """
+    return math.ceil(drop_after / turn_interval) + 2 * max_catchup + 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,25 +102,40 @@ class LockstepConfig:
     turn; incoming messages larger than this are dropped unparsed."""
 
     max_backlog: int = 1000
-    """Client: most turns received but not yet completed by the application. A
-    host that sends more (honest ones drop a client long before: 100 turns at
-    the default pacing and ``drop_after``) ends the client with
+    """Client: most turns received but not yet completed by the application, at
+    least. WELCOME states the host's ``turn_interval``, ``drop_after`` and
+    ``max_catchup``, so the client also knows how many turns an honest host
+    sends before it drops a stalled client (:func:`backlog_allowance`: 111 at
+    the defaults) and holds that many if it is more, counting ``drop_after`` up
+    to ``max_backlog_seconds``. A host that sends more ends the client with
     ``HostFaulted(BACKLOG_FULL)``; each turn held costs up to about 16 times
-    ``max_message_size`` of memory. Raise it for very short turn intervals."""
+    ``max_message_size`` of memory."""
+
+    max_backlog_seconds: float = 60.0
+    """Client: the longest host ``drop_after`` the backlog limit honours. The host
+    states its ``drop_after``, so a hostile one could state a huge one to make
+    the client hold turns without end; the client counts at most this many
+    seconds of turns (at the host's interval, no shorter than 1 ms) beyond
+    ``max_backlog``. With a host whose ``drop_after`` is longer, a stall longer
+    than this ends the client with ``BACKLOG_FULL`` before the host drops it."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.turn_interval) and 0.001 <= self.turn_interval <= 10.0):
+        if not (
+            math.isfinite(self.turn_interval) and MIN_TURN_INTERVAL <= self.turn_interval <= 10.0
+        ):
             raise ValueError("turn_interval must be between 0.001 and 10 seconds")
         if not 1 <= self.input_delay <= 1000:
             raise ValueError("input_delay must be between 1 and 1000 turns")
-        if self.max_catchup < 1:
-            raise ValueError("max_catchup must be at least 1")
+        if not 1 <= self.max_catchup <= MAX_CATCHUP_LIMIT:
+            raise ValueError(f"max_catchup must be between 1 and {MAX_CATCHUP_LIMIT}")
         if not 1 <= self.max_clients <= MAX_CLIENTS_LIMIT:
             raise ValueError(f"max_clients must be between 1 and {MAX_CLIENTS_LIMIT}")
         if not 0 < self.unresponsive_after <= self.drop_after:
             raise ValueError("need 0 < unresponsive_after <= drop_after")
         if self.max_command_lead < self.input_delay:
             raise ValueError("max_command_lead must be at least input_delay")
+        if not (math.isfinite(self.max_backlog_seconds) and self.max_backlog_seconds >= 0):
+            raise ValueError("max_backlog_seconds must be a finite number of seconds, at least 0")
         if min(self.max_command_size, self.max_pending_commands, self.max_backlog) < 1:
             raise ValueError("size limits must be positive")
         if self.max_command_size + COMMAND_OVERHEAD + NETTURN_OVERHEAD > self.max_message_size:

@@ -163,7 +163,9 @@ class FaultReason(enum.Enum):
     reliable and ordered, so a dropped message (a turn, above all) would leave
     this client stalled or diverged for good."""
     BACKLOG_FULL = "backlog_full"
-    """The host sent more than ``max_backlog`` turns ahead of the application."""
+    """The host sent more turns ahead of the application than an honest one would
+    before dropping this client as stalled (``LockstepClient.max_backlog``: from the
+    host's WELCOME, at least ``LockstepConfig.max_backlog``)."""
     LIMITS_MISMATCH = "limits_mismatch"
     """The host's ``max_command_size`` or ``max_message_size`` (in WELCOME) exceeds
     ours: it would send turns this client cannot decode."""

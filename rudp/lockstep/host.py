@@ -293,6 +293,8 @@ class LockstepHost(Generic[P]):
             (*roster, (client.client_id, client.name)),
             self.config.max_command_size,
             self.config.max_message_size,
+            self.config.drop_after,
+            self.config.max_catchup,
         )
         self._send(peer, welcome)
         self._events.append(ClientJoined(client.client_id, client.name))

@@ -12,7 +12,8 @@ name       code  direction  fields after the code                          artic
 JOIN       1     c -> h     protocol: int, game_version: str, name: str     JOIN
 WELCOME    2     h -> c     client_id, turn_interval: float, input_delay,   SELFCLIENT + ADDCLIENT
                             roster: [[client_id, name], ...],
-                            max_command_size, max_message_size
+                            max_command_size, max_message_size,
+                            drop_after: float, max_catchup
 REFUSED    3     h -> c     reason: RefuseReason                            GAMESTARTED, TOOMANYCL,
                                                                             WRONGVERSION
 JOINED     4     h -> c     client_id, name                                 ADDCLIENT
@@ -39,10 +40,12 @@ from typing import Any, ClassVar, TypeAlias
 import msgpack
 
 from rudp.lockstep.config import (
+    MAX_CATCHUP_LIMIT,
     MAX_CHECKSUM,
     MAX_CLIENTS_LIMIT,
     MAX_NAME_LENGTH,
     MAX_TURN,
+    MIN_TURN_INTERVAL,
     LockstepConfig,
 )
 
@@ -141,9 +144,11 @@ class Welcome:
     turn_interval: float
     input_delay: int
     roster: tuple[tuple[int, str], ...]
-    # The host's limits (LockstepConfig's defaults if not given).
+    # The host's limits and drop pacing (LockstepConfig's defaults if not given).
     max_command_size: int = 256
     max_message_size: int = 1100
+    drop_after: float = 10.0
+    max_catchup: int = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +244,7 @@ def encode(msg: Message) -> bytes:
             roster = [list(entry) for entry in msg.roster]
             fields += [msg.client_id, float(msg.turn_interval), msg.input_delay, roster]
             fields += [msg.max_command_size, msg.max_message_size]
+            fields += [float(msg.drop_after), msg.max_catchup]
         case NetTurn():
             fields += [msg.turn, [list(entry) for entry in msg.commands]]
         case Desync():
@@ -356,10 +362,16 @@ def _join(f: list[Any], c: LockstepConfig) -> Join:
 
 
 def _welcome(f: list[Any], c: LockstepConfig) -> Welcome:
-    _arity(f, 6)
+    _arity(f, 8)
     interval = f[1]
-    if type(interval) is not float or not (math.isfinite(interval) and 0 < interval <= 10):
+    if type(interval) is not float or not (
+        math.isfinite(interval) and MIN_TURN_INTERVAL <= interval <= 10
+    ):
         raise MalformedMessage("bad turn interval")
+    drop_after = f[6]
+    # Infinite is a host that never drops a stalled client; NaN fails the comparison.
+    if type(drop_after) is not float or not drop_after > 0:
+        raise MalformedMessage("bad drop_after")
     roster = [_pair(e) for e in _list(f[3], MAX_CLIENTS_LIMIT)]
     entries = [(_client_id(cid), _str(name, MAX_NAME_LENGTH)) for cid, name in roster]
     _unique_ids(entries)
@@ -370,6 +382,8 @@ def _welcome(f: list[Any], c: LockstepConfig) -> Welcome:
         tuple(entries),
         _int(f[4], 1, MAX_LIMIT),
         _int(f[5], 1, MAX_LIMIT),
+        drop_after,
+        _int(f[7], 1, MAX_CATCHUP_LIMIT),
     )
 
 

@@ -7,6 +7,8 @@ sizes are asserted, never wall-clock times.
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 from collections.abc import AsyncIterator
 
 import msgpack
@@ -28,7 +30,7 @@ from rudp.lockstep import (
     TurnsExhausted,
 )
 from rudp.lockstep import messages as m
-from rudp.lockstep.config import MAX_TURN
+from rudp.lockstep.config import MAX_TURN, backlog_allowance
 
 CFG = LockstepConfig()
 
@@ -107,16 +109,150 @@ def _events(client: LockstepClient) -> list[object]:
 
 def test_a_host_flooding_turns_ends_the_client_at_max_backlog() -> None:
     client = _started_client(LockstepConfig(max_backlog=50))
+    # The host's default pacing (0.1 s, drop_after 10 s, max_catchup 5) needs more.
+    assert client.max_backlog == backlog_allowance(0.1, 10.0, 5) == 111
     dense = tuple((i % 128, b"") for i in range(200))
     for turn in range(500):
         client.receive(m.encode(m.NetTurn(turn, dense)), 0.0)
-        assert client.backlog <= 50
+        assert client.backlog <= 111
     assert client.state is ClientState.ENDED
     assert client.fault is FaultReason.BACKLOG_FULL
     assert HostFaulted(FaultReason.BACKLOG_FULL) in _events(client)
     assert client.backlog == 0  # what it held is released
     assert client.messages_to_send()[-1] == m.encode(m.Leave())
-    assert client.stats.unexpected == 500 - 51  # everything after the fault
+    assert client.stats.unexpected == 500 - 112  # everything after the fault
+
+
+def _stalled_game(
+    host_cfg: LockstepConfig,
+    client_cfg: LockstepConfig,
+    *,
+    stall_until: float,
+    end: float,
+    steps: list[float] | None = None,
+) -> tuple[LockstepHost[str], LockstepClient, list[object], int]:
+    """A host and a client on a stepped clock; the client runs no turn before
+    ``stall_until``. Returns the client's events (turn events left out) and its
+    largest backlog."""
+    host = LockstepHost[str](config=host_cfg)
+    client = LockstepClient(name="p", config=client_cfg)
+    now, events, peak = 0.0, [], 0
+    step_iter = iter(steps or [])
+
+    def pump() -> None:
+        for data in client.messages_to_send():
+            host.receive("p", data, now)
+        for _, data in host.messages_to_send():
+            client.receive(data, now)
+
+    pump()
+    host.start(now)
+    pump()
+    while now < end and client.state is not ClientState.ENDED:
+        now = round(now + next(step_iter, 0.01), 6)
+        timer = host.get_timer()
+        if timer is not None and timer <= now:
+            host.handle_timer(now)
+        pump()
+        peak = max(peak, client.backlog)
+        if now >= stall_until:
+            while (turn := client.next_turn()) is not None:
+                client.complete_turn(turn.number, 0)
+            pump()
+        while (event := client.next_event()) is not None:
+            if type(event).__name__ not in ("TurnsReady", "HostUnresponsive", "HostResponsive"):
+                events.append(event)
+    return host, client, events, peak
+
+
+def test_an_honest_host_keeping_a_long_stall_is_not_a_backlog_fault() -> None:
+    """50 turns/s and drop_after 30 s: a 25 s stall is 1,250 turns, more than the
+    default max_backlog, and the host accepts it; so must the client."""
+    host_cfg = LockstepConfig(turn_interval=0.02, drop_after=30.0)
+    host, client, events, peak = _stalled_game(
+        host_cfg, LockstepConfig(), stall_until=25.0, end=27.0
+    )
+    assert client.max_backlog == backlog_allowance(0.02, 30.0, 5) == 1511
+    assert peak > LockstepConfig().max_backlog
+    assert client.fault is None and client.state is ClientState.RUNNING
+    assert not any(isinstance(e, (HostFaulted, ClientLeft)) for e in events)
+    assert list(host.clients) == [client.client_id]
+
+
+def test_a_client_stalled_for_good_is_dropped_by_the_host_not_faulted() -> None:
+    """100 turns/s, drop_after 10 s: the host's own TIMED_OUT comes first."""
+    host_cfg = LockstepConfig(turn_interval=0.01)
+    host, client, events, _ = _stalled_game(
+        host_cfg, LockstepConfig(), stall_until=math.inf, end=20.0
+    )
+    assert client.fault is None and client.state is ClientState.ENDED
+    assert events[-1] == ClientLeft(0, m.LeaveReason.TIMED_OUT)
+    assert not any(isinstance(e, HostFaulted) for e in events)
+    assert host.clients == {}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_late_polled_host_stays_within_its_stated_backlog(seed: int) -> None:
+    """A host woken late sends catch-up bursts; still it drops a stalled client
+    before sending more than backlog_allowance(), so the client's limit (max_backlog
+    1: the allowance alone) never fires."""
+    rng = random.Random(seed)
+    steps = [rng.choice((0.001, 0.004, 0.01, 0.013, 0.03, 0.049, 0.07)) for _ in range(5000)]
+    host_cfg = LockstepConfig(turn_interval=0.01, unresponsive_after=0.2, drop_after=0.5)
+    _, client, events, peak = _stalled_game(
+        host_cfg, LockstepConfig(max_backlog=1), stall_until=math.inf, end=5.0, steps=steps
+    )
+    assert client.max_backlog == backlog_allowance(0.01, 0.5, 5) == 61
+    assert client.fault is None, (peak, events)
+    assert events[-1] == ClientLeft(0, m.LeaveReason.TIMED_OUT)
+    assert 30 <= peak <= 61
+
+
+def test_the_backlog_allowance_covers_a_burst_at_each_end_of_the_stall() -> None:
+    """The oldest owed turn leaves in a catch-up burst, and the tick that drops the
+    client comes late and sends one more: the worst an honest host does."""
+    steps = [0.05] + [0.01] * 49 + [0.005, 0.055]  # 0.05, 0.06 ... 0.54, 0.545, 0.6
+    host_cfg = LockstepConfig(turn_interval=0.01, unresponsive_after=0.2, drop_after=0.5)
+    _, client, events, peak = _stalled_game(
+        host_cfg, LockstepConfig(max_backlog=1), stall_until=math.inf, end=1.0, steps=steps
+    )
+    assert peak == 5 + 49 + 5 <= client.max_backlog
+    assert client.fault is None and events[-1] == ClientLeft(0, m.LeaveReason.TIMED_OUT)
+
+
+def test_a_hostile_host_stating_a_huge_drop_after_is_capped() -> None:
+    client = LockstepClient(name="v", config=LockstepConfig(max_backlog_seconds=2.0))
+    welcome = m.Welcome(0, 0.001, 2, ((0, "v"),), 256, 1100, math.inf, 1000)
+    client.receive(m.encode(welcome), 0.0)
+    client.receive(m.encode(m.Start(0)), 0.0)
+    limit = backlog_allowance(0.001, 2.0, 1000)
+    assert client.max_backlog == limit == 4001
+    for turn in range(limit + 10):
+        client.receive(m.encode(m.NetTurn(turn, ())), 0.0)
+    assert client.fault is FaultReason.BACKLOG_FULL
+    assert client.stats.unexpected == 10 - 1
+    with pytest.raises(ValueError):
+        LockstepConfig(max_backlog_seconds=math.nan)
+    with pytest.raises(ValueError):
+        LockstepConfig(max_catchup=1001)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [0, 0.0005, 2, [], 256, 1100, 10.0, 5],  # faster than any config allows
+        [0, 0.1, 2, [], 256, 1100, 0.0, 5],
+        [0, 0.1, 2, [], 256, 1100, -1.0, 5],
+        [0, 0.1, 2, [], 256, 1100, math.nan, 5],
+        [0, 0.1, 2, [], 256, 1100, 10, 5],  # an int, not a float
+        [0, 0.1, 2, [], 256, 1100, 10.0, 0],
+        [0, 0.1, 2, [], 256, 1100, 10.0, 1001],
+        [0, 0.1, 2, [], 256, 1100],  # without drop_after and max_catchup
+    ],
+)
+def test_welcome_pacing_fields_are_validated(fields: list[object]) -> None:
+    with pytest.raises(m.MalformedMessage):
+        m.decode(msgpack.packb([m.MsgType.WELCOME, *fields]), CFG)
 
 
 def test_a_client_running_its_turns_never_hits_max_backlog() -> None:
@@ -160,6 +296,18 @@ def test_welcome_carries_the_host_limits_and_a_stricter_client_refuses() -> None
     assert host.clients == {}  # its LEAVE reached the host
 
 
+def test_the_host_welcome_states_its_drop_pacing() -> None:
+    cfg = LockstepConfig(turn_interval=0.02, drop_after=30.0, max_catchup=7)
+    host = LockstepHost[str](config=cfg)
+    client = LockstepClient(name="a")
+    client_data = client.messages_to_send()
+    host.receive("a", client_data[0], 0.0)
+    [(_, data)] = host.messages_to_send()
+    welcome = m.decode(data, CFG)
+    assert isinstance(welcome, m.Welcome)
+    assert (welcome.turn_interval, welcome.drop_after, welcome.max_catchup) == (0.02, 30.0, 7)
+
+
 def test_a_client_adopts_smaller_host_limits() -> None:
     host = LockstepHost[str](config=LockstepConfig(max_command_size=128))
     client = LockstepClient(name="a")
@@ -173,8 +321,10 @@ def test_a_client_adopts_smaller_host_limits() -> None:
 
 
 def test_welcome_roundtrip_carries_limits() -> None:
-    welcome = m.Welcome(1, 0.05, 3, ((1, "a"),), 100, 900)
+    welcome = m.Welcome(1, 0.05, 3, ((1, "a"),), 100, 900, 7.5, 9)
     assert m.decode(m.encode(welcome), CFG) == welcome
+    never_drops = m.Welcome(1, 0.05, 3, ((1, "a"),), 100, 900, math.inf, 9)
+    assert m.decode(m.encode(never_drops), CFG) == never_drops
     old_layout = msgpack.packb([m.MsgType.WELCOME, 1, 0.05, 3, [[1, "a"]]])
     with pytest.raises(m.MalformedMessage):
         m.decode(old_layout, CFG)
