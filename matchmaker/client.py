@@ -607,11 +607,16 @@ class MatchmakerClient:
                     elapsed = loop.time() - start
                     what = "no matchmaker took the registration"
                     raise MatchmakerUnreachable(tried, elapsed, what) from exc
-                if wait + self._timeout > left:
-                    # The backoff would leave the next attempt less than a full
-                    # ``timeout``: one last attempt, started in time to get it (or
-                    # what is left).
-                    wait = max(0.0, left - self._timeout)
+                if left > self._timeout:
+                    if wait + self._timeout > left:
+                        # The backoff would leave the next attempt less than a full
+                        # ``timeout``: one last attempt, started in time to get it.
+                        wait = left - self._timeout
+                        last = True
+                elif wait >= left:
+                    # Less than a ``timeout`` left, and the backoff would use it up:
+                    # one last attempt now, with what is left.
+                    wait = 0.0
                     last = True
                 log.info("register_retry error=%s delay=%s", type(exc).__name__, wait)
                 with contextlib.suppress(TimeoutError):

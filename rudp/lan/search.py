@@ -12,11 +12,9 @@ answers from an earlier round are ignored, and its round-trip time is measured
 against the very send it answers (Karn's rule, for free).
 
 Answers with the same responder instance id are merged, keeping the fastest,
-when they come from an address already merged into that host (a later call's
-answer, its info maybe updated, over any route the host was heard on) or say
-exactly the same thing as the answer kept (the same host heard over IPv4 and
-IPv6, or on two interfaces), so such a host is reported once. Each host
-remembers every address merged into it, not only the fastest one it keeps. Two answers with
+when they come from the same address (a later call's answer, its info maybe
+updated) or say exactly the same thing (the same host heard over IPv4 and
+IPv6, or on two interfaces), so such a host is reported once. Two answers with
 one instance id that differ, from different addresses, are both listed: the id
 is no secret (any call reveals it), so a spoofer reusing it must not hide the
 host it copies. The round ends at the deadline, or as soon as ``expected`` distinct hosts have
@@ -104,8 +102,8 @@ class DiscoveredHost:
     rtt: float
     """Round-trip time of the fastest answer, in seconds."""
     instance_id: bytes = field(repr=False)
-    """Random id of the responder; answers under one id are merged when they come from an
-    address already merged into the host or are identical (several routes to one host)."""
+    """Random id of the responder; answers under one id are merged when they come from one
+    address or are identical (several routes to one host)."""
 
 
 class Search:
@@ -137,8 +135,6 @@ class Search:
         """The fastest answer of every host so far, by ``(instance id, n)``: ``n`` is 0
         for the first answer listed under that id, 1 for the next distinct one, ..."""
         self._by_instance: dict[bytes, list[tuple[bytes, int]]] = {}
-        # Every address merged into each host: its answers match on any of them.
-        self._addresses: dict[tuple[bytes, int], set[tuple[str, int]]] = {}
         self.stats = SearchStats()
         """What happened to every datagram received."""
         self._request_size = request_size
@@ -203,15 +199,11 @@ class Search:
         if host is None:
             return False
         keys = self._by_instance.setdefault(host.instance_id, [])
-        key = next((k for k in keys if self._same_host(k, host)), None)
-        if key is not None:
-            # Remember every route merged into this host, not only the fastest one
-            # kept: a later answer over a slower route is still this host.
-            self._addresses[key].add(host.address)
-            if self.hosts[key].rtt <= host.rtt:
-                stats.slower += 1
-                return False
-        else:
+        key = next((k for k in keys if self._same_host(self.hosts[k], host)), None)
+        if key is not None and self.hosts[key].rtt <= host.rtt:
+            stats.slower += 1
+            return False
+        if key is None:
             if len(self.hosts) >= self._max_hosts:
                 stats.too_many_hosts += 1
                 if not keys:
@@ -219,7 +211,6 @@ class Search:
                 return False
             key = (host.instance_id, len(keys))
             keys.append(key)
-            self._addresses[key] = {host.address}
         stats.answers += 1
         self.hosts[key] = host
         self._over = self._over or self._enough()
@@ -229,12 +220,10 @@ class Search:
         """The hosts found so far, fastest first."""
         return sorted(self.hosts.values(), key=lambda h: h.rtt)
 
-    def _same_host(self, key: tuple[bytes, int], new: DiscoveredHost) -> bool:
-        """Whether ``new`` (same instance id) is the host under ``key`` (see the module doc)."""
-        if new.address in self._addresses[key]:
-            return True
-        known = self.hosts[key]
-        return (known.game, known.info) == (new.game, new.info)
+    @staticmethod
+    def _same_host(known: DiscoveredHost, new: DiscoveredHost) -> bool:
+        """Whether two answers with one instance id are one host (see the module doc)."""
+        return known.address == new.address or (known.game, known.info) == (new.game, new.info)
 
     def _enough(self) -> bool:
         return self._expected is not None and len(self.hosts) >= self._expected

@@ -788,6 +788,33 @@ def test_a_reply_whose_id_cannot_be_read_is_named_when_its_request_times_out() -
     in_virtual_time(main)
 
 
+def test_quick_failures_are_retried_at_once_until_register_timeout_even_near_it() -> None:
+    # register_timeout below timeout: every failure is within a timeout of the
+    # deadline. Failures that move on at once (a replica refusing at once) are
+    # retried at once, not given up after two.
+    attempts: list[float] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        good = Harness()
+
+        async def refuses_twice_then_answers() -> FakeConnection:
+            attempts.append(loop.time())
+            if len(attempts) <= 3:
+                raise ConnectionRefusedError("shutting down")
+            server_side, client_side = pipe((pub(1), 27960))
+            asyncio.ensure_future(good.service.handle(server_side))
+            return client_side
+
+        async with MatchmakerClient(
+            refuses_twice_then_answers, register_timeout=4.0, timeout=5.0
+        ) as host:
+            await host.register(**HOST)
+
+    in_virtual_time(main)
+    assert len(attempts) == 4
+
+
 def test_a_request_never_answered_times_out_even_if_another_reply_was_refused() -> None:
     # Only the first request is answered, with a reply the client refuses (its id
     # readable: that request fails at once). The second is never answered: a timeout,
