@@ -797,13 +797,14 @@ def test_quick_failures_are_retried_at_once_until_register_timeout_even_near_it(
     async def main() -> None:
         loop = asyncio.get_running_loop()
         good = Harness()
+        serving: set[asyncio.Task[None]] = set()
 
         async def refuses_twice_then_answers() -> FakeConnection:
             attempts.append(loop.time())
             if len(attempts) <= 3:
                 raise ConnectionRefusedError("shutting down")
             server_side, client_side = pipe((pub(1), 27960))
-            asyncio.ensure_future(good.service.handle(server_side))
+            serving.add(asyncio.create_task(good.service.handle(server_side)))
             return client_side
 
         async with MatchmakerClient(
