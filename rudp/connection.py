@@ -643,8 +643,8 @@ class Connection:
             self._end(DisconnectReason.PEER_PAUSED, 0, "", by_peer=False)
             return
         # A paused peer may refuse what it cannot buffer, unacknowledged, until it
-        # resumes: the pause is timed by peer_pause_timeout, and each message has its
-        # whole ack_timeout again from the resume.
+        # resumes: the pause is timed by peer_pause_timeout, and ack_timeout counts
+        # only the time the peer could take the message (its pauses left out).
         oldest = None if self.peer_paused else self._sender.oldest_unacked()
         if oldest is not None and now >= oldest.first_sent + self.paused_total + cfg.ack_timeout:
             self._end(DisconnectReason.UNACKNOWLEDGED, 0, "", by_peer=False)
