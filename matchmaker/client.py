@@ -121,7 +121,7 @@ from matchmaker.transport import (
     Peer,
     rudp_connector,
 )
-from rudp.errors import check_address, check_sequence
+from rudp.errors import check_address, check_port, check_sequence
 
 log = logging.getLogger(__name__)
 
@@ -1333,8 +1333,7 @@ def _check_number(value: object, name: str, *, positive: bool = False) -> None:
 
 
 def _check_port(port: object, name: str) -> int:
-    if not isinstance(port, int) or isinstance(port, bool):
-        raise TypeError(f"{name} takes an int, not {port!r}")
+    port = check_port(port, name)
     if not 1 <= port <= 0xFFFF:
         raise ValueError(f"{name} must be in 1..65535, not {port}")
     return port

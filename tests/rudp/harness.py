@@ -20,6 +20,7 @@ from rudp.config import Config
 from rudp.connection import Connection, State
 from rudp.endpoint import Endpoint
 from rudp.events import Disconnected, EndpointEvent, Event, MessageReceived
+from rudp.lockstep import ClientState, LockstepClient, LockstepHost
 from rudp.wire import DropReason
 
 Address = tuple[Any, ...]
@@ -313,3 +314,16 @@ def frames_of(data: bytes) -> frames.DataFrames:
     """The frames of a DATA datagram on a test network (none for other packets)."""
     body = open_data(data)
     return NO_FRAMES if body is None else frames.decode_frames(body)
+
+
+def running_lockstep_pair() -> tuple[LockstepHost[str], LockstepClient]:
+    """A lockstep host and one client ("a"), joined and started, sans-IO at time 0."""
+    host = LockstepHost[str]()
+    client = LockstepClient(name="a")
+    for data in client.messages_to_send():
+        host.receive("a", data, 0.0)
+    host.start(0.0)
+    for _, data in host.messages_to_send():
+        client.receive(data, 0.0)
+    assert client.state is ClientState.RUNNING
+    return host, client

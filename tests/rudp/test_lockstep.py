@@ -48,6 +48,7 @@ from rudp.lockstep import (
 )
 from rudp.lockstep import messages as m
 from rudp.lockstep.config import MAX_CLIENTS_LIMIT
+from tests.rudp.harness import running_lockstep_pair
 
 HOST = "host"
 
@@ -639,22 +640,10 @@ def test_oversized_message_dropped_unparsed() -> None:
     assert host.stats.malformed == 1
 
 
-def _running_pair() -> tuple[LockstepHost[str], LockstepClient]:
-    host = LockstepHost[str]()
-    client = LockstepClient(name="a")
-    for data in client.messages_to_send():
-        host.receive("a", data, 0.0)
-    host.start(0.0)
-    for _, data in host.messages_to_send():
-        client.receive(data, 0.0)
-    assert client.state is ClientState.RUNNING
-    return host, client
-
-
 @given(st.lists(st.binary(max_size=40), max_size=10))
 @settings(max_examples=200, deadline=None)
 def test_garbage_never_raises(datagrams: list[bytes]) -> None:
-    host, client = _running_pair()
+    host, client = running_lockstep_pair()
     for data in datagrams:
         host.receive("a", data, 1.0)
         host.receive("stranger", data, 1.0)
@@ -668,7 +657,7 @@ def test_garbage_never_raises(datagrams: list[bytes]) -> None:
 @given(st.sampled_from(ALL_MESSAGES), st.integers(0, 40))
 @settings(max_examples=100, deadline=None)
 def test_valid_messages_in_the_wrong_place_never_raise(msg: m.Message, split: int) -> None:
-    host, client = _running_pair()
+    host, client = running_lockstep_pair()
     data = m.encode(msg)
     for part in (data[:split], data[split:], data):
         host.receive("a", part, 1.0)
@@ -677,7 +666,7 @@ def test_valid_messages_in_the_wrong_place_never_raise(msg: m.Message, split: in
 
 
 def test_out_of_order_doneturn_and_netturn_are_counted() -> None:
-    host, client = _running_pair()
+    host, client = running_lockstep_pair()
     host.receive("a", m.encode(m.DoneTurn(0, 1)), 0.0)  # turn 0 not sent yet
     assert host.stats.unexpected == 1
     client.receive(m.encode(m.NetTurn(5, ())), 0.0)  # gap: 0..4 missing
@@ -695,7 +684,7 @@ def test_misuse_raises_local_protocol_error() -> None:
         client.complete_turn(0, 1)  # no such turn
     with pytest.raises(LocalProtocolError):
         LockstepClient(name="n" * 40)
-    host, running = _running_pair()
+    host, running = running_lockstep_pair()
     with pytest.raises(LocalProtocolError):
         host.start(1.0)
     with pytest.raises(LocalProtocolError):

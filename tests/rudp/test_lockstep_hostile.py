@@ -40,18 +40,6 @@ DEEP_TYPE = b"\x91" * 1000 + b"\x01"
 DEEP_JOIN = b"\x94\x01" + b"\x91" * 999 + b"\x01" + b"\xa0\xa1x"
 
 
-def _running_pair() -> tuple[LockstepHost[str], LockstepClient]:
-    host = LockstepHost[str]()
-    client = LockstepClient(name="a")
-    for data in client.messages_to_send():
-        host.receive("a", data, 0.0)
-    host.start(0.0)
-    for _, data in host.messages_to_send():
-        client.receive(data, 0.0)
-    assert client.state is ClientState.RUNNING
-    return host, client
-
-
 # ============================================================================ decoding
 
 
