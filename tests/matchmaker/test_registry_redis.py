@@ -1023,12 +1023,10 @@ async def test_relayed_notices_dropped_are_counted(
         assert a.notices_dropped.get("malformed", 0) >= 1
         assert seen and set(seen) == {"malformed"}
         # Well formed, but its payload is not bytes: malformed too, never queued.
+        # (Handed to the subscription's reader directly: garbage published above may
+        # still be on its way, so counting published ones would depend on timing.)
         before = a.notices_dropped["malformed"]
-        await admin.publish("{mm}:notice:a", msgpack.packb([addr(1).key, 123]))
-        for _ in range(250):
-            if a.notices_dropped["malformed"] > before:
-                break
-            await asyncio.sleep(0.02)
+        a._on_notice(msgpack.packb([addr(1).key, 123]))
         assert a.notices_dropped["malformed"] == before + 1
         assert a._notices.empty()
     finally:
