@@ -94,6 +94,7 @@ from matchmaker.addresses import (
 )
 from matchmaker.listing import paginate_positions, size_cuts
 from matchmaker.liveness import REPLY_RATE, TAKEOVER_RATE, Liveness
+from matchmaker.logging import CONNECTION
 from matchmaker.messages import (
     DEFAULT_LIMITS,
     NONCE_BYTES,
@@ -264,7 +265,7 @@ class MatchmakerService:
         # Every line this connection causes carries peer and conn.  (No line per
         # connection opened or closed: with a connection per registration, they
         # and the context manager were a tenth of its cost; metrics count them.)
-        bound = structlog.contextvars.bind_contextvars(peer=address.key, conn=session.conn)
+        bound = CONNECTION.set((address.key, session.conn))
         try:
             async for received in peer:
                 if peer.remote_address is not session.sockaddr:
@@ -272,7 +273,7 @@ class MatchmakerService:
                 await self._on_data(session, received.data)
         finally:
             self._end(session)
-            structlog.contextvars.reset_contextvars(**bound)
+            CONNECTION.reset(bound)
 
     def _follow(self, session: _Session) -> None:
         """Take the peer's current address: a rudp connection can migrate (a NAT

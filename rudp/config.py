@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import TYPE_CHECKING, Final
 
 from rudp.frames import FRAGMENT_FRAME_OVERHEAD, MAX_FRAGMENTS
@@ -364,27 +365,27 @@ class Config:
         if self.socket_buffer_size < 0:
             raise ValueError("Config.socket_buffer_size must be >= 0")
 
-    @property
+    @cached_property
     def base_datagram_size(self) -> int:
         """The datagram size every path is assumed to carry: what connections start
         with, what fragments and unreliable messages are sized for, and what
         CONNECTs and queries are padded to."""
         return min(BASE_DATAGRAM_SIZE, self.max_datagram_size)
 
-    @property
+    @cached_property
     def fragment_payload(self) -> int:
         """Payload bytes of every fragment but the first (which also carries the
         dependencies) and the last. Sized for ``base_datagram_size``: a fragment in
         flight must still fit if the path MTU falls back."""
         return self.base_datagram_size - FRAGMENT_FRAME_OVERHEAD
 
-    @property
+    @cached_property
     def max_fragments(self) -> int:
         """Fragments the largest message can need (one more when dependencies
         shorten the first)."""
         return -(-self.max_message_size // self.fragment_payload) + 1
 
-    @property
+    @cached_property
     def drain_threshold(self) -> int:
         """The queue length at which ``drain()`` returns."""
         if self.drain_low_water is None:

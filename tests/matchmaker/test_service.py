@@ -10,6 +10,7 @@ import pytest
 import structlog
 
 from matchmaker.addresses import Address, source_key
+from matchmaker.logging import CONNECTION, merge_connection
 from matchmaker.messages import (
     Error,
     ErrorReason,
@@ -561,9 +562,7 @@ async def test_shutdown_closes_connections_but_keeps_registrations() -> None:
 
 async def test_log_events_carry_connection_context() -> None:
     h = Harness()
-    with structlog.testing.capture_logs(
-        processors=[structlog.contextvars.merge_contextvars]
-    ) as logs:
+    with structlog.testing.capture_logs(processors=[merge_connection]) as logs:
         wire = await h.host(pub(1))
         wire.send_raw(b"\xc1")
         await wire.recv()
@@ -605,7 +604,7 @@ async def test_a_connection_served_in_the_callers_task_leaves_its_log_context_be
     server_side, client_side = pipe((pub(1), 27960))
     client_side.abort()  # the peer is gone: the handler returns at once
     await h.service.handle(server_side)
-    assert structlog.contextvars.get_contextvars() == {}
+    assert CONNECTION.get() is None
 
 
 async def test_a_host_too_large_for_one_list_page_is_refused() -> None:

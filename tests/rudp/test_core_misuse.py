@@ -97,6 +97,20 @@ def _numeric_fields() -> list[tuple[str, str]]:
     return [(f.name, kinds[f.type]) for f in dataclasses.fields(Config) if f.type in kinds]
 
 
+def test_derived_sizes_follow_the_fields_of_each_config() -> None:
+    # Worked out once per Config (every connection reads them as it starts); a
+    # Config made by replace() from another must not keep the other's values.
+    small = Config(max_datagram_size=600, send_queue_limit=400)
+    base = Config()
+    for cfg in (small, base, dataclasses.replace(small, max_datagram_size=1400)):
+        assert cfg.base_datagram_size == min(1200, cfg.max_datagram_size)
+        assert cfg.fragment_payload == cfg.base_datagram_size - frames.FRAGMENT_FRAME_OVERHEAD
+        assert cfg.max_fragments == -(-cfg.max_message_size // cfg.fragment_payload) + 1
+    assert small.drain_threshold == 100
+    assert dataclasses.replace(small, drain_low_water=7).drain_threshold == 7
+    assert base.base_datagram_size == 1200 and small.base_datagram_size == 600
+
+
 @pytest.mark.parametrize(("name", "kind"), _numeric_fields())
 @pytest.mark.parametrize("wrong", ["5", b"5", [5], True])
 def test_a_numeric_config_field_given_no_number_is_a_type_error_naming_it(
