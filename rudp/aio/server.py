@@ -88,15 +88,39 @@ async def _resolve(
     port = check_port(port, name)
     if not 0 <= port <= 65535:  # getaddrinfo would silently take it modulo 65536
         raise ValueError(f"{name} must be in 0..65535, got {port}")
+    if not isinstance(host, str):
+        # getaddrinfo takes None as the loopback address and bytes as a name: a
+        # connection would go somewhere the caller did not mean, or fail with a
+        # TypeError that names no argument.
+        raise TypeError(
+            f"host must be a str (a name or an IP address), got {type(host).__name__}: {host!r}"
+        )
     literal = _literal(host, port, family, flags)
     if literal is not None:
         return literal
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_DGRAM, flags=flags)
+    try:
+        infos = await loop.getaddrinfo(
+            host, port, family=family, type=socket.SOCK_DGRAM, flags=flags
+        )
+    except socket.gaierror as exc:
+        raise socket.gaierror(
+            exc.errno, f"cannot resolve {host!r}: {exc.strerror}{_hint(host)}"
+        ) from exc
     if not infos:
         raise OSError(f"cannot resolve {host!r}")
     fam, _, _, _, sockaddr = infos[0]
     return fam, tuple(sockaddr)
+
+
+def _hint(host: str) -> str:
+    """What a host that failed to resolve may have meant, for the error."""
+    if host.startswith("[") and host.endswith("]"):
+        return " (an IPv6 address goes without brackets: the port is its own argument)"
+    name, colon, port = host.rpartition(":")
+    if colon and port.isdigit() and ":" not in name:
+        return f" (the port is its own argument: host {name!r}, port {port})"
+    return ""
 
 
 def _literal(host: str, port: int, family: int, flags: int) -> tuple[int, Address] | None:

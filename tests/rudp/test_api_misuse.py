@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import socket
 import warnings
 from collections.abc import AsyncIterator
 from fractions import Fraction
@@ -432,3 +433,44 @@ async def test_a_reliable_that_is_not_a_bool_is_a_type_error_and_sends_nothing(
         conn.send(b"x", reliable=reliable, delivery=delivery)
     assert conn.queued == 0 and conn.stats.messages_sent == 0
     await asyncio.wait_for(conn.send(b"x", reliable=True, delivery=delivery), 5)
+
+
+@pytest.mark.parametrize("host", [("127.0.0.1", 5000), b"127.0.0.1", None])
+async def test_a_host_that_is_not_a_str_is_a_type_error_naming_it(
+    pair: tuple[rudp.Server, rudp.Connection], host: Any
+) -> None:
+    # getaddrinfo takes None as the loopback address and bytes as a name: the
+    # connection went where the caller did not mean (or a TypeError named nothing).
+    server, _ = pair
+    with pytest.raises(TypeError, match=r"^host must be a str \(a name or an IP address\), got "):
+        await asyncio.wait_for(rudp.connect(host, server.address[1]), 5)
+    with pytest.raises(TypeError, match=r"^host must be a str"):
+        await asyncio.wait_for(server.connect(host, server.address[1]), 5)
+    if host is not None:  # None binds every address: documented
+        with pytest.raises(TypeError, match=r"^host must be a str"):
+            await asyncio.wait_for(rudp.open_endpoint(host, 0), 5)
+
+
+@pytest.mark.parametrize(
+    ("host", "hint"),
+    [
+        ("127.0.0.1:5000", "the port is its own argument: host '127.0.0.1', port 5000"),
+        ("game.example:27960", "the port is its own argument: host 'game.example', port 27960"),
+        ("[::1]", "an IPv6 address goes without brackets"),
+        ("game.example", None),
+    ],
+)
+async def test_a_host_that_does_not_resolve_is_named_with_what_it_may_have_meant(
+    monkeypatch: pytest.MonkeyPatch, host: str, hint: str | None
+) -> None:
+    # No name lookup leaves the machine: the loop's resolver fails as a resolver would.
+    async def unknown(*args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", unknown)
+    with pytest.raises(socket.gaierror) as caught:
+        await asyncio.wait_for(rudp.connect(host, 5000), 5)
+    text = str(caught.value)
+    assert f"cannot resolve {host!r}: Name or service not known" in text
+    assert caught.value.errno == socket.EAI_NONAME
+    assert (hint in text) if hint is not None else "(" not in text
