@@ -254,9 +254,10 @@ class Connection:
         """
         if self.state is not CONNECTED:
             self._check_can_send()
-        if type(channel) is not int and not isinstance(channel, int):
+        if type(channel) is not int and (not isinstance(channel, int) or isinstance(channel, bool)):
             # A float or None would fail deep in the sender ("list indices must be
-            # integers"); compiled, the call itself refuses it.
+            # integers"); compiled, the call itself refuses it. A bool would pass for
+            # channel 0 or 1 (a reliable= meant for another parameter).
             raise TypeError(f"channel must be an int, not {type(channel).__name__}")
         if reliable is not True and reliable is not False:
             # Truthiness would send "no" reliably; compiled, the call itself refuses it.
@@ -283,8 +284,7 @@ class Connection:
         The peer gets at most ``frames.MAX_CLOSE_TEXT`` bytes of it, clipped on a
         character boundary.
         """
-        if not 0 <= code <= 0xFFFF:
-            raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
+        frames.check_close_code(code)
         frames.check_close_text(text)
         if self.state is CONNECTING:
             self._end(DisconnectReason.CLOSED, code, text, by_peer=False)

@@ -46,6 +46,7 @@ import struct
 from typing import Final, NamedTuple
 
 from rudp.drops import DropReason
+from rudp.errors import LocalProtocolError
 from rudp.wire import (
     _ORDERED,
     _UNORDERED,
@@ -329,6 +330,16 @@ def probe_frames(size: int) -> bytes:
 
 
 _PING_PADDING: Final = bytes((FrameType.PING, FrameType.PADDING))
+
+
+def check_close_code(code: object) -> None:
+    """Raise unless ``code`` can be a DISCONNECT's code: an int (TypeError: a float or
+    a bool would fail only when the frame is built, after the state changed) in
+    [0, 65535] (``LocalProtocolError``)."""
+    if type(code) is not int and (not isinstance(code, int) or isinstance(code, bool)):
+        raise TypeError(f"close code must be an int, not {type(code).__name__}: {code!r}")
+    if not 0 <= code <= 0xFFFF:
+        raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
 
 
 def check_close_text(text: object) -> None:

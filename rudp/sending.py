@@ -509,6 +509,12 @@ class Sender:
                 f"receiver takes {self._fragment_limit} ahead (channel_window, ours or "
                 "the peer's)"
             )
+        if count > self._queue_limit:
+            # No drain() would ever make room for it: it is too large for this queue.
+            raise MessageTooLarge(
+                f"a {total}-byte message needs {count} fragments of {step} bytes; the send "
+                f"queue holds {self._queue_limit} messages (Config.send_queue_limit)"
+            )
         if self.queued + count > self._queue_limit:
             raise SendQueueFull(
                 f"a {count}-fragment message does not fit the send queue ({self.queued} of "

@@ -31,7 +31,7 @@ from rudp.errors import (
     LocalProtocolError,
 )
 from rudp.events import Disconnected, DisconnectReason, MessageReceived
-from rudp.frames import check_close_text
+from rudp.frames import check_close_code, check_close_text
 from rudp.sending import ACKED, FAILED, SUPERSEDED, OutMessage
 from rudp.stats import ConnectionStats
 from rudp.tokens import PeerIdentity
@@ -198,6 +198,7 @@ class Connection:
         messages: the peer delivers this message only after all of them, and
         otherwise as soon as it arrives (it implies ``DEPENDENCY_ORDERED``).
         """
+        self._check_loop()
         if delivery is None and depends_on is None:
             if reliable is True:
                 msg = self._core.send(data, channel=channel)
@@ -241,6 +242,7 @@ class Connection:
     async def drain(self) -> None:
         """Wait until the send queue is at or below ``Config.drain_threshold``; raises
         ``ConnectionClosed`` if the connection has ended or ends first."""
+        self._check_loop()
         if self._closed_future.done():
             raise self._closed_error()
         if self._core.queued <= self._endpoint.config.drain_threshold:
@@ -266,6 +268,7 @@ class Connection:
     async def recv(self) -> MessageReceived:
         """The next message; raises ``ConnectionClosed`` once the connection has ended
         and every message received before the end was returned."""
+        self._check_loop()
         while not self._inbox:
             if self._receiver is not None:
                 raise self._receiver_set()
@@ -288,6 +291,7 @@ class Connection:
         """The next message if one is waiting, else None; raises ``ConnectionClosed``
         once the connection has ended and every message received before the end was
         returned (as ``recv()`` does: None would read as "nothing yet" forever)."""
+        self._check_loop()
         if self._inbox:
             return self._take()
         if self._receiver is not None:
@@ -313,8 +317,9 @@ class Connection:
         A ``serve`` handler that sets one must still not return before the connection
         should end (``await conn.wait_closed()``): its return closes the connection.
         """
+        self._check_loop()
         if receiver is not None and not callable(receiver):
-            raise LocalProtocolError(f"receiver must be callable, got {receiver!r}")
+            raise TypeError(f"receiver must be callable, got {receiver!r}")
         if receiver is not None and is_coroutine_function(receiver):
             # Called, it would only make a coroutine that nobody awaits: every
             # message would be lost without a word.
@@ -393,6 +398,7 @@ class Connection:
         waits until the connection has ended and gives its ``Disconnected`` (as
         ``wait_closed()`` does). ``reason=`` is the deprecated name of ``text``.
         """
+        self._check_loop()
         if reason is not None:
             warnings.warn(
                 "close(reason=...) is deprecated: the text is close(code, text=...), as "
@@ -401,8 +407,7 @@ class Connection:
                 stacklevel=2,
             )
             text = reason
-        if not 0 <= code <= 0xFFFF:
-            raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")
+        check_close_code(code)
         # Checked here as well: after the end the core is not called, and a wrong text
         # must not pass unnoticed because the connection happened to end first.
         check_close_text(text)
@@ -410,6 +415,18 @@ class Connection:
             self._core.close(monotonic(), code, text)
             self._endpoint.after_core_call()
         return self.wait_closed()
+
+    def _check_loop(self) -> None:
+        """Refuse a call from outside the event loop the connection lives on: from
+        another thread's loop, ``send()`` went through (touching the core from the
+        wrong thread) and ``recv()`` failed late with asyncio's own error, leaving
+        its waiter behind."""
+        if asyncio._get_running_loop() is not self._loop:
+            raise RuntimeError(
+                "this connection belongs to the event loop it was opened on; call it "
+                "from that loop's thread (loop.call_soon_threadsafe, "
+                "asyncio.run_coroutine_threadsafe)"
+            )
 
     def wait_closed(self) -> asyncio.Future[Disconnected]:
         """An awaitable for the connection's end, giving its ``Disconnected``.

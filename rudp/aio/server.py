@@ -74,6 +74,14 @@ def _check_config(config: object) -> Config:
     return config
 
 
+def _check_keys(server_key: object, token: object, token_key: object) -> None:
+    """A key or token given as a str (hex, base64) failed deep in the handshake
+    ("can't concat str to bytes"): refused here, naming the argument."""
+    for name, value in (("server_key", server_key), ("token", token), ("token_key", token_key)):
+        if value is not None and not isinstance(value, bytes | bytearray):
+            raise TypeError(f"{name} must be bytes, not {type(value).__name__}")
+
+
 def _check_destination_port(port: int) -> int:
     port = check_port(port)
     if port == 0:
@@ -173,8 +181,14 @@ def _bind(sock: socket.socket, address: Address) -> None:
 
 
 def _adopt_socket(sock: socket.socket, config: Config) -> None:
-    if sock.type != socket.SOCK_DGRAM:
-        raise ValueError("sock must be a UDP (SOCK_DGRAM) socket")
+    if not isinstance(sock, socket.socket):
+        raise TypeError(f"sock must be a socket.socket, not {type(sock).__name__}")
+    if sock.type != socket.SOCK_DGRAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        raise ValueError("sock must be a UDP socket (SOCK_DGRAM, IPv4 or IPv6)")
+    if sock.getsockname()[1] == 0:
+        # The endpoint's address is the socket's: an unbound one would report port 0
+        # (and bind to a port nobody chose at its first send).
+        raise ValueError("sock must be bound: bind it before handing it over")
     sock.setblocking(False)
     _set_buffers(sock, config.socket_buffer_size)
     _forbid_fragmentation(sock)
@@ -255,6 +269,10 @@ class Endpoint:
     def set_datagram_handler(self, first_byte: int, handler: ForeignHandler | None) -> None:
         """Like `on_foreign`, for datagrams starting with `first_byte` (one no rudp
         datagram starts with: not ``0xA0``-``0xAF``); None gives them back to rudp."""
+        if type(first_byte) is not int and (
+            not isinstance(first_byte, int) or isinstance(first_byte, bool)
+        ):
+            raise TypeError(f"first_byte must be an int, not {type(first_byte).__name__}")
         self._endpoint.set_datagram_handler(first_byte, handler)
 
     def send_datagram(self, data: bytes, address: Address) -> None:
@@ -276,6 +294,7 @@ class Endpoint:
         ``server_key`` (default ``Config.server_key``): the peer's public key to expect;
         ``token`` and ``token_key``: a connect token, as for ``rudp.connect``.
         """
+        _check_keys(server_key, token, token_key)
         port = _check_destination_port(port)
         _, address = await _resolve(host, port, *self._endpoint.destination_family())
         return await self._endpoint.connect(
@@ -436,6 +455,7 @@ async def connect(
         check_address(local_addr, "local_addr")
         check_port(local_addr[1], "local_addr port")
     cfg = _check_config(config)
+    _check_keys(server_key, token, token_key)
     port = _check_destination_port(port)
     family, address = await _resolve(host, port)
     local_host = local_addr[0] if local_addr else ("::" if family == socket.AF_INET6 else "0.0.0.0")

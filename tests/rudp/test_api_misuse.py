@@ -8,7 +8,7 @@ import errno
 import functools
 import socket
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from fractions import Fraction
 from typing import Any
 
@@ -316,7 +316,7 @@ async def test_a_handler_that_cannot_be_called_is_refused_where_it_is_set(
     server.set_datagram_handler(0xB1, None)
 
 
-@pytest.mark.parametrize("channel", [1.5, None, "1"])
+@pytest.mark.parametrize("channel", [1.5, None, "1", True, False])
 async def test_a_channel_that_is_not_an_int_is_a_type_error_and_sends_nothing(
     pair: tuple[rudp.Server, rudp.Connection], channel: Any
 ) -> None:
@@ -474,3 +474,91 @@ async def test_a_host_that_does_not_resolve_is_named_with_what_it_may_have_meant
     assert f"cannot resolve {host!r}: Name or service not known" in text
     assert caught.value.errno == socket.EAI_NONAME
     assert (hint in text) if hint is not None else "(" not in text
+
+
+@pytest.mark.parametrize("code", [1.5, True, "1"])
+async def test_a_close_code_that_is_not_an_int_is_a_type_error_and_the_connection_stays(
+    pair: tuple[rudp.Server, rudp.Connection], code: Any
+) -> None:
+    # A float passed the range check and left the connection CLOSING for good.
+    _, conn = pair
+    with pytest.raises(TypeError, match=r"^close code must be an int, not "):
+        conn.close(code=code)
+    assert not conn.closed
+    assert (await asyncio.wait_for(conn.send(b"still open"), 5)) is None
+    ended = await asyncio.wait_for(conn.close(code=3), 5)
+    assert ended.code == 3
+
+
+async def test_a_connection_refuses_calls_from_another_event_loop(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    # From another thread's loop send() went through (touching the core from the
+    # wrong thread) and recv() failed late, leaving its waiter behind.
+    _, conn = pair
+    outcomes: dict[str, str] = {}
+
+    async def elsewhere() -> None:
+        calls: dict[str, Callable[[], Any]] = {
+            "send": lambda: conn.send(b"x"),
+            "recv_nowait": conn.recv_nowait,
+            "set_receiver": lambda: conn.set_receiver(None),
+            "close": conn.close,
+            "recv": lambda: asyncio.ensure_future(conn.recv()),
+            "drain": lambda: asyncio.ensure_future(conn.drain()),
+        }
+        for name, call in calls.items():
+            try:
+                result = call()
+                if isinstance(result, asyncio.Future):
+                    await result
+            except RuntimeError as exc:
+                outcomes[name] = str(exc)
+            else:
+                outcomes[name] = "accepted"
+
+    await asyncio.wait_for(asyncio.to_thread(asyncio.run, elsewhere()), 5)
+    assert set(outcomes) == {"send", "recv_nowait", "set_receiver", "close", "recv", "drain"}
+    for name, text in outcomes.items():
+        assert text.startswith("this connection belongs to the event loop it was opened on"), name
+    assert not conn.closed and conn.queued == 0
+    assert (await asyncio.wait_for(conn.send(b"here"), 5)) is None
+
+
+@pytest.mark.parametrize("name", ["server_key", "token", "token_key"])
+async def test_a_key_or_token_that_is_not_bytes_is_a_type_error_naming_it(
+    pair: tuple[rudp.Server, rudp.Connection], name: str
+) -> None:
+    server, _ = pair
+    given = {name: "ab" * 16}
+    with pytest.raises(TypeError, match=rf"^{name} must be bytes, not str$"):
+        await asyncio.wait_for(rudp.connect(*server.address, **given), 5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=rf"^{name} must be bytes, not str$"):
+        await asyncio.wait_for(server.connect(*server.address, **given), 5)  # type: ignore[arg-type]
+
+
+async def test_open_endpoint_refuses_a_socket_it_cannot_serve_on() -> None:
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    unbound = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        with pytest.raises(ValueError, match=r"^sock must be a UDP socket \(SOCK_DGRAM, IPv4"):
+            await rudp.open_endpoint(sock=unix)
+        with pytest.raises(ValueError, match=r"^sock must be bound"):
+            await rudp.open_endpoint(sock=unbound)
+        with pytest.raises(TypeError, match=r"^sock must be a socket\.socket, not int"):
+            await rudp.open_endpoint(sock=5)  # type: ignore[arg-type]
+    finally:
+        unix.close()
+        unbound.close()
+
+
+async def test_a_receiver_or_first_byte_of_the_wrong_type_is_a_type_error(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    server, conn = pair
+    with pytest.raises(TypeError, match=r"^receiver must be callable, got 5"):
+        conn.set_receiver(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^first_byte must be an int, not str"):
+        server.set_datagram_handler("x", lambda data, address: None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^first_byte must be an int, not bool"):
+        server.set_datagram_handler(True, lambda data, address: None)  # type: ignore[arg-type]

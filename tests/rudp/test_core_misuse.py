@@ -37,6 +37,31 @@ def test_misuse_raises_clear_errors() -> None:
         client.endpoint.connect(SERVER, net.now)
 
 
+@pytest.mark.parametrize("code", [1.5, True, "1", None])
+def test_a_close_code_that_is_not_an_int_is_refused_before_the_state_changes(code: object) -> None:
+    # A float passed the range check, the state turned CLOSING, and building the
+    # DISCONNECT failed: the connection never ended, and every later datagram failed.
+    net, _, _, conn = pair()
+    with pytest.raises(TypeError, match=r"^close code must be an int, not "):
+        conn.close(net.now, code=code)  # type: ignore[arg-type]
+    assert conn.state is State.CONNECTED
+    conn.close(net.now, code=7)
+    net.run_until(lambda: conn.state is State.CLOSED)
+    assert conn.close_reason is not None and conn.close_reason.code == 7
+
+
+def test_a_message_needing_more_fragments_than_the_send_queue_holds_is_too_large() -> None:
+    # It raised SendQueueFull on an empty queue: drain() returned at once and the
+    # documented drain-and-retry loop never ended.
+    net, _, _, conn = pair(config=Config(send_queue_limit=20))
+    size = 30 * conn.max_datagram_payload
+    with pytest.raises(MessageTooLarge, match=r"the send queue holds 20 messages"):
+        conn.send(bytes(size))
+    assert conn.queued == 0
+    conn.send(bytes(10 * conn.max_datagram_payload))  # what fits still goes
+    assert conn.queued > 0
+
+
 def test_acked_event_only_for_messages_that_asked() -> None:
     net, server, client, conn = pair()
     quiet = conn.send(b"a")
