@@ -254,10 +254,9 @@ class Connection:
         """
         if self.state is not CONNECTED:
             self._check_can_send()
-        if type(channel) is not int and (not isinstance(channel, int) or isinstance(channel, bool)):
+        if type(channel) is not int and not isinstance(channel, int):
             # A float or None would fail deep in the sender ("list indices must be
-            # integers"); compiled, the call itself refuses it. A bool would pass for
-            # channel 0 or 1 (a reliable= meant for another parameter).
+            # integers"); compiled, the call itself refuses it.
             raise TypeError(f"channel must be an int, not {type(channel).__name__}")
         if reliable is not True and reliable is not False:
             # Truthiness would send "no" reliably; compiled, the call itself refuses it.

@@ -333,10 +333,10 @@ _PING_PADDING: Final = bytes((FrameType.PING, FrameType.PADDING))
 
 
 def check_close_code(code: object) -> None:
-    """Raise unless ``code`` can be a DISCONNECT's code: an int (TypeError: a float or
-    a bool would fail only when the frame is built, after the state changed) in
-    [0, 65535] (``LocalProtocolError``)."""
-    if type(code) is not int and (not isinstance(code, int) or isinstance(code, bool)):
+    """Raise unless ``code`` can be a DISCONNECT's code: an int (TypeError: a float
+    would fail only when the frame is built, after the state changed) in [0, 65535]
+    (``LocalProtocolError``)."""
+    if type(code) is not int and not isinstance(code, int):
         raise TypeError(f"close code must be an int, not {type(code).__name__}: {code!r}")
     if not 0 <= code <= 0xFFFF:
         raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")

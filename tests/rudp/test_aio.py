@@ -440,7 +440,7 @@ async def test_setting_a_receiver_wakes_a_waiting_recv_with_an_error(server: rud
     conn.set_receiver(lambda msg: None)
     with pytest.raises(rudp.LocalProtocolError):
         await asyncio.wait_for(waiting, 5)
-    with pytest.raises(rudp.LocalProtocolError):
+    with pytest.raises(TypeError, match="receiver must be callable"):
         conn.set_receiver(b"not callable")  # type: ignore[arg-type]
     await conn.close()
 

