@@ -57,7 +57,7 @@ from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
 from rudp.drops import DropReason
 from rudp.endpoint import Endpoint as CoreEndpoint
-from rudp.errors import EndpointClosed, LocalProtocolError, RudpError
+from rudp.errors import ConnectionClosed, EndpointClosed, LocalProtocolError, RudpError
 from rudp.events import (
     Connected,
     Disconnected,
@@ -241,10 +241,15 @@ class AioEndpoint:
         self._reading = False
         self._queued_in_read = False
         self._close_after_flush = False
+        # Inside _dispatch_events: what a callback it runs causes (a receiver calling
+        # close()) is left to its loop, so that no callback is re-entered.
+        self._dispatching = False
         self._send_buffer: deque[tuple[bytes, Address]] = deque()
         # Where datagrams go instead of the socket (set_path), None: the socket.
         self._path: DatagramPath | None = None
         self._closed = False
+        # Set when close() (or close_now()) begins: connect() and query() are refused.
+        self._closing = False
         self._closed_event = asyncio.Event()
         self._max_read = config.max_datagrams_per_read
         # How many bytes wait on the socket, asked after the first datagram of a read:
@@ -657,6 +662,20 @@ class AioEndpoint:
     # -- events ----------------------------------------------------------------
 
     def _dispatch_events(self) -> None:
+        if self._dispatching:
+            # Called from a callback that the loop of _dispatch_all runs (a receiver or
+            # an on_query handler closing a connection): that loop takes the events the
+            # call queued once the callback has returned, so that no callback is
+            # re-entered (as an asyncio.Protocol's is not). The caller still schedules
+            # the flush.
+            return
+        self._dispatching = True
+        try:
+            self._dispatch_all()
+        finally:
+            self._dispatching = False
+
+    def _dispatch_all(self) -> None:
         next_event = self.core.next_event
         conns = self._conns
         while (item := next_event()) is not None:
@@ -716,7 +735,10 @@ class AioEndpoint:
                 )
             else:
                 await running
-        except RudpError as exc:
+        except (ConnectionClosed, EndpointClosed) as exc:
+            # A connection or the endpoint closed under it (recv() after the peer's close,
+            # say). Any other error, a RudpError such as SendQueueFull included, is a bug
+            # in the handler: below.
             log.debug(
                 "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
             )
@@ -784,9 +806,9 @@ class AioEndpoint:
         """Connect out; with ``owns_endpoint`` the connection closes this endpoint when it
         ends (set before the handshake: the server may close it in the same datagram).
         ``server_key`` overrides ``Config.server_key`` for this connection; ``token``
-        and ``token_key`` present a connect token (see ``rudp.connect``)."""
-        if self._closed:
-            raise EndpointClosed("endpoint is closed")
+        and ``token_key`` present a connect token (see ``rudp.connect``). Refused with
+        ``EndpointClosed`` once ``close()`` has begun."""
+        self._check_open()
         core_conn = self.core.connect(
             address, monotonic(), server_key=server_key, token=token, token_key=token_key
         )
@@ -803,18 +825,32 @@ class AioEndpoint:
         return conn
 
     async def query(self, address: Address, payload: bytes, timeout: float) -> tuple[bytes, float]:
+        """Send one unconnected query and wait ``timeout`` seconds for its answer: a
+        ``TimeoutError`` naming the address and the timeout without one."""
         timeout = check_query_timeout(timeout)
-        if self._closed:
-            raise EndpointClosed("endpoint is closed")
+        self._check_open()
         nonce = self.core.query(address, payload, monotonic())
         future: asyncio.Future[tuple[bytes, float]] = self.loop.create_future()
         self._queries[nonce] = future
         self._schedule_flush()
         try:
             return await asyncio.wait_for(future, timeout)
+        except TimeoutError as exc:
+            # wait_for's own is bare: say what was not answered, and within how long.
+            raise TimeoutError(
+                f"no answer to the query from {format_address(address)} within {timeout:g} s"
+            ) from exc
         finally:
             self._queries.pop(nonce, None)
             self.core.cancel_query(nonce)
+
+    def _check_open(self) -> None:
+        """Refuse something new (a connect, a query) once the close has begun: the close
+        would end it before it could serve, without telling the peer."""
+        if self._closed:
+            raise EndpointClosed("endpoint is closed")
+        if self._closing:
+            raise EndpointClosed("endpoint is closing")
 
     def connections(self) -> list[Connection]:
         return [c for core, c in self._conns.items() if core.client is False]
@@ -834,6 +870,7 @@ class AioEndpoint:
         if self._closed:
             await self._closed_event.wait()
             return
+        self._closing = True
         loop = self.loop
         limit = timeout if timeout is not None else self.config.close_timeout + 1.0
         deadline = loop.time() + limit
@@ -895,6 +932,7 @@ class AioEndpoint:
         """Release the socket; connections still open end with reason "aborted"."""
         if self._closed:
             return
+        self._closing = True
         self.core.abort()
         self._dispatch_events()
         self._closed = True
