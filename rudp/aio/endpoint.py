@@ -844,6 +844,12 @@ class AioEndpoint:
             self._queries.pop(nonce, None)
             self.core.cancel_query(nonce)
 
+    def refuse_new(self) -> None:
+        """From now on refuse new connects and queries (`EndpointClosed`): a close is
+        starting (``Server.close()`` runs it in a task of its own, which starts a loop
+        turn later)."""
+        self._closing = True
+
     def _check_open(self) -> None:
         """Refuse something new (a connect, a query) once the close has begun: the close
         would end it before it could serve, without telling the peer."""

@@ -330,6 +330,7 @@ class Endpoint:
         if caller is not None:
             self._endpoint.exclude_from_close(caller)
         if self._closing is None:
+            self._endpoint.refuse_new()  # at once: the task below starts a turn later
             self._closing = asyncio.get_running_loop().create_task(self._close(caller))
         return asyncio.shield(self._closing)
 

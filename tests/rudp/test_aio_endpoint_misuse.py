@@ -218,6 +218,23 @@ async def test_connect_and_query_are_refused_at_once_while_the_endpoint_closes()
         await asyncio.wait_for(gone.close(), 5)
 
 
+async def test_a_connect_or_query_right_after_close_is_refused() -> None:
+    # Server.close() runs the close in a task of its own: before that task's first
+    # step, a connect (to an IP literal: nothing to wait for) went through.
+    async with await rudp.serve(hold, "127.0.0.1", 0) as other:
+        other.on_query = lambda payload, address: b"answer"
+        endpoint = await rudp.open_endpoint("127.0.0.1", 0)
+        closing = endpoint.close()
+        # Awaited in this task (wait_for would start a task after the close's own).
+        async with asyncio.timeout(5):
+            with pytest.raises(rudp.EndpointClosed, match="closing"):
+                await endpoint.connect(*other.address)
+            with pytest.raises(rudp.EndpointClosed, match="closing"):
+                await endpoint.query(other.address, b"q")
+        await asyncio.wait_for(closing, 5)
+        assert other.connections == []
+
+
 # -- a query that times out says what it waited for -------------------------------------------
 
 
