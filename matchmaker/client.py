@@ -23,11 +23,14 @@ whenever the matchmaker says ``not_registered`` (the entry expired, or the
 replica is stopping) or the connection (connection mode) ends, retrying with
 exponential backoff; until one succeeds, a heartbeating host keeps
 heartbeating the registration it has.  The host believes a NOT_REGISTERED
-datagram only from the replica it heartbeats to, and only when it carries the
-registration's MAC or echoes a counter of a heartbeat still waiting for an
-answer: each registration's counter starts at a random 62-bit value, so no
-one off the path can guess it.  `update(...)` changes what is listed and what a
-re-registration sends; it opens a connection for the time of the request.
+datagram only from the replica it heartbeats to, and only when it echoes the
+counter of a heartbeat still waiting for an answer (none before the
+registration's first heartbeat, none of a round already acknowledged), with
+the registration's MAC or without: each registration's counter starts at a
+random 62-bit value, so no one off the path can guess it.  The keep-alive
+interval is never below `MIN_KEEPALIVE`, whatever `Registered` says.
+`update(...)` changes what is listed and what a re-registration sends; it
+opens a connection for the time of the request.
 
 Failover: the client knows one or more matchmaker addresses (`to` takes a
 name, which may resolve to several replicas, or a list of addresses).  Each
@@ -46,7 +49,12 @@ NOT_REGISTERED (it does not list the host), or none answering, makes the host
 register again, with the next replica.  A host holding a connection
 re-registers with another replica at once.  A request left unanswered for
 ``timeout`` gives its replica's connection up too (`RequestTimeout`): the next
-attempt goes to another replica.  A re-registration refused with
+attempt goes to another replica.  So does, with another replica to turn to, a
+replica that answers but refuses: ``unavailable`` or ``internal`` (any request),
+``rate_limited`` (a registration), a reply the client refused (`ReplyRefused`),
+`WrongVersion` or a reply of the wrong type; the last two end a registration
+only once every replica has given one.  With one replica the connection is
+kept, and the replica retried with backoff.  A re-registration refused with
 ``too_many_hosts`` is retried at the longest backoff (the per-IP cap frees
 up); one refused for good, or a closed game socket, ends the keep-alive task:
 `host_info` turns None and `registration_error` says why.  The first `register`
@@ -146,6 +154,12 @@ Routes = Callable[[], Awaitable[list[Route]]]
 class MatchmakerError(Exception):
     """The matchmaker refused a request."""
 
+    _replica_only = False
+    """Set on an answer only the replica that gave it may be wrong about: `WrongVersion`
+    (a replica of another protocol version, mid-upgrade), or a well-formed reply of
+    the wrong type (``malformed``, "unexpected Ok").  Another replica may answer
+    right: `register` and the keep-alive try the others before giving up."""
+
     def __init__(self, reason: ErrorReason, detail: str = "") -> None:
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
         self.reason = reason
@@ -178,6 +192,21 @@ class ReplyRefused(ConnectionError):
         self.detail = detail
 
 
+def _wrong_reply(reason: ErrorReason, detail: str) -> MatchmakerError:
+    """A `MatchmakerError` only the replica that answered may be wrong about."""
+    error = MatchmakerError(reason, detail)
+    error._replica_only = True
+    return error
+
+
+def _unexpected(reply: Message) -> MatchmakerError:
+    return _wrong_reply(ErrorReason.MALFORMED, f"unexpected {type(reply).__name__}")
+
+
+def _replica_only(exc: BaseException) -> bool:
+    return isinstance(exc, MatchmakerError) and exc._replica_only
+
+
 class MatchmakerUnreachable(ConnectionError, TimeoutError):
     """No matchmaker address answered (or, for `register`, took the registration):
     `tried` names each one and what went wrong there last; `seconds` is how long
@@ -198,6 +227,16 @@ matchmaker's datagrams on a socket go to one client (its heartbeat handlers), so
 second one would take them.  Keyed by id, not by a weak reference to the socket:
 the compiled build's endpoint cannot be weakly referenced.  An entry whose client
 is gone, or holds another socket now (an id reused), is free."""
+
+_TROUBLED = frozenset({ErrorReason.UNAVAILABLE, ErrorReason.INTERNAL})
+"""Refusals that say the replica is in trouble (its registry down, a failure of
+its own): with another replica to turn to, the next attempt goes there."""
+
+MIN_KEEPALIVE = 0.01
+"""The shortest keep-alive interval the client uses, in seconds, whatever
+`Registered` says: a matchmaker answering 0 (or next to it) would otherwise have
+the host heartbeat in a busy loop.  A matchmaker's own is at least a second in
+any real deployment; tests run theirs down to this."""
 
 _CAPPED = frozenset({ErrorReason.TOO_MANY_HOSTS})
 """Refusals the keep-alive task retries at the longest backoff: a per-IP cap can
@@ -262,10 +301,16 @@ class _Beats:
     counter: int = field(default_factory=hb.first_counter)
     """The last counter sent; starts at random so that no one off the path can
     guess the counters a NOT_REGISTERED must echo."""
-    round_start: int = 0
-    """The first counter of the heartbeats now waiting for an answer."""
+    round_start: int = -1
+    """The first counter of the heartbeats now waiting for an answer: past
+    `counter` while none is (a new registration's, until its first heartbeat;
+    a round that was acknowledged), so that no NOT_REGISTERED is taken then."""
     acked: int = 0
     answered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        if self.round_start < 0:
+            self.round_start = self.counter + 1  # no heartbeat sent yet: nothing to answer
 
 
 @dataclass(slots=True)
@@ -334,6 +379,10 @@ class MatchmakerClient:
         """Connections being closed after their last request, by address: a new
         one to the same address waits for that (rudp allows one per address)."""
         self._route_count = 1
+        self._wrong_replicas: set[str] = set()
+        """Replicas that answered a registration with what only they may be wrong
+        about (`MatchmakerError._replica_only`) since the last success: when every
+        one has, the refusal is final."""
         self._moved = 0
         """Immediate retries on other replicas since the last success (at most one
         round of the addresses; then backoff)."""
@@ -568,9 +617,10 @@ class MatchmakerClient:
 
     async def _register_now(self, host: HostInfo, deadline: float | None = None) -> Address:
         reply, conn = await self._expect_on(Register(host=host), Registered, deadline)
-        self._keepalive = reply.keepalive
+        self._keepalive = max(reply.keepalive, MIN_KEEPALIVE)
         self.address = reply.address
         self.registrations += 1
+        self._wrong_replicas.clear()
         self._needs_register.clear()
         self._beats = None
         self._seen_intros.clear()  # introduction ids are per registration
@@ -587,6 +637,7 @@ class MatchmakerClient:
         delay = self._reconnect_delay
         last = False
         self._tried.clear()
+        self._wrong_replicas.clear()
         while True:
             try:
                 address = await self._register_now(host, deadline)
@@ -595,7 +646,7 @@ class MatchmakerClient:
             except _KEEPER_ERRORS as exc:
                 if self._closed.is_set():
                     raise _closed_error() from exc
-                if _is_final(exc):
+                if _is_final(exc) and not self._other_replica_may(exc):
                     raise
                 self._note_failure(exc)
                 wait = 0.0 if self._moves_on(exc) else delay
@@ -634,7 +685,7 @@ class MatchmakerClient:
                 self._moved = 0
             except _KEEPER_ERRORS as exc:
                 capped = isinstance(exc, MatchmakerError) and exc.reason in _CAPPED
-                if _is_final(exc) and not capped:
+                if _is_final(exc) and not capped and not self._other_replica_may(exc):
                     self._give_up(exc)
                     return
                 self._note_failure(exc)
@@ -683,13 +734,21 @@ class MatchmakerClient:
             left = end - loop.time()
             if left <= 0:
                 return
-            await asyncio.sleep(min(self._keepalive, left))
+            await asyncio.sleep(min(max(self._keepalive, MIN_KEEPALIVE), left))
 
     def _moves_on(self, exc: BaseException) -> bool:
         """Whether to retry at once: the failure is one another replica may not
         share, and not every address has failed that way in a row."""
         if isinstance(exc, MatchmakerError):
-            quick = exc.reason is ErrorReason.SHUTTING_DOWN
+            # A replica stopping, in trouble or wrong for us: the next may not be.
+            quick = exc.reason is ErrorReason.SHUTTING_DOWN or (
+                self._route_count > 1
+                and (
+                    exc._replica_only
+                    or exc.reason in _TROUBLED
+                    or exc.reason is ErrorReason.RATE_LIMITED
+                )
+            )
         elif isinstance(exc, MatchmakerUnreachable):
             quick = False  # every address failed already
         else:
@@ -698,6 +757,38 @@ class MatchmakerClient:
             return False
         self._moved += 1
         return True
+
+    def _refused_by(self, conn: Peer, exc: BaseException, *, registering: bool = False) -> None:
+        """The replica `conn` leads to answered, but not with what was asked: it is
+        in trouble (``unavailable``, ``internal``), sent a reply the client could not
+        accept (`ReplyRefused`) or only it may be wrong about (`_replica_only`), or,
+        for a `Register`, rate limits us.  With another replica to turn to, its
+        connection is given up, so that the next attempt goes to the next replica
+        and this one is tried last.  With one replica there is nowhere else to go:
+        the connection is kept, and the caller retries it after its backoff.  A
+        list or update refused ``rate_limited`` keeps its connection whatever the
+        replicas: the limit is this client's doing (and the other answers in
+        flight on the connection would be lost: given up, it fails them with
+        `ConnectionLost`)."""
+        if self._conn is not conn or self._route_count < 2:
+            return
+        if isinstance(exc, MatchmakerError) and not exc._replica_only:
+            troubled = exc.reason in _TROUBLED
+            if not troubled and not (registering and exc.reason is ErrorReason.RATE_LIMITED):
+                return
+        log.info("matchmaker_refused address=%s error=%s", self._route, _describe(exc))
+        # A heartbeating host's listing does not live on the connection.
+        self._abandon(register_again=self._beats is None)
+
+    def _other_replica_may(self, exc: BaseException) -> bool:
+        """Whether a refusal final from the replica that made it leaves another to
+        try (`MatchmakerError._replica_only`): until each replica has answered so,
+        it does not end `register` or the keep-alive."""
+        if not _replica_only(exc):
+            return False
+        if self._route is not None:
+            self._wrong_replicas.add(self._route)
+        return len(self._wrong_replicas) < self._route_count
 
     def _note_failure(self, exc: BaseException) -> None:
         """Remember what went wrong where; a replica that refused is tried last."""
@@ -775,6 +866,8 @@ class MatchmakerClient:
             if self._needs_register.is_set():
                 return False
             if beats.acked >= beats.round_start:
+                # Answered: its heartbeats wait no longer, nothing may answer them now.
+                beats.round_start = beats.counter + 1
                 return True
             if loop.time() >= deadline:
                 return False
@@ -899,12 +992,15 @@ class MatchmakerClient:
         try:
             conn = await self._connection()
             conn.send(encode(request))
-            pages = await self._reply(pending.future, conn)
+            try:
+                pages = await self._reply(pending.future, conn)
+            except (MatchmakerError, ReplyRefused) as exc:
+                self._refused_by(conn, exc)
+                raise
         finally:
             self._lists.pop(rid, None)
-        hosts = (entry for page in pages for entry in page.hosts)
         partial = any(page.partial for page in pages)
-        return ServerList(hosts, limit=request.filter.limit, partial=partial)
+        return ServerList(_distinct(pages, limit), limit=limit, partial=partial)
 
     async def introduce(
         self, host: Address | tuple[str, int], *, lan: tuple[str, int] | None = None
@@ -964,8 +1060,9 @@ class MatchmakerClient:
         await self._leave()
         conn, self._conn = self._conn, None
         if conn is not None:
-            with contextlib.suppress(*TRANSPORT_ERRORS):
-                await conn.close()
+            # A dead replica never answers the close: rudp would wait for its idle
+            # timeout; the client's own ``timeout`` bounds it as everywhere else.
+            await _close_quietly(conn, self._timeout, "")
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -1185,7 +1282,9 @@ class MatchmakerClient:
         """The reply, and the connection that carried it (by `deadline`, when given)."""
         reply, conn = await self._request(request, deadline)
         if not isinstance(reply, reply_type):
-            raise MatchmakerError(ErrorReason.MALFORMED, f"unexpected {type(reply).__name__}")
+            error = _unexpected(reply)
+            self._refused_by(conn, error)
+            raise error
         return reply, conn
 
     async def _request(
@@ -1198,7 +1297,11 @@ class MatchmakerClient:
         try:
             conn = await self._connection(deadline)
             conn.send(encode(request))
-            return await self._reply(future, conn, deadline), conn
+            try:
+                return await self._reply(future, conn, deadline), conn
+            except (MatchmakerError, ReplyRefused) as exc:
+                self._refused_by(conn, exc, registering=isinstance(request, Register))
+                raise
         finally:
             self._pending.pop(rid, None)
             # A rejection raised from the future holds this frame in its traceback,
@@ -1293,7 +1396,10 @@ class MatchmakerClient:
         if isinstance(msg, Error):
             future.set_exception(MatchmakerError(msg.reason, msg.detail))
         elif isinstance(msg, WrongVersion):
-            future.set_exception(MatchmakerError(ErrorReason.WRONG_VERSION, str(msg.supported)))
+            future.set_exception(_wrong_reply(ErrorReason.WRONG_VERSION, str(msg.supported)))
+        elif pending_list is not None:
+            # A list is answered with pages (`_on_page`) or an error, nothing else.
+            future.set_exception(_unexpected(msg))
         else:
             future.set_result(msg)
 
@@ -1371,6 +1477,23 @@ def _same_place(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         return False
 
 
+def _distinct(pages: Iterable[ListPage], limit: int) -> list[HostEntry]:
+    """The pages' hosts in order, each address once (the first entry of it kept), and
+    at most `limit` of them: a matchmaker lists each host once and no more than was
+    asked, so what a faulty or hostile one sends beyond that is dropped (a client
+    querying every listed host would otherwise send one address a query per copy)."""
+    hosts: list[HostEntry] = []
+    seen: set[Address] = set()
+    for page in pages:
+        for entry in page.hosts:
+            if len(hosts) >= limit:
+                return hosts
+            if entry.address not in seen:
+                seen.add(entry.address)
+                hosts.append(entry)
+    return hosts
+
+
 def _with_id(msg: Message, rid: int) -> Message:
     return replace(msg, request_id=rid)
 
@@ -1380,9 +1503,10 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-async def _close_quietly(conn: Peer, timeout: float) -> None:
+async def _close_quietly(conn: Peer, timeout: float, text: str = "failover") -> None:
+    """Close `conn`, waiting `timeout` at most (a dead peer never answers)."""
     with contextlib.suppress(*_CONNECT_ERRORS):
-        await asyncio.wait_for(conn.close(text="failover"), timeout)
+        await asyncio.wait_for(conn.close(text=text), timeout)
 
 
 def _fixed_routes(routes: list[Route]) -> Routes:
