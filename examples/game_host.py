@@ -2,7 +2,10 @@
 
 Run a matchmaker that lists loopback hosts, then a host, then clients::
 
-    MATCHMAKER_ALLOW_PRIVATE=1 make run          # or: python -m matchmaker --allow-private
+    MATCHMAKER_ALLOW_PRIVATE=1 make run
+    # or, without make: an issuing key, then the daemon that signs with it
+    #   python -m matchmaker keygen --out .matchmaker-issuer.key --if-absent
+    #   python -m matchmaker --allow-private --issuer-key-file .matchmaker-issuer.key
     python examples/game_host.py --name "Arena 1"
     python examples/game_client.py --name alice   # as many as you like, in other shells
 

@@ -128,7 +128,9 @@ def guarded(settings: Settings, body: Callable[[], int]) -> int:
             return EXIT_FAILED
         # The daemon has closed its sockets: binding each again finds the one at fault.
         port = unbindable(settings, cause.errno) or "one of " + ", ".join(sockets(settings))
-        log.error("port_unavailable", port=port, error=cause.strerror)
+        # The system's words: uvloop's and rudp's own texts differ ("error while
+        # attempting to bind on address ...", "cannot bind ..."), and port names it.
+        log.error("port_unavailable", port=port, error=os.strerror(cause.errno))
         return EXIT_PORT_UNAVAILABLE
     except Exception:
         # In the configured format (a JSON line), not as a bare traceback on stderr.
