@@ -319,6 +319,8 @@ class _PendingList:
     pages: dict[int, ListPage]
     last: int | None = None
     """seq of the page marked ``end``, once it is in."""
+    max_pages: int = 1
+    """Pages an answer can have: each holds a host, but for an empty answer's one."""
 
 
 class MatchmakerClient:
@@ -987,7 +989,7 @@ class MatchmakerClient:
         lifted = max(limit, self._limits.list_limit) if type(limit) is int else 0
         self._check_request(request, request.filter, "list_servers()", list_limit=lifted)
         loop = asyncio.get_running_loop()
-        pending = _PendingList(loop.create_future(), {})
+        pending = _PendingList(loop.create_future(), {}, max_pages=max(limit, 1))
         self._lists[rid] = pending
         try:
             conn = await self._connection()
@@ -1406,6 +1408,18 @@ class MatchmakerClient:
     def _on_page(self, page: ListPage) -> None:
         pending = self._lists.get(page.request_id)
         if pending is None or pending.future.done():
+            return
+        if page.seq >= pending.max_pages:
+            # An answer of `limit` hosts has at most `limit` pages: past that the
+            # replica is wrong (or hostile), and holding its pages until the timeout
+            # let one answer fill the client's memory (1,800 pages in 5 s).
+            pending.future.set_exception(
+                _wrong_reply(
+                    ErrorReason.MALFORMED,
+                    f"list page {page.seq} of an answer of at most {pending.max_pages} pages",
+                )
+            )
+            pending.future.exception()  # retrieved: list_servers() raises it anyway
             return
         pending.pages[page.seq] = page
         if page.end:

@@ -165,17 +165,25 @@ async def query_servers(
     concurrency: int = 64,
     limits: Limits = DEFAULT_LIMITS,
 ) -> list[ServerStatus]:
-    """`query_server` for many hosts at once, at most `concurrency` in flight; input order."""
+    """`query_server` for many hosts at once, at most `concurrency` in flight; one
+    status per address given, in input order. An address given several times is
+    queried once (its status repeated): a list naming one address many times, from
+    a faulty or hostile matchmaker, must not make this client send it a query per
+    copy."""
     check_sequence(addresses, "addresses")
     addresses = list(addresses)
     for address in addresses:
         check_address(address, "each of addresses")  # before any query goes out
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    targets = [make_address(*a) for a in addresses]
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(address: Address | tuple[str, int]) -> ServerStatus:
+    async def one(target: Address) -> ServerStatus:
         async with gate:
-            return await query_server(endpoint, address, timeout=timeout, limits=limits)
+            return await query_server(endpoint, target, timeout=timeout, limits=limits)
 
-    return list(await asyncio.gather(*(one(a) for a in addresses)))
+    distinct = list(dict.fromkeys(targets))
+    statuses = await asyncio.gather(*(one(t) for t in distinct))
+    found = dict(zip(distinct, statuses, strict=True))
+    return [found[t] for t in targets]

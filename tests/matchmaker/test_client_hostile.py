@@ -362,6 +362,29 @@ async def test_a_list_keeps_each_address_once_and_at_most_limit_hosts() -> None:
         assert capped.limit == 3 and capped.limit_reached
 
 
+class Endless(Scripted):
+    """A replica that answers a list with page after page, none marked the end."""
+
+    async def _serve(self, conn: FakeConnection) -> None:
+        host = HostEntry(address=Address(pub(5), 27960), info=info())
+        async for received in conn:
+            request = decode(received.data)
+            self.requests.append(request)
+            for seq in range(50):
+                page = ListPage(seq=seq, total=50, end=False, hosts=(host,))
+                conn.send(encode(replace(page, request_id=request.request_id)))
+
+
+async def test_a_list_answer_of_more_pages_than_it_can_have_fails_at_once() -> None:
+    # Held until the timeout before: one such answer filled the client's memory with
+    # pages (1,800 in 5 s), and failed only as a timeout.
+    replica = Endless(lambda request: None, ip=pub(2))
+    async with MatchmakerClient(replica.connect, timeout=30) as browser:
+        with pytest.raises(MatchmakerError, match="page 3 of an answer of at most 3") as caught:
+            await asyncio.wait_for(browser.list_servers(game="q3", limit=3), 5)
+        assert caught.value.reason is ErrorReason.MALFORMED
+
+
 # -- close ----------------------------------------------------------------------------------
 
 

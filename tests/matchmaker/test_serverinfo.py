@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import AsyncIterator
 
 import msgpack
@@ -102,6 +104,23 @@ async def test_query_servers_reports_info_and_ping_in_input_order(
     finally:
         for host in hosts:
             await host.close()
+
+
+async def test_an_address_given_many_times_is_queried_once(client_endpoint: rudp.Server) -> None:
+    # A list naming one address 192 times (a hostile matchmaker's) made every browsing
+    # client send it 192 padded queries.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as victim:
+        victim.bind(("127.0.0.1", 0))
+        victim.setblocking(False)
+        target = victim.getsockname()
+        statuses = await query_servers(client_endpoint, [target] * 5, timeout=0.3)
+        assert [s.address for s in statuses] == [Address(*target)] * 5
+        assert [s.error for s in statuses] == ["timeout"] * 5
+        received = 0
+        with contextlib.suppress(BlockingIOError):
+            while victim.recv(2048):
+                received += 1
+    assert received == 1
 
 
 async def test_a_registered_host_answers_with_its_latest_info(
