@@ -130,7 +130,8 @@ def guarded(settings: Settings, body: Callable[[], int]) -> int:
         port = unbindable(settings, cause.errno) or "one of " + ", ".join(sockets(settings))
         # The system's words: uvloop's and rudp's own texts differ ("error while
         # attempting to bind on address ...", "cannot bind ..."), and port names it.
-        log.error("port_unavailable", port=port, error=os.strerror(cause.errno))
+        words = os.strerror(cause.errno) if cause.errno is not None else cause.strerror
+        log.error("port_unavailable", port=port, error=words)
         return EXIT_PORT_UNAVAILABLE
     except Exception:
         # In the configured format (a JSON line), not as a bare traceback on stderr.

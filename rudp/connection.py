@@ -222,6 +222,11 @@ class Connection:
         """Messages not yet sent plus reliable messages not yet acknowledged."""
         return self._sender.queued
 
+    def drain_level(self, threshold: int) -> int:
+        """The queue length at which a wait for room ends: ``threshold``, or lower
+        while a fragmented message refused for want of room needs more."""
+        return self._sender.drain_level(threshold)
+
     @property
     def max_message_size(self) -> int:
         """The largest reliable message (``Config.max_message_size``)."""

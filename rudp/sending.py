@@ -196,6 +196,7 @@ class Sender:
         "queued",
         "rel_queue",
         "retx",
+        "room_wanted",
         "sent_order",
         "tx_ch_next",
         "tx_ch_unacked",
@@ -239,6 +240,9 @@ class Sender:
         self.retx: deque[OutMessage] = deque()  # reliable messages whose packet was lost
         self.queued = 0  # messages not yet sent, plus reliable ones not yet acked
         self.unacked_reliable = 0
+        # The fragments of the last message refused for want of room in the queue
+        # (0: none since the last that went in): drain() waits for that much room.
+        self.room_wanted = 0
         # Reliable bytes sent and not yet acknowledged that could sit in the peer's
         # reorder buffer: kept below the buffer's size, so that an honest peer's packets
         # are never refused for want of room (which could stall a channel head).
@@ -516,6 +520,7 @@ class Sender:
                 f"queue holds {self._queue_limit} messages (Config.send_queue_limit)"
             )
         if self.queued + count > self._queue_limit:
+            self.room_wanted = count
             raise SendQueueFull(
                 f"a {count}-fragment message does not fit the send queue ({self.queued} of "
                 f"{self._queue_limit} messages){self._paused_note()}; await drain() before "
@@ -547,8 +552,17 @@ class Sender:
         self.rel_queue.extend(fragments)
         self.unacked_reliable += count
         self.queued += count
+        self.room_wanted = 0
         self._sink.dirty[self._conn] = None
         return parent
+
+    def drain_level(self, threshold: int) -> int:
+        """The queue length ``drain()`` waits for: ``threshold``, or lower after a
+        fragmented message was refused for want of room, so that it then fits (else
+        a drain-and-retry loop found the queue low enough at once, was refused
+        again, and never let the event loop run)."""
+        wanted = self.room_wanted
+        return threshold if not wanted else min(threshold, self._queue_limit - wanted)
 
     def _supersede(self, msg: OutMessage) -> None:
         """A newer reliable-sequenced message replaces ``msg``: never send it again."""

@@ -225,6 +225,7 @@ class Connection:
         The core's one call up into this layer (``rudp.sending.Waiter``, made by
         ``OutMessage.__await__``); applications await the handle instead.
         """
+        self._check_loop()
         if msg.mode in UNRELIABLE_MODES:  # nothing will acknowledge it
             return
         if msg.state == ACKED or msg.state == SUPERSEDED:
@@ -245,7 +246,7 @@ class Connection:
         self._check_loop()
         if self._closed_future.done():
             raise self._closed_error()
-        if self._core.queued <= self._endpoint.config.drain_threshold:
+        if self._core.queued <= self._core.drain_level(self._endpoint.config.drain_threshold):
             return
         if self._drain_waiter is None:
             self._drain_waiter = self._loop.create_future()
@@ -257,7 +258,8 @@ class Connection:
     def check_drain(self) -> None:
         """Called by the endpoint: wake a ``drain()`` waiter once the queue is low enough."""
         waiter = self._drain_waiter
-        if waiter is not None and self._core.queued <= self._endpoint.config.drain_threshold:
+        level = self._core.drain_level(self._endpoint.config.drain_threshold)
+        if waiter is not None and self._core.queued <= level:
             self._drain_waiter = None
             self._endpoint.draining.discard(self)
             if not waiter.done():
@@ -372,6 +374,7 @@ class Connection:
     async def __anext__(self) -> MessageReceived:
         # recv()'s loop, ending the iteration without the ConnectionClosed it would
         # build and raise through two coroutines only to be dropped here.
+        self._check_loop()
         while not self._inbox:
             if self._receiver is not None:
                 raise self._receiver_set()
@@ -417,11 +420,13 @@ class Connection:
         return self.wait_closed()
 
     def _check_loop(self) -> None:
-        """Refuse a call from outside the event loop the connection lives on: from
+        """Refuse a call from another running event loop than the connection's: from
         another thread's loop, ``send()`` went through (touching the core from the
         wrong thread) and ``recv()`` failed late with asyncio's own error, leaving
-        its waiter behind."""
-        if asyncio._get_running_loop() is not self._loop:
+        its waiter behind. With no loop running (between two ``run_until_complete``
+        calls of the connection's own loop, say), the call goes on as before."""
+        running = asyncio._get_running_loop()
+        if running is not None and running is not self._loop:
             raise RuntimeError(
                 "this connection belongs to the event loop it was opened on; call it "
                 "from that loop's thread (loop.call_soon_threadsafe, "

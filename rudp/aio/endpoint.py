@@ -742,9 +742,16 @@ class AioEndpoint:
             log.debug(
                 "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
             )
-        except Exception:
-            text = HANDLER_FAILED
-            log.exception("handler_failed peer=%s", format_address(conn.remote_address))
+        except Exception as exc:
+            if isinstance(exc, RudpError) and (self._closing or self._closed):
+                # The endpoint closing under the handler: a connect() it had started
+                # ends with ConnectError, say. The close's doing, not a bug.
+                log.debug(
+                    "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
+                )
+            else:
+                text = HANDLER_FAILED
+                log.exception("handler_failed peer=%s", format_address(conn.remote_address))
         except BaseException as exc:
             # Cancelled (it awaited a task someone else cancelled, asyncio.timeout, a
             # TaskGroup) or interrupted: the connection still ends with it. The close

@@ -78,7 +78,7 @@ def _check_keys(server_key: object, token: object, token_key: object) -> None:
     """A key or token given as a str (hex, base64) failed deep in the handshake
     ("can't concat str to bytes"): refused here, naming the argument."""
     for name, value in (("server_key", server_key), ("token", token), ("token_key", token_key)):
-        if value is not None and not isinstance(value, bytes | bytearray):
+        if value is not None and type(value) is not bytes and not isinstance(value, bytes):
             raise TypeError(f"{name} must be bytes, not {type(value).__name__}")
 
 
@@ -96,6 +96,8 @@ async def _resolve(
     port = check_port(port, name)
     if not 0 <= port <= 65535:  # getaddrinfo would silently take it modulo 65536
         raise ValueError(f"{name} must be in 0..65535, got {port}")
+    if isinstance(host, ipaddress.IPv4Address | ipaddress.IPv6Address):
+        host = str(host)
     if not isinstance(host, str):
         # getaddrinfo takes None as the loopback address and bytes as a name: a
         # connection would go somewhere the caller did not mean, or fail with a
@@ -125,6 +127,9 @@ def _hint(host: str) -> str:
     """What a host that failed to resolve may have meant, for the error."""
     if host.startswith("[") and host.endswith("]"):
         return " (an IPv6 address goes without brackets: the port is its own argument)"
+    inside, bracket, port = host.partition("]:")
+    if bracket and inside.startswith("[") and port.isdigit():
+        return f" (the port is its own argument: host {inside[1:]!r}, port {port})"
     name, colon, port = host.rpartition(":")
     if colon and port.isdigit() and ":" not in name:
         return f" (the port is its own argument: host {name!r}, port {port})"

@@ -187,6 +187,38 @@ async def test_a_handler_ended_by_its_closed_connection_or_endpoint_is_not_an_er
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+async def test_a_handler_whose_connect_the_closing_endpoint_ends_is_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The close ends the handler's connect() with ConnectError ("closed locally before
+    # the handshake completed"): the close's doing, logged as handler_failed before.
+    caplog.set_level(logging.DEBUG, logger="rudp.aio.endpoint")
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    connecting = asyncio.Event()
+    raised: list[BaseException] = []
+
+    async def connect_out(conn: rudp.Connection) -> None:
+        connecting.set()
+        try:
+            await server.connect(*silent.getsockname())
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    try:
+        server = await rudp.serve(connect_out, "127.0.0.1", 0)
+        client = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        await asyncio.wait_for(connecting.wait(), 5)
+        await asyncio.wait_for(server.close(), 10)
+        await asyncio.wait_for(client.wait_closed(), 5)
+    finally:
+        silent.close()
+    assert [type(e) for e in raised] == [rudp.ConnectError]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r for r in caplog.records if r.getMessage().startswith("handler_ended")]
+
+
 # -- an endpoint that is closing takes nothing new ------------------------------------------
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import ipaddress
 import socket
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -457,6 +458,7 @@ async def test_a_host_that_is_not_a_str_is_a_type_error_naming_it(
         ("127.0.0.1:5000", "the port is its own argument: host '127.0.0.1', port 5000"),
         ("game.example:27960", "the port is its own argument: host 'game.example', port 27960"),
         ("[::1]", "an IPv6 address goes without brackets"),
+        ("[::1]:27960", "the port is its own argument: host '::1', port 27960"),
         ("game.example", None),
     ],
 )
@@ -498,9 +500,13 @@ async def test_a_connection_refuses_calls_from_another_event_loop(
     # wrong thread) and recv() failed late, leaving its waiter behind.
     _, conn = pair
     outcomes: dict[str, str] = {}
+    handle = conn.send(b"acknowledged here")
+    await asyncio.wait_for(handle, 5)
 
     async def elsewhere() -> None:
         calls: dict[str, Callable[[], Any]] = {
+            "async for": lambda: asyncio.ensure_future(conn.__anext__()),
+            "await handle": lambda: asyncio.ensure_future(handle),
             "send": lambda: conn.send(b"x"),
             "recv_nowait": conn.recv_nowait,
             "set_receiver": lambda: conn.set_receiver(None),
@@ -519,7 +525,10 @@ async def test_a_connection_refuses_calls_from_another_event_loop(
                 outcomes[name] = "accepted"
 
     await asyncio.wait_for(asyncio.to_thread(asyncio.run, elsewhere()), 5)
-    assert set(outcomes) == {"send", "recv_nowait", "set_receiver", "close", "recv", "drain"}
+    assert set(outcomes) == {
+        "send", "recv_nowait", "set_receiver", "close", "recv", "drain", "async for",
+        "await handle",
+    }  # fmt: skip
     for name, text in outcomes.items():
         assert text.startswith("this connection belongs to the event loop it was opened on"), name
     assert not conn.closed and conn.queued == 0
@@ -527,15 +536,54 @@ async def test_a_connection_refuses_calls_from_another_event_loop(
 
 
 @pytest.mark.parametrize("name", ["server_key", "token", "token_key"])
+@pytest.mark.parametrize("value", ["ab" * 16, bytearray(32)], ids=["str", "bytearray"])
 async def test_a_key_or_token_that_is_not_bytes_is_a_type_error_naming_it(
-    pair: tuple[rudp.Server, rudp.Connection], name: str
+    pair: tuple[rudp.Server, rudp.Connection], name: str, value: Any
+) -> None:
+    # A str failed deep in the handshake ("can't concat str to bytes"), a bytearray
+    # in cryptography, naming no argument.
+    server, _ = pair
+    given = {name: value}
+    kind = type(value).__name__
+    with pytest.raises(TypeError, match=rf"^{name} must be bytes, not {kind}$"):
+        await asyncio.wait_for(rudp.connect(*server.address, **given), 5)
+    with pytest.raises(TypeError, match=rf"^{name} must be bytes, not {kind}$"):
+        await asyncio.wait_for(server.connect(*server.address, **given), 5)
+
+
+async def test_an_ip_address_object_is_taken_as_a_host(
+    pair: tuple[rudp.Server, rudp.Connection],
 ) -> None:
     server, _ = pair
-    given = {name: "ab" * 16}
-    with pytest.raises(TypeError, match=rf"^{name} must be bytes, not str$"):
-        await asyncio.wait_for(rudp.connect(*server.address, **given), 5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=rf"^{name} must be bytes, not str$"):
-        await asyncio.wait_for(server.connect(*server.address, **given), 5)  # type: ignore[arg-type]
+    conn = await asyncio.wait_for(
+        rudp.connect(ipaddress.ip_address("127.0.0.1"), server.address[1]), 5
+    )
+    await asyncio.wait_for(conn.close(), 5)
+    async with await rudp.open_endpoint(ipaddress.ip_address("127.0.0.1"), 0) as endpoint:
+        assert endpoint.address[0] == "127.0.0.1"
+
+
+def test_a_connection_is_used_between_two_runs_of_its_own_loop() -> None:
+    # With no loop running, a call from the loop's own thread goes on (as before the
+    # check for calls from another loop).
+    async def hold(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    loop = asyncio.new_event_loop()
+    try:
+        server = loop.run_until_complete(rudp.serve(hold, "127.0.0.1", 0))
+        conn = loop.run_until_complete(rudp.connect(*server.address))
+        handle = conn.send(b"between two runs")
+        loop.run_until_complete(asyncio.wait_for(handle, 5))
+        ended = loop.run_until_complete(asyncio.wait_for(conn.close(), 5))
+        assert conn.close() is not None and ended.reason == "closed"
+
+        async def stop() -> None:
+            await server.close()
+
+        loop.run_until_complete(asyncio.wait_for(stop(), 5))
+    finally:
+        loop.close()
 
 
 async def test_open_endpoint_refuses_a_socket_it_cannot_serve_on() -> None:

@@ -508,3 +508,43 @@ async def test_the_receive_queue_resumes_at_half_and_a_receiver_empties_it() -> 
 def test_config_checks_recv_queue_bytes() -> None:
     with pytest.raises(ValueError, match="recv_queue_bytes"):
         Config(recv_queue_bytes=0)
+
+
+def test_a_message_refused_for_room_sets_how_low_a_drain_waits() -> None:
+    net, _, _, conn = pair(config=Config(send_queue_limit=64))  # drain threshold 16
+    for _ in range(40):
+        conn.send(b"x")
+    big = bytes(59 * conn.config.fragment_payload - 100)  # 59 fragments
+    assert conn.drain_level(16) == 16
+    with pytest.raises(SendQueueFull):
+        conn.send(big)
+    assert conn.drain_level(16) == 64 - 59  # room for it, not the threshold
+    net.run_until(lambda: conn.queued <= conn.drain_level(16))
+    conn.send(big)
+    assert conn.drain_level(16) == 16
+
+
+async def test_the_drain_and_retry_loop_sends_a_message_of_many_fragments() -> None:
+    # drain() returned once the queue was at the threshold (16), but the message needed
+    # 59 of the 64 places: refused again, drain() returned at once, and the loop spun
+    # without ever letting the acknowledgments in.
+    config = Config(send_queue_limit=64)
+
+    async def hold(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    async with await rudp.serve(hold, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address, config=config), 5)
+        for _ in range(40):
+            conn.send(b"x")
+        big = bytes(59 * config.fragment_payload - 100)
+        for _attempt in range(50):  # bounded: the spin this was never ended
+            try:
+                handle = conn.send(big)
+                break
+            except SendQueueFull:
+                await asyncio.wait_for(conn.drain(), 5)
+        else:
+            pytest.fail("the message never went in: drain() did not wait for room")
+        await asyncio.wait_for(handle, 10)
+        await asyncio.wait_for(conn.close(), 5)
