@@ -302,9 +302,10 @@ class _Beats:
     """The last counter sent; starts at random so that no one off the path can
     guess the counters a NOT_REGISTERED must echo."""
     round_start: int = -1
-    """The first counter of the heartbeats now waiting for an answer: past
-    `counter` while none is (a new registration's, until its first heartbeat;
-    a round that was acknowledged), so that no NOT_REGISTERED is taken then."""
+    """The first counter of the heartbeats still waiting for an answer (those after
+    the last acknowledged): past `counter` while none is (a new registration's,
+    until its first heartbeat; every heartbeat acknowledged), so that no
+    NOT_REGISTERED is taken then."""
     acked: int = 0
     answered: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -680,11 +681,24 @@ class MatchmakerClient:
 
     async def _keep_registered(self) -> None:
         delay = self._reconnect_delay
+        told = 0  # NOT_REGISTERED answers in a row, each after a registration
         while self._host is not None and not self._closed.is_set():
             try:
                 await self._keep_once()
-                delay = self._reconnect_delay
-                self._moved = 0
+                if not self._needs_register.is_set():
+                    delay = self._reconnect_delay
+                    self._moved = 0
+                    told = 0
+                    continue
+                # Told NOT_REGISTERED: registered again at once the first time (a
+                # replica that lost us), with the backoff when the registration it
+                # makes is refused that way again (a replica that cannot keep us,
+                # or a hostile one: before, ~84 registrations a second).
+                told += 1
+                if told > 1:
+                    log.info("matchmaker_retry error=NotRegistered detail='' delay=%.1f", delay)
+                    await self._pause(delay)
+                    delay = min(delay * 2, self._max_reconnect_delay)
             except _KEEPER_ERRORS as exc:
                 capped = isinstance(exc, MatchmakerError) and exc.reason in _CAPPED
                 if _is_final(exc) and not capped and not self._other_replica_may(exc):
@@ -743,13 +757,10 @@ class MatchmakerClient:
         share, and not every address has failed that way in a row."""
         if isinstance(exc, MatchmakerError):
             # A replica stopping, in trouble or wrong for us: the next may not be.
+            # Not rate_limited: that limit is this client's doing (per source, the
+            # same at every replica), and two addresses may be one replica.
             quick = exc.reason is ErrorReason.SHUTTING_DOWN or (
-                self._route_count > 1
-                and (
-                    exc._replica_only
-                    or exc.reason in _TROUBLED
-                    or exc.reason is ErrorReason.RATE_LIMITED
-                )
+                self._route_count > 1 and (exc._replica_only or exc.reason in _TROUBLED)
             )
         elif isinstance(exc, MatchmakerUnreachable):
             quick = False  # every address failed already
@@ -760,24 +771,27 @@ class MatchmakerClient:
         self._moved += 1
         return True
 
-    def _refused_by(self, conn: Peer, exc: BaseException, *, registering: bool = False) -> None:
+    def _refused_by(self, conn: Peer, exc: BaseException) -> None:
         """The replica `conn` leads to answered, but not with what was asked: it is
         in trouble (``unavailable``, ``internal``), sent a reply the client could not
-        accept (`ReplyRefused`) or only it may be wrong about (`_replica_only`), or,
-        for a `Register`, rate limits us.  With another replica to turn to, its
-        connection is given up, so that the next attempt goes to the next replica
-        and this one is tried last.  With one replica there is nowhere else to go:
-        the connection is kept, and the caller retries it after its backoff.  A
-        list or update refused ``rate_limited`` keeps its connection whatever the
-        replicas: the limit is this client's doing (and the other answers in
-        flight on the connection would be lost: given up, it fails them with
-        `ConnectionLost`)."""
+        accept (`ReplyRefused`) or only it may be wrong about (`_replica_only`).
+        With another address to turn to, its connection is given up, so that the
+        next attempt goes to the next address and this one is tried last (the
+        rule counts addresses: one replica under two, IPv4 and IPv6, is tried
+        under the other).  With one address there is nowhere else to go: the
+        connection is kept, and the caller retries it after its backoff.  A request
+        refused ``rate_limited`` keeps its connection whatever the addresses, and
+        backs off: the limit is this client's doing, per source and the same at
+        every replica (and the other answers in flight on the connection would be
+        lost: given up, it fails them with `ConnectionLost`)."""
         if self._conn is not conn or self._route_count < 2:
             return
-        if isinstance(exc, MatchmakerError) and not exc._replica_only:
-            troubled = exc.reason in _TROUBLED
-            if not troubled and not (registering and exc.reason is ErrorReason.RATE_LIMITED):
-                return
+        if (
+            isinstance(exc, MatchmakerError)
+            and not exc._replica_only
+            and exc.reason not in _TROUBLED
+        ):
+            return
         log.info("matchmaker_refused address=%s error=%s", self._route, _describe(exc))
         # A heartbeating host's listing does not live on the connection.
         self._abandon(register_again=self._beats is None)
@@ -855,7 +869,7 @@ class MatchmakerClient:
         assert port is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience
-        beats.round_start = beats.counter + 1
+        start = beats.counter + 1  # this round's first heartbeat
         while True:
             beats.counter += 1
             beats.answered.clear()
@@ -867,10 +881,8 @@ class MatchmakerClient:
                 await asyncio.wait_for(beats.answered.wait(), max(wait, 0.0))
             if self._needs_register.is_set():
                 return False
-            if beats.acked >= beats.round_start:
-                # Answered: its heartbeats wait no longer, nothing may answer them now.
-                beats.round_start = beats.counter + 1
-                return True
+            if beats.acked >= start:
+                return True  # answered (the window moved past what was acknowledged)
             if loop.time() >= deadline:
                 return False
 
@@ -934,6 +946,9 @@ class MatchmakerClient:
                 self.dropped["stale"] += 1
             else:
                 beats.acked = max(beats.acked, acked)
+                # Heartbeats up to the one acknowledged wait no longer (a NOT_REGISTERED
+                # for one is stale); those sent after it still do, whatever the round.
+                beats.round_start = max(beats.round_start, beats.acked + 1)
                 beats.answered.set()
         elif data[0] == hb.Kind.NOT_REGISTERED:
             # Only an answer to a heartbeat still waiting counts.  Without a MAC
@@ -1302,7 +1317,7 @@ class MatchmakerClient:
             try:
                 return await self._reply(future, conn, deadline), conn
             except (MatchmakerError, ReplyRefused) as exc:
-                self._refused_by(conn, exc, registering=isinstance(request, Register))
+                self._refused_by(conn, exc)
                 raise
         finally:
             self._pending.pop(rid, None)

@@ -166,6 +166,40 @@ async def test_a_not_registered_for_a_heartbeat_already_acknowledged_is_dropped(
         assert not host._needs_register.is_set() and host.registrations == 1
 
 
+async def test_a_not_registered_for_a_heartbeat_sent_after_the_last_acknowledged_counts() -> None:
+    # Heartbeat N's acknowledgment came late, after N+1 had left, and the replica
+    # lost the host meanwhile and answered N+1 NOT_REGISTERED: the round had closed
+    # the whole window at N's acknowledgment, so that answer was dropped as stale
+    # and the host stayed unlisted a keepalive longer.
+    board = Board(Harness(keepalive=5.0))
+    host = MatchmakerClient(
+        board.connector(), datagrams=board.port(), timeout=0.4, reconnect_delay=0.01
+    )
+    loop = asyncio.get_running_loop()
+    async with host:
+        await asyncio.wait_for(host.register(**HOST), 5)
+        beats = host._beats
+        assert beats is not None
+        first = beats.counter + 1
+        port = board.port()
+
+        def replica(data: bytes, source: tuple[str, int]) -> list[bytes]:
+            beat = hb.decode_beat(data)
+            if beat.counter == first:  # acknowledged late, after the resend left
+                ack = hb.encode_ack(beats.secret, beats.address, beat.counter)
+                loop.call_later(0.15, port.deliver, ack, SERVER_ADDRESS)
+            else:  # the host is lost by then
+                told = hb.encode_not_registered(beat.counter)
+                loop.call_later(0.2, port.deliver, told, SERVER_ADDRESS)
+            return []
+
+        board.net.server = replica
+        assert await asyncio.wait_for(host._beat_round(beats, 2.0), 5)
+        assert beats.counter == first + 1  # the resend left before the acknowledgment
+        await eventually(lambda: host.registrations == 2)  # registered again at once
+        assert host.dropped["stale"] == 0
+
+
 # -- a replica that answers but refuses is left for the next --------------------------------
 
 REFUSALS: dict[str, Answer] = {
@@ -180,7 +214,7 @@ REFUSALS: dict[str, Answer] = {
 }
 
 
-@pytest.mark.parametrize("answer", list(REFUSALS))
+@pytest.mark.parametrize("answer", [a for a in REFUSALS if a != "rate_limited"])
 async def test_register_moves_on_from_a_replica_that_refuses(answer: str) -> None:
     # Staying with the first replica would wait out the 30 s backoff (or, for the
     # replies only it may be wrong about, give up at once).
@@ -200,6 +234,24 @@ async def test_register_moves_on_from_a_replica_that_refuses(answer: str) -> Non
         assert host.route == "replica 2"
         assert first.count(Register) == 1 and first.connections == 1
         assert board.harness.registry.get(LISTED) is not None
+
+
+async def test_a_registration_refused_as_rate_limited_backs_off_on_its_connection() -> None:
+    # The limit is per source, the same at every replica, and two addresses may be
+    # one replica (IPv4 and IPv6): moving on at once hammered it, on new connections.
+    limited = Scripted(REFUSALS["rate_limited"])
+    host = MatchmakerClient(
+        [limited.connect, limited.connect],
+        timeout=0.2,
+        reconnect_delay=0.2,
+        max_reconnect_delay=0.2,
+        register_timeout=0.5,
+    )
+    async with host:
+        with pytest.raises(MatchmakerError) as refused:
+            await asyncio.wait_for(host.register(**HOST), 5)
+    assert refused.value.reason is ErrorReason.RATE_LIMITED
+    assert limited.connections == 1 and 2 <= limited.count(Register) <= 4
 
 
 async def test_a_lone_replica_that_refuses_is_retried_on_its_connection() -> None:
@@ -316,6 +368,28 @@ async def test_a_keepalive_of_zero_does_not_make_the_host_heartbeat_in_a_busy_lo
         await eventually(lambda: replica.count(Heartbeat) >= 5)
         # Four intervals at least between the first heartbeat and the fifth.
         assert loop.time() - start >= 4 * MIN_KEEPALIVE * 0.9
+
+
+async def test_a_replica_that_forgets_each_registration_at_once_is_retried_with_backoff() -> None:
+    # Registered with keepalive 0, then NOT_REGISTERED to the first heartbeat, again
+    # and again: the host registered anew every round trip (~84 a second), each over
+    # a new connection, the backoff reset by every round.
+    def forgetful(request: Message) -> Message | None:
+        if isinstance(request, Register):
+            return registered(0.0)
+        return refusing(ErrorReason.NOT_REGISTERED) if isinstance(request, Heartbeat) else None
+
+    replica = Scripted(forgetful)
+    loop = asyncio.get_running_loop()
+    host = MatchmakerClient(replica.connect, reconnect_delay=0.05, max_reconnect_delay=0.4)
+    async with host:
+        await asyncio.wait_for(host.register(**HOST), 5)
+        start = loop.time()
+        await asyncio.sleep(1.0)
+        elapsed = loop.time() - start
+    # Once at once, then after 0.05, 0.1, 0.2, 0.4, 0.4 ... s: a handful a second.
+    assert replica.count(Register) <= 2 + elapsed / 0.05, replica.count(Register)
+    assert replica.count(Register) <= 10
 
 
 async def test_waiting_to_register_again_heartbeats_once_per_interval_at_most() -> None:
