@@ -681,7 +681,8 @@ class MatchmakerClient:
 
     async def _keep_registered(self) -> None:
         delay = self._reconnect_delay
-        told = 0  # NOT_REGISTERED answers in a row, each after a registration
+        told = 0  # NOT_REGISTERED answers in a row from one replica
+        teller: object = None  # that replica
         while self._host is not None and not self._closed.is_set():
             try:
                 await self._keep_once()
@@ -691,10 +692,15 @@ class MatchmakerClient:
                     told = 0
                     continue
                 # Told NOT_REGISTERED: registered again at once the first time (a
-                # replica that lost us), with the backoff when the registration it
-                # makes is refused that way again (a replica that cannot keep us,
-                # or a hostile one: before, ~84 registrations a second).
-                told += 1
+                # replica that lost us), with the backoff when that replica refuses
+                # the registration it just made that way again (one that cannot
+                # keep us, or a hostile one: before, ~84 registrations a second).
+                # Another replica's first NOT_REGISTERED (a rolling restart) is a
+                # first time again.
+                beats = self._beats
+                where = beats.replica if beats is not None else self._route
+                told = told + 1 if where == teller else 1
+                teller = where
                 if told > 1:
                     log.info("matchmaker_retry error=NotRegistered detail='' delay=%.1f", delay)
                     await self._pause(delay)
@@ -757,8 +763,8 @@ class MatchmakerClient:
         share, and not every address has failed that way in a row."""
         if isinstance(exc, MatchmakerError):
             # A replica stopping, in trouble or wrong for us: the next may not be.
-            # Not rate_limited: that limit is this client's doing (per source, the
-            # same at every replica), and two addresses may be one replica.
+            # Not rate_limited: that limit is this client's doing, and two
+            # addresses may be one replica.
             quick = exc.reason is ErrorReason.SHUTTING_DOWN or (
                 self._route_count > 1 and (exc._replica_only or exc.reason in _TROUBLED)
             )
@@ -781,9 +787,9 @@ class MatchmakerClient:
         under the other).  With one address there is nowhere else to go: the
         connection is kept, and the caller retries it after its backoff.  A request
         refused ``rate_limited`` keeps its connection whatever the addresses, and
-        backs off: the limit is this client's doing, per source and the same at
-        every replica (and the other answers in flight on the connection would be
-        lost: given up, it fails them with `ConnectionLost`)."""
+        backs off: the limit is this client's doing (and the other answers in
+        flight on the connection would be lost: given up, it fails them with
+        `ConnectionLost`)."""
         if self._conn is not conn or self._route_count < 2:
             return
         if (

@@ -224,8 +224,13 @@ class Connection:
 
     def drain_level(self, threshold: int) -> int:
         """The queue length at which a wait for room ends: ``threshold``, or lower
-        while a fragmented message refused for want of room needs more."""
+        right after a fragmented message was refused for want of room."""
         return self._sender.drain_level(threshold)
+
+    def room_found(self) -> None:
+        """A drain() for a refused fragmented message is over: the next waits for
+        the threshold again, unless a retry is refused again."""
+        self._sender.room_wanted = 0
 
     @property
     def max_message_size(self) -> int:

@@ -240,8 +240,9 @@ class Sender:
         self.retx: deque[OutMessage] = deque()  # reliable messages whose packet was lost
         self.queued = 0  # messages not yet sent, plus reliable ones not yet acked
         self.unacked_reliable = 0
-        # The fragments of the last message refused for want of room in the queue
-        # (0: none since the last that went in): drain() waits for that much room.
+        # The fragments of a message the last send() refused for want of room in the
+        # queue (0: it was not such a refusal): the next drain() waits for that much
+        # room, once.
         self.room_wanted = 0
         # Reliable bytes sent and not yet acknowledged that could sit in the peer's
         # reorder buffer: kept below the buffer's size, so that an honest peer's packets
@@ -277,6 +278,7 @@ class Sender:
         now: float | None,
     ) -> OutMessage:
         """Queue a message (see ``Connection.send``)."""
+        self.room_wanted = 0  # set again only if this is a fragmented message refused
         if type(data) is not bytes:
             data = _as_bytes(data)
         if channel and not 0 < channel < self._peer_channels:
@@ -552,15 +554,14 @@ class Sender:
         self.rel_queue.extend(fragments)
         self.unacked_reliable += count
         self.queued += count
-        self.room_wanted = 0
         self._sink.dirty[self._conn] = None
         return parent
 
     def drain_level(self, threshold: int) -> int:
-        """The queue length ``drain()`` waits for: ``threshold``, or lower after a
-        fragmented message was refused for want of room, so that it then fits (else
+        """The queue length ``drain()`` waits for: ``threshold``, or lower right after
+        a fragmented message was refused for want of room, so that it then fits (else
         a drain-and-retry loop found the queue low enough at once, was refused
-        again, and never let the event loop run)."""
+        again, and never let the event loop run). Any later send() sets it back."""
         wanted = self.room_wanted
         return threshold if not wanted else min(threshold, self._queue_limit - wanted)
 

@@ -247,6 +247,7 @@ class Connection:
         if self._closed_future.done():
             raise self._closed_error()
         if self._core.queued <= self._core.drain_level(self._endpoint.config.drain_threshold):
+            self._core.room_found()
             return
         if self._drain_waiter is None:
             self._drain_waiter = self._loop.create_future()
@@ -258,8 +259,10 @@ class Connection:
     def check_drain(self) -> None:
         """Called by the endpoint: wake a ``drain()`` waiter once the queue is low enough."""
         waiter = self._drain_waiter
-        level = self._core.drain_level(self._endpoint.config.drain_threshold)
-        if waiter is not None and self._core.queued <= level:
+        if waiter is None:
+            return
+        if self._core.queued <= self._core.drain_level(self._endpoint.config.drain_threshold):
+            self._core.room_found()
             self._drain_waiter = None
             self._endpoint.draining.discard(self)
             if not waiter.done():
@@ -423,10 +426,11 @@ class Connection:
         """Refuse a call from another running event loop than the connection's: from
         another thread's loop, ``send()`` went through (touching the core from the
         wrong thread) and ``recv()`` failed late with asyncio's own error, leaving
-        its waiter behind. With no loop running (between two ``run_until_complete``
-        calls of the connection's own loop, say), the call goes on as before."""
+        its waiter behind; from a plain thread while the loop runs, the same. With
+        no loop running at all (between two ``run_until_complete`` calls of the
+        connection's own loop, say), the call goes on as before."""
         running = asyncio._get_running_loop()
-        if running is not None and running is not self._loop:
+        if running is not self._loop and (running is not None or self._loop.is_running()):
             raise RuntimeError(
                 "this connection belongs to the event loop it was opened on; call it "
                 "from that loop's thread (loop.call_soon_threadsafe, "

@@ -57,7 +57,13 @@ from rudp.connection import Address
 from rudp.connection import Connection as CoreConnection
 from rudp.drops import DropReason
 from rudp.endpoint import Endpoint as CoreEndpoint
-from rudp.errors import ConnectionClosed, EndpointClosed, LocalProtocolError, RudpError
+from rudp.errors import (
+    ConnectError,
+    ConnectionClosed,
+    EndpointClosed,
+    LocalProtocolError,
+    RudpError,
+)
 from rudp.events import (
     Connected,
     Disconnected,
@@ -743,9 +749,10 @@ class AioEndpoint:
                 "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
             )
         except Exception as exc:
-            if isinstance(exc, RudpError) and (self._closing or self._closed):
-                # The endpoint closing under the handler: a connect() it had started
-                # ends with ConnectError, say. The close's doing, not a bug.
+            if type(exc) is ConnectError and (self._closing or self._closed):
+                # A connect() the handler had started, cut short by this endpoint's
+                # close ("closed locally"): the close's doing, not a bug. Any other
+                # error while closing is still the handler's.
                 log.debug(
                     "handler_ended peer=%s error=%r", format_address(conn.remote_address), str(exc)
                 )

@@ -5,6 +5,7 @@ lists past their limit, and a replica that dies before the client closes."""
 from __future__ import annotations
 
 import asyncio
+import types
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -390,6 +391,30 @@ async def test_a_replica_that_forgets_each_registration_at_once_is_retried_with_
     # Once at once, then after 0.05, 0.1, 0.2, 0.4, 0.4 ... s: a handful a second.
     assert replica.count(Register) <= 2 + elapsed / 0.05, replica.count(Register)
     assert replica.count(Register) <= 10
+
+
+async def test_another_replicas_first_not_registered_is_a_first_time_again() -> None:
+    # A rolling restart: A, then B, then A again each lost the host once. Counted
+    # across replicas, B's and A's first answers backed off (unlisted meanwhile);
+    # only a replica refusing the registration it just made backs off.
+    host = MatchmakerClient(lambda: None, reconnect_delay=0.5)  # type: ignore[arg-type,return-value]
+    tellers = ["A", "B", "A", "A"]
+    pauses: list[float] = []
+
+    async def keep_once() -> None:
+        host._beats = types.SimpleNamespace(replica=tellers.pop(0))  # type: ignore[assignment]
+        host._needs_register.set()  # told NOT_REGISTERED
+        if not tellers:
+            host._host = None  # and stop there
+
+    async def pause(delay: float) -> None:
+        pauses.append(delay)
+
+    host._host = object()  # type: ignore[assignment]
+    host._keep_once = keep_once  # type: ignore[method-assign]
+    host._pause = pause  # type: ignore[method-assign]
+    await asyncio.wait_for(host._keep_registered(), 5)
+    assert pauses == [0.5]  # A's second in a row only
 
 
 async def test_waiting_to_register_again_heartbeats_once_per_interval_at_most() -> None:

@@ -219,6 +219,35 @@ async def test_a_handler_whose_connect_the_closing_endpoint_ends_is_not_an_error
     assert [r for r in caplog.records if r.getMessage().startswith("handler_ended")]
 
 
+async def test_a_handler_bug_on_the_way_out_of_a_closing_endpoint_is_still_a_bug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Only a connect() the close cut short is the close's doing: a misuse in the
+    # handler's own cleanup showed as handler_ended at DEBUG, never in shutdown logs.
+    caplog.set_level(logging.DEBUG, logger="rudp.aio.endpoint")
+    serving = asyncio.Event()
+    async with await rudp.serve(hold, "127.0.0.1", 0) as backend_server:
+        backend = await asyncio.wait_for(rudp.connect(*backend_server.address), 5)
+
+        async def cleans_up_badly(conn: rudp.Connection) -> None:
+            try:
+                serving.set()
+                await conn.wait_closed()
+            finally:
+                backend.send(b"bye", channel=200)  # no such channel: LocalProtocolError
+
+        server = await rudp.serve(cleans_up_badly, "127.0.0.1", 0)
+        client = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        await asyncio.wait_for(serving.wait(), 5)
+        await asyncio.wait_for(server.close(), 10)
+        await asyncio.wait_for(client.wait_closed(), 5)
+        await asyncio.wait_for(backend.close(), 5)
+    failed = [r for r in caplog.records if r.getMessage().startswith("handler_failed")]
+    assert failed and failed[0].levelno == logging.ERROR
+    assert failed[0].exc_info is not None
+    assert isinstance(failed[0].exc_info[1], rudp.LocalProtocolError)
+
+
 # -- an endpoint that is closing takes nothing new ------------------------------------------
 
 

@@ -563,6 +563,25 @@ async def test_an_ip_address_object_is_taken_as_a_host(
         assert endpoint.address[0] == "127.0.0.1"
 
 
+async def test_a_connection_refuses_a_plain_thread_while_its_loop_runs(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    # No loop runs in that thread, but the connection's does, in another: neither
+    # the core nor call_soon may be touched from there.
+    _, conn = pair
+
+    def from_a_thread() -> str:
+        try:
+            conn.send(b"x")
+        except RuntimeError as exc:
+            return str(exc)
+        return "accepted"
+
+    said = await asyncio.wait_for(asyncio.to_thread(from_a_thread), 5)
+    assert said.startswith("this connection belongs to the event loop it was opened on")
+    assert conn.queued == 0
+
+
 def test_a_connection_is_used_between_two_runs_of_its_own_loop() -> None:
     # With no loop running, a call from the loop's own thread goes on (as before the
     # check for calls from another loop).

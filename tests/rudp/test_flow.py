@@ -548,3 +548,29 @@ async def test_the_drain_and_retry_loop_sends_a_message_of_many_fragments() -> N
             pytest.fail("the message never went in: drain() did not wait for room")
         await asyncio.wait_for(handle, 10)
         await asyncio.wait_for(conn.close(), 5)
+
+
+async def test_a_drain_waits_for_a_refused_messages_room_once() -> None:
+    # Left set after the message was given up (or a smaller send went in), the lower
+    # level made every later drain() wait for a queue that other traffic kept above
+    # it: for good.
+    config = Config(send_queue_limit=64)
+
+    async def hold(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    async with await rudp.serve(hold, "127.0.0.1", 0) as server:
+        conn = await asyncio.wait_for(rudp.connect(*server.address, config=config), 5)
+        core = conn._core
+        for _ in range(40):
+            conn.send(b"x")
+        with pytest.raises(SendQueueFull):
+            conn.send(bytes(59 * config.fragment_payload - 100))
+        assert core.drain_level(16) == 64 - 59
+        conn.send(b"a smaller one instead")  # any later send sets the level back
+        assert core.drain_level(16) == 16
+        with pytest.raises(SendQueueFull):
+            conn.send(bytes(59 * config.fragment_payload - 100))
+        await asyncio.wait_for(conn.drain(), 5)  # waits for room for it, once
+        assert core.queued <= 64 - 59 and core.drain_level(16) == 16
+        await asyncio.wait_for(conn.close(), 5)
