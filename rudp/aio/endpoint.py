@@ -851,9 +851,13 @@ class AioEndpoint:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
             # wait_for's own is bare: say what was not answered, and within how long.
-            raise TimeoutError(
+            # (The cause is set by hand: compiled, ``raise ... from`` in a coroutine
+            # left it unset.)
+            error = TimeoutError(
                 f"no answer to the query from {format_address(address)} within {timeout:g} s"
-            ) from exc
+            )
+            error.__cause__ = exc
+            raise error  # noqa: B904 (its cause is set above)
         finally:
             self._queries.pop(nonce, None)
             self.core.cancel_query(nonce)
