@@ -25,8 +25,8 @@ exponential backoff; until one succeeds, a heartbeating host keeps
 heartbeating the registration it has.  The host believes a NOT_REGISTERED
 datagram only from the replica it heartbeats to, and only when it echoes the
 counter of a heartbeat still waiting for an answer (none before the
-registration's first heartbeat, none of a round already acknowledged), with
-the registration's MAC or without: each registration's counter starts at a
+registration's first heartbeat, none of a heartbeat acknowledged or older than
+one), with the registration's MAC or without: each registration's counter starts at a
 random 62-bit value, so no one off the path can guess it.  The keep-alive
 interval is never below `MIN_KEEPALIVE`, whatever `Registered` says.
 `update(...)` changes what is listed and what a re-registration sends; it
@@ -51,10 +51,11 @@ re-registers with another replica at once.  A request left unanswered for
 ``timeout`` gives its replica's connection up too (`RequestTimeout`): the next
 attempt goes to another replica.  So does, with another replica to turn to, a
 replica that answers but refuses: ``unavailable`` or ``internal`` (any request),
-``rate_limited`` (a registration), a reply the client refused (`ReplyRefused`),
-`WrongVersion` or a reply of the wrong type; the last two end a registration
-only once every replica has given one.  With one replica the connection is
-kept, and the replica retried with backoff.  A re-registration refused with
+a reply the client refused (`ReplyRefused`), `WrongVersion` or a reply of the
+wrong type; the last two end a registration only once every replica has given
+one.  With one replica the connection is kept, and the replica retried with
+backoff; so is any request refused ``rate_limited``, a limit of the client's
+own making.  A re-registration refused with
 ``too_many_hosts`` is retried at the longest backoff (the per-IP cap frees
 up); one refused for good, or a closed game socket, ends the keep-alive task:
 `host_info` turns None and `registration_error` says why.  The first `register`

@@ -78,7 +78,7 @@ def _check_keys(server_key: object, token: object, token_key: object) -> None:
     """A key or token given as a str (hex, base64) failed deep in the handshake
     ("can't concat str to bytes"): refused here, naming the argument."""
     for name, value in (("server_key", server_key), ("token", token), ("token_key", token_key)):
-        if value is not None and type(value) is not bytes and not isinstance(value, bytes):
+        if value is not None and not isinstance(value, bytes):
             raise TypeError(f"{name} must be bytes, not {type(value).__name__}")
 
 
@@ -104,7 +104,7 @@ async def _resolve(
         # TypeError that names no argument.
         raise TypeError(
             f"host must be a str (a name or an IP address), got {type(host).__name__}: {host!r}"
-        )
+        )  # (an ipaddress address, turned into one above, is taken too)
     literal = _literal(host, port, family, flags)
     if literal is not None:
         return literal
