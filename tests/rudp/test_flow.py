@@ -7,7 +7,9 @@ receive queue decides when to pause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -524,20 +526,31 @@ def test_a_message_refused_for_room_sets_how_low_a_drain_waits() -> None:
     assert conn.drain_level(16) == 16
 
 
-async def test_the_drain_and_retry_loop_sends_a_message_of_many_fragments() -> None:
-    # drain() returned once the queue was at the threshold (16), but the message needed
-    # 59 of the 64 places: refused again, drain() returned at once, and the loop spun
-    # without ever letting the acknowledgments in.
-    config = Config(send_queue_limit=64)
+ROOMY = Config(send_queue_limit=64)  # drain threshold 16
+BIG = bytes(59 * ROOMY.fragment_payload - 100)  # 59 fragments of the 64 places
+
+
+@contextlib.asynccontextmanager
+async def forty_queued() -> AsyncIterator[rudp.Connection]:
+    """A connection of `ROOMY`'s queue, 40 small reliable messages in it."""
 
     async def hold(conn: rudp.Connection) -> None:
         await conn.wait_closed()
 
     async with await rudp.serve(hold, "127.0.0.1", 0) as server:
-        conn = await asyncio.wait_for(rudp.connect(*server.address, config=config), 5)
+        conn = await asyncio.wait_for(rudp.connect(*server.address, config=ROOMY), 5)
         for _ in range(40):
             conn.send(b"x")
-        big = bytes(59 * config.fragment_payload - 100)
+        yield conn
+        await asyncio.wait_for(conn.close(), 5)
+
+
+async def test_the_drain_and_retry_loop_sends_a_message_of_many_fragments() -> None:
+    # drain() returned once the queue was at the threshold (16), but the message needed
+    # 59 of the 64 places: refused again, drain() returned at once, and the loop spun
+    # without ever letting the acknowledgments in.
+    async with forty_queued() as conn:
+        big = BIG
         for _attempt in range(50):  # bounded: the spin this was never ended
             try:
                 handle = conn.send(big)
@@ -547,30 +560,20 @@ async def test_the_drain_and_retry_loop_sends_a_message_of_many_fragments() -> N
         else:
             pytest.fail("the message never went in: drain() did not wait for room")
         await asyncio.wait_for(handle, 10)
-        await asyncio.wait_for(conn.close(), 5)
 
 
 async def test_a_drain_waits_for_a_refused_messages_room_once() -> None:
     # Left set after the message was given up (or a smaller send went in), the lower
     # level made every later drain() wait for a queue that other traffic kept above
     # it: for good.
-    config = Config(send_queue_limit=64)
-
-    async def hold(conn: rudp.Connection) -> None:
-        await conn.wait_closed()
-
-    async with await rudp.serve(hold, "127.0.0.1", 0) as server:
-        conn = await asyncio.wait_for(rudp.connect(*server.address, config=config), 5)
+    async with forty_queued() as conn:
         core = conn._core
-        for _ in range(40):
-            conn.send(b"x")
         with pytest.raises(SendQueueFull):
-            conn.send(bytes(59 * config.fragment_payload - 100))
+            conn.send(BIG)
         assert core.drain_level(16) == 64 - 59
         conn.send(b"a smaller one instead")  # any later send sets the level back
         assert core.drain_level(16) == 16
         with pytest.raises(SendQueueFull):
-            conn.send(bytes(59 * config.fragment_payload - 100))
+            conn.send(BIG)
         await asyncio.wait_for(conn.drain(), 5)  # waits for room for it, once
         assert core.queued <= 64 - 59 and core.drain_level(16) == 16
-        await asyncio.wait_for(conn.close(), 5)
