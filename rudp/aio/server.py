@@ -123,6 +123,20 @@ async def _resolve(
     return fam, tuple(sockaddr)
 
 
+def _is_own(destination: Address, local: Address) -> bool:
+    """Whether ``destination`` is the address this socket is bound to (its own IP,
+    or a loopback address when it is bound to every address), at its port."""
+    if int(destination[1]) != int(local[1]):
+        return False
+    ips = []
+    for raw in (destination[0], local[0]):
+        ip = ipaddress.ip_address(str(raw).split("%")[0])
+        mapped = getattr(ip, "ipv4_mapped", None)
+        ips.append(mapped if mapped is not None else ip)
+    there, here = ips
+    return there == here or (here.is_unspecified and there.is_loopback)
+
+
 def _hint(host: str) -> str:
     """What a host that failed to resolve may have meant, for the error."""
     if host.startswith("[") and host.endswith("]"):
@@ -302,6 +316,11 @@ class Endpoint:
         _check_keys(server_key, token, token_key)
         port = _check_destination_port(port)
         _, address = await _resolve(host, port, *self._endpoint.destination_family())
+        if _is_own(address, self._endpoint.local_address):
+            # Its CONNECTs would come back to itself, unanswered: a ConnectTimeout
+            # saying "no answer" after connect_timeout.
+            where = format_address((str(address[0]), int(address[1])))
+            raise ValueError(f"cannot connect to {where}: it is this endpoint's own address")
         return await self._endpoint.connect(
             address, server_key=server_key, token=token, token_key=token_key
         )

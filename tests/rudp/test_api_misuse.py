@@ -630,3 +630,18 @@ async def test_a_receiver_or_first_byte_of_the_wrong_type_is_a_type_error(
         server.set_datagram_handler("x", lambda data, address: None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^first_byte must be an int, not bool"):
         server.set_datagram_handler(True, lambda data, address: None)  # type: ignore[arg-type]
+
+
+async def test_an_endpoint_connecting_to_its_own_address_is_refused_at_once() -> None:
+    # Its CONNECTs came back to itself: "no answer" after connect_timeout (5 s).
+    async with await rudp.open_endpoint("127.0.0.1", 0) as endpoint:
+        port = endpoint.address[1]
+        with pytest.raises(ValueError, match=rf"^cannot connect to 127\.0\.0\.1:{port}: it is "):
+            await asyncio.wait_for(endpoint.connect("127.0.0.1", port), 1)
+    async with await rudp.open_endpoint("0.0.0.0", 0) as everywhere:
+        port = everywhere.address[1]
+        with pytest.raises(ValueError, match="this endpoint's own address"):
+            await asyncio.wait_for(everywhere.connect("127.0.0.2", port), 1)
+        async with await rudp.serve(hold, "127.0.0.1", 0) as other:  # another port: fine
+            conn = await asyncio.wait_for(everywhere.connect(*other.address), 5)
+            await asyncio.wait_for(conn.close(), 5)
