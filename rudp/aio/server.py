@@ -96,8 +96,9 @@ async def _resolve(
     port = check_port(port, name)
     if not 0 <= port <= 65535:  # getaddrinfo would silently take it modulo 65536
         raise ValueError(f"{name} must be in 0..65535, got {port}")
-    if isinstance(host, ipaddress.IPv4Address | ipaddress.IPv6Address):
-        host = str(host)
+    given: object = host
+    if type(given) in (ipaddress.IPv4Address, ipaddress.IPv6Address):
+        host = str(given)  # not an IPv4Interface ("127.0.0.1/32"): that is no host
     if not isinstance(host, str):
         # getaddrinfo takes None as the loopback address and bytes as a name: a
         # connection would go somewhere the caller did not mean, or fail with a

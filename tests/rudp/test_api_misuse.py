@@ -436,7 +436,9 @@ async def test_a_reliable_that_is_not_a_bool_is_a_type_error_and_sends_nothing(
     await asyncio.wait_for(conn.send(b"x", reliable=True, delivery=delivery), 5)
 
 
-@pytest.mark.parametrize("host", [("127.0.0.1", 5000), b"127.0.0.1", None])
+@pytest.mark.parametrize(
+    "host", [("127.0.0.1", 5000), b"127.0.0.1", None, ipaddress.ip_interface("127.0.0.1/8")]
+)
 async def test_a_host_that_is_not_a_str_is_a_type_error_naming_it(
     pair: tuple[rudp.Server, rudp.Connection], host: Any
 ) -> None:
