@@ -9,7 +9,12 @@ connections open at scrape time (a snapshot, not a history).
 Usage::
 
     registry = prometheus_client.CollectorRegistry()
-    rudp.metrics.RudpCollector([server], registry=registry)
+    collector = rudp.metrics.RudpCollector([server], registry=registry)
+    collector.add(other_server)  # one collector for every endpoint of a registry
+
+A registry takes one ``RudpCollector``: a second one (on the same registry)
+would export every ``rudp_*`` family twice, which Prometheus rejects as an
+invalid scrape, so registering it raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -67,7 +72,14 @@ class RudpCollector(Collector):
         for endpoint in endpoints:
             self.add(endpoint)
         if registry is not None:
-            registry.register(self)
+            try:
+                registry.register(self)
+            except ValueError as exc:  # DuplicateTimeseries, where prometheus_client has it
+                raise ValueError(
+                    "this registry already has rudp metrics (another RudpCollector?): "
+                    "collect every endpoint with one collector, RudpCollector([a, b]) "
+                    "or collector.add(b)"
+                ) from exc
 
     def __repr__(self) -> str:
         return f"<RudpCollector endpoints={len(self._cores())}>"
@@ -98,6 +110,14 @@ class RudpCollector(Collector):
             core = item if isinstance(item, Endpoint) else item.core
             cores[id(core)] = core
         return list(cores.values())
+
+    def describe(self) -> Iterable[Metric]:
+        """The families :meth:`collect` yields, without reading any endpoint: what a
+        registry checks at ``register()`` time, so that a second collector on it (or
+        any other ``rudp_*`` metric) is refused rather than scraped twice."""
+        yield from _endpoint_counters(())
+        yield from _connection_counters(())
+        yield _rtt_histogram(())
 
     def collect(self) -> Iterable[Metric]:
         endpoints = self._cores()

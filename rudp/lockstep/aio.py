@@ -32,7 +32,8 @@ from collections.abc import AsyncIterator, Callable
 
 import rudp
 from rudp.aio.connection import format_address
-from rudp.lockstep.client import LockstepClient, Turn
+from rudp.errors import LocalProtocolError
+from rudp.lockstep.client import ClientState, LockstepClient, Turn
 from rudp.lockstep.config import LockstepConfig
 from rudp.lockstep.events import Event
 from rudp.lockstep.host import LockstepHost
@@ -40,6 +41,28 @@ from rudp.lockstep.host import LockstepHost
 __all__ = ["LockstepServer", "LockstepSession"]
 
 log = logging.getLogger(__name__)
+
+#: The most channels a rudp connection has (``rudp.Config.channels`` is at most 256).
+_MAX_CHANNELS = 256
+
+
+def _check_channel(channel: object, channels: int = _MAX_CHANNELS) -> None:
+    """Refuse a lockstep ``channel`` that no message could be sent on, at once: sent
+    anyway, every send would fail and the game would wait forever for a reply."""
+    if type(channel) is bool or not isinstance(channel, int):
+        raise TypeError(f"channel must be an int, not {type(channel).__name__}")
+    if not 0 <= channel < channels:
+        raise ValueError(f"channel must be in [0, {channels}), got {channel}")
+
+
+def _config_channels(rudp_config: object) -> int:
+    """The channel count of the connections made with ``rudp_config`` (not a
+    ``rudp.Config``: the widest, and ``rudp`` refuses the config itself)."""
+    if rudp_config is None:
+        return rudp.Config().channels
+    if isinstance(rudp_config, rudp.Config):
+        return rudp_config.channels
+    return _MAX_CHANNELS
 
 
 def _check_message_size(conn: rudp.Connection, config: LockstepConfig) -> None:
@@ -67,6 +90,7 @@ class _Pump:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: set[rudp.Connection] = set()
         self._stopped = False
+        self._ended = False
 
     def now(self) -> float:
         return self._loop.time()
@@ -103,8 +127,15 @@ class _Pump:
         self._events.put_nowait(event)
 
     async def events(self) -> AsyncIterator[Event]:
-        """Events until the end (``None`` marks the end)."""
-        while (event := await self._events.get()) is not None:
+        """Events until the end (``None`` marks the end); after the end, none."""
+        while not self._ended:
+            event = await self._events.get()
+            if event is None:
+                # The end is for good: a later (or a concurrent) iteration ends at
+                # once too, instead of waiting for an event that will never come.
+                self._ended = True
+                self._events.put_nowait(None)
+                return
             yield event
 
     def stop(self) -> None:
@@ -118,6 +149,7 @@ class LockstepServer:
     """A :class:`LockstepHost` serving rudp connections; peers are the connections."""
 
     def __init__(self, host: LockstepHost[rudp.Connection], *, channel: int = 0) -> None:
+        _check_channel(channel)
         self.host = host
         self.channel = channel
         self._pump = _Pump(host.get_timer, self._handle_timer)
@@ -133,6 +165,7 @@ class LockstepServer:
         rudp_config: rudp.Config | None = None,
         channel: int = 0,
     ) -> LockstepServer:
+        _check_channel(channel, _config_channels(rudp_config))
         self = cls(LockstepHost[rudp.Connection](config=config), channel=channel)
         self._server = await rudp.serve(self.handle, address, port, config=rudp_config)
         return self
@@ -200,14 +233,18 @@ class LockstepSession:
     """A :class:`LockstepClient` talking to its host over one rudp connection."""
 
     def __init__(self, conn: rudp.Connection, client: LockstepClient, *, channel: int = 0) -> None:
+        _check_channel(channel)
         self.conn = conn
         self.client = client
         self.channel = channel
         self._pump = _Pump(client.get_timer, self._handle_timer)
         self._hung_up = False
+        self._closed = False
         _check_message_size(conn, client.config)
+        # JOIN goes out before the reader starts: a channel this connection (or its
+        # peer) lacks raises here, leaving nothing running.
+        self._flush(first=True)
         self._reader = asyncio.get_running_loop().create_task(self._read())
-        self._flush()
 
     @classmethod
     async def connect(
@@ -220,35 +257,63 @@ class LockstepSession:
         rudp_config: rudp.Config | None = None,
         channel: int = 0,
     ) -> LockstepSession:
+        # Everything that can be checked is checked before connecting, and the
+        # connection is closed if the session fails anyway (a channel the server
+        # lacks): it must not stay open with nobody reading it.
+        client = LockstepClient(name=name, config=config)
+        _check_channel(channel, _config_channels(rudp_config))
         conn = await rudp.connect(host, port, config=rudp_config)
-        return cls(conn, LockstepClient(name=name, config=config), channel=channel)
+        try:
+            return cls(conn, client, channel=channel)
+        except BaseException:
+            with contextlib.suppress(rudp.RudpError):
+                conn.close()
+            raise
 
     def __repr__(self) -> str:
         return f"<LockstepSession {self.conn!r} {self.client!r}>"
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` (or :meth:`leave`) was called."""
+        return self._closed
+
     def events(self) -> AsyncIterator[Event]:
-        """Events until the connection ends."""
+        """Events until the connection ends; once they ended, a new iteration ends at once."""
         return self._pump.events()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LocalProtocolError("the lockstep session is closed")
+
     def next_turn(self) -> Turn | None:
+        self._check_open()
         return self.client.next_turn()
 
     def complete_turn(self, number: int, checksum: int) -> None:
+        self._check_open()
         self.client.complete_turn(number, checksum)
         self._flush()
 
     def send_command(self, data: bytes) -> int:
+        self._check_open()
         turn = self.client.send_command(data)
         self._flush()
         return turn
 
     async def leave(self) -> None:
         """Say LEAVE, then close the connection gracefully (LEAVE is delivered first)."""
+        self._check_open()
         self.client.leave()
         self._flush()
         await self.close()
 
     async def close(self) -> None:
+        """Close the connection and end the session: :meth:`events` ends, and the
+        game's calls (:meth:`send_command`, :meth:`complete_turn`, :meth:`next_turn`,
+        :meth:`leave`) raise ``LocalProtocolError``. Closing again does nothing more."""
+        self._closed = True
+        self.client.state = ClientState.ENDED
         self._pump.stop()
         with contextlib.suppress(rudp.RudpError):
             await self.conn.close()
@@ -270,11 +335,17 @@ class LockstepSession:
         self.client.handle_timer(now)
         self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self, *, first: bool = False) -> None:
         for data in self.client.messages_to_send():
             try:
                 self.conn.send(data, channel=self.channel)
             except rudp.RudpError as exc:
+                if first and type(exc) is LocalProtocolError:
+                    # Not a closed connection (EndpointClosed, ConnectionClosed): the
+                    # channel is beyond this connection's channels or its peer's.
+                    raise ValueError(
+                        f"channel {self.channel} cannot be used on this connection: {exc}"
+                    ) from exc
                 log.info("send_failed error=%r", str(exc))
         while (event := self.client.next_event()) is not None:
             self._pump.put(event)

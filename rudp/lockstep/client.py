@@ -103,6 +103,8 @@ class LockstepClient:
     """One player's end of host-authoritative lockstep."""
 
     def __init__(self, *, name: str = "", config: LockstepConfig | None = None) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
         if len(name.encode()) > MAX_NAME_LENGTH:
             raise LocalProtocolError(f"name longer than {MAX_NAME_LENGTH} UTF-8 bytes")
         self.config = config or LockstepConfig()
