@@ -107,14 +107,19 @@ def check_address(value: object, name: str) -> None:
 
 
 def check_port(value: object, name: str = "port") -> int:
-    """A port number as an ``int``: anything else (``"9000"``, ``9000.0``, ``True``)
-    is a TypeError naming the parameter, not a failed comparison deep inside."""
-    if type(value) is int:
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        hint = f": write {int(value)}" if isinstance(value, str) and value.isdigit() else ""
-        raise TypeError(f"{name} takes an int, not {value!r}{hint}")
-    return int(value)
+    """A port number as an ``int`` in 0..65535: anything else (``"9000"``, ``9000.0``,
+    ``True``) is a TypeError naming the parameter, not a failed comparison deep inside,
+    and a number outside 0..65535 a ValueError naming it (``getaddrinfo`` and the
+    socket calls would take 74536 modulo 65536, as port 9000). Port 0 passes: a
+    caller for whom it means nothing (a destination) refuses it itself."""
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            hint = f": write {int(value)}" if isinstance(value, str) and value.isdigit() else ""
+            raise TypeError(f"{name} takes an int, not {value!r}{hint}")
+        value = int(value)
+    if not 0 <= value <= 0xFFFF:
+        raise ValueError(f"{name} must be in 0..65535, got {value}")
+    return value
 
 
 def format_address(address: tuple[str, int]) -> str:

@@ -26,9 +26,8 @@ def serve_a2s(
     on the socket is not affected: only datagrams starting with ``FF FF FF FF``
     reach the responder.  ``server.on_foreign = None`` turns it off.
     """
-    source: InfoSource = (lambda: info) if isinstance(info, ServerInfo) else info
-    responder = Responder(
-        source,
+    responder = Responder(  # which checks every argument before on_foreign is set
+        info,
         key=os.urandom(32),
         players=players,
         rules=rules,

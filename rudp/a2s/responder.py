@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -54,10 +56,24 @@ challenge shorter than the challenge it would get; a valid request while `info`
 returns None."""
 
 
+def _check_source(source: object, name: str, what: str) -> None:
+    """Refuse at once, naming ``name``, a ``source`` that is not a plain function (``what``
+    says what it must be): a value (a dict, a list, a str) would only fail at the first
+    request, and an ``async def``'s coroutine would never be awaited."""
+    if not callable(source):
+        raise TypeError(f"{name} must be {what}, not {type(source).__name__}: {source!r:.60}")
+    if inspect.iscoroutinefunction(source) or inspect.iscoroutinefunction(type(source).__call__):
+        raise TypeError(
+            f"{name} must be {what}, not a coroutine function: it is called for each"
+            " request, and nothing would await it"
+        )
+
+
 class Responder:
     """Answers A2S_INFO, A2S_PLAYER and A2S_RULES for one game host.
 
-    `info` returns what to publish, or None to stay silent (not hosting now);
+    `info` is what to publish, or a function returning it or None (stay silent:
+    not hosting now);
     `players` and `rules` are optional (empty lists without them).  `key` is the
     challenge secret (at least 16 random bytes); `max_datagram` bounds every
     datagram sent.
@@ -65,7 +81,7 @@ class Responder:
 
     def __init__(
         self,
-        info: InfoSource,
+        info: InfoSource | ServerInfo,
         *,
         key: bytes,
         players: PlayerSource | None = None,
@@ -75,11 +91,26 @@ class Responder:
     ) -> None:
         if len(key) < 16:
             raise ValueError("key must be at least 16 bytes")
-        if challenge_period <= 0:
-            raise ValueError("challenge_period must be > 0")
+        source: InfoSource
+        if isinstance(info, ServerInfo):
+            published = info
+            source = lambda: published  # noqa: E731
+        else:
+            _check_source(info, "info", "a ServerInfo, or a function returning one (or None)")
+            source = info
+        if players is not None:
+            _check_source(players, "players", "a function returning a list of Player")
+        if rules is not None:
+            _check_source(rules, "rules", "a function returning a mapping of str to str")
+        if isinstance(challenge_period, bool) or not isinstance(challenge_period, int | float):
+            raise TypeError(f"challenge_period takes a number of seconds, not {challenge_period!r}")
+        if not (challenge_period > 0 and math.isfinite(challenge_period)):
+            raise ValueError(
+                f"challenge_period must be a finite number of seconds > 0, not {challenge_period!r}"
+            )
         if max_datagram < 64:
             raise ValueError("max_datagram must be >= 64")
-        self._info = info
+        self._info = source
         self._players = players
         self._rules = rules
         self._key = key

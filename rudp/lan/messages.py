@@ -55,6 +55,7 @@ __all__ = [
     "Packet",
     "answer_fields",
     "call_game",
+    "check_game",
     "decode_packet",
     "encode_answer",
     "encode_call",
@@ -173,6 +174,18 @@ def _check_depth(body: dict[str, Any]) -> None:
             raise MalformedDatagram("body nested too deep")
         items = value.values() if isinstance(value, dict) else value
         stack.extend((v, depth + 1) for v in items if isinstance(v, dict | list))
+
+
+def check_game(game: object, name: str = "game", *, optional: bool = False) -> None:
+    """A game name as a ``str`` of 1..MAX_GAME_NAME characters (or None when ``optional``):
+    a responder drops a call with anything else as malformed, so nobody would answer."""
+    if game is None and optional:
+        return
+    if not isinstance(game, str):
+        none = " or None" if optional else ""
+        raise TypeError(f"{name} takes a str{none}, not {type(game).__name__}: {game!r}")
+    if not 1 <= len(game) <= MAX_GAME_NAME:
+        raise ValueError(f"{name} must be 1..{MAX_GAME_NAME} characters, not {len(game)}")
 
 
 def encode_call(nonce: bytes, game: str | None, request_size: int) -> bytes:

@@ -26,18 +26,21 @@ kernel does with the answer (``answered``, ``send_errors``).
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rudp.lan.messages import (
     INSTANCE_ID_SIZE,
     MAX_CALL_BODY,
-    MAX_GAME_NAME,
+    MAX_DEPTH,
+    NONCE_SIZE,
     Kind,
     MalformedDatagram,
     call_game,
+    check_game,
     decode_packet,
     encode_answer,
     log_address,
@@ -72,14 +75,64 @@ class DiscoveryStats:
     """Answers the kernel refused to send."""
 
 
+def _check_info(info: object, game: str, instance_id: bytes) -> None:
+    """Refuse at once an ``info`` no call could ever be answered with.
+
+    A callable is called per call, so only its kind is checked: a coroutine function
+    would give a coroutine, never awaited, instead of a mapping. A mapping is encoded
+    once, as an answer, and walked for what a searcher's decoder refuses (a map key that
+    is not a str, nesting deeper than ``MAX_DEPTH`` with the answer's own map).
+    """
+    if callable(info):
+        if inspect.iscoroutinefunction(info) or inspect.iscoroutinefunction(type(info).__call__):
+            raise TypeError(
+                "info must be a mapping or a plain function returning one, not a coroutine"
+                " function: it is called for each call, and nothing would await it"
+            )
+        return
+    if not isinstance(info, Mapping):
+        raise TypeError(
+            f"info takes a mapping (a dict) or a function returning one,"
+            f" not {type(info).__name__}: {info!r:.60}"
+        )
+    try:
+        encode_answer(bytes(NONCE_SIZE), instance_id, game, info)
+    except (TypeError, ValueError, OverflowError) as exc:  # msgpack's, or the body's size
+        error = TypeError if isinstance(exc, TypeError) else ValueError
+        raise error(f"info cannot be sent: {exc}") from exc
+    # Walked without unpacking (a searcher's decoder refuses these): the answer's map is
+    # depth 1, so info is depth 2.
+    stack: list[tuple[object, int]] = [(info, 2)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(
+                f"info nests maps and lists {MAX_DEPTH - 1} levels deep at most (itself"
+                " included): every searcher would drop the answer"
+            )
+        if isinstance(value, Mapping):
+            for key in value:
+                if not isinstance(key, str | bytes):
+                    raise TypeError(
+                        f"info's map keys must be str, not {type(key).__name__}: {key!r:.40}"
+                        " (every searcher would drop the answer)"
+                    )
+            items: Iterable[object] = value.values()
+        elif isinstance(value, list | tuple):
+            items = value
+        else:
+            continue
+        stack.extend((v, depth + 1) for v in items if isinstance(v, Mapping | list | tuple))
+
+
 class Responder:
     """Answers discovery calls for one game with one host's info (sans-IO)."""
 
     def __init__(self, info: InfoSource, *, game: str, instance_id: bytes) -> None:
-        if not game or len(game) > MAX_GAME_NAME:
-            raise ValueError(f"game must be 1..{MAX_GAME_NAME} characters")
+        check_game(game)
         if len(instance_id) != INSTANCE_ID_SIZE:
             raise ValueError(f"instance_id must be {INSTANCE_ID_SIZE} bytes")
+        _check_info(info, game, instance_id)
         self.game = game
         """The game this responder answers for."""
         self.instance_id = instance_id

@@ -39,6 +39,7 @@ asyncio layer's business (:mod:`rudp.lan.aio`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from rudp.lan.messages import (
     Kind,
     MalformedDatagram,
     answer_fields,
+    check_game,
     decode_packet,
     encode_call,
     log_address,
@@ -106,6 +108,24 @@ class DiscoveredHost:
     address or are identical (several routes to one host)."""
 
 
+def _check_seconds(value: object, name: str) -> None:
+    """A finite number of seconds > 0: NaN would never end the round (every comparison
+    with it is false, so the loop would spin), infinity neither."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} takes a number of seconds, not {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
+
+
+def _check_count(value: object, name: str, low: int = 1, high: int | None = None) -> None:
+    """An ``int`` in ``low..high``: 2.5 or NaN calls would be a count nobody asked for."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} takes an int, not {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, not {value!r}")
+
+
 class Search:
     """Calls to send and answers collected during one discovery round (sans-IO)."""
 
@@ -121,12 +141,13 @@ class Search:
         max_hosts: int = DEFAULT_MAX_HOSTS,
         randbytes: Callable[[int], bytes] = os.urandom,
     ) -> None:
-        if timeout <= 0 or attempts < 1:
-            raise ValueError("timeout must be positive and attempts at least 1")
-        if request_size < HEADER.size or request_size > MAX_DATAGRAM:
-            raise ValueError(f"request_size must be in {HEADER.size}..{MAX_DATAGRAM}")
-        if max_hosts < 1:
-            raise ValueError("max_hosts must be at least 1")
+        _check_seconds(timeout, "timeout")
+        _check_count(attempts, "attempts")
+        _check_count(request_size, "request_size", HEADER.size, MAX_DATAGRAM)
+        _check_count(max_hosts, "max_hosts")
+        if expected is not None:
+            _check_count(expected, "expected")
+        check_game(game, "game", optional=True)
         self.game = game
         """Only answers for this game are kept (``None``: any game)."""
         self.sent_at: dict[bytes, float] = {}

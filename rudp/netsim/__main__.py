@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import sys
 import time
@@ -141,8 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = profile_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if not args.idle_timeout > 0.0:
-        parser.error("--idle-timeout must be > 0")
+    if not (args.idle_timeout > 0.0 and math.isfinite(args.idle_timeout)):
+        parser.error(
+            f"--idle-timeout must be a finite number of seconds > 0, not {args.idle_timeout}"
+        )
     if args.max_clients < 1:
         parser.error("--max-clients must be >= 1")
     level = logging.getLevelName(args.log_level.upper())

@@ -20,11 +20,12 @@ by ``deliver`` goes to the loop's exception handler and does not stop the other 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from rudp.netsim.conditioner import LinkConditioner, LinkProfile, LinkStats
+from rudp.netsim.conditioner import LinkConditioner, LinkProfile, LinkStats, check_profile
 
 __all__ = ["ConditionedPipe"]
 
@@ -42,6 +43,13 @@ class ConditionedPipe(Generic[T]):
         *,
         seed: int | None = None,
     ) -> None:
+        if not callable(deliver):
+            raise TypeError(
+                f"deliver must be a function taking (data, meta), not {type(deliver).__name__}"
+            )
+        if inspect.iscoroutinefunction(deliver):
+            raise TypeError("deliver must be a plain function: a coroutine would never be awaited")
+        check_profile(profile)
         self._loop = loop
         self._deliver = deliver
         self._conditioner: LinkConditioner[T] = LinkConditioner(profile, rng=random.Random(seed))

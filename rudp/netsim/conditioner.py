@@ -188,6 +188,18 @@ class LinkProfile:
         )
 
 
+def check_profile(profile: object, name: str = "profile") -> LinkProfile:
+    """``profile`` itself when it is a :class:`LinkProfile`; anything else (a dict of its
+    fields, a name such as ``"lossy"``, None for a perfect link) is a TypeError naming
+    ``name``, at once rather than an AttributeError at the next datagram."""
+    if not isinstance(profile, LinkProfile):
+        raise TypeError(
+            f"{name} must be a rudp.netsim.LinkProfile (LinkProfile() for a perfect link),"
+            f" not {type(profile).__name__}: {profile!r:.60}"
+        )
+    return profile
+
+
 MAX_IN_FLIGHT_BYTES = 32 * 1024 * 1024  # held in the delay line at most, whatever the profile
 
 
@@ -218,7 +230,7 @@ class LinkConditioner(Generic[T]):
 
     def __init__(self, profile: LinkProfile, *, rng: random.Random) -> None:
         self._rng = rng
-        self._profile = profile
+        self._profile = check_profile(profile)
         self._perfect = profile.is_perfect
         self.stats = LinkStats()
         # Min-heap of (due, seq, data, meta); seq is unique, so data/meta are never compared and
@@ -239,6 +251,7 @@ class LinkConditioner(Generic[T]):
 
     @profile.setter
     def profile(self, profile: LinkProfile) -> None:
+        check_profile(profile)
         # Datagrams already scheduled keep their due times; the new profile applies from now on.
         if profile.burst != self._profile.burst:
             self._burst_bad = False

@@ -24,7 +24,6 @@ socket are logged and cost only that client's datagram.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
@@ -34,7 +33,7 @@ from typing import Any
 
 from rudp.errors import check_address, check_port
 from rudp.netsim.aio import ConditionedPipe
-from rudp.netsim.conditioner import LinkProfile, LinkStats
+from rudp.netsim.conditioner import LinkProfile, LinkStats, check_profile
 
 __all__ = ["Proxy", "ProxyStats", "format_address", "parse_address", "start_proxy"]
 
@@ -181,6 +180,8 @@ class Proxy:
         self._address: tuple[str, int] = ("", 0)
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
+        # What close() waits for: the listen socket's and each session's connection_lost.
+        self._closing: list[asyncio.Future[None]] = []
         self._counts = ProxyStats()
 
     # -- public API ---------------------------------------------------------------------------
@@ -209,7 +210,7 @@ class Proxy:
 
     @upstream.setter
     def upstream(self, profile: LinkProfile) -> None:
-        self._up.profile = profile
+        self._up.profile = check_profile(profile, "Proxy.upstream")
 
     @property
     def downstream(self) -> LinkProfile:
@@ -218,7 +219,7 @@ class Proxy:
 
     @downstream.setter
     def downstream(self, profile: LinkProfile) -> None:
-        self._down.profile = profile
+        self._down.profile = check_profile(profile, "Proxy.downstream")
 
     @property
     def clients(self) -> int:
@@ -240,26 +241,34 @@ class Proxy:
         return self._closed
 
     async def close(self) -> None:
-        """Stop forwarding, drop datagrams in flight and close every socket. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        self._up.close()
-        self._down.close()
-        for task in self._opening:
-            task.cancel()
-        await asyncio.gather(*self._opening, return_exceptions=True)
-        waiting = [self._lost] + [s.lost for s in self._sessions.values()]
-        for session in list(self._sessions.values()):
-            session.close()
-        self._sessions.clear()
-        if self._transport is not None:
-            self._transport.close()
-        # connection_lost arrives on a later loop iteration; bounded in case a transport misbehaves.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*waiting), _CLOSE_TIMEOUT)
+        """Stop forwarding, drop datagrams in flight and close every socket. Idempotent.
+
+        Every socket is closed before the first await, so a ``close()`` cancelled while it
+        waits for them to go has closed the proxy all the same; a later ``close()`` waits
+        again for whatever is still going.
+        """
+        if not self._closed:
+            self._closed = True
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+            self._up.close()
+            self._down.close()
+            for task in self._opening:
+                task.cancel()  # _open_upstream closes its socket on the way out
+            self._closing = [self._lost] + [s.lost for s in self._sessions.values()]
+            for session in list(self._sessions.values()):
+                session.close()
+            self._sessions.clear()
+            if self._transport is not None:
+                self._transport.close()
+            elif not self._lost.done():
+                self._lost.set_result(None)  # never bound: nothing to wait for
+        # connection_lost arrives on a later loop iteration; bounded in case a transport
+        # misbehaves. asyncio.wait cancels none of them, on a timeout or when close() is
+        # cancelled, so a later close() can wait for them again.
+        pending = {f for f in (*self._opening, *self._closing) if not f.done()}
+        if pending:
+            await asyncio.wait(pending, timeout=_CLOSE_TIMEOUT)
 
     async def __aenter__(self) -> Proxy:
         return self
@@ -390,6 +399,8 @@ async def start_proxy(
     check_address(target, "target")
     check_port(listen[1], "listen port")
     check_port(target[1], "target port")
+    check_profile(upstream, "upstream")
+    check_profile(downstream, "downstream")
     if not (idle_timeout > 0.0 and math.isfinite(idle_timeout)):
         raise ValueError(
             f"idle_timeout must be a finite number of seconds > 0, got {idle_timeout!r}"
