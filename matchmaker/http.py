@@ -12,7 +12,7 @@ Endpoints
 ``/servers``   The server list as JSON; query parameters are the list filters
                (without ``game``: every game's hosts, with the same limit and
                paging; ``tags_all``/``tags_any`` comma-separated or repeated;
-               booleans as 1/0/true/false), validated by the same code as the
+               booleans as 1/0/true/false/yes/no), validated by the same code as the
                wire protocol; rate limited per source like list requests.
                ``{"total", "limit", "limit_reached", "servers"}``:
                ``limit_reached`` says the answer was cut at ``limit`` hosts, or
@@ -24,14 +24,17 @@ request per connection (``Connection: close``) with hard limits: a request
 head of at most 8 KiB and 64 header lines, read within ``http_timeout``
 seconds, at most ``http_max_connections`` connections at once (more are
 refused with 503), of which at most `MAX_CONNECTIONS_PER_IP` from one source
-(more get 429), so one source cannot starve the probes.  Bodies are not
-accepted; anything but GET/HEAD gets 405.  A refused connection (429, 503) is
-answered and closed at once: it holds no descriptor while a client lingers.
+(more get 429).  A connection refused for want of a slot that asks for
+``/healthz`` or ``/readyz`` within `PROBE_READ` is answered all the same, so slow
+clients filling every slot cannot fail the probes.  Bodies are not accepted;
+anything but GET/HEAD gets 405.  A refused connection (429, 503) is answered and
+closed at once: it holds no descriptor while a client lingers.
 
 The answers that cost in proportion to the registry (``/servers``, ``/metrics``)
 are built one at a time, so the event loop serves the UDP port (registrations,
 heartbeats) between any two of them, however many arrive at once; at most
-`MAX_WAITING_BUILDS` wait, more get 503.  Every answer is counted in
+`MAX_WAITING_BUILDS` wait, more get 503.  A list of every game waits
+`EVERY_GAME_SHARE` times the build time of the last one.  Every answer is counted in
 ``matchmaker_http_requests_total`` by path and status, refusals included.
 """
 
@@ -46,7 +49,7 @@ import struct
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -76,6 +79,16 @@ MAX_CONNECTIONS_PER_IP = 8
 MAX_WAITING_BUILDS = 16
 """Requests for ``/servers`` or ``/metrics`` that may wait while another is built;
 more are answered 503 at once."""
+EVERY_GAME_SHARE = 4.0
+"""After a ``/servers`` answer without ``game`` (its cost grows with every host of
+every game), the next such answer waits this many times its build time (503
+meanwhile): at most a fifth of the daemon's time goes to them."""
+PROBE_READ = 1.0
+"""Seconds a connection refused for want of a slot has to name ``/healthz`` or
+``/readyz``, which are answered all the same (slow clients filling every slot
+must not fail the orchestrator's probes)."""
+MAX_PROBE_READERS = 32
+"""Refused connections read at once for a probe; past that, 503 without reading."""
 _BOOL_FIELDS = ("not_full", "not_empty", "password")
 _INT_FIELDS = ("family", "limit")
 _LIST_FIELDS = ("tags_all", "tags_any")
@@ -149,6 +162,8 @@ class HttpApi:
         workers_down: Callable[[], list[int]] | None = None,
     ) -> None:
         self._exposition = exposition
+        self._every_game_at = 0.0
+        """When the next ``/servers`` answer without ``game`` may be built."""
         # One costly answer built at a time (module doc), and how many wait for it.
         self._building = asyncio.Lock()
         self._waiting = 0
@@ -162,25 +177,31 @@ class HttpApi:
 
     async def route(self, target: str, client_ip: str) -> tuple[str, Response]:
         """(path label, response) for a GET of `target`."""
-        parts = urlsplit(target)
-        path = parts.path
+        # Split by hand: urlsplit takes "//x/metrics" for a host and a path, and
+        # raises on "//[/metrics" (which then answered 500 with a traceback).
+        path, _, query = target.partition("#")[0].partition("?")
         if path == "/metrics":
-            body = await self._one_at_a_time(self._metrics_exposition)
-            if body is None:
-                return path, _BUSY
-            return path, Response(200, body, CONTENT_TYPE_LATEST)
+            return path, await self._metrics_response()
+        if path in ("/healthz", "/readyz"):
+            return path, self.probe(path)
+        if path == "/servers":
+            return path, await self._servers(query, client_ip)
+        return "other", Response.json(404, {"error": "not_found"})
+
+    def probe(self, path: str) -> Response:
+        """The answer to ``/healthz`` or ``/readyz``: cheap, never queued."""
         if path == "/healthz":
             # 200 while a sibling worker is down too: the supervisor restarts it.
             down = self._workers_down()
             health: dict[str, object] = {"status": "degraded" if down else "ok"}
             if down:
                 health["workers_down"] = down
-            return path, Response.json(200, health)
-        if path == "/readyz":
-            return path, self._ready()
-        if path == "/servers":
-            return path, await self._servers(parts.query, client_ip)
-        return "other", Response.json(404, {"error": "not_found"})
+            return Response.json(200, health)
+        return self._ready()
+
+    async def _metrics_response(self) -> Response:
+        body = await self._one_at_a_time(self._metrics_exposition)
+        return _BUSY if body is None else Response(200, body, CONTENT_TYPE_LATEST)
 
     def _ready(self) -> Response:
         down = self._workers_down()
@@ -226,8 +247,25 @@ class HttpApi:
             f = parse_filter(query, self._limits)
         except MessageError as exc:
             return Response.json(400, {"error": exc.reason.value, "detail": exc.detail})
-        answer = await self._one_at_a_time(lambda: self._servers_answer(f))
+        if f.game != EVERY_GAME:
+            answer = await self._one_at_a_time(lambda: self._servers_answer(f))
+            return _BUSY if answer is None else answer
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._every_game_at:
+            return _BUSY
+        answer = await self._one_at_a_time(lambda: self._every_game_answer(f))
         return _BUSY if answer is None else answer
+
+    async def _every_game_answer(self, f: ListFilter) -> Response:
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._every_game_at:
+            return _BUSY  # another was built while this one waited
+        start = loop.time()
+        try:
+            return await self._servers_answer(f)
+        finally:
+            end = loop.time()
+            self._every_game_at = end + EVERY_GAME_SHARE * (end - start)
 
     async def _servers_answer(self, f: ListFilter) -> Response:
         servers = await self._list_servers(ListRequest(filter=f))
@@ -311,6 +349,7 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._clients: set[asyncio.Task[None]] = set()
         self._per_source: dict[str, int] = {}
+        self._probe_readers = 0
 
     @property
     def address(self) -> tuple[str, int]:
@@ -347,13 +386,15 @@ class HttpServer:
         try:
             if count >= MAX_CONNECTIONS_PER_IP or self._slots.locked():
                 # Refused: answered and closed at once, without lingering (a flood of
-                # refused connections would otherwise hold a descriptor each).
+                # refused connections would otherwise hold a descriptor each); a
+                # probe is answered all the same, if it says so within PROBE_READ.
+                label, head = "other", False
                 if count >= MAX_CONNECTIONS_PER_IP:
                     resp = Response.json(429, {"error": "too_many_connections"})
                 else:
-                    resp = _BUSY
-                self._metrics.observe_http("other", resp.status)
-                await self._respond(writer, resp, head=False)
+                    label, resp, head = await self._probe_or_busy(reader)
+                self._metrics.observe_http(label, resp.status)
+                await self._respond(writer, resp, head=head)
             else:
                 async with self._slots:
                     await self._serve_one(reader, writer)
@@ -378,6 +419,23 @@ class HttpServer:
                 writer.close()
             else:
                 _abort(writer)
+
+    async def _probe_or_busy(self, reader: asyncio.StreamReader) -> tuple[str, Response, bool]:
+        """For a connection refused for want of a slot: the probe it asks for, read
+        within `PROBE_READ` (at most `MAX_PROBE_READERS` at once), else 503."""
+        if self._probe_readers >= MAX_PROBE_READERS:
+            return "other", _BUSY, False
+        self._probe_readers += 1
+        try:
+            method, target = await asyncio.wait_for(read_head(reader), PROBE_READ)
+        except (TimeoutError, BadRequest, asyncio.IncompleteReadError):
+            return "other", _BUSY, False
+        finally:
+            self._probe_readers -= 1
+        path = target.partition("?")[0]
+        if method in ("GET", "HEAD") and path in ("/healthz", "/readyz"):
+            return path, self._api.probe(path), method == "HEAD"
+        return "other", _BUSY, False
 
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Wait (at most ``timeout``) until the client has read the response and closed.
@@ -444,22 +502,42 @@ def _abort(writer: asyncio.StreamWriter) -> None:
 
 
 async def read_head(reader: asyncio.StreamReader) -> tuple[str, str]:
-    """(method, target) of one request; headers are read, bounded, and ignored."""
-    line = await _read_line(reader)
+    """(method, target) of one request; headers are read, bounded, and ignored.
+
+    Raises `BadRequest` for a malformed head, one cut short by the client's end of
+    stream included (``IncompleteReadError`` only when it sent nothing at all)."""
+    try:
+        line = await _read_line(reader)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise BadRequest(400, "incomplete_head") from None
+        raise
+    request = _request_line(line)
+    try:
+        await _skip_headers(reader, len(line))
+    except asyncio.IncompleteReadError:
+        raise BadRequest(400, "incomplete_head") from None
+    return request
+
+
+def _request_line(line: str) -> tuple[str, str]:
     parts = line.split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
         raise BadRequest(400, "bad_request_line")
     method, target, _version = parts
     if not target.startswith("/"):
         raise BadRequest(400, "bad_target")
-    used = len(line)
+    return method, target
+
+
+async def _skip_headers(reader: asyncio.StreamReader, used: int) -> None:
     for _ in range(MAX_HEADER_LINES):
         header = await _read_line(reader)
         used += len(header) + 2
         if used > MAX_HEAD_BYTES:
             raise BadRequest(431, "head_too_large")
         if not header:
-            return method, target
+            return
         if ":" not in header:
             raise BadRequest(400, "bad_header")
     raise BadRequest(431, "too_many_headers")
@@ -467,9 +545,12 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[str, str]:
 
 async def _read_line(reader: asyncio.StreamReader) -> str:
     try:
-        raw = await reader.readuntil(b"\r\n")
+        raw = await reader.readuntil(b"\n")
     except asyncio.LimitOverrunError:
         raise BadRequest(431, "line_too_long") from None
+    if not raw.endswith(b"\r\n"):
+        # A bare LF: refused at once (it was read up to the timeout, waiting for CRLF).
+        raise BadRequest(400, "bare_lf")
     try:
         return raw[:-2].decode("ascii")
     except UnicodeDecodeError:

@@ -17,6 +17,7 @@ import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
+import matchmaker.http as http_module
 from matchmaker.addresses import Address
 from matchmaker.http import (
     MAX_CONNECTIONS_PER_IP,
@@ -260,8 +261,19 @@ async def test_connection_cap() -> None:
         _r1, w1 = await asyncio.open_connection(host, port)
         w1.write(b"GET /healthz HTTP/1.1\r\n")  # holds the only slot
         await eventually(site.server._slots.locked)
-        status, _, _ = await site.raw(b"GET /healthz HTTP/1.1\r\n\r\n")
+        status, _, _ = await site.raw(b"GET /metrics HTTP/1.1\r\n\r\n")
         assert status == 503
+        # The probes are answered all the same: slow clients filling every slot
+        # (32 sources were enough) made the orchestrator restart a healthy daemon.
+        status, _, _ = await site.raw(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert status == 200
+        status, _, _ = await site.raw(b"GET /readyz?x HTTP/1.1\r\n\r\n")
+        assert status == 200
+        # One that does not say within PROBE_READ what it wants gets 503.
+        _r2, w2 = await asyncio.open_connection(host, port)
+        w2.write(b"GET /healthz HTTP/1.1\r\n")
+        assert (await asyncio.wait_for(_r2.read(), 5)).startswith(b"HTTP/1.1 503")
+        w2.close()
         w1.close()
     finally:
         await site.server.close()
@@ -403,3 +415,58 @@ def test_capped_games() -> None:
     assert capped_games(counts, 2) == [("a", 5), ("b", 3), ("_other", 4)]
     assert capped_games(counts, 10) == sorted(counts.items(), key=lambda kv: -kv[1])
     assert capped_games({}, 3) == []
+
+
+async def test_lists_of_every_game_take_at_most_a_share_of_the_time(
+    site: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without game, a list costs in proportion to every host of every game (387 ms
+    # at 200,000 hosts, the loop stalled meanwhile): after one, the next waits
+    # EVERY_GAME_SHARE times its build time.
+    monkeypatch.setattr(http_module, "EVERY_GAME_SHARE", 1e6)
+    assert (await site.get("/servers"))[0] == 200
+    status, body = await site.get("/servers?limit=5")
+    assert (status, body) == (503, {"error": "busy"})
+    assert (await site.get("/servers?game=q3"))[0] == 200  # one game is not held back
+
+
+@pytest.mark.parametrize("target", ["//[/metrics", "//[abc]/servers", "//a]/x", "//evil/metrics"])
+async def test_a_target_urlsplit_refuses_is_not_found_not_an_internal_error(
+    site: Site, target: str
+) -> None:
+    # urlsplit raised on "//[": 500 and an error-level traceback per request; it took
+    # "//evil/metrics" for a host and /metrics.
+    with structlog.testing.capture_logs() as logs:
+        status, _ = await site.get(target)
+    assert status == 404
+    assert not [e for e in logs if e["log_level"] == "error"]
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [b"GET /healthz HTTP/1.1\r\n", b"GET /healthz HTTP/1.1\r\nX-a: b\r\n", b"GET /heal"],
+    ids=["line", "header", "partial-line"],
+)
+async def test_a_head_cut_short_by_the_client_is_a_counted_bad_request(
+    site: Site, request_bytes: bytes
+) -> None:
+    # The connection was reset without a status, and nothing was counted.
+    host, port = site.server.address
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(request_bytes)
+    writer.write_eof()
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 400") and b"incomplete_head" in data
+    assert site.harness.sample("matchmaker_http_requests_total", path="other", code="400") >= 1
+
+
+@pytest.mark.parametrize(
+    "request_bytes", [b"GET /healthz HTTP/1.1\n\n", b"GET /healthz HTTP/1.9junk\r\n\r\n"]
+)
+async def test_a_bare_lf_or_an_unknown_version_is_refused_at_once(
+    site: Site, request_bytes: bytes
+) -> None:
+    # A bare LF waited for the timeout (408 after 5 s); "HTTP/1.9junk" was taken.
+    status, _, _ = await asyncio.wait_for(site.raw(request_bytes), 1)
+    assert status == 400
