@@ -33,9 +33,10 @@ closed at once: it holds no descriptor while a client lingers.
 The answers that cost in proportion to the registry (``/servers``, ``/metrics``)
 are built one at a time, so the event loop serves the UDP port (registrations,
 heartbeats) between any two of them, however many arrive at once; at most
-`MAX_WAITING_BUILDS` wait, more get 503.  A list of every game waits
-`EVERY_GAME_SHARE` times the build time of the last one.  Every answer is counted in
-``matchmaker_http_requests_total`` by path and status, refusals included.
+`MAX_WAITING_BUILDS` wait, more get 503.  Lists of every game take at most a
+fifth of the time (`EVERY_GAME_SHARE`), with a burst of `EVERY_GAME_BURST`.
+Every answer is counted in ``matchmaker_http_requests_total`` by path and status,
+refusals included.
 """
 
 from __future__ import annotations
@@ -80,9 +81,14 @@ MAX_WAITING_BUILDS = 16
 """Requests for ``/servers`` or ``/metrics`` that may wait while another is built;
 more are answered 503 at once."""
 EVERY_GAME_SHARE = 4.0
-"""After a ``/servers`` answer without ``game`` (its cost grows with every host of
-every game), the next such answer waits this many times its build time (503
-meanwhile): at most a fifth of the daemon's time goes to them."""
+"""Each ``/servers`` answer without ``game`` (its cost grows with every host of
+every game) adds this many times its build time to a debt that the clock pays off;
+while the debt is over `EVERY_GAME_BURST` such requests get 503: at most a fifth
+of the daemon's time goes to them, and cheap ones (a small registry) go through
+back to back."""
+EVERY_GAME_BURST = 0.5
+"""Seconds of debt (see `EVERY_GAME_SHARE`) under which a list of every game is
+built."""
 PROBE_READ = 1.0
 """Seconds a connection refused for want of a slot has to name ``/healthz`` or
 ``/readyz``, which are answered all the same (slow clients filling every slot
@@ -162,8 +168,9 @@ class HttpApi:
         workers_down: Callable[[], list[int]] | None = None,
     ) -> None:
         self._exposition = exposition
-        self._every_game_at = 0.0
-        """When the next ``/servers`` answer without ``game`` may be built."""
+        self._every_game_debt = 0.0
+        self._every_game_paid = 0.0
+        """What lists of every game owe (`EVERY_GAME_SHARE`), and when it was paid down."""
         # One costly answer built at a time (module doc), and how many wait for it.
         self._building = asyncio.Lock()
         self._waiting = 0
@@ -250,22 +257,26 @@ class HttpApi:
         if f.game != EVERY_GAME:
             answer = await self._one_at_a_time(lambda: self._servers_answer(f))
             return _BUSY if answer is None else answer
-        loop = asyncio.get_running_loop()
-        if loop.time() < self._every_game_at:
+        if self._every_game_owed() > EVERY_GAME_BURST:
             return _BUSY
         answer = await self._one_at_a_time(lambda: self._every_game_answer(f))
         return _BUSY if answer is None else answer
 
+    def _every_game_owed(self) -> float:
+        now = asyncio.get_running_loop().time()
+        self._every_game_debt = max(0.0, self._every_game_debt - (now - self._every_game_paid))
+        self._every_game_paid = now
+        return self._every_game_debt
+
     async def _every_game_answer(self, f: ListFilter) -> Response:
+        if self._every_game_owed() > EVERY_GAME_BURST:
+            return _BUSY  # others were built while this one waited
         loop = asyncio.get_running_loop()
-        if loop.time() < self._every_game_at:
-            return _BUSY  # another was built while this one waited
         start = loop.time()
         try:
             return await self._servers_answer(f)
         finally:
-            end = loop.time()
-            self._every_game_at = end + EVERY_GAME_SHARE * (end - start)
+            self._every_game_debt += EVERY_GAME_SHARE * (loop.time() - start)
 
     async def _servers_answer(self, f: ListFilter) -> Response:
         servers = await self._list_servers(ListRequest(filter=f))
