@@ -93,6 +93,8 @@ PROBE_READ = 1.0
 """Seconds a connection refused for want of a slot has to name ``/healthz`` or
 ``/readyz``, which are answered all the same (slow clients filling every slot
 must not fail the orchestrator's probes)."""
+PROBES = ("/healthz", "/readyz")
+"""The paths answered without queueing, even to a connection refused a slot."""
 MAX_PROBE_READERS = 32
 """Refused connections read at once for a probe; past that, 503 without reading."""
 _BOOL_FIELDS = ("not_full", "not_empty", "password")
@@ -189,7 +191,7 @@ class HttpApi:
         path, _, query = target.partition("#")[0].partition("?")
         if path == "/metrics":
             return path, await self._metrics_response()
-        if path in ("/healthz", "/readyz"):
+        if path in PROBES:
             return path, self.probe(path)
         if path == "/servers":
             return path, await self._servers(query, client_ip)
@@ -444,7 +446,7 @@ class HttpServer:
         finally:
             self._probe_readers -= 1
         path = target.partition("?")[0]
-        if method in ("GET", "HEAD") and path in ("/healthz", "/readyz"):
+        if method in ("GET", "HEAD") and path in PROBES:
             return path, self._api.probe(path), method == "HEAD"
         return "other", _BUSY, False
 

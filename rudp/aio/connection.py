@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import logging
 import warnings
+from asyncio.events import _get_running_loop
 from collections import deque
 from collections.abc import Callable, Iterable
 from time import monotonic
@@ -429,7 +430,7 @@ class Connection:
         its waiter behind; from a plain thread while the loop runs, the same. With
         no loop running at all (between two ``run_until_complete`` calls of the
         connection's own loop, say), the call goes on as before."""
-        running = asyncio._get_running_loop()
+        running = _get_running_loop()
         if running is not self._loop and (running is not None or self._loop.is_running()):
             raise RuntimeError(
                 "this connection belongs to the event loop it was opened on; call it "

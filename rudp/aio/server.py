@@ -93,9 +93,7 @@ def _check_destination_port(port: int) -> int:
 async def _resolve(
     host: str, port: int, family: int = 0, flags: int = 0, name: str = "port"
 ) -> tuple[int, Address]:
-    port = check_port(port, name)
-    if not 0 <= port <= 65535:  # getaddrinfo would silently take it modulo 65536
-        raise ValueError(f"{name} must be in 0..65535, got {port}")
+    port = check_port(port, name)  # in 0..65535: getaddrinfo would take it modulo 65536
     given: object = host
     if type(given) in (ipaddress.IPv4Address, ipaddress.IPv6Address):
         host = str(given)  # not an IPv4Interface ("127.0.0.1/32"): that is no host
