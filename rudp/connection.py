@@ -126,6 +126,9 @@ class Connection:
         self.peer_params: TransportParams | None = None
         self.server_authenticated = False
         """True when the handshake proved the server holds the key we expected (NK)."""
+        self.packet_cipher = ""
+        """The AEAD sealing the packets once connected: ``"aes-256-gcm"`` when both
+        sides allow it (``Config.aes_gcm``), ``"chacha20-poly1305"`` otherwise."""
         self.handshake_hash = b""
         """The Noise handshake hash, identical on both sides (a channel binding)."""
         self.peer_identity: PeerIdentity | None = None

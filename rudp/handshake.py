@@ -72,6 +72,7 @@ _EXTENSION: Final = struct.Struct("!BB")
 EXT_MAX_ACK_DELAY: Final = 1  # u16: milliseconds an acknowledgment may wait
 EXT_CHANNEL_WINDOW: Final = 2  # u16: how far ahead of its next message a channel takes one
 EXT_PARITY: Final = 3  # empty: this side reads REPAIR and RECOVERED frames (``rudp.parity``)
+EXT_AES_GCM: Final = 4  # empty: this side allows AES-256-GCM for the packets (``rudp.protection``)
 MAX_ACK_DELAY_LIMIT_MS: Final = 16383  # as QUIC's max_ack_delay (2^14 and above are invalid)
 
 
@@ -115,6 +116,9 @@ class TransportParams:
     parity: bool = False
     """This side reads REPAIR and RECOVERED frames (``rudp.parity``): the peer may
     protect its packets with parity instead of copies."""
+    aes_gcm: bool = False
+    """This side allows AES-256-GCM for the packets (``Config.aes_gcm``): when both
+    sides state it, both directions use it instead of ChaCha20-Poly1305."""
 
     @property
     def extended(self) -> bool:
@@ -142,6 +146,8 @@ class TransportParams:
             out += _EXTENSION.pack(EXT_CHANNEL_WINDOW, 2) + window.to_bytes(2, "big")
         if self.parity:
             out += _EXTENSION.pack(EXT_PARITY, 0)
+        if self.aes_gcm:
+            out += _EXTENSION.pack(EXT_AES_GCM, 0)
         return out
 
     @classmethod
@@ -155,6 +161,7 @@ class TransportParams:
         ack_delay: int | None = None
         window: int | None = None
         parity = False
+        aes_gcm = False
         offset = PARAMS_SIZE
         if len(data) > offset:
             ack_delay = 0  # extensions without this one: the side acknowledges at once
@@ -177,7 +184,23 @@ class TransportParams:
                 window = int.from_bytes(value, "big")
             elif ext == EXT_PARITY:
                 parity = True
-        return cls(cid, message, channels, buffer, datagram, idle, token, ack_delay, window, parity)
+            elif ext == EXT_AES_GCM:
+                if size:
+                    raise ValueError("the aes_gcm extension has no value")
+                aes_gcm = True
+        return cls(
+            cid,
+            message,
+            channels,
+            buffer,
+            datagram,
+            idle,
+            token,
+            ack_delay,
+            window,
+            parity=parity,
+            aes_gcm=aes_gcm,
+        )
 
     @classmethod
     def of(cls, config: Config, connection_id: int, reset_token: bytes) -> TransportParams:
@@ -193,11 +216,14 @@ class TransportParams:
             max_ack_delay_ms=round(config.max_ack_delay * 1000),
             channel_window=config.channel_window,
             parity=config.parity,
+            aes_gcm=config.aes_gcm,
         )
 
     def plain(self) -> TransportParams:
         """The same without extensions: what a server answers a client that stated none."""
-        return replace(self, max_ack_delay_ms=None, channel_window=None, parity=False)
+        return replace(
+            self, max_ack_delay_ms=None, channel_window=None, parity=False, aes_gcm=False
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from rudp.handshake import PATTERN_NK, ClientHandshake, Keys, TransportParams
 from rudp.noise import NoiseError
 from rudp.parity import Parity
 from rudp.pmtu import ceiling_for
-from rudp.protection import Opener, Sealer
+from rudp.protection import AES_256_GCM, CHACHA20_POLY1305, Opener, Sealer
 from rudp.state import CONNECTED, CONNECTING
 from rudp.wire import DropReason
 
@@ -212,8 +212,11 @@ def establish(conn: Connection, keys: Keys, now: float) -> None:
     conn.peer_cid = peer.connection_id
     conn._peer_reset_token = peer.reset_token
     conn.handshake_hash = keys.handshake_hash
-    conn._builder.set_keys(Sealer(keys.send_key), peer.connection_id)
-    opener = conn._reader.opener = Opener(keys.recv_key)
+    # AES-256-GCM when both sides stated it (rudp.protection), both ways.
+    aes_gcm = peer.aes_gcm and conn.config.aes_gcm
+    conn.packet_cipher = AES_256_GCM if aes_gcm else CHACHA20_POLY1305
+    conn._builder.set_keys(Sealer(keys.send_key, aes_gcm), peer.connection_id)
+    opener = conn._reader.opener = Opener(keys.recv_key, aes_gcm)
     conn.stats.window = opener.window  # what arrived of the peer's packets
     apply_peer_limits(conn, peer, now)
     conn._reader.rx_largest = -1

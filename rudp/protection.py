@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 After a Noise handshake each side holds two 32-byte keys, one per direction
-(``rudp.noise.HandshakeState.split``). Every packet is sealed with
-ChaCha20-Poly1305 under the sending direction's key:
+(``rudp.noise.HandshakeState.split``). Every packet is sealed under the sending
+direction's key with AES-256-GCM when both sides allow it (``Config.aes_gcm``, stated
+in the handshake), with ChaCha20-Poly1305 otherwise:
 
 * the **nonce** is the packet's full 64-bit packet number, as Noise's transport
   nonce (four zero bytes, then the number as 64-bit little-endian). A number is
@@ -30,6 +31,15 @@ The module is compiled with mypyc in the optional build (setup.py): the replay
 window and the packet-number arithmetic run for every packet, native; the AEAD
 itself is cryptography's (OpenSSL), called the same way either way.
 
+Why two ciphers: both take a 32-byte key, a 12-byte nonce and give a 16-byte tag,
+so the wire is the same, but a call costs what OpenSSL spends setting the cipher
+up, which is most of a small packet's cost: on a processor with AES instructions
+(x86-64 since 2010, ARMv8 with its cryptography extension) an AES-256-GCM call
+on a 200-byte packet takes about a third of a ChaCha20-Poly1305 one (0.43 against
+1.24 us here, sealing or opening). Without those instructions ChaCha20-Poly1305 is
+the faster, and a side turns ``Config.aes_gcm`` off. A nonce is never used twice
+with one key under either, for the reason above.
+
 Why ``encrypt`` and ``decrypt``, not ``encrypt_into`` / ``decrypt_into``
 (cryptography 47.0 and later): each call costs about 9,000 instructions whichever
 it is (a cipher context set up, run and wiped per call), and sealing straight into
@@ -46,7 +56,7 @@ from __future__ import annotations
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 KEY_SIZE: Final = 32
 TAG_SIZE: Final = 16
@@ -59,6 +69,15 @@ _SLOT_MASK: Final = REPLAY_WINDOW - 1
 # The sender stops before the nonce space ends; the connection must end first
 # (2**62 packets: centuries at any real rate, but never a nonce reuse).
 MAX_PACKET_NUMBER: Final = (1 << 62) - 1
+AES_256_GCM: Final = "aes-256-gcm"
+CHACHA20_POLY1305: Final = "chacha20-poly1305"
+
+
+def packet_aead(key: bytes, aes_gcm: bool) -> AESGCM | ChaCha20Poly1305:
+    """The packet cipher under ``key``: AES-256-GCM or ChaCha20-Poly1305."""
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"a packet key is {KEY_SIZE} bytes")
+    return AESGCM(key) if aes_gcm else ChaCha20Poly1305(key)
 
 
 class PacketNumbersExhausted(Exception):
@@ -155,10 +174,8 @@ class Sealer:
 
     __slots__ = ("_aead", "next_number")
 
-    def __init__(self, key: bytes) -> None:
-        if len(key) != KEY_SIZE:
-            raise ValueError(f"a packet key is {KEY_SIZE} bytes")
-        self._aead = ChaCha20Poly1305(key)
+    def __init__(self, key: bytes, aes_gcm: bool = False) -> None:
+        self._aead = packet_aead(key, aes_gcm)
         self.next_number = 0
 
     def seal(self, number: int, header: bytes, payload: bytes) -> bytes:
@@ -186,10 +203,8 @@ class Opener:
 
     __slots__ = ("_aead", "window")
 
-    def __init__(self, key: bytes) -> None:
-        if len(key) != KEY_SIZE:
-            raise ValueError(f"a packet key is {KEY_SIZE} bytes")
-        self._aead = ChaCha20Poly1305(key)
+    def __init__(self, key: bytes, aes_gcm: bool = False) -> None:
+        self._aead = packet_aead(key, aes_gcm)
         self.window = ReplayWindow()
 
     def full_number(self, truncated: int, bits: int) -> int:

@@ -4,7 +4,8 @@ Every datagram's first byte is ``0xA0 | PacketType``. It is never ``0xFF``, so
 the port can be shared with A2S / Quake-style queries (``FF FF FF FF ...``).
 
 Sealed DATA (see ``rudp.protection``; the 9 cleartext bytes are the AEAD's
-associated data, the rest is ChaCha20-Poly1305 ciphertext and its 16-byte tag)::
+associated data, the rest is the packet cipher's ciphertext and its 16-byte tag:
+AES-256-GCM when both sides allow it, ChaCha20-Poly1305 otherwise)::
 
     offset size field
     0      1    0xA5

@@ -145,6 +145,12 @@ class Connection:
         return self._core.server_authenticated
 
     @property
+    def packet_cipher(self) -> str:
+        """The AEAD sealing this connection's packets: ``"aes-256-gcm"`` when both
+        sides allow it (``Config.aes_gcm``), ``"chacha20-poly1305"`` otherwise."""
+        return self._core.packet_cipher
+
+    @property
     def peer_identity(self) -> PeerIdentity | None:
         """On a server that requires connect tokens (``Config.token_issuers``): the
         client id and user data of the token this client was admitted with, verified

@@ -96,7 +96,10 @@ def test_a_seeded_run_replays_with_another_hash_seed() -> None:
 # this same test against the mypyc-compiled core, so both builds put byte-identical
 # datagrams on the wire and report identical events. A change that alters what goes on
 # the wire on purpose changes it: the failure message prints the new value.
-TRANSCRIPT = "bf07fda34e3f45ef86e254d8d99946859031f9399bb7d9085104044633ff385e"
+TRANSCRIPT = "11b2268f922085b3d11da3cd4c481cc907c2465dda5395371888104fd3f92472"
+# The same run with ChaCha20-Poly1305 sealing the packets (``Config.aes_gcm=False``):
+# byte for byte the transcript of the releases before AES-256-GCM was offered.
+TRANSCRIPT_CHACHA = "bf07fda34e3f45ef86e254d8d99946859031f9399bb7d9085104044633ff385e"
 
 
 def _event_line(address: tuple[object, ...], event: object) -> bytes:
@@ -109,7 +112,7 @@ def _event_line(address: tuple[object, ...], event: object) -> bytes:
     return f"{address!r} {type(event).__name__}".encode()
 
 
-def transcript_digest(seed: int = 11) -> str:
+def transcript_digest(seed: int = 11, aes_gcm: bool = True) -> str:
     """Every delivery mode both ways under loss, duplication, reordering and jitter, a
     channel's 16-bit sequence numbers wrapping around, fragmented and path-sized
     messages, a path MTU black hole, then closes: the sha256 of every datagram (time,
@@ -123,7 +126,7 @@ def transcript_digest(seed: int = 11) -> str:
         digest.update(data)
 
     net.tap = tap
-    config = Config(redundancy=1, send_queue_limit=1 << 20)
+    config = Config(redundancy=1, send_queue_limit=1 << 20, aes_gcm=aes_gcm)
     server = net.add(SERVER, config, accept=True)
     clients = [net.add((f"10.0.0.{10 + i}", 5000 + i), config) for i in range(2)]
     conns = [c.endpoint.connect(SERVER, net.now) for c in clients]
@@ -162,3 +165,7 @@ def transcript_digest(seed: int = 11) -> str:
 
 def test_the_transcript_is_the_same_constant_in_every_build() -> None:
     assert transcript_digest() == TRANSCRIPT, "the transcript changed"
+
+
+def test_the_chacha20_poly1305_transcript_is_the_earlier_releases() -> None:
+    assert transcript_digest(aes_gcm=False) == TRANSCRIPT_CHACHA, "the transcript changed"

@@ -1,0 +1,119 @@
+"""The packet cipher: AES-256-GCM when both sides allow it, ChaCha20-Poly1305 otherwise.
+
+Both are stated in the handshake (``Config.aes_gcm``, extension ``EXT_AES_GCM``) and
+used both ways; an attacker who rewrites the offer makes the handshake fail instead
+of choosing the cipher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
+import rudp
+from rudp.config import Config
+from rudp.handshake import EXT_AES_GCM, PATTERN_NN, ClientHandshake, TransportParams, answer
+from rudp.noise import NoiseError
+from rudp.protection import AES_256_GCM, CHACHA20_POLY1305, Opener, Sealer
+from rudp.state import State
+
+from .harness import SERVER, Network, server_conn
+
+KEY = bytes(range(32))
+HEADER = b"\x02\x00\x00\x00\x07\x00\x00\x00\x05"
+PARAMS = TransportParams(7, 1 << 20, 32, 2 << 20, 1200, 10_000, bytes(range(5, 21)), 25)
+
+
+def _nonce(number: int) -> bytes:
+    return bytes(4) + number.to_bytes(8, "little")
+
+
+@pytest.mark.parametrize(
+    ("aes_gcm", "cipher", "other"),
+    [(True, AESGCM, ChaCha20Poly1305), (False, ChaCha20Poly1305, AESGCM)],
+    ids=["aes-256-gcm", "chacha20-poly1305"],
+)
+def test_a_sealed_packet_is_the_named_aead_under_the_packet_nonce(
+    aes_gcm: bool, cipher: type[AESGCM | ChaCha20Poly1305], other: type[AESGCM | ChaCha20Poly1305]
+) -> None:
+    sealed = Sealer(KEY, aes_gcm).seal(5, HEADER, b"payload")
+    assert cipher(KEY).decrypt(_nonce(5), sealed, HEADER) == b"payload"
+    with pytest.raises(InvalidTag):
+        other(KEY).decrypt(_nonce(5), sealed, HEADER)
+    assert Opener(KEY, aes_gcm).open(5, HEADER, sealed) == b"payload"
+    # Opened with the other cipher, it fails and changes nothing.
+    wrong = Opener(KEY, not aes_gcm)
+    assert wrong.open(5, HEADER, sealed) is None
+    assert wrong.window.largest == -1 and wrong.window.accepted == 0
+
+
+def test_the_extension_round_trips_takes_no_value_and_an_earlier_client_gets_none() -> None:
+    offer = dataclasses.replace(PARAMS, aes_gcm=True)
+    encoded = offer.encode()
+    assert encoded.endswith(bytes((EXT_AES_GCM, 0)))
+    assert TransportParams.decode(encoded) == offer
+    assert not TransportParams.decode(PARAMS.encode()).aes_gcm
+    assert not offer.plain().aes_gcm  # a client that states no extensions
+    with pytest.raises(ValueError, match="aes_gcm"):
+        TransportParams.decode(encoded[:-2] + bytes((EXT_AES_GCM, 1, 0)))
+    assert TransportParams.of(Config(), 1, bytes(16)).aes_gcm
+    assert not TransportParams.of(Config(aes_gcm=False), 1, bytes(16)).aes_gcm
+
+
+def test_an_offer_rewritten_on_the_path_fails_the_handshake() -> None:
+    """Under NN the client's parameters travel in clear; turning its AES-256-GCM offer
+    into an unknown extension (same length) leaves the server choosing ChaCha20-Poly1305,
+    and the client then refuses the server's answer: the transcripts differ."""
+    client = ClientHandshake(dataclasses.replace(PARAMS, aes_gcm=True), 3, server_key=None)
+    offer = bytes((EXT_AES_GCM, 0))
+    assert client.message.count(offer) == 1
+    tampered = client.message.replace(offer, bytes((0x7F, 0)))
+    server_params = dataclasses.replace(PARAMS, connection_id=9, aes_gcm=True)
+    reply, server_keys = answer(None, PATTERN_NN, 3, tampered, server_params, extensions=6)
+    assert not server_keys.peer.aes_gcm
+    with pytest.raises(NoiseError):
+        client.finish(reply)
+
+
+@pytest.mark.parametrize(
+    ("client_aes", "server_aes"), [(True, True), (True, False), (False, True), (False, False)]
+)
+def test_both_sides_use_aes_256_gcm_only_when_both_allow_it(
+    client_aes: bool, server_aes: bool
+) -> None:
+    net = Network(seed=5)
+    server = net.add(SERVER, Config(aes_gcm=server_aes), accept=True)
+    client = net.add(("10.0.0.2", 5000), Config(aes_gcm=client_aes))
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: conn.state is State.CONNECTED)
+    sconn = server_conn(server)
+    expected = AES_256_GCM if client_aes and server_aes else CHACHA20_POLY1305
+    assert conn.packet_cipher == sconn.packet_cipher == expected
+    conn.send(b"up" * 700)
+    sconn.send(b"down")
+    net.run(1.0)
+    assert server.received() == [b"up" * 700] and client.received() == [b"down"]
+
+
+def test_config_takes_only_a_bool() -> None:
+    with pytest.raises(ValueError, match="aes_gcm"):
+        Config(aes_gcm="yes")  # type: ignore[arg-type]
+
+
+async def test_the_asyncio_connection_names_its_cipher() -> None:
+    async def echo(conn: rudp.Connection) -> None:
+        async for msg in conn:
+            conn.send(msg.data + conn.packet_cipher.encode())
+
+    async with await rudp.serve(echo, "127.0.0.1", 0) as server:
+        for aes_gcm, name in ((True, "aes-256-gcm"), (False, "chacha20-poly1305")):
+            conn = await rudp.connect(*server.address, config=rudp.Config(aes_gcm=aes_gcm))
+            assert conn.packet_cipher == name
+            conn.send(b"which: ")
+            reply = await asyncio.wait_for(conn.recv(), 5)
+            assert reply.data == b"which: " + name.encode()
+            await conn.close()
