@@ -57,7 +57,6 @@ a server that restarts with its static key still can (see docs/security.md).
 from __future__ import annotations
 
 import heapq
-import itertools
 import random
 from collections.abc import Callable
 from typing import Final
@@ -97,16 +96,21 @@ class Endpoint:
         self._sink = EndpointSink(self._forget)
         self._events = self._sink.events
         self._out: list[tuple[bytes, Address]] = []
-        # Timer entries (deadline, tiebreak, connection id); ``_armed`` holds each
-        # connection's earliest entry, so that entries it replaced are skipped.
-        # An entry names its connection by id, not by reference: an ended
-        # connection leaves ``_armed`` and ``_by_cid`` at once, so the entries it
-        # left hold nothing of it (holding it, they kept it in memory until the next
-        # ``_prune``, long enough to be promoted and traversed by the collector);
-        # they go when they reach the top or at the next ``_prune``.
-        self._heap: list[tuple[float, int, int]] = []
+        # Timers: ``_heap`` holds each deadline once (plain floats), ``_at`` the ids of
+        # the connections armed at it, in the order they were armed (so a seeded run
+        # replays). Connections that took a packet in one read share its ``now``, and
+        # so their deadlines: at 60 Hz a server's hundreds of acknowledgment timers
+        # are a few heap entries, and the heap compares floats, not tuples.
+        # ``_armed`` holds each connection's earliest deadline, so that entries it
+        # replaced are skipped. An entry names its connection by id, not by
+        # reference: an ended connection leaves ``_armed`` and ``_by_cid`` at once,
+        # so the entries it left hold nothing of it (holding it, they kept it in
+        # memory until the next ``_prune``, long enough to be promoted and traversed
+        # by the collector); they go when they reach the top or at the next ``_prune``.
+        self._heap: list[float] = []
+        self._at: dict[float, list[int]] = {}
+        self._entries = 0  # ids in ``_at``, stale ones included
         self._armed: dict[Connection, float] = {}
-        self._ids = itertools.count()
         self._cookies = CookieJar(config.cookie_lifetime, rng)
         self._static = None if config.static_key is None else private_key(config.static_key)
         self._reset_tokens = ResetTokens(config.static_key, rng)
@@ -243,27 +247,39 @@ class Endpoint:
 
     def get_timer(self) -> float | None:
         heap = self._heap
+        at = self._at
         armed = self._armed
         by_cid = self._by_cid
         while heap:
-            deadline, _, cid = heap[0]
-            conn = by_cid.get(cid)
-            if conn is not None and armed.get(conn) == deadline:
-                return deadline
+            deadline = heap[0]
+            cids = at[deadline]
+            for i, cid in enumerate(cids):
+                conn = by_cid.get(cid)
+                if conn is not None and armed.get(conn) == deadline:
+                    if i:
+                        del cids[:i]  # the stale ones before it
+                        self._entries -= i
+                    return deadline
             heapq.heappop(heap)
+            del at[deadline]
+            self._entries -= len(cids)
         return None
 
     def handle_timer(self, now: float) -> None:
         heap = self._heap
+        at = self._at
         armed = self._armed
         by_cid = self._by_cid
         due: list[Connection] = []
-        while heap and heap[0][0] <= now:
-            deadline, _, cid = heapq.heappop(heap)
-            conn = by_cid.get(cid)
-            if conn is not None and armed.get(conn) == deadline:
-                del armed[conn]
-                due.append(conn)
+        while heap and heap[0] <= now:
+            deadline = heapq.heappop(heap)
+            cids = at.pop(deadline)
+            self._entries -= len(cids)
+            for cid in cids:
+                conn = by_cid.get(cid)
+                if conn is not None and armed.get(conn) == deadline:
+                    del armed[conn]
+                    due.append(conn)
         # Each due connection runs once per call, so a deadline that stays in the
         # past until the next flush can never spin this loop. One whose deadline
         # moved later since it was armed (``_schedule``) is only armed again.
@@ -472,16 +488,27 @@ class Endpoint:
             del self._by_cid[conn.cid]
         self.stats.absorb(conn.stats)
         self._armed.pop(conn, None)
-        if len(self._heap) > 2 * len(self._armed) + 64:
+        if self._entries > 2 * len(self._armed) + 64:
             self._prune()
 
     def _prune(self) -> None:
-        """Drop the heap entries no connection is armed at (in place: callers hold it)."""
+        """Drop the timer entries no connection is armed at (in place: callers hold
+        the heap and the table)."""
         armed = self._armed
         by_cid = self._by_cid
-        self._heap[:] = [
-            e for e in self._heap if (c := by_cid.get(e[2])) is not None and armed.get(c) == e[0]
-        ]
+        live: dict[float, list[int]] = {}
+        for deadline, cids in self._at.items():
+            kept = [
+                cid
+                for cid in cids
+                if (c := by_cid.get(cid)) is not None and armed.get(c) == deadline
+            ]
+            if kept:
+                live[deadline] = kept
+        self._at.clear()
+        self._at.update(live)
+        self._entries = sum(len(cids) for cids in live.values())
+        self._heap[:] = list(live)
         heapq.heapify(self._heap)
 
     def _schedule(self, conn: Connection) -> None:
@@ -500,7 +527,13 @@ class Endpoint:
             armed = self._armed.get(conn)
             if armed is None or t < armed:
                 self._armed[conn] = t
-                heapq.heappush(self._heap, (t, next(self._ids), conn.cid))
+                self._entries += 1
+                cids = self._at.get(t)
+                if cids is None:
+                    self._at[t] = [conn.cid]
+                    heapq.heappush(self._heap, t)
+                else:
+                    cids.append(conn.cid)
 
     def _send_unvalidated(self, datagram: bytes, address: Address) -> None:
         self.stats.unvalidated_bytes_sent += len(datagram)

@@ -200,3 +200,41 @@ def test_restarted_client_replaces_its_old_session() -> None:
     assert old.state is State.CLOSED
     assert server.disconnects() == [Disconnected(DisconnectReason.NO_CONNECTION, by_peer=True)]
     assert server_conn(server) is not old
+
+
+# -- the endpoint's timers -------------------------------------------------------------------
+
+
+def test_connections_armed_at_one_instant_share_a_timer_entry_and_each_fires() -> None:
+    """Connections that take a packet in the same read share its ``now`` and so their
+    acknowledgment deadline: one heap entry for all of them, and each connection's
+    acknowledgment still leaves alone when that deadline comes (nothing else to carry
+    it); entries left by connections re-armed since are dropped as they surface."""
+    net = Network(seed=3)
+    config = Config(max_ack_delay=0.025, keepalive_interval=5.0)
+    server = net.add(SERVER, config, accept=True)
+    conns = [
+        net.add((f"10.0.1.{i}", 6000), config).endpoint.connect(SERVER, net.now) for i in range(48)
+    ]
+    net.run_until(lambda: all(c.state is State.CONNECTED for c in conns))
+    net.run(1.0)  # handshakes and path MTU probes settle
+    core = server.endpoint
+    before = {c: c.stats.acks_alone for c in core.connections}
+    for conn in conns:
+        conn.send(b"input")  # all arrive at the server at one instant
+    net.run(0.010)
+    assert len(server.received()) == 48
+    deadline = core.get_timer()
+    assert deadline is not None
+    assert len(core._at[deadline]) == 48 and len(core._heap) <= 4
+    net.run(0.030)  # past max_ack_delay: each connection's acknowledgment went alone
+    assert all(c.stats.acks_alone == before[c] + 1 for c in core.connections)
+    for _ in range(120):  # a minute of 60 Hz-ish traffic, every side re-armed often
+        for conn in conns:
+            conn.send(b"tick")
+        for sconn in core.connections:
+            sconn.send(b"snapshot", reliable=False)
+        net.run(0.5)
+    assert core._entries == sum(len(cids) for cids in core._at.values())
+    assert core._entries <= 2 * len(core._armed) + 64
+    assert len(core._heap) == len(core._at) and set(core._heap) == set(core._at)
