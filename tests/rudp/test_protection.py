@@ -164,3 +164,52 @@ def test_a_message_delivered_stays_intact_after_the_next_packet_is_opened() -> N
     assert sorted(client.received(conn)[1:]) == [bytes(1024), b"\xee" * 100]
     assert all(type(m) is bytes for m in client.received(conn))
     assert got == first
+
+
+def test_window_against_a_model_with_bursts_of_loss_and_late_packets() -> None:
+    """Mostly in order, with runs of loss, packets held back and let go late, repeats
+    and jumps past the window: the answers are the set model's, and the gaps kept
+    stay within the window's bounds."""
+    rng = random.Random(8)
+    window, accepted = ReplayWindow(), set[int]()
+    held: list[int] = []
+    number = largest = -1
+    for _ in range(60_000):
+        roll = rng.random()
+        if roll < 0.02:
+            number += rng.randrange(2, 40)  # a burst lost (some held back to come late)
+            held.extend(n for n in range(number - 30, number) if rng.random() < 0.3)
+        elif roll < 0.0005 + 0.02:
+            number += REPLAY_WINDOW + rng.randrange(0, 3000)  # a jump past the window
+        else:
+            number += 1
+        candidates = [number]
+        if held and rng.random() < 0.2:
+            candidates.append(held.pop(rng.randrange(len(held))))
+        if rng.random() < 0.05:
+            candidates.append(max(0, number - rng.randrange(0, 1200)))  # a repeat or old one
+        for n in candidates:
+            if n < 0:
+                continue
+            expected = n in accepted or n <= largest - REPLAY_WINDOW
+            assert window.seen(n) == expected, n
+            if not expected:
+                window.accept(n)
+                accepted.add(n)
+                largest = max(largest, n)
+        assert window.largest == largest
+        assert len(window._gaps) <= REPLAY_WINDOW + 4
+    assert window.accepted == len(accepted)
+
+
+def test_alternate_packets_cost_a_bounded_gap_list() -> None:
+    """A peer sending every other number (the worst case for ranges) keeps the list
+    at about the window's size; in-order packets keep it empty."""
+    window = ReplayWindow()
+    for n in range(0, 20 * REPLAY_WINDOW, 2):
+        window.accept(n)
+    assert REPLAY_WINDOW - 4 <= len(window._gaps) <= REPLAY_WINDOW + 4
+    for n in range(20 * REPLAY_WINDOW, 22 * REPLAY_WINDOW):
+        window.accept(n)
+    assert window._gaps == []
+    assert window.bits == (1 << REPLAY_WINDOW) - 1
