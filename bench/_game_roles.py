@@ -245,10 +245,12 @@ class Snapshots:
 # -- rudp ---------------------------------------------------------------------------------
 
 
-def _rudp_config(p: dict[str, Any]) -> Any:
+def _rudp_config(p: dict[str, Any], server: bool = False) -> Any:
     import rudp
 
     overrides = dict(p.get("rudp_config", {}))
+    if server:
+        overrides.update(p.get("rudp_server_config", {}))
     overrides.setdefault("max_connections", max(1024, p["n"]))
     return rudp.Config(**overrides)
 
@@ -295,7 +297,7 @@ async def rudp_server(p: dict[str, Any]) -> Result:
             all_in.set_result(None)
         await conn.wait_closed()
 
-    server = await rudp.serve(handler, HOST, 0, config=_rudp_config(p))
+    server = await rudp.serve(handler, HOST, 0, config=_rudp_config(p, server=True))
     emit(event="ready", port=server.address[1])
     await asyncio.wait_for(all_in, p["connect_timeout"])
     emit(event="connected")

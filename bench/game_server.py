@@ -220,6 +220,7 @@ def run_case(variant: Variant, n: int, args: argparse.Namespace) -> Result:
         "loop": variant.loop,
         "build": variant.build,
         "rudp_config": args.rudp_config,
+        "rudp_server_config": args.rudp_server_config,
         "enet_throttle": args.enet_throttle,
     }
     groups = [
@@ -600,6 +601,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a rudp.Config field for both sides (repeatable)",
     )
     ap.add_argument(
+        "--rudp-server-config",
+        type=_config_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a rudp.Config field for the server only, after --rudp-config (repeatable)",
+    )
+    ap.add_argument(
         "--enet-throttle",
         action="store_true",
         help="leave ENet's packet throttle on (it drops snapshots; default off)",
@@ -613,6 +622,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (30 if args.quick else 60)
     args.drain_cap = args.drain_cap or (3.0 if args.quick else 5.0)
     args.rudp_config = dict(args.rudp_config)
+    args.rudp_server_config = dict(args.rudp_server_config)
     for values, known, what in (
         (args.transports, TRANSPORTS, "transport"),
         (args.builds, ("pure", "compiled"), "build"),

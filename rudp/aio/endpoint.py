@@ -246,6 +246,10 @@ class AioEndpoint:
         # Inside the read callback: what its message callbacks queue leaves at its end.
         self._reading = False
         self._queued_in_read = False
+        # Config.read_interval: after a read the socket is not watched until
+        # ``_resume_reading`` (``_read_pause`` is its timer).
+        self._read_interval = config.read_interval
+        self._read_pause: asyncio.TimerHandle | None = None
         self._close_after_flush = False
         # Inside _dispatch_events: what a callback it runs causes (a receiver calling
         # close()) is left to its loop, so that no callback is re-entered.
@@ -304,6 +308,9 @@ class AioEndpoint:
             self._read_batches()
         else:
             self._read_each()
+        if self._read_interval > 0.0 and not self._closed and self._read_pause is None:
+            self.loop.remove_reader(self._fd)
+            self._read_pause = self.loop.call_later(self._read_interval, self._resume_reading)
         self._reading = True
         try:
             self._dispatch_events()
@@ -395,6 +402,13 @@ class AioEndpoint:
             if len(got) < want:
                 break
             left -= want
+
+    def _resume_reading(self) -> None:
+        """Watch the socket again (``Config.read_interval``): what arrived meanwhile
+        is read on this loop turn, the socket being ready already."""
+        self._read_pause = None
+        if not self._closed:
+            self.loop.add_reader(self._fd, self._read_ready)
 
     def _more_waiting(self) -> bool:
         """Whether a datagram waits on the socket (FIONREAD: the size of the next
@@ -979,6 +993,9 @@ class AioEndpoint:
 
     def release_own_socket(self) -> None:
         """Stop watching the socket and close it."""
+        if self._read_pause is not None:
+            self._read_pause.cancel()
+            self._read_pause = None
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self._sock.fileno())
         with contextlib.suppress(Exception):
