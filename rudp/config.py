@@ -283,7 +283,10 @@ class Config:
     trips the peers measure grow by as much). 0 (the default) reads whenever a
     datagram is there; at most 0.05 s. A 256-player server at 60 Hz spends 15-20 %
     less CPU with 0.002-0.004 (docs/performance.md); a client, which gets one
-    datagram per tick, only pays the extra latency."""
+    datagram per tick, only pays the extra latency. A read cut short by
+    ``max_datagrams_per_read`` goes on at once: the pause comes only once the socket
+    is empty. No effect on loops without ``add_reader`` (Windows' Proactor), where
+    the loop's datagram transport reads the socket."""
 
     static_key: bytes | None = None
     """This endpoint's X25519 private key (32 bytes, ``rudp.generate_key()``). A server

@@ -40,6 +40,18 @@ on a 200-byte packet takes about a third of a ChaCha20-Poly1305 one (0.43 agains
 the faster, and a side turns ``Config.aes_gcm`` off. A nonce is never used twice
 with one key under either, for the reason above.
 
+**Key epochs (AES-256-GCM only).** AES-GCM's confidentiality bound wears with the
+packets sealed under one key (RFC 9001, section 6.6, sets 2**23 for QUIC's largest
+packets; ChaCha20-Poly1305's is past 2**62 numbers). So under AES-256-GCM the key
+changes every ``KEY_EPOCH`` (2**22) packet numbers, both sides on their own with no
+signal: packet ``n`` is sealed under the key of epoch ``n >> 22``, each epoch's key
+derived from the one before (HKDF-Expand, SHA-256), the first being the handshake's.
+A receiver opens the current epoch and the one before (late packets), and a later
+one (up to ``MAX_EPOCH_SKIP`` ahead: a sender may skip numbers) by deriving the keys
+up to it, kept until a packet authenticates under one of them: forged numbers cost
+at most ``MAX_EPOCH_SKIP`` derivations per epoch the genuine traffic enters. Keys of
+past epochs are dropped: a later compromise does not open earlier traffic.
+
 Why ``encrypt`` and ``decrypt``, not ``encrypt_into`` / ``decrypt_into``
 (cryptography 47.0 and later): each call costs about 9,000 instructions whichever
 it is (a cipher context set up, run and wiped per call), and sealing straight into
@@ -57,7 +69,9 @@ from bisect import bisect_right
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
 KEY_SIZE: Final = 32
 TAG_SIZE: Final = 16
@@ -69,6 +83,13 @@ REPLAY_WINDOW: Final = 1024
 # The sender stops before the nonce space ends; the connection must end first
 # (2**62 packets: centuries at any real rate, but never a nonce reuse).
 MAX_PACKET_NUMBER: Final = (1 << 62) - 1
+# Under AES-256-GCM the key changes every 2**KEY_EPOCH_BITS packet numbers (above).
+KEY_EPOCH_BITS: Final = 22
+KEY_EPOCH: Final = 1 << KEY_EPOCH_BITS
+# How many epochs ahead of its own a receiver follows: any number a 32-bit truncated
+# number can decode to (a sender may skip numbers, up to 2**31 at a time).
+MAX_EPOCH_SKIP: Final = 1 << (32 - KEY_EPOCH_BITS)
+_KEY_UPDATE_INFO: Final = b"rudp/2 aes-256-gcm key epoch"
 AES_256_GCM: Final = "aes-256-gcm"
 CHACHA20_POLY1305: Final = "chacha20-poly1305"
 
@@ -78,6 +99,11 @@ def packet_aead(key: bytes, aes_gcm: bool) -> AESGCM | ChaCha20Poly1305:
     if len(key) != KEY_SIZE:
         raise ValueError(f"a packet key is {KEY_SIZE} bytes")
     return AESGCM(key) if aes_gcm else ChaCha20Poly1305(key)
+
+
+def next_epoch_key(key: bytes) -> bytes:
+    """The AES-256-GCM key of the epoch after ``key``'s."""
+    return HKDFExpand(hashes.SHA256(), KEY_SIZE, _KEY_UPDATE_INFO).derive(key)
 
 
 class PacketNumbersExhausted(Exception):
@@ -200,10 +226,12 @@ class ReplayWindow:
 class Sealer:
     """The sending direction: numbers packets and seals them."""
 
-    __slots__ = ("_aead", "next_number")
+    __slots__ = ("_aead", "_epoch", "_key", "next_number")
 
     def __init__(self, key: bytes, aes_gcm: bool = False) -> None:
         self._aead = packet_aead(key, aes_gcm)
+        self._key = key if aes_gcm else b""  # the epoch's key (AES-256-GCM only)
+        self._epoch = 0
         self.next_number = 0
 
     def seal(self, number: int, header: bytes, payload: bytes) -> bytes:
@@ -214,8 +242,18 @@ class Sealer:
         """
         if number > MAX_PACKET_NUMBER:
             raise PacketNumbersExhausted("packet numbers exhausted: the connection must end")
+        if self._key and number >> KEY_EPOCH_BITS > self._epoch:
+            self._next_epochs(number >> KEY_EPOCH_BITS)
         sealed: bytes = self._aead.encrypt(_nonce(number), payload, header)
         return sealed
+
+    def _next_epochs(self, epoch: int) -> None:
+        key = self._key
+        while self._epoch < epoch:
+            key = next_epoch_key(key)
+            self._epoch += 1
+        self._key = key
+        self._aead = AESGCM(key)
 
     def take_number(self) -> int:
         """The next packet number; raises when the nonce space would end."""
@@ -229,11 +267,47 @@ class Sealer:
 class Opener:
     """The receiving direction: rebuilds packet numbers, refuses replays, opens packets."""
 
-    __slots__ = ("_aead", "window")
+    __slots__ = ("_aead", "_ahead", "_epoch", "_key", "_previous", "window")
 
     def __init__(self, key: bytes, aes_gcm: bool = False) -> None:
         self._aead = packet_aead(key, aes_gcm)
+        self._key = key if aes_gcm else b""  # the epoch's key (AES-256-GCM only)
+        self._epoch = 0
+        # The cipher of the epoch before, for late packets.
+        self._previous: AESGCM | ChaCha20Poly1305 | None = None
+        # The keys of the epochs after this one derived so far (for packets that asked).
+        self._ahead: list[bytes] = []
         self.window = ReplayWindow()
+
+    def _cipher(self, number: int) -> AESGCM | ChaCha20Poly1305 | None:
+        """The cipher packet ``number`` is sealed under, None when its epoch is not
+        one this side opens (nothing is derived for it)."""
+        if not self._key:
+            return self._aead
+        epoch = number >> KEY_EPOCH_BITS
+        current = self._epoch
+        if epoch == current:
+            return self._aead
+        if epoch == current - 1:
+            return self._previous
+        ahead = epoch - current
+        if 0 < ahead <= MAX_EPOCH_SKIP:
+            keys = self._ahead
+            while len(keys) < ahead:
+                keys.append(next_epoch_key(keys[-1] if keys else self._key))
+            return AESGCM(keys[ahead - 1])
+        return None
+
+    def _entered_epoch(self, number: int, aead: AESGCM | ChaCha20Poly1305) -> None:
+        """A packet of a later epoch authenticated under ``aead``: that epoch is now
+        the current one."""
+        ahead = (number >> KEY_EPOCH_BITS) - self._epoch
+        keys = self._ahead
+        self._previous = self._aead if ahead == 1 else AESGCM(keys[ahead - 2])
+        self._aead = aead
+        self._key = keys[ahead - 1]
+        del keys[:ahead]
+        self._epoch += ahead
 
     def full_number(self, truncated: int, bits: int) -> int:
         return decode_packet_number(self.window.largest + 1, truncated, bits)
@@ -250,18 +324,26 @@ class Opener:
 
     def open_unseen(self, number: int, header: bytes, sealed: bytes) -> bytes | None:
         """``open`` for a caller that already refused replays (``window.seen``)."""
+        aead = self._aead if not self._key else self._cipher(number)
+        if aead is None:
+            return None
         try:
-            payload: bytes = self._aead.decrypt(_nonce(number), sealed, header)
+            payload: bytes = aead.decrypt(_nonce(number), sealed, header)
         except InvalidTag:
             return None
+        if aead is not self._aead and aead is not self._previous:
+            self._entered_epoch(number, aead)
         self.window.accept(number)
         return payload
 
     def peek(self, number: int, header: bytes, sealed: bytes) -> bytes | None:
         """The payload if the packet authenticates, changing nothing (not even the
         replay window): for tools and tests that watch a link."""
+        aead = self._cipher(number)
+        if aead is None:
+            return None
         try:
-            payload: bytes = self._aead.decrypt(_nonce(number), sealed, header)
+            payload: bytes = aead.decrypt(_nonce(number), sealed, header)
         except InvalidTag:
             return None
         return payload

@@ -304,11 +304,10 @@ class AioEndpoint:
             )
 
     def _read_ready(self) -> None:
-        if self._batch is not None:
-            self._read_batches()
-        else:
-            self._read_each()
-        if self._read_interval > 0.0 and not self._closed and self._read_pause is None:
+        drained = self._read_batches() if self._batch is not None else self._read_each()
+        if self._read_interval > 0.0 and drained and not self._closed and self._read_pause is None:
+            # (A read cut short by max_datagrams_per_read goes on at the next loop
+            # turn: pausing then would cap the rate at that many per interval.)
             self.loop.remove_reader(self._fd)
             self._read_pause = self.loop.call_later(self._read_interval, self._resume_reading)
         self._reading = True
@@ -325,8 +324,9 @@ class AioEndpoint:
             else:
                 self._schedule_flush()
 
-    def _read_each(self) -> None:
-        """One ``recvfrom`` per datagram (no ``rudp._batch``)."""
+    def _read_each(self) -> bool:
+        """One ``recvfrom`` per datagram (no ``rudp._batch``). False when the read
+        stopped at ``max_datagrams_per_read`` rather than on an empty socket."""
         sock = self._sock
         core = self.core
         foreign = self._foreign
@@ -337,10 +337,10 @@ class AioEndpoint:
             try:
                 data, address = sock.recvfrom(65536)
             except (BlockingIOError, InterruptedError):
-                break
+                return True
             except OSError as exc:  # e.g. an ICMP error queued on the socket
                 log.debug("recv_error error=%r", str(exc))
-                break
+                return True
             if inbound is not None:
                 inbound.send(data, address)
             else:
@@ -357,11 +357,13 @@ class AioEndpoint:
                 # level-triggered, so one arriving meanwhile calls us again.
                 first = False
                 if not self._more_waiting():
-                    break
+                    return True
+        return False
 
-    def _read_batches(self) -> None:
+    def _read_batches(self) -> bool:
         """``recvmmsg``: up to ``rudp._batch.BATCH`` datagrams per system call. A call that
-        returns fewer than it asked for found the socket empty, so no probe is needed."""
+        returns fewer than it asked for found the socket empty, so no probe is needed.
+        False when the read stopped at ``max_datagrams_per_read``."""
         recv_many = self._batch.recv_many
         core = self.core
         # (A handler may set or clear a foreign handler in mid-batch: the dictionary
@@ -377,21 +379,21 @@ class AioEndpoint:
             try:
                 got = recv_many(fd, want, cache)
             except (BlockingIOError, InterruptedError):
-                break
+                return True
             except OSError as exc:  # e.g. an ICMP error queued on the socket
                 log.debug("recv_error error=%r", str(exc))
-                break
+                return True
             # A handler may close the endpoint in the middle of a batch: the rest of
             # the batch is dropped with it, and its descriptor is not read again.
             if inbound is not None:
                 for data, address in got:
                     if self._closed:
-                        return
+                        return True
                     inbound.send(data, address)
             else:
                 for data, address in got:
                     if self._closed:
-                        return
+                        return True
                     try:
                         if foreign:
                             self._receive_checked(data, address, now)
@@ -400,8 +402,9 @@ class AioEndpoint:
                     except Exception:
                         self._core_failed(address)
             if len(got) < want:
-                break
+                return True
             left -= want
+        return False
 
     def _resume_reading(self) -> None:
         """Watch the socket again (``Config.read_interval``): what arrived meanwhile

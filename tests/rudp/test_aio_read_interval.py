@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from typing import Any
 
 import pytest
 
@@ -73,3 +75,37 @@ def test_the_interval_is_checked(value: float) -> None:
         rudp.Config(read_interval=value)
     with pytest.raises(TypeError, match="read_interval"):
         rudp.Config(read_interval=True)
+
+
+async def test_a_read_cut_short_by_the_cap_goes_on_at_once_not_after_the_interval() -> None:
+    """The pause comes after a read that emptied the socket only: with 200 datagrams
+    waiting and 16 read per turn, the endpoint reads on until none is left, then
+    pauses once (pausing after each 16 capped it at 16 per interval, and the socket
+    overflowed under load)."""
+    loop = asyncio.get_running_loop()
+    pauses = 0
+    call_later = loop.call_later
+
+    def counting(delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        nonlocal pauses
+        if getattr(callback, "__name__", "") == "_resume_reading":
+            pauses += 1
+        return call_later(delay, callback, *args)
+
+    server, _ = await _serve(rudp.Config(read_interval=0.05, max_datagrams_per_read=16))
+    async with server:
+        loop.call_later = counting  # type: ignore[method-assign]
+        try:
+            stats = server.stats
+            before = stats.datagrams_received
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+                for i in range(200):  # junk, dropped and counted; all queued at once
+                    sender.sendto(b"\xa5" + bytes(20) + i.to_bytes(2, "big"), server.address)
+            for _ in range(500):
+                if stats.datagrams_received - before >= 200:
+                    break
+                await asyncio.sleep(0.01)
+            assert stats.datagrams_received - before == 200
+            assert pauses <= 2
+        finally:
+            del loop.call_later  # type: ignore[method-assign]

@@ -18,7 +18,15 @@ import rudp
 from rudp.config import Config
 from rudp.handshake import EXT_AES_GCM, PATTERN_NN, ClientHandshake, TransportParams, answer
 from rudp.noise import NoiseError
-from rudp.protection import AES_256_GCM, CHACHA20_POLY1305, Opener, Sealer
+from rudp.protection import (
+    AES_256_GCM,
+    CHACHA20_POLY1305,
+    KEY_EPOCH,
+    MAX_EPOCH_SKIP,
+    Opener,
+    Sealer,
+    next_epoch_key,
+)
 from rudp.state import State
 
 from .harness import SERVER, Network, server_conn
@@ -117,3 +125,65 @@ async def test_the_asyncio_connection_names_its_cipher() -> None:
             reply = await asyncio.wait_for(conn.recv(), 5)
             assert reply.data == b"which: " + name.encode()
             await conn.close()
+
+
+def test_aes_gcm_keys_change_every_epoch_and_late_packets_still_open() -> None:
+    sealer, opener = Sealer(KEY, True), Opener(KEY, True)
+    edge = KEY_EPOCH
+    sealer.next_number = edge - 3
+    packets = {}
+    for _ in range(6):
+        number = sealer.take_number()
+        packets[number] = sealer.seal(number, HEADER, b"n%d" % number)
+    # Before the edge the handshake's key; from it, the next epoch's (derived, not sent).
+    assert AESGCM(KEY).decrypt(_nonce(edge - 1), packets[edge - 1], HEADER) == b"n%d" % (edge - 1)
+    with pytest.raises(InvalidTag):
+        AESGCM(KEY).decrypt(_nonce(edge), packets[edge], HEADER)
+    following = next_epoch_key(KEY)
+    assert AESGCM(following).decrypt(_nonce(edge + 1), packets[edge + 1], HEADER)
+    # In order but for one late packet of the epoch before, after the change.
+    for number in (edge - 3, edge - 2, edge, edge + 1, edge - 1, edge + 2):
+        assert opener.open(number, HEADER, packets[number]) == b"n%d" % number, number
+    # ChaCha20-Poly1305 keeps one key (its bound is past the packet numbers).
+    chacha = Sealer(KEY, False)
+    assert ChaCha20Poly1305(KEY).decrypt(_nonce(edge), chacha.seal(edge, HEADER, b"x"), HEADER)
+
+
+def test_forged_numbers_of_later_epochs_cost_bounded_derivations_and_change_nothing() -> None:
+    opener = Opener(KEY, True)
+    forged = AESGCM(bytes(32)).encrypt(_nonce(5 * KEY_EPOCH), b"forged", HEADER)
+    far = (MAX_EPOCH_SKIP + 1) * KEY_EPOCH
+    assert opener.open(far, HEADER, forged) is None  # beyond any skip: nothing derived
+    assert opener._ahead == [] and opener._epoch == 0
+    for _ in range(3):  # derived once, kept: a forgery never enters an epoch
+        assert opener.open(5 * KEY_EPOCH, HEADER, forged) is None
+        assert len(opener._ahead) == 5 and opener._epoch == 0
+    assert opener.window.largest == -1
+    keys = [KEY]
+    for _ in range(6):
+        keys.append(next_epoch_key(keys[-1]))
+    genuine = AESGCM(keys[5]).encrypt(_nonce(5 * KEY_EPOCH + 7), b"real", HEADER)
+    assert opener.open(5 * KEY_EPOCH + 7, HEADER, genuine) == b"real"
+    assert opener._epoch == 5 and opener._ahead == []
+    late = AESGCM(keys[4]).encrypt(_nonce(5 * KEY_EPOCH - 1), b"late", HEADER)
+    assert opener.open(5 * KEY_EPOCH - 1, HEADER, late) == b"late"  # the epoch before
+
+
+def test_a_connection_crosses_a_key_epoch_both_ways() -> None:
+    net = Network(seed=6)
+    server = net.add(SERVER, Config(), accept=True)
+    client = net.add(("10.0.0.2", 5000), Config())
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run_until(lambda: conn.state is State.CONNECTED)
+    sconn = server_conn(server)
+    assert conn.packet_cipher == AES_256_GCM
+    for side in (conn, sconn):  # both senders a few packets short of the next epoch
+        side._builder.tx_next = KEY_EPOCH - 4
+    for i in range(40):
+        conn.send(b"up %d" % i)
+        sconn.send(b"down %d" % i)
+        net.run(0.02)
+    net.run(1.0)
+    assert server.received() == [b"up %d" % i for i in range(40)]
+    assert client.received() == [b"down %d" % i for i in range(40)]
+    assert conn._reader.opener._epoch == sconn._reader.opener._epoch == 1
