@@ -103,7 +103,8 @@ def packet_aead(key: bytes, aes_gcm: bool) -> AESGCM | ChaCha20Poly1305:
 
 def next_epoch_key(key: bytes) -> bytes:
     """The AES-256-GCM key of the epoch after ``key``'s."""
-    return HKDFExpand(hashes.SHA256(), KEY_SIZE, _KEY_UPDATE_INFO).derive(key)
+    derived: bytes = HKDFExpand(hashes.SHA256(), KEY_SIZE, _KEY_UPDATE_INFO).derive(key)
+    return derived
 
 
 class PacketNumbersExhausted(Exception):
