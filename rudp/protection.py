@@ -44,13 +44,12 @@ with one key under either, for the reason above.
 packets sealed under one key (RFC 9001, section 6.6, sets 2**23 for QUIC's largest
 packets; ChaCha20-Poly1305's is past 2**62 numbers). So under AES-256-GCM the key
 changes every ``KEY_EPOCH`` (2**22) packet numbers, both sides on their own with no
-signal: packet ``n`` is sealed under the key of epoch ``n >> 22``, each epoch's key
-derived from the one before (HKDF-Expand, SHA-256), the first being the handshake's.
-A receiver opens the current epoch and the one before (late packets), and a later
-one (up to ``MAX_EPOCH_SKIP`` ahead: a sender may skip numbers) by deriving the keys
-up to it, kept until a packet authenticates under one of them: forged numbers cost
-at most ``MAX_EPOCH_SKIP`` derivations per epoch the genuine traffic enters. Keys of
-past epochs are dropped: a later compromise does not open earlier traffic.
+signal: packet ``n`` is sealed under the key of epoch ``n >> 22``, epoch 0's being
+the handshake's and epoch ``e``'s HKDF-Expand (SHA-256) of it and ``e``, so any epoch
+costs one derivation (a sender may skip numbers, 2**31 at a time). A receiver opens
+its current epoch and the one before (late packets), and a later one up to
+``MAX_EPOCH_SKIP`` ahead, entered once a packet authenticates under it; it keeps the
+last such key it derived, so a forged number costs at most one derivation.
 
 Why ``encrypt`` and ``decrypt``, not ``encrypt_into`` / ``decrypt_into``
 (cryptography 47.0 and later): each call costs about 9,000 instructions whichever
@@ -101,9 +100,12 @@ def packet_aead(key: bytes, aes_gcm: bool) -> AESGCM | ChaCha20Poly1305:
     return AESGCM(key) if aes_gcm else ChaCha20Poly1305(key)
 
 
-def next_epoch_key(key: bytes) -> bytes:
-    """The AES-256-GCM key of the epoch after ``key``'s."""
-    derived: bytes = HKDFExpand(hashes.SHA256(), KEY_SIZE, _KEY_UPDATE_INFO).derive(key)
+def epoch_key(key: bytes, epoch: int) -> bytes:
+    """The AES-256-GCM key of packet-number epoch ``epoch`` (``key`` is the handshake's)."""
+    if not epoch:
+        return key
+    info = _KEY_UPDATE_INFO + epoch.to_bytes(8, "big")
+    derived: bytes = HKDFExpand(hashes.SHA256(), KEY_SIZE, info).derive(key)
     return derived
 
 
@@ -231,7 +233,7 @@ class Sealer:
 
     def __init__(self, key: bytes, aes_gcm: bool = False) -> None:
         self._aead = packet_aead(key, aes_gcm)
-        self._key = key if aes_gcm else b""  # the epoch's key (AES-256-GCM only)
+        self._key = key if aes_gcm else b""  # the handshake's key (AES-256-GCM only)
         self._epoch = 0
         self.next_number = 0
 
@@ -244,17 +246,10 @@ class Sealer:
         if number > MAX_PACKET_NUMBER:
             raise PacketNumbersExhausted("packet numbers exhausted: the connection must end")
         if self._key and number >> KEY_EPOCH_BITS > self._epoch:
-            self._next_epochs(number >> KEY_EPOCH_BITS)
+            self._epoch = number >> KEY_EPOCH_BITS
+            self._aead = AESGCM(epoch_key(self._key, self._epoch))
         sealed: bytes = self._aead.encrypt(_nonce(number), payload, header)
         return sealed
-
-    def _next_epochs(self, epoch: int) -> None:
-        key = self._key
-        while self._epoch < epoch:
-            key = next_epoch_key(key)
-            self._epoch += 1
-        self._key = key
-        self._aead = AESGCM(key)
 
     def take_number(self) -> int:
         """The next packet number; raises when the nonce space would end."""
@@ -268,16 +263,17 @@ class Sealer:
 class Opener:
     """The receiving direction: rebuilds packet numbers, refuses replays, opens packets."""
 
-    __slots__ = ("_aead", "_ahead", "_epoch", "_key", "_previous", "window")
+    __slots__ = ("_aead", "_ahead", "_ahead_epoch", "_epoch", "_key", "_previous", "window")
 
     def __init__(self, key: bytes, aes_gcm: bool = False) -> None:
         self._aead = packet_aead(key, aes_gcm)
-        self._key = key if aes_gcm else b""  # the epoch's key (AES-256-GCM only)
+        self._key = key if aes_gcm else b""  # the handshake's key (AES-256-GCM only)
         self._epoch = 0
         # The cipher of the epoch before, for late packets.
         self._previous: AESGCM | ChaCha20Poly1305 | None = None
-        # The keys of the epochs after this one derived so far (for packets that asked).
-        self._ahead: list[bytes] = []
+        # The last later epoch a packet asked for, and its cipher.
+        self._ahead_epoch = -1
+        self._ahead: AESGCM | ChaCha20Poly1305 | None = None
         self.window = ReplayWindow()
 
     def _cipher(self, number: int) -> AESGCM | ChaCha20Poly1305 | None:
@@ -291,24 +287,24 @@ class Opener:
             return self._aead
         if epoch == current - 1:
             return self._previous
-        ahead = epoch - current
-        if 0 < ahead <= MAX_EPOCH_SKIP:
-            keys = self._ahead
-            while len(keys) < ahead:
-                keys.append(next_epoch_key(keys[-1] if keys else self._key))
-            return AESGCM(keys[ahead - 1])
+        if 0 < epoch - current <= MAX_EPOCH_SKIP:
+            if epoch != self._ahead_epoch:
+                self._ahead_epoch = epoch
+                self._ahead = AESGCM(epoch_key(self._key, epoch))
+            return self._ahead
         return None
 
     def _entered_epoch(self, number: int, aead: AESGCM | ChaCha20Poly1305) -> None:
         """A packet of a later epoch authenticated under ``aead``: that epoch is now
         the current one."""
-        ahead = (number >> KEY_EPOCH_BITS) - self._epoch
-        keys = self._ahead
-        self._previous = self._aead if ahead == 1 else AESGCM(keys[ahead - 2])
+        epoch = number >> KEY_EPOCH_BITS
+        self._previous = (
+            self._aead if epoch == self._epoch + 1 else AESGCM(epoch_key(self._key, epoch - 1))
+        )
         self._aead = aead
-        self._key = keys[ahead - 1]
-        del keys[:ahead]
-        self._epoch += ahead
+        self._epoch = epoch
+        self._ahead_epoch = -1
+        self._ahead = None
 
     def full_number(self, truncated: int, bits: int) -> int:
         return decode_packet_number(self.window.largest + 1, truncated, bits)

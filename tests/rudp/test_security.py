@@ -14,6 +14,7 @@ import zlib
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import rudp
 from rudp import frames, handshake, protection, wire, wire_v1
@@ -174,15 +175,21 @@ def test_replays_are_refused_after_40000_packets() -> None:
     still_flows(net, server, client, conn)
 
 
-def test_the_sender_ends_the_connection_before_a_packet_number_could_repeat() -> None:
+@pytest.mark.parametrize("aes_gcm", [True, False], ids=["aes-256-gcm", "chacha20-poly1305"])
+def test_the_sender_ends_the_connection_before_a_packet_number_could_repeat(
+    aes_gcm: bool,
+) -> None:
     # 2**62 packets take centuries; the counter is moved near the end instead, on both
     # sides of the client-to-server direction, so that its last packets still open.
-    net, server, client, conn = pair()
+    net, server, client, conn = pair(config=Config(aes_gcm=aes_gcm))
     sconn = server_conn(server)
     start = protection.MAX_PACKET_NUMBER - 5
     conn._builder.tx_next = start
     opener = sconn._reader.opener
     assert opener is not None
+    if aes_gcm:  # the receiver moved to that key epoch too, as if it had followed
+        opener._epoch = start >> protection.KEY_EPOCH_BITS
+        opener._aead = AESGCM(protection.epoch_key(opener._key, opener._epoch))
     opener.window.largest = sconn._reader.rx_largest = start - 1
     sconn._reader.rx_bits = 0
     since = len(net.sent)
