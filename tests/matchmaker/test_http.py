@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import structlog
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import matchmaker.http as http_module
@@ -27,7 +28,7 @@ from matchmaker.http import (
     entry_json,
 )
 from matchmaker.messages import ListRequest, entry_fields
-from matchmaker.metrics import capped_games
+from matchmaker.metrics import HOSTS_LISTED_MAX_AGE, Metrics, capped_games
 from matchmaker.ratelimit import RateLimiter
 from tests.matchmaker.helpers import Harness, collect_list, eventually, info, pub
 
@@ -413,6 +414,41 @@ async def test_metrics_exposition(site: Site) -> None:
 def test_capped_games() -> None:
     counts = {"a": 5, "b": 3, "c": 3, "d": 1}
     assert capped_games(counts, 2) == [("a", 5), ("b", 3), ("_other", 4)]
+
+
+def test_the_hosts_listed_are_counted_at_most_once_per_max_age() -> None:
+    """Counting walks every listed host (~9 ms at 100,000): a client scraping in a
+    loop must not make the daemon count for every scrape."""
+    now = [100.0]
+    counts = {"q3": 2}
+    taken: list[float] = []
+
+    def hosts_by_game() -> dict[str, int]:
+        taken.append(now[0])
+        return dict(counts)
+
+    metrics = Metrics(CollectorRegistry())
+    metrics.bind_state(
+        hosts_by_game=hosts_by_game,
+        stale=lambda: False,
+        connections=lambda: 0,
+        max_games=5,
+        clock=lambda: now[0],
+    )
+
+    def listed() -> float | None:
+        return metrics.registry.get_sample_value("matchmaker_hosts_listed", {"game": "q3"})
+
+    assert listed() == 2
+    counts["q3"] = 3
+    for _ in range(50):
+        assert listed() == 2  # the same count, not taken again
+    now[0] += HOSTS_LISTED_MAX_AGE
+    assert listed() == 3
+    now[0] -= 10.0  # a clock that steps back does not freeze the count
+    assert listed() == 3
+    assert taken == [100.0, 100.0 + HOSTS_LISTED_MAX_AGE, 90.0 + HOSTS_LISTED_MAX_AGE]
+
     assert capped_games(counts, 10) == sorted(counts.items(), key=lambda kv: -kv[1])
     assert capped_games({}, 3) == []
 
