@@ -267,9 +267,10 @@ class Connection:
         """
         if self.state is not CONNECTED:
             self._check_can_send()
-        if type(channel) is not int and not isinstance(channel, int):
+        if type(channel) is not int and (not isinstance(channel, int) or type(channel) is bool):
             # A float or None would fail deep in the sender ("list indices must be
-            # integers"); compiled, the call itself refuses it.
+            # integers"); compiled, the call itself refuses it. A bool is an int to
+            # both, and True would go out on channel 1.
             raise TypeError(f"channel must be an int, not {type(channel).__name__}")
         if reliable is not True and reliable is not False:
             # Truthiness would send "no" reliably; compiled, the call itself refuses it.

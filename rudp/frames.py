@@ -334,9 +334,9 @@ _PING_PADDING: Final = bytes((FrameType.PING, FrameType.PADDING))
 
 def check_close_code(code: object) -> None:
     """Raise unless ``code`` can be a DISCONNECT's code: an int (TypeError: a float
-    would fail only when the frame is built, after the state changed) in [0, 65535]
-    (``LocalProtocolError``)."""
-    if type(code) is not int and not isinstance(code, int):
+    would fail only when the frame is built, after the state changed; a bool would
+    pass for 0 or 1) in [0, 65535] (``LocalProtocolError``)."""
+    if type(code) is not int and (not isinstance(code, int) or type(code) is bool):
         raise TypeError(f"close code must be an int, not {type(code).__name__}: {code!r}")
     if not 0 <= code <= 0xFFFF:
         raise LocalProtocolError(f"close code must be in [0, 65535], got {code}")

@@ -9,6 +9,7 @@ from typing import Any
 from rudp.a2s.packets import ServerInfo
 from rudp.a2s.responder import InfoSource, PlayerSource, Responder, RuleSource
 from rudp.aio.server import Server
+from rudp.errors import EndpointClosed
 
 
 def serve_a2s(
@@ -24,8 +25,12 @@ def serve_a2s(
     `info` is a `ServerInfo` or a function returning the current one (None: stay
     silent); `players` and `rules` are functions the game supplies.  rudp traffic
     on the socket is not affected: only datagrams starting with ``FF FF FF FF``
-    reach the responder.  ``server.on_foreign = None`` turns it off.
+    reach the responder.  ``server.on_foreign = None`` turns it off.  A server
+    whose close has begun is refused (``EndpointClosed``): nothing would be answered.
     """
+    if server.endpoint.is_closing:
+        state = "closed" if server.endpoint.is_closed else "closing"
+        raise EndpointClosed(f"serve_a2s() on a server that is {state}: nothing would answer")
     responder = Responder(  # which checks every argument before on_foreign is set
         info,
         key=os.urandom(32),

@@ -260,6 +260,8 @@ class AioEndpoint:
         self._closed = False
         # Set when close() (or close_now()) begins: connect() and query() are refused.
         self._closing = False
+        # Set by close() itself: a second call waits for the first one's end.
+        self._close_begun = False
         self._closed_event = asyncio.Event()
         self._max_read = config.max_datagrams_per_read
         # How many bytes wait on the socket, asked after the first datagram of a read:
@@ -907,15 +909,19 @@ class AioEndpoint:
         handler is not waited for (it is the one waiting), nor is any other task named
         to ``exclude_from_close()`` while the close runs. ``exclude`` names the caller's
         task when the close runs in a task of its own (default: the current task).
+        A call while a close runs waits for that one to end (its ``timeout`` is not
+        used): closing again would cut the first close's waits short.
         """
-        if self._closed:
+        current = exclude or asyncio.current_task()
+        if self._closed or self._close_begun:
+            if current is not None and not self._closed:
+                self.exclude_from_close(current)  # the running close must not wait for it
             await self._closed_event.wait()
             return
-        self._closing = True
+        self._close_begun = self._closing = True
         loop = self.loop
         limit = timeout if timeout is not None else self.config.close_timeout + 1.0
         deadline = loop.time() + limit
-        current = exclude or asyncio.current_task()
         if current is not None:
             self.exclude_from_close(current)
         try:
@@ -1023,6 +1029,11 @@ class AioEndpoint:
     @property
     def is_closed(self) -> bool:
         return self._closed
+
+    @property
+    def is_closing(self) -> bool:
+        """True once a close has begun (or ended): nothing new is taken."""
+        return self._closing or self._closed
 
     # What the socket could not send, kept in the core's ``stats`` (so exported with
     # them: ``rudp_send_errors_total`` and the like); read here as well.

@@ -309,7 +309,8 @@ async def discover(
     the answer size: answers larger than the call are never sent, and any
     larger datagram is dropped unread. At most ``max_hosts`` hosts are listed.
     What happened to each datagram is not returned; a :class:`Search` driven
-    directly keeps it in ``stats``.
+    directly keeps it in ``stats``. No ``targets`` with ``broadcast`` and ``ipv6``
+    off is a ValueError at once (nothing would be called).
     """
     port = check_port(port)
     loop = asyncio.get_running_loop()
@@ -371,6 +372,9 @@ def _destinations(
         host, target_port = target[0], check_port(target[1], "each of targets' port")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         result.append((family, _resolve(family, host, target_port)))
+    if not result and not broadcast and not ipv6:
+        # Nothing would be called: the whole timeout would pass for an empty list.
+        raise ValueError("discover() has no destination: targets is empty, broadcast and ipv6 off")
     interfaces = list_interfaces() if broadcast or ipv6 else []
     if broadcast:
         addrs = sorted({i.broadcast for i in interfaces if i.broadcast}) or ["255.255.255.255"]

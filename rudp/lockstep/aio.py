@@ -154,6 +154,7 @@ class LockstepServer:
         self.channel = channel
         self._pump = _Pump(host.get_timer, self._handle_timer)
         self._server: rudp.Server | None = None
+        self._closed = False
 
     @classmethod
     async def serve(
@@ -181,7 +182,10 @@ class LockstepServer:
         return str(host), int(port)
 
     def start(self) -> None:
-        """Close the lobby and start the turn clock."""
+        """Close the lobby and start the turn clock. After :meth:`close`,
+        ``LocalProtocolError``: no client would hear the game start, nor its turns."""
+        if self._closed:
+            raise LocalProtocolError("the lockstep server is closed")
         self.host.start(self._pump.now())
         self._flush()
 
@@ -189,6 +193,7 @@ class LockstepServer:
         return self._pump.events()
 
     async def close(self) -> None:
+        self._closed = True
         self._pump.stop()
         if self._server is not None:
             await self._server.close()
@@ -285,6 +290,13 @@ class LockstepSession:
     def _check_open(self) -> None:
         if self._closed:
             raise LocalProtocolError("the lockstep session is closed")
+        if self.conn.closed:
+            # The host ended it (or the connection was lost): what the game sends
+            # now would be dropped, and no turn comes any more.
+            end = self.conn.disconnected
+            how = "closing" if end is None else end.reason.value
+            by = " by the host" if end is not None and end.by_peer else ""
+            raise LocalProtocolError(f"the lockstep session has ended: connection {how}{by}")
 
     def next_turn(self) -> Turn | None:
         self._check_open()
@@ -311,7 +323,8 @@ class LockstepSession:
     async def close(self) -> None:
         """Close the connection and end the session: :meth:`events` ends, and the
         game's calls (:meth:`send_command`, :meth:`complete_turn`, :meth:`next_turn`,
-        :meth:`leave`) raise ``LocalProtocolError``. Closing again does nothing more."""
+        :meth:`leave`) raise ``LocalProtocolError``, as they do once the connection
+        has ended otherwise (the host closed it). Closing again does nothing more."""
         self._closed = True
         self.client.state = ClientState.ENDED
         self._pump.stop()

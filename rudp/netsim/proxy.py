@@ -392,8 +392,9 @@ async def start_proxy(
 
     ``upstream`` impairs client -> target traffic, ``downstream`` target -> client traffic.
     ``max_clients`` bounds the number of upstream sockets; datagrams from further new clients are
-    dropped and counted in ``stats.clients_rejected``. Raises OSError when binding or resolving
-    fails.
+    dropped and counted in ``stats.clients_rejected``. An argument of the wrong type (a float or
+    a bool for ``max_clients``, a bool for ``idle_timeout``) is a TypeError, one out of range a
+    ValueError. Raises OSError when binding or resolving fails.
     """
     check_address(listen, "listen")
     check_address(target, "target")
@@ -401,10 +402,15 @@ async def start_proxy(
     check_port(target[1], "target port")
     check_profile(upstream, "upstream")
     check_profile(downstream, "downstream")
+    # A bool is an int: True would pass for one second, or for one client.
+    if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, int | float):
+        raise TypeError(f"idle_timeout takes a number of seconds, not {idle_timeout!r}")
     if not (idle_timeout > 0.0 and math.isfinite(idle_timeout)):
         raise ValueError(
             f"idle_timeout must be a finite number of seconds > 0, got {idle_timeout!r}"
         )
+    if isinstance(max_clients, bool) or not isinstance(max_clients, int):
+        raise TypeError(f"max_clients takes an int, not {max_clients!r}")
     if max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients!r}")
     loop = asyncio.get_running_loop()

@@ -296,6 +296,26 @@ async def test_a_connect_or_query_right_after_close_is_refused() -> None:
         assert other.connections == []
 
 
+async def test_a_second_close_waits_for_the_first_instead_of_closing_again() -> None:
+    # A close while one ran did the whole close again: its timeout=0 aborted the
+    # connection the first was closing gracefully, and cancelled its handlers.
+    gone = await rudp.serve(hold, "127.0.0.1", 0)
+    endpoint = (await rudp.open_endpoint("127.0.0.1", 0, config=PATIENT)).endpoint
+    to_gone = await asyncio.wait_for(endpoint.connect(gone.address), 5)
+    gone.endpoint.close_now()  # that peer vanishes: the close waits for its ack
+    first = asyncio.ensure_future(endpoint.close())
+    await asyncio.wait_for(until(lambda: to_gone.closed), 5)  # the close has begun
+    second = asyncio.ensure_future(endpoint.close(timeout=0))
+    for _ in range(100):  # loop turns: a close of its own with timeout 0 ends in a few
+        await asyncio.sleep(0)
+    assert not second.done() and to_gone.disconnected is None  # still closing gracefully
+    endpoint.close_now()  # rather than wait out the close_timeout
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert to_gone.disconnected is not None
+    await asyncio.wait_for(endpoint.close(timeout=0), 5)  # once closed, a close returns
+    await asyncio.wait_for(gone.close(), 5)
+
+
 # -- a query that times out says what it waited for -------------------------------------------
 
 

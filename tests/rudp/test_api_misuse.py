@@ -495,6 +495,26 @@ async def test_a_close_code_that_is_not_an_int_is_a_type_error_and_the_connectio
     assert ended.code == 3
 
 
+@pytest.mark.skipif(rudp.compiled, reason="compiled, mypyc takes a bool for an int at the call")
+async def test_a_bool_channel_or_close_code_is_a_type_error_and_the_connection_stays(
+    pair: tuple[rudp.Server, rudp.Connection],
+) -> None:
+    # A bool is an int: channel=True went out on channel 1, close(code=True) as code 1.
+    _, conn = pair
+    with pytest.raises(TypeError, match=r"^channel must be an int, not bool$"):
+        conn.send(b"x", channel=True)
+    with pytest.raises(TypeError, match=r"^channel must be an int, not bool$"):
+        conn.send(b"x", reliable=False, channel=False)
+    with pytest.raises(TypeError, match=r"^channel must be an int, not bool$"):
+        conn.send(b"x", channel=True, delivery=rudp.Delivery.RELIABLE_UNORDERED)
+    assert conn.queued == 0 and conn.stats.messages_sent == 0
+    with pytest.raises(TypeError, match=r"^close code must be an int, not bool: True$"):
+        conn.close(code=True)
+    assert not conn.closed
+    ended = await asyncio.wait_for(conn.close(code=1), 5)
+    assert ended.code == 1
+
+
 async def test_a_connection_refuses_calls_from_another_event_loop(
     pair: tuple[rudp.Server, rudp.Connection],
 ) -> None:

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+import rudp
 from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import State
@@ -49,6 +50,21 @@ def test_a_close_code_that_is_not_an_int_is_refused_before_the_state_changes(cod
     conn.close(net.now, code=7)
     net.run_until(lambda: conn.state is State.CLOSED)
     assert conn.close_reason is not None and conn.close_reason.code == 7
+
+
+@pytest.mark.skipif(rudp.compiled, reason="compiled, mypyc takes a bool for an int at the call")
+def test_a_bool_channel_or_close_code_is_a_type_error_and_changes_nothing() -> None:
+    # A bool is an int: channel=True went out on channel 1, close(code=True) as code 1.
+    net, _, _, conn = pair()
+    for channel in (True, False):
+        with pytest.raises(TypeError, match=r"^channel must be an int, not bool$"):
+            conn.send(b"x", channel=channel)
+        with pytest.raises(TypeError, match=r"^channel must be an int, not bool$"):
+            conn.send(b"x", reliable=False, channel=channel, now=net.now)
+    assert conn.queued == 0
+    with pytest.raises(TypeError, match=r"^close code must be an int, not bool: True$"):
+        conn.close(net.now, code=True)
+    assert conn.state is State.CONNECTED
 
 
 def test_a_message_needing_more_fragments_than_the_send_queue_holds_is_too_large() -> None:

@@ -20,6 +20,7 @@ from rudp.lockstep import (
     ClientState,
     Event,
     GameStarted,
+    HostState,
     LockstepClient,
     LockstepConfig,
     LockstepHost,
@@ -212,6 +213,48 @@ async def test_a_closed_session_refuses_the_game_and_its_events_end() -> None:
     finally:
         await session.close()
         await server.close()
+
+
+async def test_a_session_its_host_ended_refuses_the_game() -> None:
+    # The calls went through once the host had closed the connection: commands and
+    # turn reports were dropped (logged only), and leave() "left".
+    cfg = LockstepConfig(turn_interval=0.02)
+    server = await LockstepServer.serve("127.0.0.1", 0, config=cfg)
+    session = await asyncio.wait_for(
+        LockstepSession.connect(*server.address, name="a", config=cfg), TIMEOUT
+    )
+    try:
+        await first(server.events(), ClientJoined)
+        server.start()
+        await first(session.events(), GameStarted)
+        await asyncio.wait_for(server.close(), TIMEOUT)
+        await drain(session.events())  # they end with the connection
+        assert session.client.state is ClientState.RUNNING and not session.closed
+        ended = r"^the lockstep session has ended: connection closed by the host$"
+        with pytest.raises(LocalProtocolError, match=ended):
+            session.send_command(b"fire")
+        with pytest.raises(LocalProtocolError, match=ended):
+            session.complete_turn(0, 0)
+        with pytest.raises(LocalProtocolError, match=ended):
+            session.next_turn()
+        with pytest.raises(LocalProtocolError, match=ended):
+            await session.leave()
+        await asyncio.wait_for(session.close(), TIMEOUT)  # closing is still harmless
+        with pytest.raises(LocalProtocolError, match="session is closed"):
+            session.send_command(b"fire")
+    finally:
+        await session.close()
+        await server.close()
+
+
+async def test_a_closed_server_refuses_to_start() -> None:
+    # start() after close() started the host's clock and "sent" START to nobody.
+    server = await LockstepServer.serve("127.0.0.1", 0)
+    await server.close()
+    with pytest.raises(LocalProtocolError, match=r"^the lockstep server is closed$"):
+        server.start()
+    assert server.host.state is HostState.LOBBY
+    assert await drain(server.events()) == []
 
 
 async def test_server_events_end_for_every_later_iteration() -> None:

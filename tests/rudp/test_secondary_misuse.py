@@ -122,6 +122,30 @@ async def test_start_proxy_refuses_a_profile_that_is_not_a_link_profile(
         await asyncio.wait_for(start_proxy(("127.0.0.1", 0), ("127.0.0.1", 9), **profiles), 5)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_clients": 1.5}, r"^max_clients takes an int, not 1\.5$"),
+        ({"max_clients": True}, r"^max_clients takes an int, not True$"),
+        ({"max_clients": "8"}, r"^max_clients takes an int, not '8'$"),
+        ({"idle_timeout": True}, r"^idle_timeout takes a number of seconds, not True$"),
+        ({"idle_timeout": "60"}, r"^idle_timeout takes a number of seconds, not '60'$"),
+    ],
+)
+async def test_start_proxy_refuses_a_count_or_timeout_that_is_not_one(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    # max_clients=1.5 or True was taken (a bool is an int); a str failed in a comparison.
+    link = LinkProfile()
+    with pytest.raises(TypeError, match=match):
+        await asyncio.wait_for(
+            start_proxy(
+                ("127.0.0.1", 0), ("127.0.0.1", 9), upstream=link, downstream=link, **kwargs
+            ),
+            5,
+        )
+
+
 async def test_assigning_a_proxy_profile_that_is_not_one_is_a_type_error() -> None:
     target = _udp_socket()
     try:
@@ -296,6 +320,13 @@ async def test_discover_refuses_bad_arguments_at_once(
         sink.close()
 
 
+@pytest.mark.parametrize("targets", [(), [], iter(())])
+async def test_discover_with_no_destination_raises_at_once(targets: Any) -> None:
+    # It waited its whole timeout, calling no one, and returned [].
+    with pytest.raises(ValueError, match=r"^discover\(\) has no destination: targets is empty"):
+        await asyncio.wait_for(lan.discover(timeout=600, targets=targets, **LOOPBACK_ONLY), 5)
+
+
 async def test_discover_still_takes_good_counts() -> None:
     sink = _udp_socket()
     try:
@@ -443,6 +474,21 @@ async def test_serve_a2s_refuses_sources_it_cannot_use_at_once(
     with pytest.raises(error, match=match):
         serve_a2s(server, **kwargs)
     assert server.on_foreign is None  # nothing was installed
+
+
+async def test_serve_a2s_refuses_a_server_that_is_closing_or_closed() -> None:
+    # It installed a responder on the closed server and returned it: nothing answered.
+    async def handler(conn: rudp.Connection) -> None:
+        await conn.wait_closed()
+
+    server = await rudp.serve(handler, "127.0.0.1", 0)
+    closing = server.close()
+    with pytest.raises(rudp.EndpointClosed, match=r"^serve_a2s\(\) on a server that is closing"):
+        serve_a2s(server, INFO)
+    await asyncio.wait_for(closing, 5)
+    with pytest.raises(rudp.EndpointClosed, match=r"^serve_a2s\(\) on a server that is closed"):
+        serve_a2s(server, INFO)
+    assert server.on_foreign is None
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), BAD_A2S)
