@@ -22,13 +22,15 @@ Why not a framework: this is four read-only endpoints, and a dependency for
 them would be most of the daemon's attack surface.  The server here reads one
 request per connection (``Connection: close``) with hard limits: a request
 head of at most 8 KiB and 64 header lines, read within ``http_timeout``
-seconds, at most ``http_max_connections`` connections at once (more are
-refused with 503), of which at most `MAX_CONNECTIONS_PER_IP` from one source
-(more get 429).  A connection refused for want of a slot that asks for
+seconds, at most ``http_max_connections`` connections at once, lingering ones
+included (more are refused with 503), of which at most `MAX_CONNECTIONS_PER_IP`
+from one source (more get 429).  A connection refused for want of a slot that asks for
 ``/healthz`` or ``/readyz`` within `PROBE_READ` is answered all the same, so slow
 clients filling every slot cannot fail the probes.  Bodies are not accepted;
 anything but GET/HEAD gets 405.  A refused connection (429, 503) is answered and
-closed at once: it holds no descriptor while a client lingers.
+closed at once: it holds no descriptor while a client lingers.  An answered
+connection lingers (`HttpServer._linger`: up to ``http_timeout`` for the client to
+read and close) in its slot, so lingering descriptors are bounded by the slots too.
 
 The answers that cost in proportion to the registry (``/servers``, ``/metrics``)
 are built one at a time, so the event loop serves the UDP port (registrations,
@@ -409,9 +411,12 @@ class HttpServer:
                 self._metrics.observe_http(label, resp.status)
                 await self._respond(writer, resp, head=head)
             else:
+                # The slot is held through the linger: outside it, clients from many
+                # sources that send a request and never read to the end nor close
+                # would hold a descriptor each, up to the process's open-file limit.
                 async with self._slots:
                     await self._serve_one(reader, writer)
-                await self._linger(reader, writer)
+                    await self._linger(reader, writer)
             done = True
         except (OSError, asyncio.IncompleteReadError):
             # The client went away (reset, or gone before its FIN could be sent: ENOTCONN

@@ -76,6 +76,10 @@ hosts are applied to the index and remembered (`_owned`, `_pending_removals`),
 and `expire()` does nothing.  A background task retries; on success it reloads
 the index, re-asserts every host this replica still owns and replays removals
 (again for a host that changes meanwhile, until nothing is left to write).
+A removal is kept for what Redis may hold of the address, one per address, and
+dropped when the address registers again: a host that registered here during
+the outage and left is removed from Redis as the registration it replaced, if
+any, so hosts that come and go meanwhile leave nothing to replay.
 A re-assertion replaces whatever Redis holds for the address unless that was
 registered *after* the host registered here (it moved on), so a host that
 re-homed here from a dead replica ends up owned by this one.  It keeps the
@@ -517,6 +521,10 @@ class RedisRegistry(Registry):
         self._index = LocalIndex()
         self._owned: dict[Address, HostRecord] = {}
         self._pending_removals: dict[Address, str] = {}
+        self._unwritten: dict[str, str] = {}
+        """Registrations made here while Redis was out of reach and not written back yet,
+        by token: the token of the registration at the address that Redis may hold
+        instead ("" for none), which removing them leaves to remove (`remove`)."""
         self._ahead: dict[Address, StreamId] = {}
         self._offset = 0.0
         self._frozen_now: float | None = 0.0  # stale until the first sync
@@ -764,8 +772,13 @@ class RedisRegistry(Registry):
     def _upsert_local(
         self, address: Address, info: HostInfo, token: str, max_per_ip: int
     ) -> HostRecord:
-        if self._index.get(address) is None and self._index.source_count(address.ip) >= max_per_ip:
+        prior = self._index.get(address)
+        if prior is None and self._index.source_count(address.ip) >= max_per_ip:
             raise TooManyHosts(address.ip)
+        if prior is None:
+            stored = self._pending_removals.get(address, "")
+        else:
+            stored = self._unwritten.pop(prior.token, prior.token)
         rec = HostRecord(
             address=address,
             info=info,
@@ -777,6 +790,7 @@ class RedisRegistry(Registry):
             last_seen=self.now(),
         )
         self._apply_own(rec, None)
+        self._unwritten[token] = stored
         return rec
 
     def _apply_own(self, rec: HostRecord, sid: StreamId | None) -> None:
@@ -913,7 +927,12 @@ class RedisRegistry(Registry):
                 return bool(ok)
         if cur is None or (token is not None and cur.token != token):
             return False
-        self._pending_removals[address] = cur.token
+        # Replayed for what Redis may hold only: a registration made here meanwhile
+        # never reached it (the one it replaced may have), so the removals kept never
+        # outnumber the hosts Redis held, however many come and go during the outage.
+        stored = self._unwritten.pop(cur.token, cur.token)
+        if stored:
+            self._pending_removals[address] = stored
         self._remove_local(address, reason, None)
         return True
 
@@ -1059,6 +1078,7 @@ class RedisRegistry(Registry):
             removals = dict(self._pending_removals)
             todo = {a: r for a, r in self._owned.items() if done.get(a) != (r.token, r.info)}
             if not removals and not todo:
+                self._unwritten.clear()  # written back, or replaced by others meanwhile
                 return
             for address, token in removals.items():
                 await self._replay_removal(address, token)
@@ -1226,6 +1246,8 @@ class RedisRegistry(Registry):
             ):
                 still_ours.append(address)
                 continue
+            # Redis may hold it from now on: removing it removes it, not the one before.
+            self._unwritten.pop(rec.token, None)
             # 10**6: the host was accepted under the cap once; do not evict it
             # because others registered from its IP while we were away.
             try:

@@ -338,6 +338,33 @@ async def test_a_refused_connection_is_closed_at_once_and_counted() -> None:
         await site.server.close()
 
 
+async def test_a_lingering_connection_holds_its_slot() -> None:
+    # A client that sends its request and then neither reads to the end nor closes
+    # kept a descriptor for the linger (up to --http-timeout) outside the slots: from
+    # many sources (8 each) the daemon held far more than --http-max-connections, up
+    # to its open-file limit.
+    harness = Harness()
+    site = await start_site(harness, timeout=30.0, max_connections=2)
+    held = []
+    try:
+        host, port = site.server.address
+        statuses = []
+        for _ in range(MAX_CONNECTIONS_PER_IP):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /nothing HTTP/1.1\r\n\r\n")  # and never reads to the end
+            held.append(writer)
+            line = await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)
+            statuses.append(int(line.split(b" ")[1]))
+        # Two answered and lingering in the two slots; the others refused and closed.
+        assert statuses == [404, 404] + [503] * (MAX_CONNECTIONS_PER_IP - 2)
+        await eventually(lambda: len(site.server._clients) == 2)
+        assert harness.sample("matchmaker_http_requests_total", path="other", code="503") == 6
+    finally:
+        for w in held:
+            w.close()
+        await site.server.close()
+
+
 async def test_costly_answers_are_built_one_at_a_time_with_the_loop_running_between() -> None:
     # Every /servers answer costs in proportion to the registry, synchronously: built
     # back to back in one turn of the loop, a burst would keep the UDP port waiting.

@@ -320,6 +320,36 @@ async def test_a_host_taken_over_while_its_replica_was_cut_off_is_not_its_own_af
     assert (await stored_hash(redis_server, addr(1)))[b"owner"] == b"b"
 
 
+async def test_removals_kept_during_an_outage_are_only_those_redis_may_hold(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    old = await a.upsert(addr(1), host("before"), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) is not None)
+    entered, gate = hold_resync(a)
+    a._mark_stale(ConnectionError("test partition"))  # a alone is cut off
+    await asyncio.wait_for(entered.wait(), 5)
+    # Hosts that register and leave while a is cut off: Redis never saw them, and a
+    # removal kept for each grew with the churn for as long as the outage lasted.
+    for i in range(2, 52):
+        rec = await a.upsert(addr(i), host("passing"), max_per_ip=100)
+        assert await a.remove(rec.address, RemovalReason.UNREGISTERED, token=rec.token)
+    assert a._pending_removals == {}
+    # The host listed before registers again here and leaves: what Redis holds of it
+    # (the earlier registration) is what the replay removes; the replay of the later
+    # one found nothing, and the earlier stayed listed everywhere until it expired.
+    again = await a.upsert(addr(1), host("again"), max_per_ip=10)
+    assert await a.remove(addr(1), RemovalReason.UNREGISTERED, token=again.token)
+    assert a._pending_removals == {addr(1): old.token}
+    gate.set()
+    await asyncio.wait_for(a.wait_synced(), 10)
+    assert a._pending_removals == {}
+    assert await stored_hash(redis_server, addr(1)) == {}
+    await eventually(lambda: b.get(addr(1)) is None)
+    assert a.get(addr(1)) is None and a.owned() == []
+
+
 @pytest.mark.parametrize("change", ["update", "register again"])
 @pytest.mark.parametrize("when", ["after its write", "while its write is answered"])
 async def test_a_host_changed_during_a_resync_is_written_back_as_changed(
