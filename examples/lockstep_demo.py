@@ -425,7 +425,7 @@ class Player:
                 self.inputs.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self.inputs
-        if self.session.client.state is not ClientState.ENDED and not self.session.conn.closed:
+        if self.session.client.state is not ClientState.ENDED:
             await self.session.leave()
 
     def _on_event(self, event: Event) -> bool:
@@ -487,8 +487,6 @@ class Player:
         while not self.done.is_set():
             await asyncio.sleep(rng.randrange(turn_ms, 3 * turn_ms) / 1000)
             world, client = self.world, self.session.client
-            if self.session.conn.closed:
-                return  # the host ended the game: no order would reach it
             if world is None or client.client_id is None:
                 continue
             if client.latest_turn + client.input_delay > last_target:

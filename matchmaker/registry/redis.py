@@ -375,9 +375,10 @@ local last = tonumber(redis.call('GET', KEYS[3]) or '0')
 redis.call('SET', KEYS[3], now)
 if now - last > tonumber(ARGV[4]) then
   redis.call('SET', KEYS[4], now + tonumber(ARGV[3]))
-  return {now, {}, 1}
+  return {now, {}, now + tonumber(ARGV[3])}
 end
-if now < tonumber(redis.call('GET', KEYS[4]) or '0') then return {now, {}, 1} end
+local grace = tonumber(redis.call('GET', KEYS[4]) or '0')
+if now < grace then return {now, {}, grace} end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[3]),
   'LIMIT', 0, tonumber(ARGV[5]))
 local out = {}
@@ -956,9 +957,13 @@ class RedisRegistry(Registry):
         except RegistryUnavailable:
             return []
         self._set_redis_now(now_ms)
-        if grace and self._grace_until < now_ms / 1000.0:
-            self._grace_until = now_ms / 1000.0 + self.expire_after
-            log.info("expiry_grace", seconds=self.expire_after)
+        # The grace period Redis keeps (its end, 0 for none): this replica's ends with
+        # it. Extending its own by expire_after from whenever it saw Redis's still
+        # running kept hosts listed up to twice as long as the grace meant.
+        if grace and self._grace_until < grace / 1000.0:
+            if self._grace_until < now_ms / 1000.0:
+                log.info("expiry_grace", seconds=round(grace / 1000.0 - now_ms / 1000.0, 3))
+            self._grace_until = grace / 1000.0
         self._drop_carried(now_ms / 1000.0)
         # Records come from the script, not the index: the follower may
         # already have applied these removals.

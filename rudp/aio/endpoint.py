@@ -45,7 +45,7 @@ import os
 import random
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from time import monotonic, time
 from typing import Any, Protocol
 
@@ -950,30 +950,37 @@ class AioEndpoint:
     async def _end_handlers(self, deadline: float) -> None:
         """Wait until ``deadline`` for the handlers not excluded, then cancel those left
         and give them a second for their cleanup."""
+        pending = await self._wait_for_handlers(self._tasks, deadline)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await self._wait_for_handlers(pending, self.loop.time() + 1.0)
+
+    async def _wait_for_handlers(
+        self, tasks: Iterable[asyncio.Task[Any]], deadline: float
+    ) -> list[asyncio.Task[Any]]:
+        """Wait until ``deadline`` for ``tasks``, those excluded from the close left out,
+        also those excluded meanwhile (a cancelled handler whose cleanup awaits this
+        close); return those still running."""
         loop = self.loop
         while True:
             excluded = self._close_excluded
-            tasks = [t for t in self._tasks if t not in excluded and not t.done()]
+            running = [t for t in tasks if t not in excluded and not t.done()]
             left = deadline - loop.time()
-            if not tasks or left <= 0:
-                break
+            if not running or left <= 0:
+                return running
             added: asyncio.Future[None] = loop.create_future()
             self._exclusion_added = added
             # One future for them all (return_exceptions: it never fails), raced with
             # an exclusion, which changes what is waited for.
-            ended = asyncio.gather(*tasks, return_exceptions=True)
+            ended = asyncio.gather(*running, return_exceptions=True)
             done, _ = await asyncio.wait(
                 (ended, added), timeout=left, return_when=asyncio.FIRST_COMPLETED
             )
             self._exclusion_added = None
             if not done:
-                break
-        excluded = self._close_excluded
-        pending = [t for t in self._tasks if t not in excluded and not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=1.0)
+                excluded = self._close_excluded
+                return [t for t in tasks if t not in excluded and not t.done()]
 
     def close_now(self) -> None:
         """Release the socket; connections still open end with reason "aborted"."""

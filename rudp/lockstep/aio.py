@@ -290,13 +290,6 @@ class LockstepSession:
     def _check_open(self) -> None:
         if self._closed:
             raise LocalProtocolError("the lockstep session is closed")
-        if self.conn.closed:
-            # The host ended it (or the connection was lost): what the game sends
-            # now would be dropped, and no turn comes any more.
-            end = self.conn.disconnected
-            how = "closing" if end is None else end.reason.value
-            by = " by the host" if end is not None and end.by_peer else ""
-            raise LocalProtocolError(f"the lockstep session has ended: connection {how}{by}")
 
     def next_turn(self) -> Turn | None:
         self._check_open()
@@ -323,8 +316,7 @@ class LockstepSession:
     async def close(self) -> None:
         """Close the connection and end the session: :meth:`events` ends, and the
         game's calls (:meth:`send_command`, :meth:`complete_turn`, :meth:`next_turn`,
-        :meth:`leave`) raise ``LocalProtocolError``, as they do once the connection
-        has ended otherwise (the host closed it). Closing again does nothing more."""
+        :meth:`leave`) raise ``LocalProtocolError``. Closing again does nothing more."""
         self._closed = True
         self.client.state = ClientState.ENDED
         self._pump.stop()

@@ -757,6 +757,29 @@ async def test_carried_hosts_nobody_writes_back_are_dropped_after_the_grace_peri
     assert a.get(addr(1)) is not None
 
 
+async def test_a_grace_period_ends_when_the_one_redis_keeps_ends(
+    replica: Factory, redis_server: RedisProcess
+) -> None:
+    # A replica whose own grace period had ended (the one its resync opened) while
+    # Redis's, opened by the first sweep a moment later, still ran took it for a new
+    # one and extended its own by expire_after from then: carried hosts stayed, and
+    # nothing expired, up to twice as long as meant.
+    a = await replica(replica_id="a", expire_after=60.0)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        now_ms = int(a.now() * 1000)
+        await r.set(a._k("sweep"), now_ms)  # swept just now: no new grace period opens
+        await r.set(a._k("grace"), now_ms + 20_000)  # Redis's ends in 20 s
+        a._grace_until = a.now() - 1.0  # this replica's own has just ended
+        await a.expire()
+        assert a.now() + 19.0 < a._grace_until <= now_ms / 1000.0 + 20.0
+        await r.set(a._k("grace"), 0)  # none in Redis: this replica's is not cut short
+        await a.expire()
+        assert a._grace_until == now_ms / 1000.0 + 20.0
+    finally:
+        await r.aclose()
+
+
 async def test_a_second_short_outage_within_the_grace_period_keeps_carrying_hosts(
     replica: Factory, redis_server: RedisProcess
 ) -> None:

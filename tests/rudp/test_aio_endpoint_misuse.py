@@ -316,6 +316,33 @@ async def test_a_second_close_waits_for_the_first_instead_of_closing_again() -> 
     await asyncio.wait_for(gone.close(), 5)
 
 
+async def test_a_cancelled_handler_whose_cleanup_awaits_the_close_is_not_waited_for() -> None:
+    # The close gave cancelled handlers a second, and waited it out for one whose
+    # cleanup awaits that very close (each waiting for the other until then).
+    started = asyncio.Event()
+    cleaned: list[bool] = []
+
+    async def handler(conn: rudp.Connection) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await server.endpoint.close()
+            cleaned.append(True)
+            raise
+
+    server = await rudp.serve(handler, "127.0.0.1", 0, config=PATIENT)
+    client = await asyncio.wait_for(rudp.connect(*server.address), 5)
+    await asyncio.wait_for(started.wait(), 5)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await asyncio.wait_for(server.endpoint.close(timeout=0), 5)
+    took = loop.time() - began
+    await asyncio.wait_for(until(lambda: bool(cleaned)), 5)
+    assert took < 0.9, took  # the old way: the whole second, every time
+    await asyncio.wait_for(client.close(), 5)
+
+
 # -- a query that times out says what it waited for -------------------------------------------
 
 
