@@ -446,7 +446,7 @@ def test_capped_games() -> None:
 
 
 def test_the_hosts_listed_are_counted_at_most_once_per_max_age() -> None:
-    """Counting walks every listed host (~9 ms at 100,000): a client scraping in a
+    """Counting walks every listed host (~7 ms at 100,000): a client scraping in a
     loop must not make the daemon count for every scrape."""
     now = [100.0]
     counts = {"q3": 2}
