@@ -725,7 +725,8 @@ class RedisRegistry(Registry):
         except RegistryBusy:
             raise
         except RegistryUnavailable:
-            return self._upsert_local(address, info, token, max_per_ip)
+            # The script may have run (its reply lost): Redis may hold this token.
+            return self._upsert_local(address, info, token, max_per_ip, maybe_written=True)
         if rec is None:
             raise TooManyHosts(address.ip)
         return rec
@@ -771,8 +772,17 @@ class RedisRegistry(Registry):
         return rec, status
 
     def _upsert_local(
-        self, address: Address, info: HostInfo, token: str, max_per_ip: int
+        self,
+        address: Address,
+        info: HostInfo,
+        token: str,
+        max_per_ip: int,
+        *,
+        maybe_written: bool = False,
     ) -> HostRecord:
+        """A registration made while Redis is out of reach. ``maybe_written``: a write
+        of it failed without an answer, so Redis may hold it after all; its removal then
+        replays its own token (`_unwritten` keeps only registrations Redis cannot hold)."""
         prior = self._index.get(address)
         if prior is None and self._index.source_count(address.ip) >= max_per_ip:
             raise TooManyHosts(address.ip)
@@ -791,7 +801,8 @@ class RedisRegistry(Registry):
             last_seen=self.now(),
         )
         self._apply_own(rec, None)
-        self._unwritten[token] = stored
+        if not maybe_written:
+            self._unwritten[token] = stored
         return rec
 
     def _apply_own(self, rec: HostRecord, sid: StreamId | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+from typing import Any
 from unittest.mock import ANY
 
 import msgpack
@@ -348,6 +349,45 @@ async def test_removals_kept_during_an_outage_are_only_those_redis_may_hold(
     assert await stored_hash(redis_server, addr(1)) == {}
     await eventually(lambda: b.get(addr(1)) is None)
     assert a.get(addr(1)) is None and a.owned() == []
+
+
+async def test_a_registration_whose_reply_was_lost_is_removed_at_the_replay(
+    replica: Factory, redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Redis ran the write but neither its answer nor its stream event reached the
+    # replica, cut off meanwhile: it kept the registration as its own. Removed then,
+    # what Redis holds of it must be removed at the replay (a first version of the
+    # removals kept through an outage took it for one Redis never saw, and it stayed
+    # listed everywhere until it expired).
+    a = await replica(replica_id="a")
+    b = await replica(replica_id="b")
+    entered, gate = hold_resync(a)
+    script = a._script
+    raw = aioredis.Redis.from_url(redis_server.url)
+
+    async def reply_lost(name: str, keys: list[str], args: list[Any]) -> Any:
+        if name != "upsert":
+            return await script(name, keys, args)
+        monkeypatch.setattr(a, "_script", script)  # once
+        a._mark_stale(TimeoutError("test: the link fails"))
+        await asyncio.wait_for(entered.wait(), 5)  # a follows nothing any more
+        await raw.eval(a._scripts[name].script, len(keys), *keys, *args)  # Redis runs it
+        raise RegistryUnavailable("test: the reply is lost")
+
+    monkeypatch.setattr(a, "_script", reply_lost)
+    try:
+        rec = await a.upsert(addr(1), host(), max_per_ip=10)
+        assert a.stale and a.get(addr(1)) == rec
+        assert await stored_hash(redis_server, addr(1)) != {}  # Redis holds it after all
+        assert await a.remove(addr(1), RemovalReason.UNREGISTERED, token=rec.token)
+        assert a._pending_removals == {addr(1): rec.token}
+        gate.set()
+        await asyncio.wait_for(a.wait_synced(), 10)
+        assert await stored_hash(redis_server, addr(1)) == {}
+        await eventually(lambda: b.get(addr(1)) is None)
+        assert a.get(addr(1)) is None
+    finally:
+        await raw.aclose()
 
 
 @pytest.mark.parametrize("change", ["update", "register again"])
