@@ -79,7 +79,9 @@ the index, re-asserts every host this replica still owns and replays removals
 A removal is kept for what Redis may hold of the address, one per address, and
 dropped when the address registers again: a host that registered here during
 the outage and left is removed from Redis as the registration it replaced, if
-any, so hosts that come and go meanwhile leave nothing to replay.
+any, so hosts that come and go meanwhile leave nothing to replay.  After a write
+that failed without an answer Redis holds that registration or the one it
+replaced, so a removal then replays both tokens (each removes only a match).
 A re-assertion replaces whatever Redis holds for the address unless that was
 registered *after* the host registered here (it moved on), so a host that
 re-homed here from a dead replica ends up owned by this one.  It keeps the
@@ -522,10 +524,12 @@ class RedisRegistry(Registry):
         self._index = LocalIndex()
         self._owned: dict[Address, HostRecord] = {}
         self._pending_removals: dict[Address, str] = {}
+        """Removals to replay, by address: the tokens of what Redis may hold of it,
+        space-separated (two after a write that failed without an answer)."""
         self._unwritten: dict[str, str] = {}
         """Registrations made here while Redis was out of reach and not written back yet,
-        by token: the token of the registration at the address that Redis may hold
-        instead ("" for none), which removing them leaves to remove (`remove`)."""
+        by token: the tokens of what Redis may hold of the address instead ("" for
+        nothing), which removing them leaves to remove (`remove`)."""
         self._ahead: dict[Address, StreamId] = {}
         self._offset = 0.0
         self._frozen_now: float | None = 0.0  # stale until the first sync
@@ -781,8 +785,8 @@ class RedisRegistry(Registry):
         maybe_written: bool = False,
     ) -> HostRecord:
         """A registration made while Redis is out of reach. ``maybe_written``: a write
-        of it failed without an answer, so Redis may hold it after all; its removal then
-        replays its own token (`_unwritten` keeps only registrations Redis cannot hold)."""
+        of it failed without an answer, so Redis may hold it, or what it replaced: its
+        removal replays both tokens (each removes only a match)."""
         prior = self._index.get(address)
         if prior is None and self._index.source_count(address.ip) >= max_per_ip:
             raise TooManyHosts(address.ip)
@@ -801,8 +805,7 @@ class RedisRegistry(Registry):
             last_seen=self.now(),
         )
         self._apply_own(rec, None)
-        if not maybe_written:
-            self._unwritten[token] = stored
+        self._unwritten[token] = f"{token} {stored}".strip() if maybe_written else stored
         return rec
 
     def _apply_own(self, rec: HostRecord, sid: StreamId | None) -> None:
@@ -1175,14 +1178,16 @@ class RedisRegistry(Registry):
                     Change(kind=ChangeKind.REMOVE, address=address, reason=RemovalReason.EXPIRED)
                 )
 
-    async def _replay_removal(self, address: Address, token: str) -> None:
+    async def _replay_removal(self, address: Address, tokens: str) -> None:
+        """Remove what Redis holds of ``address`` if it is one of ``tokens``."""
         keys = [self._k("seen"), self._k("events")]
-        args = [self._p, self._maxlen, address.key, RemovalReason.DISCONNECTED.value, token]
-        await self._script("remove", keys, args)
-        if self._pending_removals.get(address) == token:
+        for token in tokens.split():
+            args = [self._p, self._maxlen, address.key, RemovalReason.DISCONNECTED.value, token]
+            await self._script("remove", keys, args)
+        if self._pending_removals.get(address) == tokens:
             del self._pending_removals[address]
         there = self._index.get(address)
-        if there is not None and there.token == token:
+        if there is not None and there.token in tokens.split():
             self._index.pop(address)
 
     async def _load(self) -> tuple[LocalIndex, bool]:

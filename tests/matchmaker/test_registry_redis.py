@@ -351,41 +351,47 @@ async def test_removals_kept_during_an_outage_are_only_those_redis_may_hold(
     assert a.get(addr(1)) is None and a.owned() == []
 
 
-async def test_a_registration_whose_reply_was_lost_is_removed_at_the_replay(
-    replica: Factory, redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("ran", [True, False], ids=["redis ran it", "it never arrived"])
+async def test_a_registration_whose_write_went_unanswered_is_removed_at_the_replay(
+    ran: bool, replica: Factory, redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Redis ran the write but neither its answer nor its stream event reached the
-    # replica, cut off meanwhile: it kept the registration as its own. Removed then,
-    # what Redis holds of it must be removed at the replay (a first version of the
-    # removals kept through an outage took it for one Redis never saw, and it stayed
+    # A host registers again just as the replica is cut off: the write fails without
+    # an answer, so Redis holds the new registration (it ran the write) or the earlier
+    # one (it never got it). The host leaves during the outage: the replay must remove
+    # whichever Redis holds (a first version of the removals kept through an outage
+    # replayed only the earlier one, a second only the new one; the other stayed
     # listed everywhere until it expired).
     a = await replica(replica_id="a")
     b = await replica(replica_id="b")
+    earlier = await a.upsert(addr(1), host("earlier"), max_per_ip=10)
+    await eventually(lambda: b.get(addr(1)) == earlier)
     entered, gate = hold_resync(a)
     script = a._script
     raw = aioredis.Redis.from_url(redis_server.url)
 
-    async def reply_lost(name: str, keys: list[str], args: list[Any]) -> Any:
+    async def unanswered(name: str, keys: list[str], args: list[Any]) -> Any:
         if name != "upsert":
             return await script(name, keys, args)
         monkeypatch.setattr(a, "_script", script)  # once
         a._mark_stale(TimeoutError("test: the link fails"))
         await asyncio.wait_for(entered.wait(), 5)  # a follows nothing any more
-        await raw.eval(a._scripts[name].script, len(keys), *keys, *args)  # Redis runs it
-        raise RegistryUnavailable("test: the reply is lost")
+        if ran:
+            await raw.eval(a._scripts[name].script, len(keys), *keys, *args)
+        raise RegistryUnavailable("test: no answer")
 
-    monkeypatch.setattr(a, "_script", reply_lost)
+    monkeypatch.setattr(a, "_script", unanswered)
     try:
-        rec = await a.upsert(addr(1), host(), max_per_ip=10)
-        assert a.stale and a.get(addr(1)) == rec
-        assert await stored_hash(redis_server, addr(1)) != {}  # Redis holds it after all
-        assert await a.remove(addr(1), RemovalReason.UNREGISTERED, token=rec.token)
-        assert a._pending_removals == {addr(1): rec.token}
+        again = await a.upsert(addr(1), host("again"), max_per_ip=10)
+        assert a.stale and a.get(addr(1)) == again
+        held = (await stored_hash(redis_server, addr(1)))[b"token"].decode()
+        assert held == (again.token if ran else earlier.token)
+        assert await a.remove(addr(1), RemovalReason.UNREGISTERED, token=again.token)
+        assert a._pending_removals == {addr(1): f"{again.token} {earlier.token}"}
         gate.set()
         await asyncio.wait_for(a.wait_synced(), 10)
         assert await stored_hash(redis_server, addr(1)) == {}
         await eventually(lambda: b.get(addr(1)) is None)
-        assert a.get(addr(1)) is None
+        assert a.get(addr(1)) is None and a._pending_removals == {}
     finally:
         await raw.aclose()
 
