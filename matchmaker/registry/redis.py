@@ -1181,13 +1181,14 @@ class RedisRegistry(Registry):
     async def _replay_removal(self, address: Address, tokens: str) -> None:
         """Remove what Redis holds of ``address`` if it is one of ``tokens``."""
         keys = [self._k("seen"), self._k("events")]
-        for token in tokens.split():
+        names = tokens.split()
+        for token in names:
             args = [self._p, self._maxlen, address.key, RemovalReason.DISCONNECTED.value, token]
             await self._script("remove", keys, args)
         if self._pending_removals.get(address) == tokens:
             del self._pending_removals[address]
         there = self._index.get(address)
-        if there is not None and there.token in tokens.split():
+        if there is not None and there.token in names:
             self._index.pop(address)
 
     async def _load(self) -> tuple[LocalIndex, bool]:

@@ -7,6 +7,7 @@ Loopback rudp only; every wait is bounded by ``asyncio.wait_for``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -184,7 +185,9 @@ async def test_a_valid_channel_other_than_zero_plays() -> None:
 # ---------------------------------------------------------------------------- after close
 
 
-async def test_a_closed_session_refuses_the_game_and_its_events_end() -> None:
+@contextlib.asynccontextmanager
+async def started_game() -> AsyncIterator[tuple[LockstepServer, LockstepSession]]:
+    """A host and one session, the game started; both closed on the way out."""
     cfg = LockstepConfig(turn_interval=0.02)
     server = await LockstepServer.serve("127.0.0.1", 0, config=cfg)
     session = await asyncio.wait_for(
@@ -194,6 +197,14 @@ async def test_a_closed_session_refuses_the_game_and_its_events_end() -> None:
         await first(server.events(), ClientJoined)
         server.start()
         await first(session.events(), GameStarted)
+        yield server, session
+    finally:
+        await session.close()
+        await server.close()
+
+
+async def test_a_closed_session_refuses_the_game_and_its_events_end() -> None:
+    async with started_game() as (_, session):
         assert not session.closed
         await asyncio.wait_for(session.close(), TIMEOUT)
         assert session.closed
@@ -210,24 +221,13 @@ async def test_a_closed_session_refuses_the_game_and_its_events_end() -> None:
         # Ended for good: a new iteration ends at once rather than waiting forever.
         assert await drain(session.events()) == []
         await asyncio.wait_for(session.close(), TIMEOUT)  # closing again is harmless
-    finally:
-        await session.close()
-        await server.close()
 
 
 async def test_a_session_its_host_ended_still_runs_the_turns_it_received() -> None:
     # The host's DISCONNECT can arrive while turns it sent wait in the session:
     # the documented loop (next_turn / complete_turn until events() ends, then
     # leave()) runs them and ends without an error.
-    cfg = LockstepConfig(turn_interval=0.02)
-    server = await LockstepServer.serve("127.0.0.1", 0, config=cfg)
-    session = await asyncio.wait_for(
-        LockstepSession.connect(*server.address, name="a", config=cfg), TIMEOUT
-    )
-    try:
-        await first(server.events(), ClientJoined)
-        server.start()
-        await first(session.events(), GameStarted)
+    async with started_game() as (server, session):
 
         async def turns_wait() -> None:
             while session.client.backlog == 0:
@@ -243,9 +243,6 @@ async def test_a_session_its_host_ended_still_runs_the_turns_it_received() -> No
         session.send_command(b"fire")  # dropped: nobody hosts the game any more
         await asyncio.wait_for(session.leave(), TIMEOUT)
         assert session.closed
-    finally:
-        await session.close()
-        await server.close()
 
 
 async def test_a_closed_server_refuses_to_start() -> None:
