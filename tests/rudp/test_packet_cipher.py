@@ -78,8 +78,10 @@ def test_an_offer_rewritten_on_the_path_fails_the_handshake() -> None:
     and the client then refuses the server's answer: the transcripts differ."""
     client = ClientHandshake(dataclasses.replace(PARAMS, aes_gcm=True), 3, server_key=None)
     offer = bytes((EXT_AES_GCM, 0))
-    assert client.message.count(offer) == 1
-    tampered = client.message.replace(offer, bytes((0x7F, 0)))
+    # The offer is the last extension of the parameters, which end the message (the
+    # random ephemeral key before them may hold the same two bytes by chance).
+    assert client.message.endswith(offer)
+    tampered = client.message[: -len(offer)] + bytes((0x7F, 0))
     server_params = dataclasses.replace(PARAMS, connection_id=9, aes_gcm=True)
     reply, server_keys = answer(None, PATTERN_NN, 3, tampered, server_params, extensions=6)
     assert not server_keys.peer.aes_gcm
