@@ -176,7 +176,9 @@ class Config:
     (else ``idle_timeout`` ends it sooner) yet never takes the message, so waiting
     longer cannot help. ENet's peers give up after 30 s too (``timeoutMaximum``).
     Time the peer pauses us is not counted (``peer_pause_timeout`` times that); the
-    count goes on at its resume."""
+    count goes on at its resume. At most ``peer_pause_timeout`` of pauses is left out
+    for one message: a peer that resumes for a moment between pauses cannot hold it
+    (nor a close waiting for it) past ``ack_timeout + peer_pause_timeout``."""
 
     peer_pause_timeout: float = 60.0
     """A peer whose PAUSE has kept our reliable messages waiting (queued, or sent and

@@ -196,7 +196,7 @@ class Connection:
         # it holds back nothing): the connection ends at ``peer_pause_timeout``.
         self._held_since: float | None = None
         # Config.ack_timeout counts time the peer could take our messages: time it
-        # paused us is left out (``first_sent`` is on a clock without it).
+        # paused us is left out, up to peer_pause_timeout (``_ack_deadline``).
         self.paused_total = 0.0  # the peer's pauses so far, ended ones
         self._paused_at = 0.0  # when the current one began
         self._released = False  # the parts' references back to us are gone (``_release``)
@@ -386,10 +386,25 @@ class Connection:
         if self._held_since is not None:
             t = min(t, self._held_since + self.config.peer_pause_timeout)
         order = self._sender.sent_order
-        if order and not self.peer_paused:
+        if order:
             # The head may be done with already: the timer then only pops it.
-            t = min(t, order[0].first_sent + self.paused_total + self.config.ack_timeout)
+            t = min(t, self._ack_deadline(order[0]))
         return t
+
+    def _ack_deadline(self, msg: OutMessage) -> float:
+        """When ``msg`` has gone unacknowledged too long: ``ack_timeout`` after it first
+        left, plus the time the peer paused us since (it may refuse what it cannot
+        buffer until it resumes), but never more than ``peer_pause_timeout`` of it: a
+        peer that resumes for a moment between pauses cannot put it off for good."""
+        cfg = self.config
+        base = msg.first_sent + cfg.ack_timeout
+        cap = cfg.peer_pause_timeout
+        paused = min(self.paused_total - msg.paused_before, cap)
+        if self.peer_paused and base + paused > self._paused_at:
+            # Paused now, and not overdue when the pause began: the count stands
+            # still until the pauses reach the cap.
+            return base + cap
+        return base + paused
 
     def handle_timer(self, now: float) -> None:
         self._clock = now
@@ -657,9 +672,10 @@ class Connection:
             return
         # A paused peer may refuse what it cannot buffer, unacknowledged, until it
         # resumes: the pause is timed by peer_pause_timeout, and ack_timeout counts
-        # only the time the peer could take the message (its pauses left out).
-        oldest = None if self.peer_paused else self._sender.oldest_unacked()
-        if oldest is not None and now >= oldest.first_sent + self.paused_total + cfg.ack_timeout:
+        # only the time the peer could take the message (up to peer_pause_timeout of
+        # its pauses left out).
+        oldest = self._sender.oldest_unacked()
+        if oldest is not None and now >= self._ack_deadline(oldest):
             self._end(DisconnectReason.UNACKNOWLEDGED, 0, "", by_peer=False)
             return
         if self._migration.on_timer(now):

@@ -268,8 +268,7 @@ class PacketBuilder:
         if room and not sender.retx and not conn.peer_paused:
             # A paused peer gets no new reliable messages; unreliable ones still go (they
             # expire rather than wait, and the peer bounds what it accepts while paused).
-            # (Sent on the clock Config.ack_timeout counts: the peer's pauses left out.)
-            budget = self._take_new_reliable(parts, messages, budget, now - conn.paused_total)
+            budget = self._take_new_reliable(parts, messages, budget, now)
         if self._redundancy and messages:
             level = self.redundancy_level()
             if level:

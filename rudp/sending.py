@@ -108,6 +108,7 @@ class OutMessage:
         "mode",
         "notify",
         "parent",
+        "paused_before",
         "parts",
         "queued_at",
         "redundant",
@@ -126,6 +127,7 @@ class OutMessage:
         self.state = QUEUED
         self.copies = 0  # packets in flight that carry it
         self.first_sent = 0.0  # when a reliable one first left (Config.ack_timeout)
+        self.paused_before = 0.0  # the peer's pauses before then (Connection.paused_total)
         self.notify = False  # emit MessageAcked when acknowledged
         self.user: object = None  # free slot for the asyncio layer
         # What makes the handle awaitable (see ``Waiter`` and ``__await__``).
@@ -631,6 +633,7 @@ class Sender:
     def mark_sent(self, msg: OutMessage, now: float) -> None:
         """``msg`` (reliable) leaves for the first time."""
         msg.first_sent = now
+        msg.paused_before = self._conn.paused_total
         order = self.sent_order
         order.append(msg)
         if len(order) > 2 * self.queued + 64:

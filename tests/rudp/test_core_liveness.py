@@ -118,6 +118,33 @@ def test_a_peer_that_pauses_and_resumes_over_and_over_cannot_hold_a_message_for_
     assert 45 <= net.now - start <= 60
 
 
+@pytest.mark.parametrize("closing", [False, True])
+def test_a_peer_resuming_for_a_moment_between_pauses_cannot_hold_a_message_for_good(
+    closing: bool,
+) -> None:
+    # Pauses shorter than peer_pause_timeout (and than close_timeout when closing) with
+    # a resume of 1 ms between them: each resume restarts both, and the unpaused time
+    # crept on at 1 ms a pause, so a message the peer never takes (and a close waiting
+    # for it) lasted for hours. At most peer_pause_timeout of pauses is left out of
+    # its count now.
+    config = Config(ack_timeout=30.0, peer_pause_timeout=60.0, close_timeout=3.0)
+    net, server, client, conn = pair(config=config)
+    sconn = server_conn(server)
+    net.drop = _carries(b"never taken")
+    conn.send(b"never taken")
+    net.run(0.1)
+    start = net.now
+    if closing:
+        conn.close(net.now)
+    while conn.state is not State.CLOSED and net.now - start < 600:
+        sconn.pause_receiving()
+        net.run(2.5 if closing else 9.0)
+        sconn.resume_receiving(net.now)
+        net.run(0.001)
+    assert client.disconnects() == [Disconnected(DisconnectReason.UNACKNOWLEDGED)]
+    assert 85 <= net.now - start <= 100
+
+
 def test_a_pause_that_holds_an_unacknowledged_message_is_timed_too() -> None:
     net, server, client, conn = pair(config=Config(ack_timeout=30.0, peer_pause_timeout=40.0))
     sconn = server_conn(server)
