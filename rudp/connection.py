@@ -70,7 +70,7 @@ from typing import Any
 from rudp import frames, wire
 from rudp.config import Config
 from rudp.congestion import CongestionController
-from rudp.errors import ConnectionClosed, LocalProtocolError
+from rudp.errors import ConnectionClosed, LocalProtocolError, check_now
 from rudp.events import Disconnected, DisconnectReason
 from rudp.handshake import ClientHandshake, TransportParams
 from rudp.migration import Migration
@@ -267,6 +267,8 @@ class Connection:
         """
         if self.state is not CONNECTED:
             self._check_can_send()
+        if now is not None and type(now) is not float:
+            now = check_now(now)  # stored with an unreliable message, read at each flush
         if type(channel) is not int and (not isinstance(channel, int) or type(channel) is bool):
             # A float or None would fail deep in the sender ("list indices must be
             # integers"); compiled, the call itself refuses it. A bool is an int to
@@ -297,6 +299,8 @@ class Connection:
         The peer gets at most ``frames.MAX_CLOSE_TEXT`` bytes of it, clipped on a
         character boundary.
         """
+        if type(now) is not float:
+            now = check_now(now)
         frames.check_close_code(code)
         frames.check_close_text(text)
         if self.state is CONNECTING:

@@ -98,6 +98,15 @@ def check_sequence(value: object, name: str) -> None:
         )
 
 
+def check_now(value: object, name: str = "now") -> float:
+    """A clock reading as a ``float``: an ``int`` is taken as one; anything else
+    (``time.monotonic`` itself, a str, ``True``) is a TypeError here, not at a later
+    flush that the stored value would break for every connection of the endpoint."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} takes a float (a time.monotonic() reading), not {value!r}")
+    return float(value)
+
+
 def check_address(value: object, name: str) -> None:
     """Refuse anything but a ``(host, port)`` pair (or a longer IPv6 socket address)
     where an address belongs: ``"1.2.3.4:27960"`` is a TypeError naming the fix."""

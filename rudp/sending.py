@@ -108,8 +108,8 @@ class OutMessage:
         "mode",
         "notify",
         "parent",
-        "paused_before",
         "parts",
+        "paused_before",
         "queued_at",
         "redundant",
         "seq",
@@ -393,6 +393,9 @@ class Sender:
     ) -> OutMessage:
         if depends_on is not None:
             check_sequence(depends_on, "depends_on")  # a str would be its letters
+        if delivery is not None and type(delivery) is not Delivery and type(delivery) is not int:
+            # Delivery(True) and Delivery(1.0) are RELIABLE_ORDERED: refused as for channel.
+            raise TypeError(f"delivery takes a rudp.Delivery, not {delivery!r}")
         try:
             kind = Delivery.DEPENDENCY_ORDERED if delivery is None else Delivery(delivery)
         except ValueError:

@@ -8,6 +8,7 @@ import errno
 import functools
 import ipaddress
 import socket
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable
 from fractions import Fraction
@@ -16,10 +17,13 @@ from typing import Any
 import pytest
 
 import rudp
+from rudp.connection import State
 from rudp.errors import check_address, check_sequence
+from rudp.events import Disconnected, DisconnectReason
 from rudp.lan.aio import discover
 from rudp.netsim.conditioner import LinkProfile
 from rudp.netsim.proxy import start_proxy
+from tests.rudp.harness import pair as core_pair
 
 
 async def hold(conn: rudp.Connection) -> None:
@@ -667,3 +671,40 @@ async def test_an_endpoint_connecting_to_its_own_address_is_refused_at_once() ->
         async with await rudp.serve(hold, "127.0.0.1", 0) as other:  # another port: fine
             conn = await asyncio.wait_for(everywhere.connect(*other.address), 5)
             await asyncio.wait_for(conn.close(), 5)
+
+
+# -- the sans-IO core's clock and delivery arguments ----------------------------------------
+
+
+@pytest.mark.parametrize("bad", [time.monotonic, "12.5", True])
+def test_a_clock_reading_that_is_not_a_number_is_refused_by_send_and_close(bad: object) -> None:
+    # send(now=time.monotonic) was stored with the message and broke every later flush
+    # of the endpoint; close(None) raised only after the state had changed.
+    if bad is True and rudp.compiled:
+        pytest.skip("compiled, mypyc takes a bool for a float at the call")
+    net, server, client, conn = core_pair()
+    with pytest.raises(TypeError, match=r"now takes a float|float object expected"):
+        conn.send(b"x", reliable=False, now=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"now takes a float|float object expected"):
+        conn.close(bad)  # type: ignore[arg-type]
+    assert conn.state is State.CONNECTED and conn.queued == 0
+    conn.send(b"after", reliable=False, now=net.now)
+    net.run(0.5)
+    assert server.received() == [b"after"]
+    conn.close(net.now)
+    net.run_until(lambda: conn.state is State.CLOSED, timeout=5)
+    assert client.disconnects() == [Disconnected(DisconnectReason.CLOSED)]
+
+
+@pytest.mark.parametrize("delivery", [True, 1.0, "RELIABLE_ORDERED"])
+async def test_a_delivery_that_is_not_a_mode_is_a_type_error(
+    pair: tuple[rudp.Server, rudp.Connection], delivery: object
+) -> None:
+    # Delivery(True) and Delivery(1.0) are RELIABLE_ORDERED: both were taken as it.
+    if delivery is True and rudp.compiled:
+        pytest.skip("compiled, mypyc takes a bool for an int at the call")
+    _, conn = pair
+    with pytest.raises(TypeError, match=r"delivery takes a rudp.Delivery|expected"):
+        conn.send(b"x", delivery=delivery)  # type: ignore[arg-type]
+    assert conn.queued == 0 and conn.stats.messages_sent == 0
+    assert (await asyncio.wait_for(conn.send(b"x", delivery=1), 5)) is None
