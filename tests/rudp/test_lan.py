@@ -171,6 +171,25 @@ def test_failing_info_callable_is_counted_not_raised() -> None:
     assert r2.stats.info_errors == 1
 
 
+def test_an_info_callable_raising_cancelled_error_is_counted_not_raised() -> None:
+    # As the endpoint's on_query and a connection's receiver: a CancelledError (a
+    # cancelled future's result()) is the callable's failure too. Only an interrupt
+    # goes through.
+    def cancelled() -> dict[str, Any]:
+        raise asyncio.CancelledError
+
+    r = _responder(cancelled)
+    assert r._answer_for(_call(), ADDR) is None
+    assert r.stats.info_errors == 1
+    for interrupt in (KeyboardInterrupt, SystemExit):
+
+        def interrupted(interrupt: type[BaseException] = interrupt) -> dict[str, Any]:
+            raise interrupt
+
+        with pytest.raises(interrupt):
+            _responder(interrupted)._answer_for(_call(), ADDR)
+
+
 def test_game_name_is_validated() -> None:
     with pytest.raises(ValueError):
         lan.DiscoveryResponder({}, game="")
@@ -488,6 +507,37 @@ async def test_loopback_bad_input_is_counted_and_service_continues(
         stats = responder.stats
         assert (stats.malformed, stats.other_game, stats.oversize) == (3, 1, 1)
         assert stats.answered == 1
+
+
+async def test_loopback_info_cancelled_error_stays_in_the_responder(
+    loop_errors: list[dict[str, Any]],
+) -> None:
+    asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: loop_errors.append(ctx))
+    calls = [0]
+
+    def info() -> dict[str, Any]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise asyncio.CancelledError
+        return {"n": 1}
+
+    async with await lan.serve_discovery(info, 0, game=GAME, host="127.0.0.1") as responder:
+        addr = ("127.0.0.1", responder.port)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
+            raw.sendto(_call(), addr)
+        # Loopback keeps order per socket: once a later call is answered, this one
+        # was handled.
+        hosts = await lan.discover(
+            responder.port,
+            timeout=10.0,
+            expected=1,
+            attempts=1,
+            targets=[addr],
+            broadcast=False,
+            ipv6=False,
+        )
+        assert [h.info for h in hosts] == [{"n": 1}]
+        assert (responder.stats.info_errors, responder.stats.answered) == (1, 1)
 
 
 async def test_discover_argument_checks() -> None:
