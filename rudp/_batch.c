@@ -30,7 +30,9 @@ sent, so the caller resumes after handling that one error, as its sendto loop di
 to the tuple built for them the first time, so a peer's datagrams all carry the
 same tuple object (its hash is computed once, and the core's lookups by address
 hit at once), and each address tuple sent to maps to its sockaddr. It is cleared
-when it reaches CACHE_LIMIT entries (spoofed sources cannot grow it).
+when it reaches CACHE_LIMIT entries (spoofed sources cannot grow it). A cached
+sockaddr that is not of the socket family's length (a caller wrote it) is not used:
+it is converted again and replaced.
 
 The GIL is held throughout: the socket is non-blocking, and the receive buffer is
 this module's own (allocated on first use, touched only as deep as datagrams go).
@@ -213,7 +215,10 @@ plain_address(PyObject *address)
     return 1;
 }
 
-/* The sockaddr of ``address`` from the cache, converted and cached on a miss. */
+/* The sockaddr of ``address`` from the cache, converted and cached on a miss. The
+   cache is a plain dict the caller can write to: a value that is not bytes of the
+   length this module stores for ``family`` (one longer than ``*ss`` would overrun it)
+   counts as a miss, and the converted sockaddr replaces it. */
 static int
 sockaddr_of(PyObject *cache, PyObject *address, int family, struct sockaddr_storage *ss,
             socklen_t *len)
@@ -221,9 +226,12 @@ sockaddr_of(PyObject *cache, PyObject *address, int family, struct sockaddr_stor
     if (!plain_address(address))
         return 0;
     PyObject *found = PyDict_GetItemWithError(cache, address);
-    if (found != NULL && PyBytes_CheckExact(found)) {
-        *len = (socklen_t)PyBytes_GET_SIZE(found);
-        memcpy(ss, PyBytes_AS_STRING(found), *len);
+    Py_ssize_t expected = family == AF_INET    ? (Py_ssize_t)sizeof(struct sockaddr_in)
+                          : family == AF_INET6 ? (Py_ssize_t)sizeof(struct sockaddr_in6)
+                                               : -1;
+    if (found != NULL && PyBytes_CheckExact(found) && PyBytes_GET_SIZE(found) == expected) {
+        *len = (socklen_t)expected;
+        memcpy(ss, PyBytes_AS_STRING(found), (size_t)expected);
         return 1;
     }
     if (found == NULL && PyErr_Occurred()) {

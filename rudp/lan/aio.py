@@ -170,30 +170,71 @@ async def serve_discovery(
     ``host`` is the wildcard), a second socket on the same port joins
     ``ipv6_group`` on every multicast interface; if IPv6 is unavailable this is
     logged and skipped. ``port=0`` picks a free port (the IPv6 socket then
-    reuses that number).
+    reuses that number). ``ipv6_group`` must be an IPv6 multicast address
+    (``ValueError`` at once, before a socket is opened, whether ``ipv6`` is on
+    or not).
     """
     port = check_port(port)
+    group = _check_ipv6_group(ipv6_group)
     responder = DiscoveryResponder(info, game=game)
     loop = asyncio.get_running_loop()
-    sock4 = _bind_udp(socket.AF_INET, host, port)
-    await _attach(loop, responder, sock4)
-    if ipv6 if ipv6 is not None else host in ("0.0.0.0", ""):
-        try:
-            sock6 = _bind_udp(socket.AF_INET6, "::", sock4.getsockname()[1])
-            _join_group(sock6, ipv6_group)
-        except OSError as exc:
-            log.info("responder_ipv6_unavailable error=%r", str(exc))
-        else:
-            await _attach(loop, responder, sock6)
+    try:
+        sock4 = _bind_udp(socket.AF_INET, host, port)
+        await _attach(loop, responder, sock4)
+        if ipv6 if ipv6 is not None else host in ("0.0.0.0", ""):
+            sock6 = _group_socket(sock4.getsockname()[1], group)
+            if sock6 is not None:
+                await _attach(loop, responder, sock6)
+    except BaseException:
+        responder.close()  # the sockets attached so far
+        raise
     return responder
+
+
+def _check_ipv6_group(group: object) -> bytes:
+    """``group`` packed, or a ValueError (a TypeError for what is not a str) naming
+    ``ipv6_group``: an IPv6 multicast address, without a ``%scope`` (each interface
+    gets its own)."""
+    if not isinstance(group, str):
+        raise TypeError(f"ipv6_group takes a str, not {group!r}: write {DEFAULT_IPV6_GROUP!r}")
+    try:
+        packed = socket.inet_pton(socket.AF_INET6, group)
+    except (OSError, ValueError):
+        packed = b""
+    if packed[:1] != b"\xff":
+        raise ValueError(f"ipv6_group must be an IPv6 multicast address (ff00::/8), not {group!r}")
+    return packed
+
+
+def _group_socket(port: int, group: bytes) -> socket.socket | None:
+    """An IPv6 socket on ``port`` that joined ``group``, or None (logged) when IPv6 or
+    the group is unavailable here. Closed on any failure."""
+    try:
+        sock = _bind_udp(socket.AF_INET6, "::", port)
+    except OSError as exc:
+        log.info("responder_ipv6_unavailable error=%r", str(exc))
+        return None
+    try:
+        _join_group(sock, group)
+    except BaseException as exc:
+        sock.close()
+        if not isinstance(exc, OSError):
+            raise
+        log.info("responder_ipv6_unavailable error=%r", str(exc))
+        return None
+    return sock
 
 
 async def _attach(
     loop: asyncio.AbstractEventLoop, responder: DiscoveryResponder, sock: socket.socket
 ) -> None:
-    transport, _ = await loop.create_datagram_endpoint(
-        lambda: _ResponderProtocol(responder), sock=sock
-    )
+    try:
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: _ResponderProtocol(responder), sock=sock
+        )
+    except BaseException:
+        sock.close()
+        raise
     responder._transports.append(transport)
     responder._port = responder._port or sock.getsockname()[1]
 
@@ -214,9 +255,8 @@ def _bind_udp(family: socket.AddressFamily, host: str, port: int) -> socket.sock
     return sock
 
 
-def _join_group(sock: socket.socket, group: str) -> None:
-    """Join ``group`` on every multicast interface (a join is per interface)."""
-    packed = socket.inet_pton(socket.AF_INET6, group)
+def _join_group(sock: socket.socket, packed: bytes) -> None:
+    """Join the group ``packed`` on every multicast interface (a join is per interface)."""
     joined = 0
     for iface in list_interfaces():
         if not iface.multicast:
@@ -228,7 +268,6 @@ def _join_group(sock: socket.socket, group: str) -> None:
         except OSError as exc:
             log.debug("group_join_failed iface=%s error=%r", iface.name, str(exc))
     if not joined:
-        sock.close()
         raise OSError(errno.ENODEV, "no interface could join the IPv6 discovery group")
 
 
@@ -310,9 +349,11 @@ async def discover(
     larger datagram is dropped unread. At most ``max_hosts`` hosts are listed.
     What happened to each datagram is not returned; a :class:`Search` driven
     directly keeps it in ``stats``. No ``targets`` with ``broadcast`` and ``ipv6``
-    off is a ValueError at once (nothing would be called).
+    off is a ValueError at once (nothing would be called), and so is an
+    ``ipv6_group`` that is not an IPv6 multicast address.
     """
     port = check_port(port)
+    _check_ipv6_group(ipv6_group)
     loop = asyncio.get_running_loop()
     collector = _Collector(
         game,

@@ -180,8 +180,12 @@ class Responder:
         try:
             info = self._info() if callable(self._info) else self._info
             return encode_answer(nonce, self.instance_id, self.game, info)
-        except Exception:
-            # The info callable is user code; its failure must not kill the loop.
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            # The info callable is user code; its failure must not kill the loop. A
+            # CancelledError included (a cancelled future's result()): raised into the
+            # transport's read callback, it would reach the loop's exception handler.
             self.stats.info_errors += 1
             log.exception("info_failed game=%r", self.game)
             return None

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import random
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -240,6 +243,46 @@ def test_an_address_equal_to_a_cached_one_but_not_plain_goes_to_sendto(
     for i in range(len(odd)):
         assert batch.send_many(fd, socket.AF_INET, odd, i, cache) == (i, -1)
     assert [d for d, _ in _recvfrom_all(receiver)] == [b"a"]
+
+
+# Run in a child: a cached sockaddr longer than sockaddr_storage used to be copied
+# over send_many's stack, which crashed the interpreter.
+_BAD_CACHE_VALUES = """
+import socket, sys
+from rudp import _batch
+
+family, host = int(sys.argv[1]), sys.argv[2]
+receiver = socket.socket(family, socket.SOCK_DGRAM)
+receiver.bind((host, 0))
+sender = socket.socket(family, socket.SOCK_DGRAM)
+address = receiver.getsockname()
+good = {}
+assert _batch.send_many(sender.fileno(), family, [(b"", address)], 0, good) == (1, 0)
+receiver.recvfrom(16)
+for bad in (b"\\x02\\x00" + b"A" * 4094, bytes(good[address]) + b"A", b"\\x02\\x00", b"", None):
+    cache = {address: bad}
+    datagrams = [(b"%d" % i, address) for i in range(3 * _batch.BATCH)]
+    assert _batch.send_many(sender.fileno(), family, datagrams, 0, cache) == (len(datagrams), 0)
+    assert cache == good, (bad, cache)
+    assert [receiver.recvfrom(16)[0] for _ in datagrams] == [d for d, _ in datagrams]
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(("family", "host"), FAMILIES)
+def test_a_cached_sockaddr_of_the_wrong_length_is_converted_again(family: int, host: str) -> None:
+    # The cache is a plain dict its caller can write to: send_many uses a cached value
+    # only if it has the length it stores itself, and replaces any other.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(rudp.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _BAD_CACHE_VALUES, str(int(family)), host],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
 
 
 # -- the asyncio endpoint's handling of a batch's errors ------------------------------------

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from rudp import lan
 from rudp.lan import Kind, MalformedDatagram, decode_packet, encode_packet
+from rudp.lan import aio as lan_aio
 from rudp.lan.aio import _Collector
 from tests.netns import NetLab, netlab_fixture  # noqa: F401  (provides fixture `netlab`)
 
@@ -168,6 +169,25 @@ def test_failing_info_callable_is_counted_not_raised() -> None:
     r2 = _responder(lambda: {"not-serialisable": object()})
     assert r2._answer_for(_call(), ADDR) is None
     assert r2.stats.info_errors == 1
+
+
+def test_an_info_callable_raising_cancelled_error_is_counted_not_raised() -> None:
+    # As the endpoint's on_query and a connection's receiver: a CancelledError (a
+    # cancelled future's result()) is the callable's failure too. Only an interrupt
+    # goes through.
+    def cancelled() -> dict[str, Any]:
+        raise asyncio.CancelledError
+
+    r = _responder(cancelled)
+    assert r._answer_for(_call(), ADDR) is None
+    assert r.stats.info_errors == 1
+    for interrupt in (KeyboardInterrupt, SystemExit):
+
+        def interrupted(interrupt: type[BaseException] = interrupt) -> dict[str, Any]:
+            raise interrupt
+
+        with pytest.raises(interrupt):
+            _responder(interrupted)._answer_for(_call(), ADDR)
 
 
 def test_game_name_is_validated() -> None:
@@ -489,11 +509,104 @@ async def test_loopback_bad_input_is_counted_and_service_continues(
         assert stats.answered == 1
 
 
+async def test_loopback_info_cancelled_error_stays_in_the_responder(
+    loop_errors: list[dict[str, Any]],
+) -> None:
+    asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: loop_errors.append(ctx))
+    calls = [0]
+
+    def info() -> dict[str, Any]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise asyncio.CancelledError
+        return {"n": 1}
+
+    async with await lan.serve_discovery(info, 0, game=GAME, host="127.0.0.1") as responder:
+        addr = ("127.0.0.1", responder.port)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as raw:
+            raw.sendto(_call(), addr)
+        # Loopback keeps order per socket: once a later call is answered, this one
+        # was handled.
+        hosts = await lan.discover(
+            responder.port,
+            timeout=10.0,
+            expected=1,
+            attempts=1,
+            targets=[addr],
+            broadcast=False,
+            ipv6=False,
+        )
+        assert [h.info for h in hosts] == [{"n": 1}]
+        assert (responder.stats.info_errors, responder.stats.answered) == (1, 1)
+
+
 async def test_discover_argument_checks() -> None:
     with pytest.raises(ValueError):
         await lan.discover(timeout=0)
     with pytest.raises(ValueError):
         await lan.discover(request_size=4)
+
+
+BAD_GROUPS = ["not-an-address", "", "fe80::1", "::1", "224.0.0.1", "ff02::1%lo", "ff02::1\x00"]
+
+
+@pytest.mark.parametrize("group", BAD_GROUPS)
+async def test_a_bad_ipv6_group_is_refused_before_a_socket_is_opened(
+    group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It used to fail in inet_pton after the IPv6 socket was bound: logged as "IPv6
+    # unavailable" (the caller's mistake never raised), and that socket never closed.
+    bound: list[Any] = []
+    monkeypatch.setattr(lan_aio, "_bind_udp", lambda *args: bound.append(args))
+    for ipv6 in (True, False):
+        with pytest.raises(ValueError, match="ipv6_group"):
+            await lan.serve_discovery({}, 0, game=GAME, ipv6=ipv6, ipv6_group=group)
+    with pytest.raises(ValueError, match="ipv6_group"):
+        await lan.discover(0, targets=[("127.0.0.1", 9)], ipv6_group=group)
+    with pytest.raises(TypeError, match="ipv6_group"):
+        await lan.serve_discovery({}, 0, game=GAME, ipv6_group=b"ff02::1")  # type: ignore[arg-type]
+    assert bound == []
+
+
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as sock:
+            sock.bind(("::", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6(), reason="no IPv6")
+@pytest.mark.parametrize("error", [OSError(19, "no interface"), RuntimeError("boom")])
+async def test_a_failed_group_join_closes_the_ipv6_socket(
+    error: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Unavailable IPv6 (an OSError) is logged and skipped, anything else raised, and
+    # either way no socket is left open.
+    sockets: list[socket.socket] = []
+    bind = lan_aio._bind_udp
+
+    def recording_bind(*args: Any) -> socket.socket:
+        sockets.append(bind(*args))
+        return sockets[-1]
+
+    def failing_join(sock: socket.socket, group: bytes) -> None:
+        raise error
+
+    monkeypatch.setattr(lan_aio, "_bind_udp", recording_bind)
+    monkeypatch.setattr(lan_aio, "_join_group", failing_join)
+    if isinstance(error, OSError):
+        responder = await lan.serve_discovery({}, 0, game=GAME, ipv6=True)
+        assert [host for host, _ in responder.addresses] == ["0.0.0.0"]
+        responder.close()
+    else:
+        with pytest.raises(RuntimeError, match="boom"):
+            await lan.serve_discovery({}, 0, game=GAME, ipv6=True)
+    for _ in range(3):  # a transport closes its socket on a later turn of the loop
+        await asyncio.sleep(0)
+    assert [s.family for s in sockets] == [socket.AF_INET, socket.AF_INET6]
+    assert [s.fileno() for s in sockets] == [-1, -1]
 
 
 def test_list_interfaces_includes_loopback() -> None:
