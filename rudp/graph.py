@@ -296,20 +296,29 @@ class ReceiveGraph:
                 done.add(gid)
             else:
                 done.update(range(gid, gid + span))
-            frees.pop(gid, None)
-            for successor in waiters.pop(gid, ()):
-                node = nodes[successor]
-                node.waiting -= 1
-                node.rest -= gid
-                if not node.reserved:
-                    self.buffered -= BUFFER_ENTRY_COST
-                    if node.waiting == 1:  # what is left is waiting for ``rest`` alone
-                        frees[node.rest] += len(node.data) + BUFFER_ENTRY_COST
-                if node.waiting == 0:
-                    del nodes[successor]
+            # Every id of a fragmented message ran with it: a message that named one
+            # after its first waited for it too (and is released, as it would have
+            # run had it come after).
+            dep = gid
+            end = gid + span
+            while dep < end:
+                frees.pop(dep, None)
+                for successor in waiters.pop(dep, ()):
+                    node = nodes[successor]
+                    node.waiting -= 1
+                    node.rest -= dep
                     if not node.reserved:
-                        self.buffered -= len(node.data) + BUFFER_ENTRY_COST
-                    ready.append((successor, node.span, node.data, node.channel, node.reserved))
+                        self.buffered -= BUFFER_ENTRY_COST
+                        if node.waiting == 1:  # what is left is waiting for ``rest`` alone
+                            frees[node.rest] += len(node.data) + BUFFER_ENTRY_COST
+                    if node.waiting == 0:
+                        del nodes[successor]
+                        if not node.reserved:
+                            self.buffered -= len(node.data) + BUFFER_ENTRY_COST
+                        ready.append(
+                            (successor, node.span, node.data, node.channel, node.reserved)
+                        )
+                dep += 1
         low = self.low
         while low in done:
             done.remove(low)

@@ -40,6 +40,30 @@ def test_two_disagreeing_first_fragments_in_one_packet_are_malformed() -> None:
     assert sconn.state is State.CONNECTED
 
 
+@pytest.mark.parametrize("dependent_first", [True, False])
+def test_a_dependency_on_an_id_inside_a_fragmented_message_is_met_when_it_runs(
+    dependent_first: bool,
+) -> None:
+    # Ids 0-2 are one fragmented graph message; a message naming id 1 ran at once if
+    # it came after it, but waited for good (then a protocol error) if it came first.
+    net, server, client, conn = pair()
+    sconn = server_conn(server)
+    parts = [frames.message_frame(3, 0, i, b"ab", fragment=(i, 3, 6)) for i in range(3)]
+    dependent = frames.message_frame(3, 0, 5, b"waits for id 1", deps=(1,))
+    if dependent_first:
+        inject_frames(net, server, dependent)
+        inject_frames(net, server, *parts)
+    else:
+        inject_frames(net, server, *parts)
+        inject_frames(net, server, dependent)
+    got = [e.data for _, e in server.endpoint._sink.events if isinstance(e, MessageReceived)]
+    assert got == [b"ababab", b"waits for id 1"]
+    graph = sconn._receiver.graph
+    assert not graph.nodes and not graph.waiters and not graph.frees and graph.buffered == 0
+    net.run(30)
+    assert sconn.close_reason is None, sconn.close_reason
+
+
 def test_more_dependents_of_one_message_than_the_window() -> None:
     net, server, client, conn = pair(Link(delay=0.02))
     root = conn.send(b"root", delivery=Delivery.RELIABLE_UNORDERED)
