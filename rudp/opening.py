@@ -60,6 +60,7 @@ class Opening:
 
     __slots__ = (
         "bad_answers",
+        "challenged",
         "cookie",
         "cookie_connect_at",
         "cookie_connects",
@@ -76,6 +77,7 @@ class Opening:
         self.handshake = handshake
         self.salt = salt
         self.cookie = b""
+        self.challenged = False  # a CHALLENGE was answered at once already
         self.cookie_connects = 0  # CONNECTs sent with the current cookie
         self.cookie_connect_at = now
         self.send_connect = True
@@ -127,11 +129,14 @@ class Opening:
         """Take the server's cookie; None when a CONNECT with it is now due."""
         if challenge.salt != self.salt:
             return DropReason.UNEXPECTED
-        answered = bool(self.cookie)
+        # A flag, not ``bool(self.cookie)``: CHALLENGEs with an empty cookie, each
+        # taken for the first, were each answered with a 1,200-byte CONNECT.
+        answered = self.challenged
         self.cookie = challenge.cookie
         self.cookie_connects = 0
         if answered:
             return DropReason.DUPLICATE  # later CHALLENGEs wait for the retry timer
+        self.challenged = True
         self.send_connect = True
         return None
 

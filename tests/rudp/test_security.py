@@ -334,6 +334,26 @@ def test_a_spoofed_challenge_and_data_flood_draws_no_more_than_it_sends() -> Non
     print(f"spoofed {spoofed} B, drew {drawn} B ({drawn / spoofed:.3f}x)")
 
 
+def test_challenges_with_an_empty_cookie_draw_no_more_than_one_connect() -> None:
+    # Each CHALLENGE with an empty cookie was taken for the first one (no cookie held
+    # yet) and answered at once with a 1,200-byte CONNECT: 15 bytes drew 80 times as
+    # many toward the server.
+    net = Network(seed=11)
+    client = net.add(CLIENT)
+    conn = client.endpoint.connect(SERVER, net.now)
+    net.run(0.001)
+    start = len(net.sent)
+    spoofed = 0
+    for _ in range(100):  # within 10 ms, far inside connect_retry_interval
+        challenge = wire.encode_challenge(conn.salt, b"")
+        net.inject(challenge, SERVER, CLIENT)
+        spoofed += len(challenge)
+        net.run(0.0001)
+    connects = [d for d, s, _ in net.sent[start:] if s == CLIENT and d[0] == 0xA1]
+    assert len(connects) == 1
+    assert client.endpoint.stats.dropped[DropReason.DUPLICATE] == 99
+
+
 def test_an_off_path_flood_during_the_handshake_does_not_stop_it() -> None:
     net = Network(seed=7)
     server = net.add(SERVER, accept=True)
