@@ -198,7 +198,14 @@ class CookieJar:
 
 
 class ResetTokens:
-    """The reset token of each of our connection ids, recomputable after a restart."""
+    """The reset token of each of our connection ids, recomputable after a restart.
+
+    Bound to the peer's address too: a token of the id alone could be collected
+    ahead of time, by anyone, from the NOCONNs answering DATA for ids not in use
+    (2^32 of them, at the NOCONN rate), and then end whichever connection came to
+    have that id. Bound to the address, it comes only in a NOCONN sent to that
+    address. (A peer whose address changed since the handshake learns of our
+    restart by its idle timeout instead.)"""
 
     def __init__(self, static_key: bytes | None, rng: random.Random) -> None:
         if static_key is not None:
@@ -207,8 +214,9 @@ class ResetTokens:
             secret = rng.randbytes(32)
         self._key = hmac.new(secret, digestmod=hashlib.sha256)
 
-    def token(self, cid: int) -> bytes:
-        return _keyed_digest(self._key, _SLOT.pack(cid))[:16]
+    def token(self, cid: int, address: Address) -> bytes:
+        msg = f"{cid}|{address[0]}|{address[1]}".encode()
+        return _keyed_digest(self._key, msg)[:16]
 
 
 def _keyed_digest(key: hmac.HMAC, msg: bytes) -> bytes:

@@ -462,7 +462,7 @@ class Endpoint:
             salt=salt,
             sink=self._sink,
             cid=cid,
-            reset_token=self._reset_tokens.token(cid),
+            reset_token=self._reset_tokens.token(cid, address),
             server_key=server_key,
             token=token,
             token_key=token_key,
@@ -542,7 +542,7 @@ class Endpoint:
     def _send_noconn(self, dcid: int, address: Address, now: float) -> None:
         if self._noconn.take(now):
             self._send_unvalidated(
-                wire.encode_noconn(dcid, self._reset_tokens.token(dcid)), address
+                wire.encode_noconn(dcid, self._reset_tokens.token(dcid, address)), address
             )
         else:
             self.stats.noconn_suppressed += 1

@@ -191,6 +191,29 @@ def test_forgotten_peer_learns_by_noconn_within_a_round_trip() -> None:
     assert client.disconnects() == [Disconnected(DisconnectReason.NO_CONNECTION, by_peer=True)]
 
 
+def test_a_reset_token_drawn_from_another_address_ends_nothing() -> None:
+    # A token was HMAC(secret, id) alone: anyone could draw the NOCONN of any id not
+    # in use (here from a server sharing the key, as after a restart), keep it, and
+    # end whichever connection came to have that id. It is bound to the address now.
+    evil = ("10.6.6.6", 4444)
+    net, server, client, conn = pair(config=KEYED)
+    other = net.add(("10.0.0.9", 9000), KEYED, accept=True)
+    start = len(net.sent)
+    net.inject(wire.data_prefix(conn.peer_cid, 1) + bytes(40), evil, ("10.0.0.9", 9000))
+    net.run(0.01)
+    noconns = [d for d, src, dst in net.sent[start:] if dst == evil and d[0] == 0xA6]
+    assert len(noconns) == 1 and other.endpoint.stats.noconn_suppressed == 0
+    net.inject(noconns[0], SERVER, CLIENT)  # replayed from the server's address
+    net.run(1)
+    assert conn.state is State.CONNECTED
+    assert client.endpoint.stats.dropped[DropReason.BAD_TOKEN] == 1
+    # The NOCONN the server itself would send after forgetting us is still believed.
+    genuine = wire.encode_noconn(conn.peer_cid, server_conn(server).reset_token)
+    net.inject(genuine, SERVER, CLIENT)
+    net.run(0.1)
+    assert client.disconnects() == [Disconnected(DisconnectReason.NO_CONNECTION, by_peer=True)]
+
+
 def test_spoofed_noconn_is_ignored() -> None:
     net, server, client, conn = pair()
     for i in range(60):  # the right connection id, guessed tokens
