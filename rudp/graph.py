@@ -315,9 +315,7 @@ class ReceiveGraph:
                         del nodes[successor]
                         if not node.reserved:
                             self.buffered -= len(node.data) + BUFFER_ENTRY_COST
-                        ready.append(
-                            (successor, node.span, node.data, node.channel, node.reserved)
-                        )
+                        ready.append((successor, node.span, node.data, node.channel, node.reserved))
                 dep += 1
         low = self.low
         while low in done:
