@@ -44,6 +44,7 @@ NO_STATIC_KEY: Final = "this server has no static key"
 HANDSHAKE_FAILED: Final = "handshake failed: the client expects another server key"
 V1_REFUSAL: Final = "this server speaks rudp protocol version 2; upgrade the client"
 SOURCE_FULL: Final = "too many connections from your address"
+SERVER_CLOSING: Final = "server closing"
 
 
 def refuse_v1(ep: Endpoint, data: bytes, address: Address) -> None:
@@ -156,6 +157,12 @@ def receive_connect(
         # restart from a connection's own address counts too, or holding one
         # connection would lift the limit.)
         ep.stats.source_handshakes_limited += 1
+        return None
+    if ep.refusing:
+        # Closing: a connection taken now would be cut off when the close ends,
+        # unannounced. Told at once, the client can go elsewhere.
+        ep.stats.connections_refused += 1
+        ep._send_unvalidated(wire.encode_reject(request.salt, SERVER_CLOSING), address)
         return None
     if len(ep._conns) >= ep.config.max_connections + (conn is not None):
         # Before the cookie is spent: a client whose REJECT was lost gets it again

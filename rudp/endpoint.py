@@ -88,6 +88,7 @@ class Endpoint:
     ) -> None:
         self.config = config
         self.accept = accept
+        self.refusing = False  # closing: new handshakes get REJECT "server closing"
         self.stats = EndpointStats()
         self._rng = rng
         self._conns: dict[Address, Connection] = {}
@@ -290,7 +291,9 @@ class Endpoint:
             self._schedule(conn)
 
     def close(self, now: float) -> None:
-        """Start a graceful close of every connection."""
+        """Start a graceful close of every connection; new ones are refused from now on
+        (REJECT "server closing")."""
+        self.refusing = True
         for conn in list(self._conns.values()):
             conn.close(now)
             self._schedule(conn)

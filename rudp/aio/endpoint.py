@@ -884,8 +884,9 @@ class AioEndpoint:
     def refuse_new(self) -> None:
         """From now on refuse new connects and queries (`EndpointClosed`): a close is
         starting (``Server.close()`` runs it in a task of its own, which starts a loop
-        turn later)."""
+        turn later), and new handshakes (REJECT "server closing")."""
         self._closing = True
+        self.core.refusing = True
 
     def _check_open(self) -> None:
         """Refuse something new (a connect, a query) once the close has begun: the close

@@ -75,3 +75,27 @@ async def test_recv_nowait_raises_connection_closed_once_the_inbox_is_empty_afte
         assert (info.value.reason, info.value.text) == ("closed", ended.text)
         with pytest.raises(rudp.ConnectionClosed):  # as recv() says
             await asyncio.wait_for(conn.recv(), 5)
+
+
+async def test_a_client_connecting_while_the_server_closes_is_refused_at_once() -> None:
+    # It was accepted, given a handler, then cut off unannounced when the close ended
+    # (its recv() waited out idle_timeout), and the close waited for its handler.
+    cleaning = asyncio.Event()
+
+    async def slow_cleanup(conn: rudp.Connection) -> None:
+        try:
+            async for _ in conn:
+                pass
+        finally:
+            cleaning.set()
+            await asyncio.sleep(0.5)  # saving the player's state, say
+
+    server = await rudp.serve(slow_cleanup, "127.0.0.1", 0, config=QUICK)
+    first = await asyncio.wait_for(rudp.connect(*server.address), 5)
+    closing = server.close()
+    await asyncio.wait_for(cleaning.wait(), 5)  # the close is under way
+    with pytest.raises(rudp.ConnectRefused, match="server closing"):
+        await asyncio.wait_for(rudp.connect(*server.address), 5)
+    await asyncio.wait_for(closing, 5)
+    assert first.closed and server.endpoint.is_closed
+    assert server.endpoint.core.stats.connections_refused == 1
