@@ -58,6 +58,10 @@ class Queries:
     @staticmethod
     def reply(event: QueryReceived, payload: bytes) -> bytes:
         """The QUERY_REPLY answering ``event``; no larger than its request allows."""
+        if type(payload) is not bytes:
+            # A memoryview's len() counts its items, not its bytes (an array of
+            # doubles: 8 bytes each), and one not contiguous cannot be joined.
+            payload = bytes(payload)
         if len(payload) > event.max_reply:
             raise MessageTooLarge(
                 f"query reply of {len(payload)} bytes exceeds the {event.max_reply}"

@@ -813,6 +813,8 @@ class AioEndpoint:
         if not isinstance(reply, bytes | bytearray | memoryview):
             log.error("query_handler_bad_reply type=%s", type(reply).__name__)
             return
+        if type(reply) is not bytes:
+            reply = bytes(reply)  # a memoryview's len() counts items, not bytes
         if len(reply) > event.max_reply:
             # The request was not padded enough: answering would amplify. Anyone can
             # send such requests, so this is counted, not logged as an error.

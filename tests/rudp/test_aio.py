@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
 import dataclasses
 import os
@@ -211,6 +212,30 @@ async def test_unconnected_query_never_amplifies(server: rudp.Server) -> None:
     stats = server.stats
     assert stats.unvalidated_bytes_sent <= stats.unvalidated_bytes_received
     await client.close()
+
+
+async def test_a_memoryview_query_reply_is_measured_in_bytes(server: rudp.Server) -> None:
+    # len() of a memoryview counts its items: an array of doubles as long as a query
+    # may carry went out 8 times that size to an address nobody validated, and a
+    # view that is not contiguous raised out of the read callback.
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    limit = server.endpoint.core.max_query_payload
+    client = await rudp.open_endpoint("127.0.0.1", 0)
+    async with client:
+        server.on_query = lambda payload, addr: memoryview(array.array("d", [0.0] * limit))
+        with pytest.raises(TimeoutError):
+            await client.query(server.address, b"q", timeout=0.3)
+        assert server.endpoint.queries_unanswered == 1
+        server.on_query = lambda payload, addr: memoryview(b"abcdef")[::2]
+        reply, _ = await client.query(server.address, b"q", timeout=5)
+        assert reply == b"ace"
+        server.on_query = lambda payload, addr: memoryview(array.array("d", [1.0] * 4))
+        reply, _ = await client.query(server.address, b"q", timeout=5)
+        assert reply == array.array("d", [1.0] * 4).tobytes()
+    stats = server.stats
+    assert stats.unvalidated_bytes_sent <= stats.unvalidated_bytes_received
+    assert errors == []
 
 
 async def test_garbage_flood_while_a_connection_keeps_working(server: rudp.Server) -> None:
