@@ -72,6 +72,7 @@ from rudp.noise import private_key, public_bytes
 from rudp.opening import receive_accept, receive_challenge, receive_reject
 from rudp.queries import Queries
 from rudp.sink import EndpointSink
+from rudp.state import CLOSING, DRAINING
 from rudp.stats import EndpointStats
 from rudp.tokens import MAX_TOKEN_SIZE, TokenVerifier
 from rudp.wire import DecodeError, DropReason, PacketType
@@ -182,7 +183,18 @@ class Endpoint:
         """
         self._check_token(token, token_key)
         existing = self._conns.get(address)
+        if existing is not None and existing.state is DRAINING:
+            # Ended, lingering only to acknowledge a resent DISCONNECT: a reconnect right
+            # after the end takes its place (the peer's resend then draws a NOCONN,
+            # which ends its close as well).
+            existing.abort()
+            existing = self._conns.get(address)
         if existing is not None:
+            if existing.state is CLOSING:
+                raise LocalProtocolError(
+                    f"the connection to {address!r} is still closing: wait for its end "
+                    "(wait_closed()) before connecting again"
+                )
             if existing.client:
                 raise LocalProtocolError(f"already connected or connecting to {address!r}")
             raise LocalProtocolError(

@@ -99,3 +99,22 @@ async def test_a_client_connecting_while_the_server_closes_is_refused_at_once() 
     await asyncio.wait_for(closing, 5)
     assert first.closed and server.endpoint.is_closed
     assert server.endpoint.core.stats.connections_refused == 1
+
+
+async def test_connecting_again_right_after_the_end_is_taken() -> None:
+    # The ended connection lingers a few RTOs to acknowledge a resent DISCONNECT; a
+    # connect() to the same peer then raised "already connected or connecting".
+    async def one_message(conn: rudp.Connection) -> None:
+        await conn.recv()
+
+    async with (
+        await rudp.serve(one_message, "127.0.0.1", 0, config=QUICK) as server,
+        await rudp.open_endpoint("127.0.0.1", 0, config=QUICK) as endpoint,
+    ):
+        first = await asyncio.wait_for(endpoint.connect(*server.address), 5)
+        first.send(b"bye")
+        ended = await asyncio.wait_for(first.wait_closed(), 5)
+        assert ended.reason is rudp.DisconnectReason.CLOSED and ended.by_peer
+        again = await asyncio.wait_for(endpoint.connect(*server.address), 5)
+        again.send(b"again")
+        assert (await asyncio.wait_for(again.wait_closed(), 5)).by_peer
