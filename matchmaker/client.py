@@ -433,7 +433,8 @@ class MatchmakerClient:
         self.dropped: Counter[str] = Counter()
         """Datagrams on the host's socket dropped, by reason: ``wrong_source`` (not
         from the replica we heartbeat to), ``bad_mac``, ``stale`` (answers no
-        heartbeat we sent)."""
+        heartbeat we sent), ``stale_ack`` (acknowledges a heartbeat acknowledged
+        before)."""
         self._socket_of_its_own = False
         """Made by `to()` without ``via``: its ephemeral socket is no game's address."""
 
@@ -951,6 +952,11 @@ class MatchmakerClient:
                 self.dropped["bad_mac"] += 1
             elif acked > beats.counter:
                 self.dropped["stale"] += 1
+            elif acked < beats.round_start:
+                # A heartbeat acknowledged already (a copy, or one overtaken by a
+                # later acknowledgment), or one before the first: it moves nothing,
+                # and must not wake the round into sending the next one early.
+                self.dropped["stale_ack"] += 1
             else:
                 beats.acked = max(beats.acked, acked)
                 # Heartbeats up to the one acknowledged wait no longer (a NOT_REGISTERED

@@ -201,6 +201,34 @@ async def test_a_not_registered_for_a_heartbeat_sent_after_the_last_acknowledged
         assert host.dropped["stale"] == 0
 
 
+async def test_a_replayed_acknowledgment_does_not_hurry_the_next_heartbeat() -> None:
+    # An acknowledgment seen on the path and sent again moves nothing: it used to
+    # wake the waiting round, which sent its next heartbeat at once, one heartbeat
+    # for every replayed acknowledgment that found the round waiting.
+    board = Board(Harness(keepalive=5.0))
+    host = MatchmakerClient(board.connector(), datagrams=board.port(), timeout=40.0)
+    async with host:
+        await asyncio.wait_for(host.register(**HOST), 5)
+        beats = host._beats
+        assert beats is not None
+        assert await asyncio.wait_for(host._beat_round(beats, 2.0), 5)  # acknowledged
+        old = hb.encode_ack(beats.secret, beats.address, beats.counter)
+        board.net.server = lambda data, source: []  # the replica goes quiet
+        sent = len(board.net.to_server)
+        waiting = asyncio.ensure_future(host._beat_round(beats, 20.0))
+        await eventually(lambda: len(board.net.to_server) == sent + 1)  # the round's first
+        port = board.port()
+        for _ in range(100):
+            port.deliver(old, SERVER_ADDRESS)
+            await asyncio.sleep(0)
+        # The next heartbeat of the round is due timeout / 4 = 10 s later.
+        assert len(board.net.to_server) == sent + 1
+        assert host.dropped["stale_ack"] == 100 and not waiting.done()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+
 # -- a replica that answers but refuses is left for the next --------------------------------
 
 REFUSALS: dict[str, Answer] = {
