@@ -35,6 +35,10 @@ entries as fit in the size of its request:
   list fit.  A stock ``getservers 68 empty full`` request (29 bytes) leaves room
   for one entry and no ``EOT``; longer requests (more keywords) get more.
 
+A request too short for the smallest answer (the reply's header and one entry,
+or the end of the list) is dropped (``no_room``) before anything else: it takes
+no token and reads no host.
+
 Steam filter keys understood: ``gamedir`` (the game), ``map``, ``empty``
 (not empty), ``full`` (not full), ``noplayers``, ``password``, ``gametype``
 (tags, all of them), ``name_match`` and ``version_match`` (``*`` wildcards).
@@ -360,6 +364,9 @@ class MasterResponder:
         except MalformedFilter as exc:
             self._drop(exc.reason, address)
             return None
+        if room < len(STEAM_REPLY) + IPV4_ENTRY.size:  # one host, or the list's end
+            self._drop("no_room", address)
+            return None
         # A first page costs what a list request does; the next ones, paging by
         # seed, share one list request's cost between `page_hosts` hosts.
         first = query.seed == (0, 0)
@@ -375,6 +382,10 @@ class MasterResponder:
         return self._answered(reply, address)
 
     def _q3(self, query: Q3Query, room: int, address: Address) -> bytes | None:
+        head = Q3_EXT_REPLY if query.ext else Q3_REPLY
+        if room < len(head) + min(1 + IPV4_ENTRY.size, len(Q3_EOT)):  # one host, or the end
+            self._drop("no_room", address)
+            return None
         if not self._allow(address, 1.0):
             return None
         f = q3_filter(query)

@@ -343,6 +343,43 @@ async def test_first_pages_cost_a_list_request_and_next_pages_a_share() -> None:
     assert master.datagram_received(page, CLIENT) is None
 
 
+# -- what the port can be made to do, all sources together --------------------------------
+
+
+def count_scans(monkeypatch: pytest.MonkeyPatch) -> list[ListFilter]:
+    """The filters of the passes over the hosts the master port makes from now on."""
+    scans: list[ListFilter] = []
+
+    def counted(registry: MemoryRegistry, f: ListFilter) -> list[object]:
+        scans.append(f)
+        return visible(registry, f)  # type: ignore[return-value]
+
+    monkeypatch.setattr(matchmaker.master, "visible", counted)
+    return scans
+
+
+def spoofed(i: int) -> Address:
+    return Address(f"203.0.{i // 250}.{i % 250 + 1}", 1000 + i)
+
+
+async def test_a_request_too_short_for_any_answer_costs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 17 bytes of "getservers 68" leave no room for the reply's header and one
+    # entry: it used to take a token and make the whole pass before it was dropped.
+    clock = FakeClock()
+    master = responder(await registry_with(3, clock), clock, burst=1.0)
+    scans = count_scans(monkeypatch)
+    for i in range(100):
+        assert master.datagram_received(b"\xff\xff\xff\xffgetservers 68", spoofed(i)) is None
+        assert master.datagram_received(b"\xff\xff\xff\xffgetserversExt a 68", CLIENT) is None
+    assert scans == [] and master.drops["no_room"] == 200 and master.rate_limited == 0
+    # The shortest request with room for an answer (22 bytes of header, 7 of entry).
+    stock = b"\xff\xff\xff\xffgetservers 68 empty full\n"
+    assert len(stock) == 29 and master.datagram_received(stock, CLIENT) is not None
+    assert len(scans) == 1
+
+
 # -- Quake III getservers ------------------------------------------------------------------
 
 
