@@ -79,12 +79,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 import random
 import socket
 import weakref
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -286,6 +287,42 @@ class ServerList(list[HostEntry]):
         return f"ServerList({list.__repr__(self)}, limit={self.limit}{more})"
 
 
+INTRODUCTIONS_REMEMBERED = 256
+"""Introduction ids above `_IntroductionIds.floor` remembered one by one."""
+
+
+class _IntroductionIds:
+    """The introduction ids one replica sent us and we took, to take none twice for
+    the life of the registration, in bounded memory.
+
+    A replica numbers its introductions in increasing order (from a random start,
+    its own), and resends one only while it waits for its acknowledgement (a few
+    seconds, 64 at most per host).  So the latest `INTRODUCTIONS_REMEMBERED` ids
+    are kept one by one, and every id at or below the lowest one forgotten (the
+    `floor`) is taken as seen: an INTRODUCTION carries no time, and its MAC stays
+    good for the whole registration, so a copy sent again by anyone who saw it
+    would otherwise be queued again once its id was forgotten.
+    """
+
+    __slots__ = ("_heap", "_ids", "floor")
+
+    def __init__(self) -> None:
+        self.floor = -1
+        self._ids: set[int] = set()
+        self._heap: list[int] = []
+
+    def take(self, intro_id: int) -> bool:
+        """True the first time `intro_id` comes, False for one taken (or forgotten) before."""
+        if intro_id <= self.floor or intro_id in self._ids:
+            return False
+        self._ids.add(intro_id)
+        heapq.heappush(self._heap, intro_id)
+        if len(self._heap) > INTRODUCTIONS_REMEMBERED:
+            self.floor = heapq.heappop(self._heap)
+            self._ids.discard(self.floor)
+        return True
+
+
 @dataclass(slots=True)
 class _Beats:
     """One registration's connectionless heartbeats."""
@@ -299,6 +336,10 @@ class _Beats:
     former: tuple[Any, ...] | None = None
     """The replica heartbeats went to before (a takeover): its introductions,
     sent before it learnt of the move, are still taken."""
+    intros: _IntroductionIds = field(default_factory=_IntroductionIds)
+    """The introductions taken from `replica` (its ids, since it took us)."""
+    former_intros: _IntroductionIds = field(default_factory=_IntroductionIds)
+    """The introductions taken from `former`."""
     counter: int = field(default_factory=hb.first_counter)
     """The last counter sent; starts at random so that no one off the path can
     guess the counters a NOT_REGISTERED must echo."""
@@ -411,8 +452,6 @@ class MatchmakerClient:
         self._keeper: asyncio.Task[None] | None = None
         self._port = datagrams
         self._beats: _Beats | None = None
-        self._seen_intros: deque[int] = deque(maxlen=256)
-        """Ids of the latest introductions, so a resent one is queued once."""
         self.address: Address | None = None
         """Our public address as the matchmaker sees it (after `register`)."""
         self.introductions: asyncio.Queue[Introduction] = asyncio.Queue(max_introductions)
@@ -433,7 +472,9 @@ class MatchmakerClient:
         self.dropped: Counter[str] = Counter()
         """Datagrams on the host's socket dropped, by reason: ``wrong_source`` (not
         from the replica we heartbeat to), ``bad_mac``, ``stale`` (answers no
-        heartbeat we sent)."""
+        heartbeat we sent), ``stale_ack`` (acknowledges a heartbeat acknowledged
+        before), ``seen_introduction`` (an introduction taken before: acknowledged
+        again, not queued)."""
         self._socket_of_its_own = False
         """Made by `to()` without ``via``: its ephemeral socket is no game's address."""
 
@@ -627,7 +668,6 @@ class MatchmakerClient:
         self._wrong_replicas.clear()
         self._needs_register.clear()
         self._beats = None
-        self._seen_intros.clear()  # introduction ids are per registration
         if self._port is not None and reply.secret:
             self._listen()
             self._beats = _Beats(reply.secret, reply.address, conn.remote_address)
@@ -918,7 +958,10 @@ class MatchmakerClient:
             if taken or self._needs_register.is_set():
                 self._route, self._avoid = label, None  # a live replica: next requests go there
                 if taken:
-                    beats.former = left
+                    # Another process numbers our introductions from now on, from
+                    # a start of its own (the same address may be a new process).
+                    beats.former, beats.former_intros = left, beats.intros
+                    beats.intros = _IntroductionIds()
                     self.takeovers += 1
                     log.info("taken_over address=%s", label)
                 return taken
@@ -941,7 +984,7 @@ class MatchmakerClient:
             former = beats.former
             if data[0] == hb.Kind.INTRODUCTION and former and _same_place(source, former):
                 # Authenticated by its MAC; sent before that replica saw us move.
-                return self._on_introduction_datagram(beats, data)
+                return self._on_introduction_datagram(beats, data, beats.former_intros)
             # Only the replica we heartbeat to speaks for the registration.
             self.dropped["wrong_source"] += 1
             return []
@@ -951,6 +994,11 @@ class MatchmakerClient:
                 self.dropped["bad_mac"] += 1
             elif acked > beats.counter:
                 self.dropped["stale"] += 1
+            elif acked < beats.round_start:
+                # A heartbeat acknowledged already (a copy, or one overtaken by a
+                # later acknowledgment), or one before the first: it moves nothing,
+                # and must not wake the round into sending the next one early.
+                self.dropped["stale_ack"] += 1
             else:
                 beats.acked = max(beats.acked, acked)
                 # Heartbeats up to the one acknowledged wait no longer (a NOT_REGISTERED
@@ -971,19 +1019,23 @@ class MatchmakerClient:
                 self._needs_register.set()
                 beats.answered.set()
         elif data[0] == hb.Kind.INTRODUCTION:
-            return self._on_introduction_datagram(beats, data)
+            return self._on_introduction_datagram(beats, data, beats.intros)
         return []
 
-    def _on_introduction_datagram(self, beats: _Beats, data: bytes) -> list[bytes]:
+    def _on_introduction_datagram(
+        self, beats: _Beats, data: bytes, seen: _IntroductionIds
+    ) -> list[bytes]:
         found = hb.decode_introduction(beats.secret, beats.address, data)
         if found is None:
             self.dropped["bad_mac"] += 1
             return []
         intro_id, payload = found
         ack = hb.encode_introduction_ack(beats.secret, beats.address, intro_id)
-        if intro_id in self._seen_intros:
-            return [ack]  # our acknowledgement was lost: the matchmaker sent it again
-        self._seen_intros.append(intro_id)
+        if not seen.take(intro_id):
+            # Our acknowledgement was lost and the replica sent it again, or a copy
+            # was replayed: acknowledged (the replica stops resending), not queued.
+            self.dropped["seen_introduction"] += 1
+            return [ack]
         self._on_message(payload)
         return [ack]
 

@@ -35,6 +35,21 @@ entries as fit in the size of its request:
   list fit.  A stock ``getservers 68 empty full`` request (29 bytes) leaves room
   for one entry and no ``EOT``; longer requests (more keywords) get more.
 
+A request too short for the smallest answer (the reply's header and one entry,
+or the end of the list) is dropped (``no_room``) before anything else: it takes
+no token and reads no host.
+
+What a query costs, in total and not only per source (the sources may all be
+spoofed, and each new one has a full bucket): reading the list is a pass over
+every host of the games it covers (`catalog.visible`).  That pass is made at
+most `SCAN_RATE` times a second for all sources together (the rest are refused
+as rate limited), and what it finds is kept for `LIST_SECONDS` (at most
+`LISTS_KEPT` lists, the least recently used given up first), ready to answer:
+the same query again, and each next page of it, costs a binary search and a
+slice (Steam: the list is kept in reply form, 6 bytes a host in address order),
+or a sample of as many hosts as fit (Quake III).  So a list may be up to
+`LIST_SECONDS` old.
+
 Steam filter keys understood: ``gamedir`` (the game), ``map``, ``empty``
 (not empty), ``full`` (not full), ``noplayers``, ``password``, ``gametype``
 (tags, all of them), ``name_match`` and ``version_match`` (``*`` wildcards).
@@ -45,7 +60,8 @@ room for IPv6).
 A wildcard pattern is matched without regular expressions and without a cache:
 split on ``*``, its pieces are found in order with `str.startswith`, `str.find`
 and `str.endswith`, case-insensitively, so a query's cost is linear in the
-pattern and the names, and nothing a query asks for is kept.  A pattern is at
+pattern and the names, and nothing a query asks for is kept but the list it
+made (above: the filter is its key).  A pattern is at
 most as long as the longest name (or version) the registry accepts with a ``*``
 before and after each of its characters; a query with a longer one is taken
 for malformed and dropped (``pattern_too_long``).  The protocols have no error
@@ -60,15 +76,18 @@ import ipaddress
 import logging
 import random
 import re
+import socket
 import struct
-from collections.abc import Callable
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from matchmaker.addresses import Address, from_sockaddr, rate_key
 from matchmaker.catalog import EVERY_GAME, visible
 from matchmaker.messages import DEFAULT_LIMITS, ListFilter
-from matchmaker.ratelimit import RateLimiter
+from matchmaker.ratelimit import Rate, RateLimiter
 from matchmaker.registry import Registry
 from matchmaker.registry.base import HostRecord
 
@@ -90,6 +109,14 @@ _SEED = re.compile(rb"(\d{1,3}(?:\.\d{1,3}){3}):(\d{1,5})")
 # name (version) the registry accepts (messages.Limits, not configurable).
 MAX_NAME_PATTERN = 2 * DEFAULT_LIMITS.name_chars + 1
 MAX_VERSION_PATTERN = 2 * DEFAULT_LIMITS.ident_chars + 1
+SCAN_RATE = Rate(rate=10.0, burst=10.0)
+"""Passes over the hosts (`catalog.visible`) per second, all sources together.  A
+pass over 20,000 hosts takes about 20 ms, so this caps the port at about a fifth
+of a core however many sources ask; lists already made answer without one."""
+LIST_SECONDS = 1.0
+"""How long the list one pass made answers the same query (and its next pages)."""
+LISTS_KEPT = 16
+"""Lists kept at once, per protocol (a Steam one is 6 bytes a host)."""
 DROP_REASONS = ("not_a_query", "no_room", "pattern_too_long")
 """Why a datagram got no answer (`MasterResponder.drops`): not a request we know,
 no room in its size for any answer, a wildcard pattern over its cap."""
@@ -265,48 +292,139 @@ def q3_filter(query: Q3Query) -> ListFilter:
 # -- encoding ---------------------------------------------------------------------
 
 
-def _ipv4_key(record: HostRecord) -> tuple[int, int]:
-    return int(ipaddress.IPv4Address(record.address.ip)), record.address.port
+def steam_list(records: Iterable[HostRecord]) -> bytes:
+    """The IPv4 `records` as Steam replies list them: 6 bytes each, in address order
+    (the bytes sort as the (address, port) pairs do)."""
+    return b"".join(
+        sorted(
+            IPV4_ENTRY.pack(socket.inet_pton(socket.AF_INET, r.address.ip), r.address.port)
+            for r in records
+        )
+    )
 
 
-def steam_page(records: list[HostRecord], seed: tuple[int, int], room: int) -> bytes | None:
-    """The reply page after `seed` holding at most `room` bytes, or None if none fits."""
-    slots = (room - len(STEAM_REPLY)) // IPV4_ENTRY.size
+def steam_page(listed: bytes, seed: tuple[int, int], room: int) -> bytes | None:
+    """The reply page of `listed` (a `steam_list`) after `seed` holding at most `room`
+    bytes, or None if none fits."""
+    size = IPV4_ENTRY.size
+    slots = (room - len(STEAM_REPLY)) // size
     if slots < 1:
         return None
-    keys = sorted(_ipv4_key(r) for r in records)
-    after = [k for k in keys if k > seed]
-    out = [IPV4_ENTRY.pack(ip.to_bytes(4, "big"), port) for ip, port in after[:slots]]
-    if len(after) < slots:
-        out.append(STEAM_END)
-    return STEAM_REPLY + b"".join(out)
+    start = _first_after(listed, IPV4_ENTRY.pack(seed[0].to_bytes(4, "big"), seed[1]))
+    page = listed[start : start + slots * size]
+    end = STEAM_END if len(listed) - start < slots * size else b""
+    return STEAM_REPLY + page + end
+
+
+def _first_after(listed: bytes, key: bytes) -> int:
+    """Where the first entry of `listed` (sorted, each as long as `key`) above `key` starts."""
+    size = len(key)
+    lo, hi = 0, len(listed) // size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if listed[mid * size : (mid + 1) * size] <= key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo * size
 
 
 def q3_entry(address: Address) -> bytes:
-    ip = ipaddress.ip_address(address.ip)
-    if isinstance(ip, ipaddress.IPv4Address):
-        return b"\\" + IPV4_ENTRY.pack(ip.packed, address.port)
-    return b"/" + IPV6_ENTRY.pack(ip.packed, address.port)
+    if address.family == 4:
+        return b"\\" + IPV4_ENTRY.pack(socket.inet_pton(socket.AF_INET, address.ip), address.port)
+    return b"/" + IPV6_ENTRY.pack(socket.inet_pton(socket.AF_INET6, address.ip), address.port)
 
 
-def q3_reply(records: list[HostRecord], ext: bool, room: int, rng: random.Random) -> bytes | None:
-    """A random sample of `records` in a reply of at most `room` bytes (None if no
-    entry fits); ``EOT`` when every record is in it."""
-    head = Q3_EXT_REPLY if ext else Q3_REPLY
+Q3_IPV4_BYTES = 1 + IPV4_ENTRY.size
+Q3_IPV6_BYTES = 1 + IPV6_ENTRY.size
+
+
+@dataclass(frozen=True, slots=True)
+class Q3List:
+    """Hosts as a Quake III reply lists them, IPv4 entries then IPv6 ones."""
+
+    ipv4: bytes
+    """``\\`` + IPv4 + port per host."""
+    ipv6: bytes
+    """``/`` + IPv6 + port per host."""
+
+    def __len__(self) -> int:
+        return len(self.ipv4) // Q3_IPV4_BYTES + len(self.ipv6) // Q3_IPV6_BYTES
+
+    def entry(self, i: int) -> bytes:
+        """The `i`-th host's entry."""
+        at = i * Q3_IPV4_BYTES
+        if at < len(self.ipv4):
+            return self.ipv4[at : at + Q3_IPV4_BYTES]
+        at = (i - len(self.ipv4) // Q3_IPV4_BYTES) * Q3_IPV6_BYTES
+        return self.ipv6[at : at + Q3_IPV6_BYTES]
+
+
+def q3_list(records: Iterable[HostRecord]) -> Q3List:
     entries = [q3_entry(r.address) for r in records]
-    rng.shuffle(entries)
+    return Q3List(
+        b"".join(e for e in entries if len(e) == Q3_IPV4_BYTES),
+        b"".join(e for e in entries if len(e) == Q3_IPV6_BYTES),
+    )
+
+
+def q3_reply(listed: Q3List, ext: bool, room: int, rng: random.Random) -> bytes | None:
+    """A random sample of `listed` in a reply of at most `room` bytes (None if no
+    entry fits); ``EOT`` when every host is in it.  Only as many hosts are drawn
+    as the smallest entries would fit: the work is the reply's, not the list's."""
+    head = Q3_EXT_REPLY if ext else Q3_REPLY
+    hosts = len(listed)
+    drawn = rng.sample(range(hosts), min(hosts, max(0, (room - len(head)) // Q3_IPV4_BYTES)))
     body = bytearray()
     taken = 0
-    for entry in entries:
+    for i in drawn:
+        entry = listed.entry(i)
         if len(head) + len(body) + len(entry) > room:
             break
         body += entry
         taken += 1
-    if taken == len(entries) and len(head) + len(body) + len(Q3_EOT) <= room:
+    if taken == hosts and len(head) + len(body) + len(Q3_EOT) <= room:
         body += Q3_EOT
     if not body:
         return None
     return head + bytes(body)
+
+
+# -- lists kept ---------------------------------------------------------------------------
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class RecentLists(Generic[K, V]):
+    """The lists the latest passes made, by query, each kept for `max_age` seconds;
+    at most `max_lists` of them, the least recently used given up first."""
+
+    def __init__(self, max_age: float, max_lists: int) -> None:
+        self.max_age = max_age
+        self.max_lists = max_lists
+        self._lists: OrderedDict[K, tuple[float, V]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lists)
+
+    def get(self, key: K, now: float) -> V | None:
+        """The list kept for `key`, None if there is none or it is too old."""
+        kept = self._lists.get(key)
+        if kept is None:
+            return None
+        made, value = kept
+        if not 0.0 <= now - made < self.max_age:  # a clock step back: made anew
+            del self._lists[key]
+            return None
+        self._lists.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V, now: float) -> None:
+        self._lists[key] = (now, value)
+        self._lists.move_to_end(key)
+        while len(self._lists) > self.max_lists:
+            self._lists.popitem(last=False)
 
 
 # -- the responder ---------------------------------------------------------------------
@@ -314,7 +432,7 @@ def q3_reply(records: list[HostRecord], ext: bool, room: int, rng: random.Random
 
 class MasterResponder:
     """Answers Steam master and Quake III ``getservers`` requests (sans-IO but for
-    the registry's clock)."""
+    the registry's clock and `clock`)."""
 
     def __init__(
         self,
@@ -323,6 +441,8 @@ class MasterResponder:
         *,
         page_hosts: int,
         rng: random.Random | None = None,
+        scans: Rate = SCAN_RATE,
+        clock: Callable[[], float] = time.monotonic,
         on_rate_limited: Callable[[], None] | None = None,
         on_result: Callable[[str], None] | None = None,
     ) -> None:
@@ -330,13 +450,24 @@ class MasterResponder:
         self._limiter = limiter
         self._page_hosts = page_hosts
         self._rng = rng or random.Random()
+        self._clock = clock
+        # One bucket for every source: the passes over the hosts it allows.
+        self._scans = RateLimiter(scans, max_keys=1, clock=clock)
+        self._steam_lists: RecentLists[tuple[tuple[str, str], ...], bytes] = RecentLists(
+            LIST_SECONDS, LISTS_KEPT
+        )
+        self._q3_lists: RecentLists[Q3Query, Q3List] = RecentLists(LIST_SECONDS, LISTS_KEPT)
         self._on_rate_limited = on_rate_limited
         # Told each datagram's result: "answered", "rate_limited" or "dropped".
         self._on_result = on_result
         self.answered = 0
         """Requests answered."""
         self.rate_limited = 0
-        """Requests refused by the rate limit (no reply)."""
+        """Requests refused by the rate limit, the source's or `scans_refused` (no reply)."""
+        self.scans = 0
+        """Passes made over the hosts (`catalog.visible`): queries no kept list answered."""
+        self.scans_refused = 0
+        """Requests refused for want of a pass (over `SCAN_RATE`, all sources together)."""
         self.dropped = 0
         """Datagrams that were no request we know, too short for any answer, or
         malformed (each of them counted in `drops` too)."""
@@ -360,6 +491,9 @@ class MasterResponder:
         except MalformedFilter as exc:
             self._drop(exc.reason, address)
             return None
+        if room < len(STEAM_REPLY) + IPV4_ENTRY.size:  # one host, or the list's end
+            self._drop("no_room", address)
+            return None
         # A first page costs what a list request does; the next ones, paging by
         # seed, share one list request's cost between `page_hosts` hosts.
         first = query.seed == (0, 0)
@@ -367,28 +501,57 @@ class MasterResponder:
         if not self._allow(address, 1.0 if first else min(1.0, entries / self._page_hosts)):
             return None
         if parsed is None:
-            records: list[HostRecord] = []
+            listed = b""
         else:
-            f, test = parsed
-            records = [r for r in visible(self._registry, f) if test(r)]
-        reply = steam_page(records, query.seed, room)
-        return self._answered(reply, address)
+            now = self._clock()
+            found = self._steam_lists.get(query.filters, now)
+            if found is None:
+                if not self._scan(address):
+                    return None
+                f, test = parsed
+                found = steam_list(r for r in visible(self._registry, f) if test(r))
+                self._steam_lists.put(query.filters, found, now)
+            listed = found
+        return self._answered(steam_page(listed, query.seed, room), address)
 
     def _q3(self, query: Q3Query, room: int, address: Address) -> bytes | None:
+        head = Q3_EXT_REPLY if query.ext else Q3_REPLY
+        if room < len(head) + min(Q3_IPV4_BYTES, len(Q3_EOT)):  # one host, or the end
+            self._drop("no_room", address)
+            return None
         if not self._allow(address, 1.0):
             return None
-        f = q3_filter(query)
-        records = [r for r in visible(self._registry, f) if r.address.family in query.families]
-        return self._answered(q3_reply(records, query.ext, room, self._rng), address)
+        now = self._clock()
+        listed = self._q3_lists.get(query, now)
+        if listed is None:
+            if not self._scan(address):
+                return None
+            records = visible(self._registry, q3_filter(query))
+            listed = q3_list(r for r in records if r.address.family in query.families)
+            self._q3_lists.put(query, listed, now)
+        return self._answered(q3_reply(listed, query.ext, room, self._rng), address)
+
+    def _scan(self, address: Address) -> bool:
+        """Whether a pass over the hosts may be made now (counted), for all sources."""
+        if self._scans.allow(""):
+            self.scans += 1
+            return True
+        self.scans_refused += 1
+        log.debug("master_scans_spent peer=%s", address)
+        self._refused()
+        return False
 
     def _allow(self, address: Address, cost: float) -> bool:
         if self._limiter.allow(rate_key(address.ip), cost):
             return True
+        self._refused()
+        return False
+
+    def _refused(self) -> None:
         self.rate_limited += 1
         if self._on_rate_limited is not None:
             self._on_rate_limited()
         self._tell("rate_limited")
-        return False
 
     def _answered(self, reply: bytes | None, address: Address) -> bytes | None:
         if reply is None:

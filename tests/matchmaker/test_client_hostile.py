@@ -20,6 +20,7 @@ from matchmaker.client import (
     MatchmakerClient,
     MatchmakerError,
     ReplyRefused,
+    _Beats,
 )
 from matchmaker.messages import (
     PROTOCOL_VERSION,
@@ -29,12 +30,14 @@ from matchmaker.messages import (
     HostEntry,
     InfoReply,
     InfoRequest,
+    Introduction,
     ListPage,
     ListRequest,
     Message,
     Ok,
     Register,
     Registered,
+    Role,
     WrongVersion,
     decode,
     encode,
@@ -199,6 +202,108 @@ async def test_a_not_registered_for_a_heartbeat_sent_after_the_last_acknowledged
         assert beats.counter == first + 1  # the resend left before the acknowledgment
         await eventually(lambda: host.registrations == 2)  # registered again at once
         assert host.dropped["stale"] == 0
+
+
+async def test_a_replayed_acknowledgment_does_not_hurry_the_next_heartbeat() -> None:
+    # An acknowledgment seen on the path and sent again moves nothing: it used to
+    # wake the waiting round, which sent its next heartbeat at once, one heartbeat
+    # for every replayed acknowledgment that found the round waiting.
+    board = Board(Harness(keepalive=5.0))
+    host = MatchmakerClient(board.connector(), datagrams=board.port(), timeout=40.0)
+    async with host:
+        await asyncio.wait_for(host.register(**HOST), 5)
+        beats = host._beats
+        assert beats is not None
+        assert await asyncio.wait_for(host._beat_round(beats, 2.0), 5)  # acknowledged
+        old = hb.encode_ack(beats.secret, beats.address, beats.counter)
+        board.net.server = lambda data, source: []  # the replica goes quiet
+        sent = len(board.net.to_server)
+        waiting = asyncio.ensure_future(host._beat_round(beats, 20.0))
+        await eventually(lambda: len(board.net.to_server) == sent + 1)  # the round's first
+        port = board.port()
+        for _ in range(100):
+            port.deliver(old, SERVER_ADDRESS)
+            await asyncio.sleep(0)
+        # The next heartbeat of the round is due timeout / 4 = 10 s later.
+        assert len(board.net.to_server) == sent + 1
+        assert host.dropped["stale_ack"] == 100 and not waiting.done()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+
+# -- heartbeat datagrams: replayed introductions ---------------------------------------------
+
+SECRET = b"s" * 32
+OTHER_REPLICA = ("198.51.100.2", 27950)
+
+
+def introduction(intro_id: int) -> bytes:
+    """An INTRODUCTION as a replica sends it to `LISTED` (MAC'd, no time in it)."""
+    peer = Address(pub(2 + intro_id % 200), 5000 + intro_id % 1000)
+    message = Introduction(role=Role.HOST, peer=peer, nonce=intro_id.to_bytes(16, "big"))
+    return hb.encode_introduction(SECRET, LISTED, intro_id, encode(message))
+
+
+def heartbeating(**kw: Any) -> tuple[MatchmakerClient, _Beats, Any, DatagramNet]:
+    """A host's client heartbeating to `SERVER_ADDRESS`, with no connection."""
+    net = DatagramNet()
+    port = net.port((LISTED.ip, LISTED.port))
+    host = MatchmakerClient(lambda: None, datagrams=port, **kw)  # type: ignore[arg-type]
+    beats = host._beats = _Beats(SECRET, LISTED, SERVER_ADDRESS)
+    host._listen()
+    return host, beats, port, net
+
+
+def queued(host: MatchmakerClient) -> list[int]:
+    out = []
+    while not host.introductions.empty():
+        out.append(int.from_bytes(host.introductions.get_nowait().nonce, "big"))
+    return out
+
+
+async def test_an_introduction_replayed_after_many_newer_ones_is_not_queued_again() -> None:
+    # An on-path observer sends old INTRODUCTION datagrams again: the MAC is good
+    # for the whole registration and there is no time in them.  Once 256 newer
+    # ones had pushed its id out of what the client remembered, each was queued
+    # again, and 64 of them pushed a genuine introduction out of the queue.
+    host, _, port, net = heartbeating()
+    for intro_id in range(1000, 1600):
+        port.deliver(introduction(intro_id), SERVER_ADDRESS)
+        assert queued(host) == [intro_id]
+    acks = len(net.to_server)
+    port.deliver(introduction(1600), SERVER_ADDRESS)  # a genuine new one
+    for intro_id in range(1000, 1601):
+        port.deliver(introduction(intro_id), SERVER_ADDRESS)
+    assert queued(host) == [1600]
+    # Each copy is acknowledged again, so that a replica still resending stops.
+    assert len(net.to_server) == acks + 1 + 601
+    assert host.dropped["seen_introduction"] == 601
+
+
+async def test_a_replica_that_takes_the_host_over_numbers_its_introductions_anew() -> None:
+    # Each replica numbers introductions from a random start of its own: the one
+    # that took the host over may number below what the former one reached.
+    host, beats, port, _ = heartbeating(timeout=2.0)
+    host._replicas = {"a": SERVER_ADDRESS, "b": OTHER_REPLICA}
+    loop = asyncio.get_running_loop()
+
+    def send(data: bytes, address: tuple[Any, ...]) -> None:
+        if tuple(address) == OTHER_REPLICA and data[0] == hb.Kind.MOVING:  # it takes us over
+            ack = hb.encode_ack(SECRET, LISTED, hb.decode_beat(data).counter)
+            loop.call_soon(port.deliver, ack, OTHER_REPLICA)
+
+    port.send_datagram = send
+    for intro_id in range(1000, 1300):
+        port.deliver(introduction(intro_id), SERVER_ADDRESS)
+    queued(host)
+    assert await asyncio.wait_for(host._move(beats), 5)
+    assert beats.replica == OTHER_REPLICA and beats.former == SERVER_ADDRESS
+    port.deliver(introduction(7), OTHER_REPLICA)  # the new replica's first
+    port.deliver(introduction(1300), SERVER_ADDRESS)  # the former one's last, late
+    port.deliver(introduction(1000), SERVER_ADDRESS)  # and an old one, replayed
+    port.deliver(introduction(7), OTHER_REPLICA)  # resent
+    assert queued(host) == [7, 1300]
 
 
 # -- a replica that answers but refuses is left for the next --------------------------------

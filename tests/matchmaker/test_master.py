@@ -27,6 +27,7 @@ import rudp
 from matchmaker.addresses import Address
 from matchmaker.catalog import EVERY_GAME, visible
 from matchmaker.master import (
+    LIST_SECONDS,
     MAX_NAME_PATTERN,
     MAX_VERSION_PATTERN,
     Q3_EOT,
@@ -72,9 +73,16 @@ async def registry_with(n: int, clock: FakeClock, **kw: object) -> MemoryRegistr
     return registry
 
 
-def responder(registry: MemoryRegistry, clock: FakeClock, burst: float = 100.0) -> MasterResponder:
+def responder(
+    registry: MemoryRegistry, clock: FakeClock, burst: float = 100.0, scans: float = 1e9
+) -> MasterResponder:
+    """A master port with a rate of 2 a second per source (`burst` saved up), and
+    `scans` passes over the hosts for all of them together, made at once."""
     limiter = RateLimiter(Rate(rate=2.0, burst=burst), clock=clock)
-    return MasterResponder(registry, limiter, page_hosts=32, rng=random.Random(1))
+    scan_rate = Rate(rate=scans, burst=scans)
+    return MasterResponder(
+        registry, limiter, page_hosts=32, rng=random.Random(1), scans=scan_rate, clock=clock
+    )
 
 
 # -- Steam master query -------------------------------------------------------------------
@@ -259,6 +267,7 @@ async def test_a_worst_case_pattern_costs_a_bounded_multiple_of_a_plain_query() 
         return lambda: master.datagram_received(request, CLIENT)
 
     query("")()
+    clock.advance(LIST_SECONDS)  # the list made above is given up: this one is made anew
     plain = opcodes(query(""))
     # The longest pattern taken, a piece to find after every *, each found at the
     # far end of what is left; new every time (nothing a query asked for is cached).
@@ -341,6 +350,103 @@ async def test_first_pages_cost_a_list_request_and_next_pages_a_share() -> None:
     page = steam_request(f"{pub(1)}:1")  # 19 bytes: room for two hosts a page
     assert all(master.datagram_received(page, CLIENT) for _ in range(16))
     assert master.datagram_received(page, CLIENT) is None
+
+
+# -- what the port can be made to do, all sources together --------------------------------
+
+
+def count_scans(monkeypatch: pytest.MonkeyPatch) -> list[ListFilter]:
+    """The filters of the passes over the hosts the master port makes from now on."""
+    scans: list[ListFilter] = []
+
+    def counted(registry: MemoryRegistry, f: ListFilter) -> list[object]:
+        scans.append(f)
+        return visible(registry, f)  # type: ignore[return-value]
+
+    monkeypatch.setattr(matchmaker.master, "visible", counted)
+    return scans
+
+
+def spoofed(i: int) -> Address:
+    return Address(f"203.0.{i // 250}.{i % 250 + 1}", 1000 + i)
+
+
+async def test_a_request_too_short_for_any_answer_costs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 17 bytes of "getservers 68" leave no room for the reply's header and one
+    # entry: it used to take a token and make the whole pass before it was dropped.
+    clock = FakeClock()
+    master = responder(await registry_with(3, clock), clock, burst=1.0, scans=1.0)
+    scans = count_scans(monkeypatch)
+    for i in range(100):
+        assert master.datagram_received(b"\xff\xff\xff\xffgetservers 68", spoofed(i)) is None
+        assert master.datagram_received(b"\xff\xff\xff\xffgetserversExt a 68", CLIENT) is None
+    assert scans == [] and master.drops["no_room"] == 200 and master.rate_limited == 0
+    # The shortest request with room for an answer (22 bytes of header, 7 of entry).
+    stock = b"\xff\xff\xff\xffgetservers 68 empty full\n"
+    assert len(stock) == 29 and master.datagram_received(stock, CLIENT) is not None
+    assert len(scans) == 1
+
+
+async def test_next_pages_from_spoofed_sources_cost_at_most_the_passes_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A next page costs a source 1/32 of a token, and each spoofed source has a
+    # full bucket: each one used to make a whole pass over the hosts and sort them.
+    clock = FakeClock()
+    master = responder(await registry_with(40, clock), clock, burst=1.0, scans=5.0)
+    scans = count_scans(monkeypatch)
+    seed = f"{pub(1)}:27000"
+    for i in range(100):  # a filter of its own each: no list made for one serves another
+        request = steam_request(seed, f"\\gamedir\\arena\\map\\m{i}")
+        master.datagram_received(request, spoofed(i))
+    for i in range(100, 200):
+        request = b"\xff\xff\xff\xffgetservers 68 empty full" + b" x" * i
+        master.datagram_received(request, spoofed(i))
+    assert len(scans) == 5 and master.scans == 5
+    assert master.scans_refused == master.rate_limited == 195
+    assert master.answered == 5 and master.dropped == 0
+    clock.advance(1.0)  # five more passes a second
+    for i in range(10):
+        master.datagram_received(steam_request(seed, f"\\gamedir\\arena\\map\\n{i}"), spoofed(i))
+    assert len(scans) == 10 and master.answered == 10
+
+
+async def test_a_list_made_once_answers_its_next_pages_and_every_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    registry = await registry_with(20, clock)
+    master = responder(registry, clock, burst=1.0, scans=2.0)  # a pass for each protocol
+    scans = count_scans(monkeypatch)
+    every = [(pub(i + 1), 27000 + i) for i in range(20)]  # in address order
+    # 100 sources page through the same list, each from where the one before stopped.
+    seed, seen = "0.0.0.0:0", []
+    for i in range(100):
+        reply = master.datagram_received(steam_request(seed, "\\gamedir\\arena"), spoofed(i))
+        assert reply is not None
+        entries = steam_entries(reply)
+        seen += [e for e in entries if e != ("0.0.0.0", 0)]
+        ip, port = entries[-1]
+        seed = f"{ip}:{port}" if port else "0.0.0.0:0"  # the list's end: from the start
+    assert len(seen) > 2 * len(every) and seen == (every * 100)[: len(seen)]
+    # Quake III: a sample of the list made once, each as large as its request allows.
+    padded = b"\xff\xff\xff\xffgetservers 68 empty full" + b" pad" * 20
+    fits = (len(padded) - len(Q3_REPLY)) // 7
+    samples = set()
+    for i in range(100, 150):
+        reply = master.datagram_received(padded, spoofed(i))
+        assert reply is not None and len(reply) == len(Q3_REPLY) + fits * 7
+        samples.add(reply)
+    assert len(samples) > 1  # a new sample each time
+    assert len(scans) == 2 and master.rate_limited == 0
+    # A list is kept for LIST_SECONDS: a host registered since shows after that.
+    await registry.upsert(Address(pub(30), 1), info("new", game="arena"), max_per_ip=9)
+    request = steam_request(f"{pub(20)}:27019", "\\gamedir\\arena")
+    clock.advance(LIST_SECONDS)
+    assert steam_entries(master.datagram_received(request, CLIENT) or b"")[0] == (pub(30), 1)
+    assert len(scans) == 3
 
 
 # -- Quake III getservers ------------------------------------------------------------------
