@@ -47,7 +47,7 @@ from rudp.errors import check_address, check_sequence
 
 log = logging.getLogger(__name__)
 
-QueryHandler = Callable[[bytes, Any], "bytes | None"]
+QueryHandler = Callable[[bytes, Any], "bytes | bytearray | memoryview | None"]
 InfoSource = Callable[[], HostInfo | None]
 
 
@@ -74,7 +74,7 @@ class InfoResponder:
     def __repr__(self) -> str:
         return f"<InfoResponder answered={self.answered}>"
 
-    def __call__(self, payload: bytes, address: Any) -> bytes | None:
+    def __call__(self, payload: bytes, address: Any) -> bytes | bytearray | memoryview | None:
         try:
             query = decode(payload, self._limits)
         except WrongVersionError as exc:

@@ -103,7 +103,7 @@ _WOULD_BLOCK = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Connection], Awaitable[None]]
-QueryHandler = Callable[[bytes, Address], "bytes | None"]
+QueryHandler = Callable[[bytes, Address], "bytes | bytearray | memoryview | None"]
 ForeignHandler = Callable[[bytes, Address], "Sequence[bytes]"]
 """``fn(datagram, addr) -> replies``: each reply is sent to ``addr`` as one datagram."""
 FOREIGN_PREFIX = b"\xff\xff\xff\xff"
