@@ -34,6 +34,7 @@ The fields of each are in docs/matchmaker.md ("Protocol").
 from __future__ import annotations
 
 import enum
+import reprlib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import ClassVar, TypeAlias
@@ -96,11 +97,21 @@ class MessageError(Exception):
         self.request_id = request_id
 
 
+# What a peer sent, shown in an error's detail: short, and never deeper than a few
+# levels (``repr`` of a value nested a thousand deep, which msgpack accepts, raised
+# RecursionError past every reader, and a 4 KB one made a 24 KB log line).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel = 3
+_SHOWN.maxstring = _SHOWN.maxother = 40
+_SHOWN.maxlong = 40
+
+
 class WrongVersionError(MessageError):
     """The peer speaks another protocol version; reply with `WrongVersion`."""
 
     def __init__(self, version: object, *, request_id: int = 0) -> None:
-        super().__init__(ErrorReason.WRONG_VERSION, f"version {version!r}", request_id=request_id)
+        shown = _SHOWN.repr(version)
+        super().__init__(ErrorReason.WRONG_VERSION, f"version {shown}", request_id=request_id)
         self.version = version
 
 

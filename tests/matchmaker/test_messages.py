@@ -508,3 +508,26 @@ def test_the_validated_identifier_and_tag_caches_refill_after_a_burst() -> None:
     assert _readers._is_ident("common", lim) and "common" in _readers._VALID_IDENTS
     assert _readers._tags(["ctf", "eu"], lim) == ("ctf", "eu")
     assert ("ctf", "eu") in _readers._VALID_TAGS
+
+
+@pytest.mark.parametrize(
+    "version",
+    [
+        "deep",  # [[[...[None]...]]] a thousand deep: msgpack takes it, repr() did not
+        [None] * 2000,
+        b"\xff" * 3000,
+        "x" * 3000,
+    ],
+)
+def test_a_wrong_version_of_any_shape_is_a_short_message_error(version: object) -> None:
+    if version == "deep":
+        nested: object = None
+        for _ in range(1010):
+            nested = [nested]
+        version = nested
+    data = msgpack.packb({"v": version, "id": 7})
+    assert len(data) <= DEFAULT_LIMITS.max_message_bytes
+    with pytest.raises(WrongVersionError) as caught:
+        decode(data)
+    assert caught.value.request_id in (0, 7)
+    assert len(caught.value.detail) <= 64
