@@ -461,7 +461,11 @@ class MatchmakerService:
         break every list it falls into.
         """
         entry = encode_entry(HostEntry(address=address, info=info))
-        return entry if len(entry) <= self.settings.page_bytes - _PAGE_OVERHEAD else None
+        # Room for the mark of a partial answer too: an entry between the two bounds
+        # went alone on a page over `page_bytes`, which a list budget of `page_bytes`
+        # could never send (the answer waited for good).
+        room = self.settings.page_bytes - _PAGE_OVERHEAD - _PARTIAL_BYTES
+        return entry if len(entry) <= room else None
 
     async def _update(self, session: _Session, req: Update) -> None:
         rid = req.request_id
@@ -881,11 +885,18 @@ class _ListBudget:
     are acknowledged, or that connection ends or is closed for not acknowledging.
     """
 
-    __slots__ = ("free", "waiting")
+    __slots__ = ("free", "size", "waiting")
 
     def __init__(self, size: int) -> None:
+        self.size = size
         self.free = size
         self.waiting: set[_PageWindow] = set()
+
+    def cost(self, size: int) -> int:
+        """What a page of ``size`` bytes takes: at most the whole budget, so that a page
+        larger than it (an entry another replica's larger ``--page-bytes`` let in)
+        waits for the budget to be free, not for good."""
+        return min(size, self.size)
 
     def give(self, size: int) -> None:
         self.free += size
@@ -932,6 +943,7 @@ class _PageWindow:
         self._closed = False
 
     def add(self, ack: Awaitable[None], size: int) -> None:
+        size = self._budget.cost(size)
         if self.pages == 0:
             self._last_ack = asyncio.get_running_loop().time()  # the clock starts now
         self.pages += 1
@@ -970,6 +982,7 @@ class _PageWindow:
         """Return once a page of `size` bytes may be sent; raise what ended the
         connection, or `_ListUnacknowledged`."""
         budget = self._budget
+        size = budget.cost(size)
         while self.pages >= self._limit or budget.free < size:
             if budget.free < size:  # woken by any connection's acks, not only ours
                 budget.waiting.add(self)

@@ -16,6 +16,7 @@ from matchmaker.messages import (
     ErrorReason,
     Heartbeat,
     HostEntry,
+    HostInfo,
     HostUpdate,
     InfoReply,
     InfoRequest,
@@ -744,3 +745,36 @@ async def test_relayed_notices_dropped_are_counted_and_a_bug_does_not_end_relayi
     for i in range(10_001):
         reg._receive_notice(Notice(Address(pub(9), 1), b"%d" % i))
     assert dropped("queue_full") == 1 and reg.notices_dropped == {"queue_full": 1}
+
+
+def _entry_of_size(address: Address, size: int) -> HostInfo:
+    """A host whose list entry at ``address`` encodes to exactly ``size`` bytes."""
+    for pad in range(size):
+        host = info("big", info=b"x" * pad)
+        if len(encode_entry(HostEntry(address=address, info=host))) == size:
+            return host
+    raise AssertionError(f"no entry of {size} bytes")
+
+
+async def test_a_host_is_listable_only_if_it_fits_a_page_of_a_partial_answer() -> None:
+    # Entries up to page_bytes - 48 were taken, but the page of a partial answer also
+    # carries its mark (9 bytes): such an entry went alone on a page over page_bytes.
+    h = Harness(page_bytes=256, list_bytes_in_flight=256)
+    a, b = Address(pub(1), 27960), Address(pub(2), 27960)
+    err = await error_of(h.connect(pub(1)), Register(host=_entry_of_size(a, 256 - 48)))
+    assert err.reason is ErrorReason.BAD_FIELD
+    await h.connect(pub(2)).request(Register(host=_entry_of_size(b, 256 - 57)))
+
+
+async def test_a_page_larger_than_the_list_budget_is_still_sent() -> None:
+    # Such a page (an entry a replica with a larger --page-bytes let in, sharing the
+    # registry) waited for a budget that could never hold it: the answer hung, with no
+    # page out for list_ack_timeout to time.
+    h = Harness(page_bytes=256, list_bytes_in_flight=256, max_hosts_per_ip=100)
+    for i in range(6):
+        address = Address(pub(1), 20000 + i)
+        await h.registry.upsert(address, _entry_of_size(address, 400), max_per_ip=100)
+    pages = await asyncio.wait_for(collect_list(h.connect(pub(9))), 5)
+    assert sum(len(p.hosts) for p in pages) == 6
+    assert max(len(encode(p)) for p in pages) > 256
+    assert h.service.list_budget.free == 256
