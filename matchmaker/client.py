@@ -295,8 +295,10 @@ class _IntroductionIds:
     """The introduction ids one replica sent us and we took, to take none twice for
     the life of the registration, in bounded memory.
 
-    A replica numbers its introductions in increasing order (from a random start,
-    its own), and resends one only while it waits for its acknowledgement (a few
+    A replica numbers its introductions in increasing order (from the microseconds
+    of the wall clock when its process started: a replica restarted at the same
+    address, or a worker restarted behind it, goes on above the ids of the one
+    before), and resends one only while it waits for its acknowledgement (a few
     seconds, 64 at most per host).  So the latest `INTRODUCTIONS_REMEMBERED` ids
     are kept one by one, and every id at or below the lowest one forgotten (the
     `floor`) is taken as seen: an INTRODUCTION carries no time, and its MAC stays
@@ -336,10 +338,20 @@ class _Beats:
     former: tuple[Any, ...] | None = None
     """The replica heartbeats went to before (a takeover): its introductions,
     sent before it learnt of the move, are still taken."""
-    intros: _IntroductionIds = field(default_factory=_IntroductionIds)
-    """The introductions taken from `replica` (its ids, since it took us)."""
-    former_intros: _IntroductionIds = field(default_factory=_IntroductionIds)
-    """The introductions taken from `former`."""
+    intros: list[tuple[tuple[Any, ...], _IntroductionIds]] = field(default_factory=list)
+    """The introductions taken, per replica address (a record of its own each: each
+    replica numbers its own; one per replica the client knows, at most)."""
+
+    def intros_from(self, place: tuple[Any, ...]) -> _IntroductionIds:
+        """The record of the introductions taken from the replica at `place`: one a
+        takeover went to meanwhile keeps its own (whatever `replica` says then)."""
+        for known, record in self.intros:
+            if _same_place(known, place):
+                return record
+        record = _IntroductionIds()
+        self.intros.append((place, record))
+        return record
+
     counter: int = field(default_factory=hb.first_counter)
     """The last counter sent; starts at random so that no one off the path can
     guess the counters a NOT_REGISTERED must echo."""
@@ -958,10 +970,7 @@ class MatchmakerClient:
             if taken or self._needs_register.is_set():
                 self._route, self._avoid = label, None  # a live replica: next requests go there
                 if taken:
-                    # Another process numbers our introductions from now on, from
-                    # a start of its own (the same address may be a new process).
-                    beats.former, beats.former_intros = left, beats.intros
-                    beats.intros = _IntroductionIds()
+                    beats.former = left
                     self.takeovers += 1
                     log.info("taken_over address=%s", label)
                 return taken
@@ -984,7 +993,7 @@ class MatchmakerClient:
             former = beats.former
             if data[0] == hb.Kind.INTRODUCTION and former and _same_place(source, former):
                 # Authenticated by its MAC; sent before that replica saw us move.
-                return self._on_introduction_datagram(beats, data, beats.former_intros)
+                return self._on_introduction_datagram(beats, data, beats.intros_from(former))
             # Only the replica we heartbeat to speaks for the registration.
             self.dropped["wrong_source"] += 1
             return []
@@ -1019,7 +1028,7 @@ class MatchmakerClient:
                 self._needs_register.set()
                 beats.answered.set()
         elif data[0] == hb.Kind.INTRODUCTION:
-            return self._on_introduction_datagram(beats, data, beats.intros)
+            return self._on_introduction_datagram(beats, data, beats.intros_from(source))
         return []
 
     def _on_introduction_datagram(

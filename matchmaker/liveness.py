@@ -100,7 +100,7 @@ No I/O and no clock here: the caller passes ``now`` and a ``send`` function.
 from __future__ import annotations
 
 import itertools
-import secrets
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -240,9 +240,14 @@ class Liveness:
         """(host, client) -> the id of the introduction waiting for that host."""
         self._hosts: _Groups[Address] = _Groups()
         self._sources: _Groups[str] = _Groups()
-        # Ids start at random: a host that moved from another replica does not
-        # take a new introduction for one it already had.
-        self._ids = itertools.count(secrets.randbits(48) + 1)
+        # Ids start at the wall clock's microseconds: a host keeps one record of the
+        # ids each replica address sent it (taking none twice), and a process that
+        # took the place of another there (a restart, a worker restarted behind the
+        # same socket) must number above the ids the one before it sent; it would
+        # take a million introductions a second to catch up with the clock. (A step
+        # back of the wall clock between the two makes the hosts refuse the new one's
+        # introductions until its ids pass the old ones.)
+        self._ids = itertools.count(time.time_ns() // 1000 + 1)
         self.stopping = False
         """Set when the replica stops: heartbeats get NOT_REGISTERED, so that their
         hosts move to another replica at once; MOVING heartbeats get no answer."""

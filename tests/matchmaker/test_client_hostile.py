@@ -14,6 +14,7 @@ import msgpack
 import pytest
 
 from matchmaker import heartbeat as hb
+from matchmaker import liveness
 from matchmaker.addresses import Address
 from matchmaker.client import (
     MIN_KEEPALIVE,
@@ -22,6 +23,7 @@ from matchmaker.client import (
     ReplyRefused,
     _Beats,
 )
+from matchmaker.liveness import Liveness
 from matchmaker.messages import (
     PROTOCOL_VERSION,
     Error,
@@ -42,6 +44,8 @@ from matchmaker.messages import (
     decode,
     encode,
 )
+from matchmaker.metrics import Metrics
+from matchmaker.registry.memory import MemoryRegistry
 from tests.matchmaker.fakes import SERVER_ADDRESS, DatagramNet, FakeConnection, pipe
 from tests.matchmaker.helpers import Harness, eventually, info, pub
 
@@ -282,8 +286,8 @@ async def test_an_introduction_replayed_after_many_newer_ones_is_not_queued_agai
 
 
 async def test_a_replica_that_takes_the_host_over_numbers_its_introductions_anew() -> None:
-    # Each replica numbers introductions from a random start of its own: the one
-    # that took the host over may number below what the former one reached.
+    # Each replica numbers introductions from a start of its own: the one that took
+    # the host over may number below what the former one reached.
     host, beats, port, _ = heartbeating(timeout=2.0)
     host._replicas = {"a": SERVER_ADDRESS, "b": OTHER_REPLICA}
     loop = asyncio.get_running_loop()
@@ -304,6 +308,53 @@ async def test_a_replica_that_takes_the_host_over_numbers_its_introductions_anew
     port.deliver(introduction(1000), SERVER_ADDRESS)  # and an old one, replayed
     port.deliver(introduction(7), OTHER_REPLICA)  # resent
     assert queued(host) == [7, 1300]
+
+
+@pytest.mark.parametrize("intro_id", [7, 5000])
+async def test_an_introduction_from_the_next_replica_during_the_move_is_its_own(
+    intro_id: int,
+) -> None:
+    # While the MOVING round waits (its first acknowledgment lost), the replica taking
+    # the host over already introduces a client: that introduction was checked against
+    # the former replica's record (below its floor: acknowledged and lost; above it:
+    # queued, and queued again when resent after the move).
+    host, beats, port, _ = heartbeating(timeout=2.0)
+    host._replicas = {"a": SERVER_ADDRESS, "b": OTHER_REPLICA}
+    loop = asyncio.get_running_loop()
+    movings: list[bytes] = []
+
+    def send(data: bytes, address: tuple[Any, ...]) -> None:
+        if tuple(address) == OTHER_REPLICA and data[0] == hb.Kind.MOVING:
+            movings.append(data)
+            if len(movings) == 1:  # its acknowledgment lost; an introduction comes
+                loop.call_soon(port.deliver, introduction(intro_id), OTHER_REPLICA)
+            else:
+                ack = hb.encode_ack(SECRET, LISTED, hb.decode_beat(data).counter)
+                loop.call_soon(port.deliver, ack, OTHER_REPLICA)
+
+    port.send_datagram = send
+    for old in range(1000, 1300):
+        port.deliver(introduction(old), SERVER_ADDRESS)
+    queued(host)
+    assert await asyncio.wait_for(host._move(beats), 5)
+    assert len(movings) >= 2 and queued(host) == [intro_id]
+    port.deliver(introduction(intro_id), OTHER_REPLICA)  # resent: our ack was lost
+    assert queued(host) == []
+
+
+def test_a_replica_process_numbers_its_introductions_above_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A host keeps one record per replica address: a process restarted there (or a
+    # worker restarted behind the same socket) numbering from a random start below
+    # the one before had every introduction taken for a replay, and lost.
+    wall = [1_795_000_000 * 10**9]
+    monkeypatch.setattr(liveness.time, "time_ns", lambda: wall[0])
+    before = Liveness(MemoryRegistry(), Metrics(), on_leave=lambda record: None)
+    sent = [next(before._ids) for _ in range(100_000)]  # 100,000 in its life
+    wall[0] += 10**9  # restarted a second later
+    after = Liveness(MemoryRegistry(), Metrics(), on_leave=lambda record: None)
+    assert next(after._ids) > max(sent)
 
 
 # -- a replica that answers but refuses is left for the next --------------------------------
