@@ -22,6 +22,7 @@ import matchmaker.http as http_module
 from matchmaker.addresses import Address
 from matchmaker.http import (
     MAX_CONNECTIONS_PER_IP,
+    MAX_PROBE_READERS,
     MAX_WAITING_BUILDS,
     HttpApi,
     HttpServer,
@@ -277,6 +278,52 @@ async def test_connection_cap() -> None:
         w2.close()
         w1.close()
     finally:
+        await site.server.close()
+
+
+async def test_silent_connections_cannot_starve_the_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Slow clients held every slot and silent ones from a few sources every probe
+    # reader, each for PROBE_READ: the orchestrator's probes got 503 (and a failing
+    # liveness probe has a healthy daemon restarted).
+    monkeypatch.setattr(http_module, "PROBE_READ", 60.0)  # the silent ones outlast the test
+    site = await start_site(Harness(), timeout=60.0, max_connections=2)
+    host, port = site.server.address
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    def connections() -> int:
+        return sum(site.server._per_source.values())
+
+    async def silent(source: str) -> None:
+        held.append(await asyncio.open_connection(host, port, local_addr=(source, 0)))
+
+    try:
+        for _ in range(2):  # every slot
+            await silent("127.0.0.2")
+        await eventually(lambda: connections() == 2 and site.server._slots.locked())
+        await silent("127.0.1.0")  # the reader that will have waited longest
+        await eventually(lambda: connections() == 3)
+        for i in range(1, MAX_PROBE_READERS):  # the other readers, from four sources
+            await silent(f"127.0.1.{i // MAX_CONNECTIONS_PER_IP}")
+        await eventually(lambda: connections() == 2 + MAX_PROBE_READERS)
+        status, _, _ = await site.raw(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert status == 200
+        # The probe took the place of the oldest silent connection, answered and closed.
+        oldest_reader = held[2][0]
+        assert (await asyncio.wait_for(oldest_reader.read(), 5)).startswith(b"HTTP/1.1 503")
+        # Held descriptors stay bounded: the silent ones left, in the slots and readers.
+        await eventually(lambda: connections() == 2 + MAX_PROBE_READERS - 1)
+        assert len(site.server._probe_readers) == MAX_PROBE_READERS - 1
+        await silent("127.0.1.4")  # every reader is taken again
+        await eventually(lambda: len(site.server._probe_readers) == MAX_PROBE_READERS)
+        status, _, _ = await site.raw(b"GET /readyz HTTP/1.1\r\n\r\n")
+        assert status == 200
+        await eventually(lambda: connections() == 2 + MAX_PROBE_READERS - 1)
+    finally:
+        for _, w in held:
+            w.close()
+        await eventually(lambda: connections() == 0)
         await site.server.close()
 
 
