@@ -52,6 +52,7 @@ import contextlib
 import json
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -85,12 +86,12 @@ MAX_CONNECTIONS_PER_IP = 8
 MAX_WAITING_BUILDS = 16
 """Requests for ``/servers`` or ``/metrics`` that may wait while another is built;
 more are answered 503 at once."""
-EVERY_GAME_SHARE = 4.0
-"""Each ``/servers`` answer without ``game`` (its cost grows with every host of
-every game) adds this many times its build time to a debt that the clock pays off;
-while the debt is over `EVERY_GAME_BURST` such requests get 503: at most a fifth
-of the daemon's time goes to them, and cheap ones (a small registry) go through
-back to back."""
+EVERY_GAME_SHARE = 0.2
+"""The most of the daemon's time (a fifth) that ``/servers`` answers without ``game``
+take, their cost growing with every host of every game.  Each adds its build time
+divided by this to a debt that the clock pays off, during the build too; while the
+debt is over `EVERY_GAME_BURST` such requests get 503, and cheap ones (a small
+registry) go through back to back."""
 EVERY_GAME_BURST = 0.5
 """Seconds of debt (see `EVERY_GAME_SHARE`) under which a list of every game is
 built."""
@@ -176,8 +177,11 @@ class HttpApi:
         is_shutting_down: Callable[[], bool],
         exposition: Exposition | None = None,
         workers_down: Callable[[], list[int]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._exposition = exposition
+        self._clock = clock
+        """Seconds, for the share of time lists of every game take (`EVERY_GAME_SHARE`)."""
         self._every_game_debt = 0.0
         self._every_game_paid = 0.0
         """What lists of every game owe (`EVERY_GAME_SHARE`), and when it was paid down."""
@@ -273,7 +277,7 @@ class HttpApi:
         return _BUSY if answer is None else answer
 
     def _every_game_owed(self) -> float:
-        now = asyncio.get_running_loop().time()
+        now = self._clock()
         self._every_game_debt = max(0.0, self._every_game_debt - (now - self._every_game_paid))
         self._every_game_paid = now
         return self._every_game_debt
@@ -281,12 +285,13 @@ class HttpApi:
     async def _every_game_answer(self, f: ListFilter) -> Response:
         if self._every_game_owed() > EVERY_GAME_BURST:
             return _BUSY  # others were built while this one waited
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = self._clock()
         try:
             return await self._servers_answer(f)
         finally:
-            self._every_game_debt += EVERY_GAME_SHARE * (loop.time() - start)
+            # The clock pays the debt off during the build too: a build of b seconds
+            # owes b / share, so that it and the time paying it off span b / share.
+            self._every_game_debt += (self._clock() - start) / EVERY_GAME_SHARE
 
     async def _servers_answer(self, f: ListFilter) -> Response:
         servers = await self._list_servers(ListRequest(filter=f))
