@@ -26,7 +26,10 @@ seconds, at most ``http_max_connections`` connections at once, lingering ones
 included (more are refused with 503), of which at most `MAX_CONNECTIONS_PER_IP`
 from one source (more get 429).  A connection refused for want of a slot that asks for
 ``/healthz`` or ``/readyz`` within `PROBE_READ` is answered all the same, so slow
-clients filling every slot cannot fail the probes.  Bodies are not accepted;
+clients filling every slot cannot fail the probes; at most `MAX_PROBE_READERS` such
+connections are read at once, and when they all are, a new one takes the place of
+the one that has waited longest for its request (answered 503 and closed), so
+silent connections cannot keep a probe from being read either.  Bodies are not accepted;
 anything but GET/HEAD gets 405.  A refused connection (429, 503) is answered and
 closed at once: it holds no descriptor while a client lingers.  An answered
 connection lingers (`HttpServer._linger`: up to ``http_timeout`` for the client to
@@ -49,6 +52,7 @@ import contextlib
 import json
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -82,12 +86,12 @@ MAX_CONNECTIONS_PER_IP = 8
 MAX_WAITING_BUILDS = 16
 """Requests for ``/servers`` or ``/metrics`` that may wait while another is built;
 more are answered 503 at once."""
-EVERY_GAME_SHARE = 4.0
-"""Each ``/servers`` answer without ``game`` (its cost grows with every host of
-every game) adds this many times its build time to a debt that the clock pays off;
-while the debt is over `EVERY_GAME_BURST` such requests get 503: at most a fifth
-of the daemon's time goes to them, and cheap ones (a small registry) go through
-back to back."""
+EVERY_GAME_SHARE = 0.2
+"""The most of the daemon's time (a fifth) that ``/servers`` answers without ``game``
+take, their cost growing with every host of every game.  Each adds its build time
+divided by this to a debt that the clock pays off, during the build too; while the
+debt is over `EVERY_GAME_BURST` such requests get 503, and cheap ones (a small
+registry) go through back to back."""
 EVERY_GAME_BURST = 0.5
 """Seconds of debt (see `EVERY_GAME_SHARE`) under which a list of every game is
 built."""
@@ -98,7 +102,10 @@ must not fail the orchestrator's probes)."""
 PROBES = ("/healthz", "/readyz")
 """The paths answered without queueing, even to a connection refused a slot."""
 MAX_PROBE_READERS = 32
-"""Refused connections read at once for a probe; past that, 503 without reading."""
+"""Refused connections read at once for a probe; one more takes the place of the
+reader that has waited longest for its request head, which is answered 503 and
+closed (a probe sends its request at once: silent connections arriving one after
+another would otherwise hold every reader and fail it)."""
 _BOOL_FIELDS = ("not_full", "not_empty", "password")
 _INT_FIELDS = ("family", "limit")
 _LIST_FIELDS = ("tags_all", "tags_any")
@@ -170,8 +177,11 @@ class HttpApi:
         is_shutting_down: Callable[[], bool],
         exposition: Exposition | None = None,
         workers_down: Callable[[], list[int]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._exposition = exposition
+        self._clock = clock
+        """Seconds, for the share of time lists of every game take (`EVERY_GAME_SHARE`)."""
         self._every_game_debt = 0.0
         self._every_game_paid = 0.0
         """What lists of every game owe (`EVERY_GAME_SHARE`), and when it was paid down."""
@@ -267,7 +277,7 @@ class HttpApi:
         return _BUSY if answer is None else answer
 
     def _every_game_owed(self) -> float:
-        now = asyncio.get_running_loop().time()
+        now = self._clock()
         self._every_game_debt = max(0.0, self._every_game_debt - (now - self._every_game_paid))
         self._every_game_paid = now
         return self._every_game_debt
@@ -275,12 +285,13 @@ class HttpApi:
     async def _every_game_answer(self, f: ListFilter) -> Response:
         if self._every_game_owed() > EVERY_GAME_BURST:
             return _BUSY  # others were built while this one waited
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = self._clock()
         try:
             return await self._servers_answer(f)
         finally:
-            self._every_game_debt += EVERY_GAME_SHARE * (loop.time() - start)
+            # The clock pays the debt off during the build too: a build of b seconds
+            # owes b / share, so that it and the time paying it off span b / share.
+            self._every_game_debt += (self._clock() - start) / EVERY_GAME_SHARE
 
     async def _servers_answer(self, f: ListFilter) -> Response:
         servers = await self._list_servers(ListRequest(filter=f))
@@ -364,7 +375,8 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._clients: set[asyncio.Task[None]] = set()
         self._per_source: dict[str, int] = {}
-        self._probe_readers = 0
+        self._probe_readers: dict[asyncio.Timeout, None] = {}
+        """The deadlines of the connections read for a probe, oldest first."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -441,15 +453,21 @@ class HttpServer:
     async def _probe_or_busy(self, reader: asyncio.StreamReader) -> tuple[str, Response, bool]:
         """For a connection refused for want of a slot: the probe it asks for, read
         within `PROBE_READ` (at most `MAX_PROBE_READERS` at once), else 503."""
-        if self._probe_readers >= MAX_PROBE_READERS:
-            return "other", _BUSY, False
-        self._probe_readers += 1
+        if len(self._probe_readers) >= MAX_PROBE_READERS:
+            # Every reader taken: the one that has waited longest gives way (its read
+            # times out now), so a flow of silent connections cannot starve a probe.
+            oldest = next(iter(self._probe_readers))
+            del self._probe_readers[oldest]
+            oldest.reschedule(asyncio.get_running_loop().time())
         try:
-            method, target = await asyncio.wait_for(read_head(reader), PROBE_READ)
+            async with asyncio.timeout(PROBE_READ) as deadline:
+                self._probe_readers[deadline] = None
+                try:
+                    method, target = await read_head(reader)
+                finally:
+                    self._probe_readers.pop(deadline, None)
         except (TimeoutError, BadRequest, asyncio.IncompleteReadError):
             return "other", _BUSY, False
-        finally:
-            self._probe_readers -= 1
         path = target.partition("?")[0]
         if method in ("GET", "HEAD") and path in PROBES:
             return path, self._api.probe(path), method == "HEAD"

@@ -21,7 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import matchmaker.http as http_module
 from matchmaker.addresses import Address
 from matchmaker.http import (
+    EVERY_GAME_BURST,
+    EVERY_GAME_SHARE,
     MAX_CONNECTIONS_PER_IP,
+    MAX_PROBE_READERS,
     MAX_WAITING_BUILDS,
     HttpApi,
     HttpServer,
@@ -29,7 +32,8 @@ from matchmaker.http import (
 )
 from matchmaker.messages import ListRequest, entry_fields
 from matchmaker.metrics import HOSTS_LISTED_MAX_AGE, Metrics, capped_games
-from matchmaker.ratelimit import RateLimiter
+from matchmaker.ratelimit import Rate, RateLimiter
+from tests.matchmaker.fakes import FakeClock
 from tests.matchmaker.helpers import Harness, collect_list, eventually, info, pub
 
 
@@ -280,6 +284,52 @@ async def test_connection_cap() -> None:
         await site.server.close()
 
 
+async def test_silent_connections_cannot_starve_the_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Slow clients held every slot and silent ones from a few sources every probe
+    # reader, each for PROBE_READ: the orchestrator's probes got 503 (and a failing
+    # liveness probe has a healthy daemon restarted).
+    monkeypatch.setattr(http_module, "PROBE_READ", 60.0)  # the silent ones outlast the test
+    site = await start_site(Harness(), timeout=60.0, max_connections=2)
+    host, port = site.server.address
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    def connections() -> int:
+        return sum(site.server._per_source.values())
+
+    async def silent(source: str) -> None:
+        held.append(await asyncio.open_connection(host, port, local_addr=(source, 0)))
+
+    try:
+        for _ in range(2):  # every slot
+            await silent("127.0.0.2")
+        await eventually(lambda: connections() == 2 and site.server._slots.locked())
+        await silent("127.0.1.0")  # the reader that will have waited longest
+        await eventually(lambda: connections() == 3)
+        for i in range(1, MAX_PROBE_READERS):  # the other readers, from four sources
+            await silent(f"127.0.1.{i // MAX_CONNECTIONS_PER_IP}")
+        await eventually(lambda: connections() == 2 + MAX_PROBE_READERS)
+        status, _, _ = await site.raw(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert status == 200
+        # The probe took the place of the oldest silent connection, answered and closed.
+        oldest_reader = held[2][0]
+        assert (await asyncio.wait_for(oldest_reader.read(), 5)).startswith(b"HTTP/1.1 503")
+        # Held descriptors stay bounded: the silent ones left, in the slots and readers.
+        await eventually(lambda: connections() == 2 + MAX_PROBE_READERS - 1)
+        assert len(site.server._probe_readers) == MAX_PROBE_READERS - 1
+        await silent("127.0.1.4")  # every reader is taken again
+        await eventually(lambda: len(site.server._probe_readers) == MAX_PROBE_READERS)
+        status, _, _ = await site.raw(b"GET /readyz HTTP/1.1\r\n\r\n")
+        assert status == 200
+        await eventually(lambda: connections() == 2 + MAX_PROBE_READERS - 1)
+    finally:
+        for _, w in held:
+            w.close()
+        await eventually(lambda: connections() == 0)
+        await site.server.close()
+
+
 async def test_one_source_cannot_take_every_connection(site: Site) -> None:
     site = await start_site(site.harness, max_connections=MAX_CONNECTIONS_PER_IP + 1)
     held = []
@@ -483,15 +533,48 @@ async def test_lists_of_every_game_take_at_most_a_share_of_the_time(
     site: Site, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Without game, a list costs in proportion to every host of every game (387 ms
-    # at 200,000 hosts, the loop stalled meanwhile): each adds EVERY_GAME_SHARE
-    # times its build time to a debt the clock pays off.
+    # at 200,000 hosts, the loop stalled meanwhile): each adds its build time over
+    # EVERY_GAME_SHARE to a debt the clock pays off.
     for _ in range(3):  # cheap ones go through back to back
         assert (await site.get("/servers"))[0] == 200
-    monkeypatch.setattr(http_module, "EVERY_GAME_SHARE", 1e6)  # as a costly one would
+    monkeypatch.setattr(http_module, "EVERY_GAME_SHARE", 1e-6)  # as a costly one would
     assert (await site.get("/servers"))[0] == 200
     status, body = await site.get("/servers?limit=5")
     assert (status, body) == (503, {"error": "busy"})
     assert (await site.get("/servers?game=q3"))[0] == 200  # one game is not held back
+
+
+async def test_lists_of_every_game_take_at_most_a_fifth_of_the_time() -> None:
+    # A build's debt was paid off by a clock that ran during the build too: requests
+    # in a loop had a quarter of the time, not the fifth promised.
+    harness = Harness()
+    clock = FakeClock()
+    build = 0.04  # seconds per list of every game
+    built = [0]
+
+    async def costly(req: ListRequest) -> list[dict[str, Any]]:
+        clock.advance(build)
+        built[0] += 1
+        return []
+
+    api = HttpApi(
+        registry=harness.registry,
+        metrics=harness.metrics,
+        list_servers=costly,
+        limits=harness.settings.limits,
+        list_limiter=RateLimiter(Rate(rate=1e9, burst=1e9), clock=clock),
+        is_shutting_down=lambda: False,
+        clock=clock,
+    )
+    start = clock()
+    while clock() - start < 60.0:  # a client asking again and again
+        await api.route("/servers", "198.51.100.1")
+        clock.advance(0.005)
+    share = built[0] * build / (clock() - start)
+    # At most a fifth, give or take the burst; no less than a fifth of it either.
+    slack = (EVERY_GAME_BURST + build / EVERY_GAME_SHARE) * EVERY_GAME_SHARE / 60.0
+    assert EVERY_GAME_SHARE == 0.2
+    assert 0.19 < share <= EVERY_GAME_SHARE + slack
 
 
 @pytest.mark.parametrize("target", ["//[/metrics", "//[abc]/servers", "//a]/x", "//evil/metrics"])
