@@ -338,6 +338,8 @@ class Connection:
         While paused we may have refused the very dependencies the waiting messages
         need: their ``dependency_timeout`` counts again from ``now``.
         """
+        if type(now) is not float:
+            now = check_now(now)
         if not self.receiving_paused:
             return
         self.receiving_paused = False

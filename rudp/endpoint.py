@@ -66,7 +66,7 @@ from rudp.accepting import receive_connect, refuse_v1
 from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket, source_of
 from rudp.config import Config
 from rudp.connection import Address, Connection
-from rudp.errors import LocalProtocolError, MessageTooLarge
+from rudp.errors import LocalProtocolError, MessageTooLarge, check_now
 from rudp.events import EndpointEvent, Event, QueryReceived
 from rudp.noise import private_key, public_bytes
 from rudp.opening import receive_accept, receive_challenge, receive_reject
@@ -305,6 +305,8 @@ class Endpoint:
     def close(self, now: float) -> None:
         """Start a graceful close of every connection; new ones are refused from now on
         (REJECT "server closing")."""
+        if type(now) is not float:
+            now = check_now(now)
         self.refusing = True
         for conn in list(self._conns.values()):
             conn.close(now)
@@ -330,7 +332,7 @@ class Endpoint:
     def cancel_query(self, nonce: int) -> None:
         self._queries.cancel(nonce)
 
-    def reply_query(self, event: QueryReceived, payload: bytes) -> None:
+    def reply_query(self, event: QueryReceived, payload: bytes | bytearray | memoryview) -> None:
         """Answer a ``QueryReceived``; the reply may not exceed ``event.max_reply``."""
         self._send_unvalidated(Queries.reply(event, payload), event.address)
 

@@ -56,9 +56,12 @@ class Queries:
         self._pending.pop(nonce, None)
 
     @staticmethod
-    def reply(event: QueryReceived, payload: bytes) -> bytes:
+    def reply(event: QueryReceived, payload: bytes | bytearray | memoryview) -> bytes:
         """The QUERY_REPLY answering ``event``; no larger than its request allows."""
         if type(payload) is not bytes:
+            if not isinstance(payload, bytes | bytearray | memoryview):
+                # bytes(40) would be forty zero bytes.
+                raise TypeError(f"a query reply is bytes-like, not {type(payload).__name__}")
             # A memoryview's len() counts its items, not its bytes (an array of
             # doubles: 8 bytes each), and one not contiguous cannot be joined.
             payload = bytes(payload)

@@ -24,6 +24,7 @@ from rudp.lan.aio import discover
 from rudp.netsim.conditioner import LinkProfile
 from rudp.netsim.proxy import start_proxy
 from tests.rudp.harness import pair as core_pair
+from tests.rudp.harness import server_conn
 
 
 async def hold(conn: rudp.Connection) -> None:
@@ -687,7 +688,16 @@ def test_a_clock_reading_that_is_not_a_number_is_refused_by_send_and_close(bad: 
         conn.send(b"x", reliable=False, now=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"now takes a float|float (or None )?object expected"):
         conn.close(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"now takes a float|float (or None )?object expected"):
+        client.endpoint.close(bad)  # type: ignore[arg-type]
     assert conn.state is State.CONNECTED and conn.queued == 0
+    assert not client.endpoint.refusing
+    sconn = server_conn(server)
+    sconn.pause_receiving()
+    with pytest.raises(TypeError, match=r"now takes a float|float (or None )?object expected"):
+        sconn.resume_receiving(bad)  # type: ignore[arg-type]
+    assert sconn.receiving_paused  # unchanged: a retry with a good clock resumes
+    sconn.resume_receiving(net.now)
     conn.send(b"after", reliable=False, now=net.now)
     net.run(0.5)
     assert server.received() == [b"after"]

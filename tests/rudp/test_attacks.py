@@ -9,6 +9,7 @@ Every attack is counted under its own drop reason and leaves the connection work
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import random
 import struct
@@ -25,7 +26,8 @@ from rudp import frames, handshake, noise, wire
 from rudp.accepting import HANDSHAKE_FAILED
 from rudp.config import Config
 from rudp.connection import Connection, State
-from rudp.events import DisconnectReason, QueryReceived
+from rudp.errors import MessageTooLarge
+from rudp.events import DisconnectReason, QueryAnswered, QueryReceived
 from rudp.opening import TIMEOUT_BAD_ANSWERS
 from rudp.wire import DropReason, PacketType
 from tests.rudp.harness import (
@@ -607,3 +609,22 @@ def test_a_simultaneous_open_with_nk_on_one_side_completes(accept: tuple[bool, b
         net.run(1)
         assert b.received() == [b"a to b"] and a.received() == [b"b to a"], seed
         assert not a.disconnects() and not b.disconnects(), seed
+
+
+def test_a_query_reply_is_bytes_like_and_measured_in_bytes() -> None:
+    # bytes(40) is forty zero bytes: an int was sent as such a reply; a memoryview's
+    # len() counts its items.
+    net = Network(seed=3)
+    server = net.add(SERVER, accept=True)
+    client = net.add(CLIENT)
+    client.endpoint.query(SERVER, b"info?", net.now, reply_room=64)
+    net.run_until(lambda: any(isinstance(e, QueryReceived) for _, e in server.events))
+    (event,) = [e for _, e in server.events if isinstance(e, QueryReceived)]
+    with pytest.raises(TypeError):
+        server.endpoint.reply_query(event, 40)  # type: ignore[arg-type]
+    with pytest.raises(MessageTooLarge):  # 9 doubles: 72 bytes, 9 items
+        server.endpoint.reply_query(event, memoryview(array.array("d", [0.0] * 9)))
+    server.endpoint.reply_query(event, memoryview(b"abcdef")[::2])
+    net.run(0.1)
+    answers = [e for _, e in client.events if isinstance(e, QueryAnswered)]
+    assert [a.payload for a in answers] == [b"ace"]
