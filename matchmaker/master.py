@@ -42,8 +42,9 @@ no token and reads no host.
 What a query costs, in total and not only per source (the sources may all be
 spoofed, and each new one has a full bucket): reading the list is a pass over
 every host of the games it covers (`catalog.visible`).  That pass is made at
-most `SCAN_RATE` times a second for all sources together (the rest are refused
-as rate limited), and what it finds is kept for `LIST_SECONDS` (at most
+most `SCAN_RATE` times a second for all sources together, and
+`SOURCE_SCAN_RATE` times for one source (the rest are refused as rate limited),
+and what it finds is kept for `LIST_SECONDS` (at most
 `LISTS_KEPT` lists, the least recently used given up first), ready to answer:
 the same query again, and each next page of it, costs a binary search and a
 slice (Steam: the list is kept in reply form, 6 bytes a host in address order),
@@ -113,6 +114,10 @@ SCAN_RATE = Rate(rate=10.0, burst=10.0)
 """Passes over the hosts (`catalog.visible`) per second, all sources together.  A
 pass over 20,000 hosts takes about 20 ms, so this caps the port at about a fifth
 of a core however many sources ask; lists already made answer without one."""
+SOURCE_SCAN_RATE = Rate(rate=1.0, burst=2.0)
+"""Passes one source (an IPv4 address, an IPv6 /64) may have of `SCAN_RATE`: one
+sender of distinct filters cannot spend them all (spoofed sources still can: they
+share them with everyone)."""
 LIST_SECONDS = 1.0
 """How long the list one pass made answers the same query (and its next pages)."""
 LISTS_KEPT = 16
@@ -442,6 +447,7 @@ class MasterResponder:
         page_hosts: int,
         rng: random.Random | None = None,
         scans: Rate = SCAN_RATE,
+        source_scans: Rate = SOURCE_SCAN_RATE,
         clock: Callable[[], float] = time.monotonic,
         on_rate_limited: Callable[[], None] | None = None,
         on_result: Callable[[str], None] | None = None,
@@ -453,6 +459,7 @@ class MasterResponder:
         self._clock = clock
         # One bucket for every source: the passes over the hosts it allows.
         self._scans = RateLimiter(scans, max_keys=1, clock=clock)
+        self._source_scans = RateLimiter(source_scans, clock=clock)
         self._steam_lists: RecentLists[tuple[tuple[str, str], ...], bytes] = RecentLists(
             LIST_SECONDS, LISTS_KEPT
         )
@@ -532,8 +539,9 @@ class MasterResponder:
         return self._answered(q3_reply(listed, query.ext, room, self._rng), address)
 
     def _scan(self, address: Address) -> bool:
-        """Whether a pass over the hosts may be made now (counted), for all sources."""
-        if self._scans.allow(""):
+        """Whether a pass over the hosts may be made now (counted): this source's share
+        first, then all sources' together."""
+        if self._source_scans.allow(rate_key(address.ip)) and self._scans.allow(""):
             self.scans += 1
             return True
         self.scans_refused += 1

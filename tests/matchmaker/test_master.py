@@ -74,14 +74,24 @@ async def registry_with(n: int, clock: FakeClock, **kw: object) -> MemoryRegistr
 
 
 def responder(
-    registry: MemoryRegistry, clock: FakeClock, burst: float = 100.0, scans: float = 1e9
+    registry: MemoryRegistry,
+    clock: FakeClock,
+    burst: float = 100.0,
+    scans: float = 1e9,
+    source_scans: float = 1e9,
 ) -> MasterResponder:
     """A master port with a rate of 2 a second per source (`burst` saved up), and
-    `scans` passes over the hosts for all of them together, made at once."""
+    `scans` passes over the hosts for all of them together, `source_scans` for one,
+    made at once."""
     limiter = RateLimiter(Rate(rate=2.0, burst=burst), clock=clock)
-    scan_rate = Rate(rate=scans, burst=scans)
     return MasterResponder(
-        registry, limiter, page_hosts=32, rng=random.Random(1), scans=scan_rate, clock=clock
+        registry,
+        limiter,
+        page_hosts=32,
+        rng=random.Random(1),
+        scans=Rate(rate=scans, burst=scans),
+        source_scans=Rate(rate=source_scans, burst=source_scans),
+        clock=clock,
     )
 
 
@@ -411,6 +421,24 @@ async def test_next_pages_from_spoofed_sources_cost_at_most_the_passes_allowed(
     for i in range(10):
         master.datagram_received(steam_request(seed, f"\\gamedir\\arena\\map\\n{i}"), spoofed(i))
     assert len(scans) == 10 and master.answered == 10
+
+
+async def test_one_source_of_distinct_filters_leaves_passes_for_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The passes are shared by every source: one sender of a new filter each time
+    # spent all of them, and everyone else's new queries went unanswered.
+    clock = FakeClock()
+    master = responder(await registry_with(40, clock), clock, scans=10.0, source_scans=2.0)
+    scans = count_scans(monkeypatch)
+    flood = Address(pub(200), 5000)
+    for i in range(40):
+        master.datagram_received(steam_request("0.0.0.0:0", f"\\gamedir\\arena\\map\\m{i}"), flood)
+    assert len(scans) == 2 and master.answered == 2
+    honest = [Address(pub(210 + i), 27005) for i in range(4)]
+    for i, source in enumerate(honest):
+        master.datagram_received(steam_request("0.0.0.0:0", f"\\gamedir\\arena\\map\\h{i}"), source)
+    assert len(scans) == 6 and master.answered == 6
 
 
 async def test_a_list_made_once_answers_its_next_pages_and_every_source(
