@@ -185,8 +185,9 @@ class Endpoint:
         existing = self._conns.get(address)
         if existing is not None and existing.state is DRAINING:
             # Ended, lingering only to acknowledge a resent DISCONNECT: a reconnect right
-            # after the end takes its place (the peer's resend then draws a NOCONN,
-            # which ends its close as well).
+            # after the end takes its place. The peer's close then ends by our NOCONN
+            # (when it holds our reset token), or by the new handshake from this
+            # address, as a restart (reason "peer has no connection"), or by its timer.
             existing.abort()
             existing = self._conns.get(address)
         if existing is not None:
