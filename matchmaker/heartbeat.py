@@ -74,7 +74,10 @@ _COUNTER = struct.Struct("!Q")
 _ADDRESS_HEAD = struct.Struct("!BH")
 _BEAT_KINDS = frozenset({0xB1, 0xB4, 0xB7})
 """HEARTBEAT, LEAVE, MOVING: one layout."""
-MAX_COUNTER = (1 << 64) - 1
+MAX_COUNTER = (1 << 63) - 1
+"""The largest heartbeat counter taken: the registries store it as a signed 64-bit
+integer (an array of them, a Redis integer), and a registration's counter starts
+below 2**62 (`COUNTER_START_BITS`), so an honest host never gets near it."""
 
 
 class Kind(enum.IntEnum):
@@ -191,6 +194,9 @@ def decode_beat(data: bytes) -> Beat:
     if len(data) < 1 + _COUNTER.size:
         raise BeatError("truncated")
     (counter,) = _COUNTER.unpack_from(data, 1)
+    if counter > MAX_COUNTER:
+        # Signed with the host's secret or not, the registries could not store it.
+        raise BeatError("malformed")
     address, end = _unpack_address(data, 1 + _COUNTER.size)
     if len(data) != end + MAC_BYTES:
         raise BeatError("truncated" if len(data) < end + MAC_BYTES else "malformed")

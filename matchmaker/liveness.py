@@ -289,7 +289,7 @@ class Liveness:
                 self._count("takeover_replayed").inc()
             else:
                 for reply in self._not_registered(
-                    "not_registered", sockaddr, t.beat, secret, t.address
+                    "not_registered", sockaddr, t.beat, secret, t.address, proven=True
                 ):
                     self._reply(reply, sockaddr)
 
@@ -339,14 +339,18 @@ class Liveness:
         if beat.kind is hb.Kind.MOVING:
             return self._moving(beat, record, sockaddr)
         if self.stopping and beat.kind is hb.Kind.HEARTBEAT:
-            return self._not_registered("stopping", sockaddr, beat.counter, secret, record.address)
+            return self._not_registered(
+                "stopping", sockaddr, beat.counter, secret, record.address, proven=True
+            )
         if beat.kind is hb.Kind.LEAVE:
             self._count("left").inc()
             self._on_leave(record)
         elif record.owner != self.registry.replica_id:
             # Only a MOVING heartbeat moves a host: this may be a copy of one on
             # its way to the owner (module doc).
-            return self._not_registered("not_owner", sockaddr, beat.counter, secret, record.address)
+            return self._not_registered(
+                "not_owner", sockaddr, beat.counter, secret, record.address, proven=True
+            )
         else:
             self._ok.inc()
             self._seen[record.address] = beat.counter
@@ -376,11 +380,17 @@ class Liveness:
         counter: int,
         secret: bytes | None = None,
         address: Address | None = None,
+        *,
+        proven: bool = False,
     ) -> list[bytes]:
         """A NOT_REGISTERED for `sockaddr` (authenticated for the registration at
-        `address` with `secret`), unless that source had its share."""
+        `address` with `secret`), unless that source had its share.  One that answers
+        a heartbeat `proven` (its MAC good, its counter new, from the host's own
+        address: only the host can send it) is never refused: a spoofer sending junk
+        from the host's IP would otherwise spend the share and keep the host from
+        learning it must move (a stopping replica) or register again."""
         source = _source(sockaddr)
-        if source is None or not self.reply_limiter.allow(rate_key(source.ip)):
+        if source is None or (not proven and not self.reply_limiter.allow(rate_key(source.ip))):
             self._count("unanswered").inc()
             return []
         self._count(reason).inc()

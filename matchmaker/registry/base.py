@@ -600,7 +600,8 @@ class Registry(abc.ABC):
             if rec is None or rec.token != t.token:
                 results.append(TakeoverResult.NOT_REGISTERED)
                 continue
-            rec.owner = self.replica_id
+            if rec.owner != self.replica_id:  # (the memory registry's owner is read-only,
+                rec.owner = self.replica_id  # and always this replica)
             results.append(TakeoverResult.TAKEN)
         return results
 

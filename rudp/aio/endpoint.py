@@ -228,6 +228,7 @@ class AioEndpoint:
         # set_foreign_handler() and set_datagram_handler().
         self._foreign: dict[int, ForeignHandler] = {}
         self.foreign_errors = 0  # foreign handlers that raised
+        self.query_errors = 0  # on_query handlers that raised
         self._conns: dict[CoreConnection, Connection] = {}
         # Connections with a drain() waiter, re-checked after each flush.
         self.draining: set[Connection] = set()
@@ -518,7 +519,13 @@ class AioEndpoint:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
             self.foreign_errors += 1
-            log.exception("foreign_handler_failed peer=%s", format_address(address))
+            count = self.foreign_errors
+            if count & (count - 1) == 0:
+                # Logged the 1st, 2nd, 4th, 8th... time: a sender that makes the
+                # handler fail on every datagram cannot fill the log with tracebacks.
+                log.exception(
+                    "foreign_handler_failed peer=%s count=%d", format_address(address), count
+                )
             return
         send = self._outbound.send if self._outbound is not None else self._sendto
         for reply in replies:
@@ -806,7 +813,12 @@ class AioEndpoint:
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            log.exception("query_handler_failed peer=%s", format_address(event.address))
+            self.query_errors += 1
+            count = self.query_errors
+            if count & (count - 1) == 0:  # the 1st, 2nd, 4th... (anyone can send queries)
+                log.exception(
+                    "query_handler_failed peer=%s count=%d", format_address(event.address), count
+                )
             return
         if reply is None:
             return

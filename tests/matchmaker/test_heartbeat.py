@@ -22,6 +22,7 @@ from matchmaker.messages import (
     decode,
 )
 from matchmaker.registry import MemoryRegistry, RemovalReason
+from matchmaker.registry.base import TakeoverResult
 from tests.matchmaker.fakes import settle
 from tests.matchmaker.helpers import Harness, info, pub
 
@@ -537,3 +538,53 @@ async def test_no_secret_is_handed_out_before_the_registry_is_loaded() -> None:
     assert h.registry.get(HOST) is None
     registry.loaded = True
     assert isinstance(await wire.request(Register(request_id=2, host=info())), Registered)
+
+
+async def test_a_counter_the_registries_cannot_store_is_malformed() -> None:
+    # Signed with the host's secret, a counter of 2**63 or more passed every check and
+    # raised OverflowError out of the handler (the memory registry keeps counters in a
+    # signed 64-bit array): a traceback logged per 32-byte datagram.
+    with pytest.raises(hb.BeatError):
+        hb.decode_beat(hb.encode_beat(SECRET, HOST, 1 << 63))
+    h = Harness()
+    secret = await registered(h)
+    liveness = h.service.liveness
+    for counter in (1 << 63, (1 << 64) - 1):
+        for kind in (hb.Kind.HEARTBEAT, hb.Kind.MOVING, hb.Kind.LEAVE):
+            assert liveness.receive(hb.encode_beat(secret, HOST, counter, kind), HOST) == []
+    assert result(h, "malformed") == 6
+    assert len(liveness.receive(hb.encode_beat(secret, HOST, hb.MAX_COUNTER), HOST)) == 1
+    assert h.registry.get(HOST) is not None
+
+
+async def test_a_moving_heartbeat_to_a_replica_of_one_is_taken() -> None:
+    # The memory registry's records have a read-only owner: take_over raised
+    # AttributeError, and every MOVING heartbeat went unanswered.
+    h = Harness()
+    secret = await registered(h)
+    liveness = h.service.liveness
+    assert liveness.receive(hb.encode_beat(secret, HOST, 7, hb.Kind.MOVING), HOST) == []
+    waiting = liveness.take_takeovers()
+    results = await h.registry.take_over([t for t, _ in waiting])
+    assert results == [TakeoverResult.TAKEN]
+    sent: list[tuple[bytes, object]] = []
+    liveness._reply = lambda data, to: sent.append((data, to))  # type: ignore[method-assign]
+    liveness.settle(waiting, results)
+    assert [hb.decode_ack(secret, HOST, data) for data, _ in sent] == [7]
+    assert result(h, "taken_over") == 1
+
+
+async def test_a_spoofer_cannot_keep_a_stopping_replica_from_telling_its_host() -> None:
+    # Junk heartbeats from the host's IP spent that IP's share of NOT_REGISTERED
+    # replies, so the host's own heartbeat to a stopping replica went unanswered.
+    h = Harness()
+    secret = await registered(h)
+    liveness = h.service.liveness
+    burst = int(liveness.reply_limiter.rate.burst)
+    for counter in range(1, burst + 5):  # an unlisted address, from the host's IP
+        liveness.receive(hb.encode_beat(SECRET, Address(pub(7), 1), counter), (HOST.ip, 4000))
+    assert result(h, "unanswered") == 4
+    h.service.stop_accepting()
+    reply = liveness.receive(hb.encode_beat(secret, HOST, 1), HOST)
+    assert reply == [hb.encode_not_registered(1, secret, HOST)]
+    assert result(h, "stopping") == 1

@@ -94,3 +94,30 @@ async def test_a_foreign_handler_raising_cancelled_error_is_counted_and_rudp_goe
         await asyncio.wait_for(conn.close(), 5)
     assert server.endpoint.foreign_errors == 1
     assert escaped == []
+
+
+async def test_handlers_that_fail_on_every_datagram_are_logged_at_doubling_counts(
+    server: rudp.Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Anyone can send queries and foreign datagrams: a handler failing on each logged
+    # a traceback per datagram (800 bytes of log for a 32-byte datagram).
+    def failing(data: bytes, address: object) -> Any:
+        raise ValueError("bad input")
+
+    server.on_query = failing
+    server.on_foreign = failing
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _ in range(10):
+            sock.sendto(b"\xff\xff\xff\xffTSource Engine Query\x00", server.address)
+        for _ in range(10):
+            with pytest.raises(TimeoutError):
+                await server.query(server.address, b"q", timeout=0.05)
+    for _ in range(100):
+        if server.endpoint.foreign_errors == 10:
+            break
+        await asyncio.sleep(0.01)
+    assert server.endpoint.foreign_errors == server.endpoint.query_errors == 10
+    logged = [r.getMessage() for r in caplog.records if "handler_failed" in r.getMessage()]
+    counts = sorted(int(m.rsplit("=", 1)[1]) for m in logged if m.startswith("foreign"))
+    assert counts == [1, 2, 4, 8]
+    assert sorted(int(m.rsplit("=", 1)[1]) for m in logged if m.startswith("query")) == counts
