@@ -66,7 +66,7 @@ from rudp.accepting import receive_connect, refuse_v1
 from rudp.admission import CookieJar, ResetTokens, SourceLimits, TokenBucket, source_of
 from rudp.config import Config
 from rudp.connection import Address, Connection
-from rudp.errors import LocalProtocolError, MessageTooLarge, check_now
+from rudp.errors import LocalProtocolError, MessageTooLarge, as_bytes, check_now
 from rudp.events import EndpointEvent, Event, QueryReceived
 from rudp.noise import private_key, public_bytes
 from rudp.opening import receive_accept, receive_challenge, receive_reject
@@ -319,13 +319,19 @@ class Endpoint:
             conn.abort()
 
     def query(
-        self, address: Address, payload: bytes, now: float, *, reply_room: int | None = None
+        self,
+        address: Address,
+        payload: bytes | bytearray | memoryview,
+        now: float,
+        *,
+        reply_room: int | None = None,
     ) -> int:
         """Send an unconnected QUERY; the answer comes as ``QueryAnswered``.
 
         The request is padded so the reply may carry ``reply_room`` bytes
         (default: as much as one datagram holds).
         """
+        payload = as_bytes(payload, "a query payload")  # before anything changes
         nonce = self._rng.getrandbits(32)
         self._out.append((self._queries.request(address, nonce, payload, now, reply_room), address))
         return nonce

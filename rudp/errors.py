@@ -107,6 +107,17 @@ def check_now(value: object, name: str = "now") -> float:
     return float(value)
 
 
+def as_bytes(value: object, name: str) -> bytes:
+    """``value`` (``bytes``, ``bytearray`` or ``memoryview``) as ``bytes``, measured by
+    its bytes (a memoryview's ``len()`` counts its items); a TypeError naming ``name``
+    for anything else (``bytes(40)`` would be forty zero bytes)."""
+    if type(value) is bytes:
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"{name} must be bytes-like, not {type(value).__name__}")
+
+
 def check_address(value: object, name: str) -> None:
     """Refuse anything but a ``(host, port)`` pair (or a longer IPv6 socket address)
     where an address belongs: ``"1.2.3.4:27960"`` is a TypeError naming the fix."""

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from rudp import wire
 from rudp.drops import DropReason
-from rudp.errors import MessageTooLarge
+from rudp.errors import MessageTooLarge, as_bytes
 from rudp.events import QueryAnswered, QueryReceived
 from rudp.wire import PacketType
 
@@ -38,9 +38,15 @@ class Queries:
         return len(self._pending)
 
     def request(
-        self, address: Address, nonce: int, payload: bytes, now: float, reply_room: int | None
+        self,
+        address: Address,
+        nonce: int,
+        payload: bytes | bytearray | memoryview,
+        now: float,
+        reply_room: int | None,
     ) -> bytes:
         """The QUERY datagram for ``address``, remembered under ``nonce``."""
+        payload = as_bytes(payload, "a query payload")
         limit = self.max_payload
         room = limit if reply_room is None else reply_room
         if len(payload) > limit or not 0 <= room <= limit:
@@ -58,13 +64,7 @@ class Queries:
     @staticmethod
     def reply(event: QueryReceived, payload: bytes | bytearray | memoryview) -> bytes:
         """The QUERY_REPLY answering ``event``; no larger than its request allows."""
-        if type(payload) is not bytes:
-            if not isinstance(payload, bytes | bytearray | memoryview):
-                # bytes(40) would be forty zero bytes.
-                raise TypeError(f"a query reply is bytes-like, not {type(payload).__name__}")
-            # A memoryview's len() counts its items, not its bytes (an array of
-            # doubles: 8 bytes each), and one not contiguous cannot be joined.
-            payload = bytes(payload)
+        payload = as_bytes(payload, "a query reply")
         if len(payload) > event.max_reply:
             raise MessageTooLarge(
                 f"query reply of {len(payload)} bytes exceeds the {event.max_reply}"

@@ -423,6 +423,9 @@ class Sender:
             previous = self.tx_rseq_last[channel]
             if previous is not None and previous.state <= SENT:
                 pieces = previous.fragments or (previous,)
+                # Refused before the previous one is superseded: a send that raises
+                # must leave the last accepted state on its way.
+                self._check_fits(data, mode, channel, sum(p.state <= SENT for p in pieces))
                 if all(p.state == QUEUED for p in pieces):
                     # None of its numbers reached the wire: reuse them, so the receiver
                     # never sees a jump of 32768 or more (which reads as "older").
@@ -499,21 +502,18 @@ class Sender:
             unacked = self.tx_ch_unacked[channel] = deque()
         return unacked
 
-    def _send_fragmented(
-        self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
-    ) -> OutMessage:
-        """Split a reliable message into fragments with consecutive sequence numbers.
-
-        The handle returned is a parent that is never sent itself; each fragment
-        is an ordinary reliable message of the same mode, resent on its own.
-        """
+    def _check_fits(self, data: bytes, mode: int, channel: int, freed: int) -> None:
+        """Raise what queueing ``data`` (a reliable-sequenced message, no dependencies)
+        would raise once ``freed`` queued messages have made way for it."""
+        if frames.message_frame_size(mode, channel, len(data)) <= self._max_payload:
+            return  # one message: the send queue had room for it (Sender.send)
         total = len(data)
-        self._check_total(total)
         step = self._fragment_payload
-        first = step - (1 + 2 * len(deps) if deps else 0)
-        chunks = [data[:first]]
-        chunks += [data[i : i + step] for i in range(first, total, step)]
-        count = len(chunks)
+        count = 1 + (max(total - step, 0) + step - 1) // step
+        self._check_fragments(total, count, step, self.queued - freed)
+
+    def _check_fragments(self, total: int, count: int, step: int, queued: int) -> None:
+        self._check_total(total)
         if count > self._fragment_limit:
             raise MessageTooLarge(
                 f"a {total}-byte message needs {count} fragments of {step} bytes; the "
@@ -526,13 +526,30 @@ class Sender:
                 f"a {total}-byte message needs {count} fragments of {step} bytes; the send "
                 f"queue holds {self._queue_limit} messages (Config.send_queue_limit)"
             )
-        if self.queued + count > self._queue_limit:
+        if queued + count > self._queue_limit:
             self.room_wanted = count
             raise SendQueueFull(
-                f"a {count}-fragment message does not fit the send queue ({self.queued} of "
+                f"a {count}-fragment message does not fit the send queue ({queued} of "
                 f"{self._queue_limit} messages){self._paused_note()}; await drain() before "
                 "sending"
             )
+
+    def _send_fragmented(
+        self, data: bytes, mode: int, channel: int, deps: tuple[int, ...]
+    ) -> OutMessage:
+        """Split a reliable message into fragments with consecutive sequence numbers.
+
+        The handle returned is a parent that is never sent itself; each fragment
+        is an ordinary reliable message of the same mode, resent on its own.
+        """
+        total = len(data)
+        self._check_total(total)  # before the slicing
+        step = self._fragment_payload
+        first = step - (1 + 2 * len(deps) if deps else 0)
+        chunks = [data[:first]]
+        chunks += [data[i : i + step] for i in range(first, total, step)]
+        count = len(chunks)
+        self._check_fragments(total, count, step, self.queued)
         base = self._next_seq(mode, channel, count)
         parent = OutMessage(data, mode, channel, base, b"")
         parent.parts = count

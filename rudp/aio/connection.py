@@ -114,8 +114,14 @@ class Connection:
 
     @property
     def closed(self) -> bool:
-        """True once the connection has ended (or is ending) on our side."""
-        return self._closed_future.done() or self._core.state.value in ("closing", "closed")
+        """True once the connection has ended (or is ending): ``send()`` then raises
+        ``ConnectionClosed``. The peer's DISCONNECT counts from its arrival (a message
+        that came with it reaches a receiver before the ``Disconnected`` event)."""
+        return self._closed_future.done() or self._core.state.value in (
+            "closing",
+            "draining",
+            "closed",
+        )
 
     @property
     def disconnected(self) -> Disconnected | None:
@@ -362,7 +368,16 @@ class Connection:
 
     def _call_receiver(self, receiver: Receiver, message: MessageReceived) -> None:
         try:
-            receiver(message)
+            result: object = receiver(message)
+            if result is not None and inspect.iscoroutine(result):
+                # An async callable set_receiver() could not see (a lambda calling an
+                # async def): its message would be lost without a word. (Other results,
+                # a send()'s handle from ``lambda m: conn.send(...)``, are left alone.)
+                result.close()
+                raise TypeError(
+                    "the receiver returned a coroutine, which set_receiver() does not "
+                    "await: its message is lost; use a plain def, or read with recv()"
+                )
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise

@@ -63,6 +63,7 @@ from rudp.errors import (
     EndpointClosed,
     LocalProtocolError,
     RudpError,
+    as_bytes,
 )
 from rudp.events import (
     Connected,
@@ -451,6 +452,11 @@ class AioEndpoint:
             raise LocalProtocolError(f"first byte {first_byte:#x} is not free for another protocol")
         if handler is not None and not callable(handler):
             raise TypeError(f"a datagram handler must be callable or None, got {handler!r}")
+        if handler is not None and is_coroutine_function(handler):
+            raise TypeError(
+                "a datagram handler is called, not awaited: an async def would answer "
+                "nothing (return the replies from a plain def)"
+            )
         if handler is None:
             self._foreign.pop(first_byte, None)
         else:
@@ -483,12 +489,13 @@ class AioEndpoint:
                 count,
             )
 
-    def send_datagram(self, data: bytes, address: Address) -> None:
+    def send_datagram(self, data: bytes | bytearray | memoryview, address: Address) -> None:
         """Send one datagram of another protocol sharing the socket (not rudp).
 
         Its first byte must not be one of rudp's (the peer's rudp would read it).
         The caller bounds what it sends to unvalidated addresses.
         """
+        data = as_bytes(data, "a foreign datagram")  # its first byte, not its first item
         if not data or data[0] in RUDP_FIRST_BYTES:
             raise LocalProtocolError("a foreign datagram must not start with a rudp byte")
         if self._closed:
@@ -823,6 +830,8 @@ class AioEndpoint:
         if reply is None:
             return
         if not isinstance(reply, bytes | bytearray | memoryview):
+            if inspect.iscoroutine(reply):
+                reply.close()  # an async callable the setter could not see: never awaited
             log.error("query_handler_bad_reply type=%s", type(reply).__name__)
             return
         if type(reply) is not bytes:
@@ -871,7 +880,9 @@ class AioEndpoint:
             raise
         return conn
 
-    async def query(self, address: Address, payload: bytes, timeout: float) -> tuple[bytes, float]:
+    async def query(
+        self, address: Address, payload: bytes | bytearray | memoryview, timeout: float
+    ) -> tuple[bytes, float]:
         """Send one unconnected query and wait ``timeout`` seconds for its answer: a
         ``TimeoutError`` naming the address and the timeout without one."""
         timeout = check_query_timeout(timeout)

@@ -10,7 +10,7 @@ import sys
 from types import TracebackType
 from typing import Any
 
-from rudp.aio.connection import Connection
+from rudp.aio.connection import Connection, is_coroutine_function
 from rudp.aio.endpoint import (
     AioEndpoint,
     ForeignHandler,
@@ -267,6 +267,11 @@ class Endpoint:
     def on_query(self, handler: QueryHandler | None) -> None:
         if handler is not None and not callable(handler):
             raise TypeError(f"on_query must be callable or None, got {handler!r}")
+        if handler is not None and is_coroutine_function(handler):
+            raise TypeError(
+                "on_query is called, not awaited: an async def would answer nothing "
+                "(return the reply from a plain def)"
+            )
         self._endpoint.on_query = handler
 
     @property
@@ -293,7 +298,7 @@ class Endpoint:
             raise TypeError(f"first_byte must be an int, not {type(first_byte).__name__}")
         self._endpoint.set_datagram_handler(first_byte, handler)
 
-    def send_datagram(self, data: bytes, address: Address) -> None:
+    def send_datagram(self, data: bytes | bytearray | memoryview, address: Address) -> None:
         """Send one datagram of another protocol from this socket (never rudp's:
         its first byte is checked). Nothing is sent once the socket is closed."""
         self._endpoint.send_datagram(data, address)
@@ -325,7 +330,10 @@ class Endpoint:
         )
 
     async def query(
-        self, address: tuple[str, int], payload: bytes, timeout: float = 1.0
+        self,
+        address: tuple[str, int],
+        payload: bytes | bytearray | memoryview,
+        timeout: float = 1.0,
     ) -> tuple[bytes, float]:
         """Send an unconnected query; returns (reply, round-trip seconds).
 

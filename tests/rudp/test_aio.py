@@ -238,6 +238,31 @@ async def test_a_memoryview_query_reply_is_measured_in_bytes(server: rudp.Server
     assert errors == []
 
 
+async def test_a_query_payload_and_a_foreign_datagram_are_measured_in_bytes(
+    server: rudp.Server,
+) -> None:
+    # A memoryview query payload was measured in items: 200 doubles (1,600 bytes)
+    # passed a 1,188-byte limit, went out in a datagram over max_datagram_size, and
+    # its length field said 200; a str failed late, its query already pending.
+    seen: list[bytes] = []
+    server.on_query = lambda payload, address: seen.append(payload) or b"ok"
+    client = await rudp.open_endpoint("127.0.0.1", 0)
+    async with client:
+        limit = client.endpoint.core.max_query_payload
+        with pytest.raises(rudp.MessageTooLarge):
+            await client.query(server.address, memoryview(array.array("d", [1.5] * 200)))
+        two = array.array("d", [1.5, 2.5])
+        reply, _ = await client.query(server.address, memoryview(two), timeout=5)
+        assert reply == b"ok" and seen == [two.tobytes()] and limit < 1600
+        pending = len(client.endpoint.core._queries)
+        with pytest.raises(TypeError, match="query payload must be bytes-like"):
+            await client.query(server.address, "text")  # type: ignore[arg-type]
+        assert len(client.endpoint.core._queries) == pending
+        # A foreign datagram's first byte is checked, not its first item.
+        with pytest.raises(rudp.LocalProtocolError):
+            client.send_datagram(memoryview(b"\xa1\x00\x00\x01").cast("I"), server.address)
+
+
 async def test_garbage_flood_while_a_connection_keeps_working(server: rudp.Server) -> None:
     conn = await rudp.connect(*server.address)
     rng = random.Random(7)

@@ -118,3 +118,31 @@ async def test_connecting_again_right_after_the_end_is_taken() -> None:
         again = await asyncio.wait_for(endpoint.connect(*server.address), 5)
         again.send(b"again")
         assert (await asyncio.wait_for(again.wait_closed(), 5)).by_peer
+
+
+async def test_a_connection_reads_closed_from_the_peers_disconnect_on() -> None:
+    # A message that came with the DISCONNECT reaches the receiver before the
+    # Disconnected event: conn.closed said False there, yet send() raised.
+    seen: list[tuple[bytes, bool, str]] = []
+
+    async def handler(conn: rudp.Connection) -> None:
+        def receive(message: rudp.Message) -> None:
+            closed = conn.closed
+            try:
+                conn.send(b"echo")
+                seen.append((message.data, closed, "sent"))
+            except rudp.ConnectionClosed:
+                seen.append((message.data, closed, "refused"))
+
+        conn.set_receiver(receive)
+        await conn.wait_closed()
+
+    async with await rudp.serve(handler, "127.0.0.1", 0, config=QUICK) as server:
+        client = await asyncio.wait_for(rudp.connect(*server.address), 5)
+        client.send(b"bye", reliable=False)
+        await asyncio.wait_for(client.close(), 5)
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+    assert seen in ([(b"bye", True, "refused")], [(b"bye", False, "sent")])

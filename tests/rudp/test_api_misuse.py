@@ -304,6 +304,22 @@ async def test_set_receiver_refuses_an_async_def_at_once_and_messages_still_queu
     assert got == [b"handed"]
 
 
+async def test_a_receiver_that_returns_an_awaitable_fails_as_one_that_raises(
+    pair: tuple[rudp.Server, rudp.Connection], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A lambda calling an async def looks like a plain callable: each message went to
+    # a coroutine nobody awaited, acknowledged and lost without a word.
+    server, conn = pair
+    [accepted] = server.connections
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine ... was never awaited"
+        accepted.set_receiver(lambda message: on_message(message))
+        await asyncio.wait_for(conn.send(b"lost?"), 5)
+        ended = await asyncio.wait_for(accepted.wait_closed(), 5)
+    assert ended.reason is rudp.DisconnectReason.CLOSED and not ended.by_peer
+    assert any("receiver_failed" in r.getMessage() for r in caplog.records)
+
+
 # -- refused at once, not later or never ----------------------------------------------------
 
 
@@ -317,6 +333,16 @@ async def test_a_handler_that_cannot_be_called_is_refused_where_it_is_set(
         server.on_foreign = 5  # type: ignore[assignment]
     with pytest.raises(TypeError, match="must be callable"):
         server.set_datagram_handler(0xB1, 5)  # type: ignore[arg-type]
+
+    async def answer(payload: bytes, address: object) -> list[bytes]:
+        return [payload]
+
+    with pytest.raises(TypeError, match="async def"):
+        server.on_query = answer  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="async def"):
+        server.on_foreign = answer
+    with pytest.raises(TypeError, match="async def"):
+        server.set_datagram_handler(0xB1, answer)
     assert server.on_query is None and server.on_foreign is None
     server.on_query = None  # None is what turns them off
     server.set_datagram_handler(0xB1, None)

@@ -15,6 +15,7 @@ import pytest
 from rudp import frames, wire
 from rudp.config import Config
 from rudp.connection import State
+from rudp.errors import MessageTooLarge, SendQueueFull
 from rudp.events import DisconnectReason, MessageReceived
 from rudp.wire import Delivery
 from tests.rudp.harness import (
@@ -280,3 +281,35 @@ def test_fragments_entering_the_window_mid_packet_respect_the_budget() -> None:
     tracemalloc.stop()
     assert mem < 2_000_000  # a 4096-slot partial per packet would be 6.5 MB (65535: 100)
     assert sconn._receiver.reserved_bytes <= sconn.config.max_reassembly_bytes
+
+
+@pytest.mark.parametrize("refusal", ["too_large", "queue_full"])
+def test_a_refused_reliable_sequenced_send_leaves_the_previous_one_on_its_way(
+    refusal: str,
+) -> None:
+    # The previous message was superseded before the new one was checked: the send
+    # raised, and neither arrived.
+    net, server, client, conn = pair(config=Config(send_queue_limit=16))
+    mode = Delivery.RELIABLE_SEQUENCED
+    kept = conn.send(b"score=1", delivery=mode, channel=2)
+    if refusal == "queue_full":
+        for i in range(10):
+            conn.send(b"fill%d" % i)
+        with pytest.raises(SendQueueFull):
+            conn.send(b"t" * 8000, delivery=mode, channel=2)  # 7 fragments: 11 + 7 > 16
+    else:
+        with pytest.raises(MessageTooLarge):
+            conn.send(b"s" * 30000, delivery=mode, channel=2)  # more fragments than 16
+    assert not kept.superseded and conn.queued == (11 if refusal == "queue_full" else 1)
+    net.run(1.0)
+    assert kept.acked
+    assert [m.data for m in tagged_messages(server, 2)] == [b"score=1"]
+    # A newer one that fits still replaces it while it waits.
+    conn.send(b"score=2", delivery=mode, channel=2)
+    net.run(1.0)
+    assert [m.data for m in tagged_messages(server, 2)][-1] == b"score=2"
+
+
+def tagged_messages(node: object, channel: int) -> list[MessageReceived]:
+    events = node.events  # type: ignore[attr-defined]
+    return [e for _, e in events if isinstance(e, MessageReceived) and e.channel == channel]

@@ -110,7 +110,7 @@ async def test_records_reach_stdlib_logging(caplog: pytest.LogCaptureFixture) ->
     assert query_failed.levelno == logging.ERROR and query_failed.exc_info is not None
     assert (
         query_failed.getMessage()
-        == f"query_handler_failed peer={server.address[0]}:{server.address[1]}"
+        == f"query_handler_failed peer={server.address[0]}:{server.address[1]} count=1"
     )
 
 
