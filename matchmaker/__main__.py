@@ -64,7 +64,15 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if settings.workers > 1:
         from matchmaker.workers import Supervisor  # its workers run through run_daemon
 
-        return guarded(settings, Supervisor(settings, args, env).run)
+        supervisor = Supervisor(settings, args, env)
+
+        def supervise() -> int:
+            try:
+                return supervisor.run()
+            finally:
+                _stopped()  # as a lone daemon: a stop during its exit changes nothing
+
+        return guarded(settings, supervise)
     return run_daemon(settings, lambda: Matchmaker(settings).run())
 
 

@@ -137,6 +137,18 @@ BEAT = 1.0
 SILENT = 3.0
 """Seconds without one after which /healthz and /readyz report the worker down
 (``--worker-watchdog`` seconds, it is killed and restarted)."""
+START_GRACE = 60.0
+"""Seconds a new worker may take to start its event loop (interpreter, imports)
+before its first sign of life; a starting worker signs of life too (`STARTING`),
+so one stuck on its way (a Redis that does not answer) keeps its place, and one
+hung before it ever beats is killed after this or ``--worker-watchdog``, the longer."""
+STARTING = b"s"
+"""A worker's sign of life before it serves (then ``SERVING``)."""
+SERVING = b"1"
+FROZEN = 1.0
+"""A supervisor's poll this many seconds late: it was frozen or starved itself
+(the whole replica paused, a stopped process group), and silence it did not see
+is not held against the workers."""
 DOWN_FILE = "down"
 DIRECTORY_PREFIX = "matchmaker-"
 
@@ -487,7 +499,7 @@ async def _serve_worker(mm: Matchmaker, siblings: Siblings, beat_fd: int) -> Non
 
     def beat() -> None:
         with contextlib.suppress(OSError):  # full (a stuck supervisor) or gone
-            os.write(beat_fd, b"1")
+            os.write(beat_fd, SERVING if serving else STARTING)
 
     async def beating() -> None:
         while True:
@@ -497,11 +509,12 @@ async def _serve_worker(mm: Matchmaker, siblings: Siblings, beat_fd: int) -> Non
     def started() -> None:
         nonlocal serving
         serving = True
-        beats.append(asyncio.create_task(beating(), name="watchdog-beat"))
+        beat()  # at once: the supervisor counts it as serving from now
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
-    beats: list[asyncio.Task[None]] = []
+    # Alive while starting too (a Redis slow to answer), serving once started.
+    beats: list[asyncio.Task[None]] = [asyncio.create_task(beating(), name="watchdog-beat")]
     server = await siblings.serve()
     try:
         await mm.run(stop, on_started=started, signals=False)
@@ -533,6 +546,8 @@ class _Slot:
     serving: float | None = None
     """When it said it was serving (None: not yet)."""
     last_beat: float = 0.0
+    heard: bool = False
+    """A sign of life came since the start (a starting worker's too)."""
     last_status: int = 0
     killed: bool = False
     """Killed by the watchdog (it exits -9 soon)."""
@@ -587,6 +602,16 @@ class Supervisor:
     def run(self) -> int:
         """Run until SIGTERM/SIGINT/SIGHUP (0 when every worker drained) or a failed
         start (1)."""
+        try:
+            self.directory  # noqa: B018 (made here: a failure is said, not a spawn's)
+        except OSError as exc:
+            why = (
+                f"--workers needs a writable temporary directory (TMPDIR, /tmp) for the "
+                f"workers' sockets: {exc}"
+            )
+            log.error("workers_failed", reason=why)
+            print(f"matchmaker: {why}", file=sys.stderr)
+            return 1
         previous = {sig: signal.signal(sig, self._on_stop) for sig in stop_signals()}
         try:
             self._sockets = bind_sockets(self.settings)
@@ -673,7 +698,7 @@ class Supervisor:
             for fd in child:
                 os.close(fd)
         slot.beat_fd, slot.lifeline_fd = beat_read, life_write
-        slot.started, slot.last_beat, slot.serving = now, now, None
+        slot.started, slot.last_beat, slot.serving, slot.heard = now, now, None, False
         slot.restart_at, slot.killed = None, False
         log.info("worker_started", index=slot.index, pid=slot.proc.pid, replica_id=slot.replica_id)
 
@@ -682,11 +707,20 @@ class Supervisor:
 
     def _watch(self) -> str | None:
         """Supervise until told to stop (None) or a worker cannot start (why)."""
+        polled = time.monotonic()
         while not self._stopping:
             time.sleep(POLL)  # a signal's handler runs at once; the loop looks next round
             if self._stopping:
                 break
             now = time.monotonic()
+            late = now - polled - POLL
+            polled = now
+            if late > FROZEN:
+                # Frozen or starved with the workers (a paused container): their beats
+                # are still on their way; what was not seen counts for nothing.
+                for slot in self._slots:
+                    slot.last_beat += late
+                    slot.started += late
             for slot in self._slots:
                 self._read_beats(slot, now)
                 if slot.proc is not None and (code := slot.proc.poll()) is not None:
@@ -716,17 +750,29 @@ class Supervisor:
             slot.beat_fd = None
             return
         slot.last_beat = now
-        if slot.serving is None:
+        slot.heard = True
+        if slot.serving is None and SERVING in got:
             slot.serving, slot.failed_starts = now, 0
 
     def _watchdog(self, slot: _Slot, now: float) -> None:
-        """SIGKILL a serving worker silent for ``--worker-watchdog`` seconds (a stuck
-        event loop, SIGSTOP): its flows wait on its socket for the restart."""
+        """SIGKILL a worker silent for ``--worker-watchdog`` seconds (a stuck event
+        loop, SIGSTOP), serving or starting, or one that never gave a sign of life
+        `START_GRACE` seconds after its start: its flows wait on its socket for the
+        restart (a starting one counts as a failed start)."""
         assert slot.proc is not None
-        silent = now - slot.last_beat
-        if slot.serving is None or slot.killed or silent < self.settings.worker_watchdog:
+        if slot.killed:
             return
-        log.error("worker_hung", index=slot.index, pid=slot.proc.pid, silent=round(silent, 1))
+        limit = self.settings.worker_watchdog
+        if slot.heard:
+            silent = now - slot.last_beat
+        else:
+            silent, limit = now - slot.started, max(limit, START_GRACE)
+        if silent < limit:
+            return
+        log.error(
+            "worker_hung", index=slot.index, pid=slot.proc.pid, silent=round(silent, 1),
+            serving=slot.serving is not None,
+        )  # fmt: skip
         slot.killed = True
         with contextlib.suppress(ProcessLookupError):
             slot.proc.kill()

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,10 +23,19 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rudp
+from matchmaker import workers as workers_module
 from matchmaker.addresses import Address
 from matchmaker.client import MatchmakerClient
 from matchmaker.master import STEAM_REPLY
-from matchmaker.workers import BACKOFF_MAX, Supervisor, count_restarts, merge_expositions
+from matchmaker.workers import (
+    BACKOFF_MAX,
+    SERVING,
+    START_GRACE,
+    STARTING,
+    Supervisor,
+    count_restarts,
+    merge_expositions,
+)
 from tests.matchmaker.helpers import (
     HOST,
     DaemonProcess,
@@ -662,3 +672,130 @@ async def test_rudp_series_carry_the_worker_label(replica: DaemonProcess) -> Non
     for i in (0, 1):
         assert any(f'worker="{i}"' in name for name in rudp_samples), i
     assert all("worker=" in name for name in rudp_samples)
+
+
+# -- the watchdog before serving, and silence the supervisor did not see -------------------
+
+
+class _Running:
+    """A worker process that runs until killed (as `_watchdog` and `_watch` see one)."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.killed = False
+
+    def poll(self) -> int | None:
+        return None
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def test_a_worker_hung_before_its_first_sign_of_life_is_killed_after_the_start_grace(
+    redis_server: RedisProcess,
+) -> None:
+    # The watchdog looked at serving workers only: one stopped or stuck while starting
+    # was never killed, and its share of the sources was dropped for good.
+    supervisor = Supervisor(settings(workers=2, store=redis_server.url), [])
+    slot = supervisor._slots[1]
+    proc = _Running()
+    slot.proc, slot.started, slot.last_beat = proc, 0.0, 0.0  # type: ignore[assignment]
+    supervisor._watchdog(slot, START_GRACE - 1.0)
+    assert not proc.killed
+    supervisor._watchdog(slot, START_GRACE + 1.0)
+    assert proc.killed and slot.killed
+
+
+def test_a_starting_worker_signs_of_life_and_is_watched_before_it_serves(
+    redis_server: RedisProcess,
+) -> None:
+    supervisor = Supervisor(settings(workers=2, store=redis_server.url), [])
+    slot = supervisor._slots[0]
+    proc = _Running()
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    try:
+        slot.proc, slot.beat_fd = proc, read  # type: ignore[assignment]
+        os.write(write, STARTING)
+        supervisor._read_beats(slot, 5.0)
+        assert slot.heard and slot.serving is None and slot.down(5.0)
+        watchdog = supervisor.settings.worker_watchdog
+        supervisor._watchdog(slot, 5.0 + watchdog - 0.5)
+        assert not proc.killed  # alive: waiting for Redis, say
+        os.write(write, STARTING + SERVING)
+        supervisor._read_beats(slot, 6.0)
+        assert slot.serving == 6.0 and not slot.down(6.0)
+        supervisor._watchdog(slot, 6.0 + watchdog + 0.5)
+        assert proc.killed  # silent for the watchdog's time: killed as ever
+    finally:
+        os.close(write)
+        os.close(read)
+        slot.beat_fd = None
+
+
+def test_silence_the_supervisor_did_not_see_is_not_held_against_the_workers(
+    redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The whole replica frozen (a paused container) longer than --worker-watchdog:
+    # the supervisor's first poll after the thaw came before the workers' beats and
+    # killed healthy workers.
+    supervisor = Supervisor(settings(workers=2, store=redis_server.url), [])
+    clock = [1000.0]
+    polls = [0]
+
+    def sleep(seconds: float) -> None:
+        polls[0] += 1
+        clock[0] += seconds + (60.0 if polls[0] == 3 else 0.0)  # frozen for a minute
+        if polls[0] == 6:
+            supervisor._stopping = True
+
+    monkeypatch.setattr(workers_module.time, "sleep", sleep)
+    monkeypatch.setattr(workers_module.time, "monotonic", lambda: clock[0])
+    procs = [_Running(), _Running()]
+    for slot, proc in zip(supervisor._slots, procs, strict=True):
+        slot.proc, slot.heard = proc, True  # type: ignore[assignment]
+        slot.started = slot.last_beat = slot.serving = clock[0]
+    try:
+        assert supervisor._watch() is None
+    finally:
+        if supervisor._directory is not None:
+            shutil.rmtree(supervisor._directory, ignore_errors=True)
+    assert not any(proc.killed for proc in procs)
+    # A worker silent while the supervisor watched is still killed.
+    slot = supervisor._slots[0]
+    supervisor._watchdog(slot, slot.last_beat + supervisor.settings.worker_watchdog + 1)
+    assert procs[0].killed
+
+
+async def test_a_stop_repeated_until_the_supervisor_exits_still_exits_0(
+    replica: DaemonProcess,
+) -> None:
+    # After the drain the supervisor put the default actions back: a SIGTERM during
+    # its exit ended it with status 143 although every worker had drained.
+    assert replica.proc is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while replica.proc.poll() is None and loop.time() < deadline:
+        with contextlib.suppress(ProcessLookupError):
+            replica.signal(signal.SIGTERM)
+        await asyncio.sleep(0.002)
+    assert await replica.wait() == 0
+    assert events(replica.log_path, "workers_stopped")[0]["statuses"] == "0,0"
+
+
+def test_workers_without_a_writable_temporary_directory_are_refused_clearly(
+    redis_server: RedisProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A read-only root filesystem without a /tmp: the supervisor logged a spawn failure
+    # and a traceback, and exited.
+    def no_tmp(prefix: str = "") -> str:
+        raise FileNotFoundError("No usable temporary directory found")
+
+    monkeypatch.setattr(workers_module.tempfile, "mkdtemp", no_tmp)
+    supervisor = Supervisor(settings(workers=2, store=redis_server.url), [])
+    assert supervisor.run() == 1
+    assert "needs a writable temporary directory" in capsys.readouterr().err
+    assert all(slot.proc is None for slot in supervisor._slots)
