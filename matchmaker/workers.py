@@ -138,10 +138,11 @@ SILENT = 3.0
 """Seconds without one after which /healthz and /readyz report the worker down
 (``--worker-watchdog`` seconds, it is killed and restarted)."""
 START_GRACE = 60.0
-"""Seconds a new worker may take to start its event loop (interpreter, imports)
-before its first sign of life; a starting worker signs of life too (`STARTING`),
-so one stuck on its way (a Redis that does not answer) keeps its place, and one
-hung before it ever beats is killed after this or ``--worker-watchdog``, the longer."""
+"""Seconds a worker that does not serve yet may go without a sign of life (or
+``--worker-watchdog``, the longer): its start (interpreter, imports, the first
+load of the registry, which holds its event loop) takes time a serving worker's
+beat does not. A starting worker signs of life too (`STARTING`), so one waiting
+on a Redis that does not answer keeps its place."""
 STARTING = b"s"
 """A worker's sign of life before it serves (then ``SERVING``)."""
 SERVING = b"1"
@@ -546,8 +547,6 @@ class _Slot:
     serving: float | None = None
     """When it said it was serving (None: not yet)."""
     last_beat: float = 0.0
-    heard: bool = False
-    """A sign of life came since the start (a starting worker's too)."""
     last_status: int = 0
     killed: bool = False
     """Killed by the watchdog (it exits -9 soon)."""
@@ -698,7 +697,7 @@ class Supervisor:
             for fd in child:
                 os.close(fd)
         slot.beat_fd, slot.lifeline_fd = beat_read, life_write
-        slot.started, slot.last_beat, slot.serving, slot.heard = now, now, None, False
+        slot.started, slot.last_beat, slot.serving = now, now, None
         slot.restart_at, slot.killed = None, False
         log.info("worker_started", index=slot.index, pid=slot.proc.pid, replica_id=slot.replica_id)
 
@@ -750,23 +749,21 @@ class Supervisor:
             slot.beat_fd = None
             return
         slot.last_beat = now
-        slot.heard = True
         if slot.serving is None and SERVING in got:
             slot.serving, slot.failed_starts = now, 0
 
     def _watchdog(self, slot: _Slot, now: float) -> None:
-        """SIGKILL a worker silent for ``--worker-watchdog`` seconds (a stuck event
-        loop, SIGSTOP), serving or starting, or one that never gave a sign of life
-        `START_GRACE` seconds after its start: its flows wait on its socket for the
-        restart (a starting one counts as a failed start)."""
+        """SIGKILL a serving worker silent for ``--worker-watchdog`` seconds (a stuck
+        event loop, SIGSTOP), a starting one silent for `START_GRACE` (since its start
+        or its last sign of life): its flows wait on its socket for the restart (a
+        starting one counts as a failed start)."""
         assert slot.proc is not None
         if slot.killed:
             return
         limit = self.settings.worker_watchdog
-        if slot.heard:
-            silent = now - slot.last_beat
-        else:
-            silent, limit = now - slot.started, max(limit, START_GRACE)
+        if slot.serving is None:
+            limit = max(limit, START_GRACE)
+        silent = now - slot.last_beat
         if silent < limit:
             return
         log.error(

@@ -719,10 +719,10 @@ def test_a_starting_worker_signs_of_life_and_is_watched_before_it_serves(
         slot.proc, slot.beat_fd = proc, read  # type: ignore[assignment]
         os.write(write, STARTING)
         supervisor._read_beats(slot, 5.0)
-        assert slot.heard and slot.serving is None and slot.down(5.0)
+        assert slot.last_beat == 5.0 and slot.serving is None and slot.down(5.0)
         watchdog = supervisor.settings.worker_watchdog
-        supervisor._watchdog(slot, 5.0 + watchdog - 0.5)
-        assert not proc.killed  # alive: waiting for Redis, say
+        supervisor._watchdog(slot, 5.0 + START_GRACE - 0.5)
+        assert not proc.killed  # alive, not serving yet: a long first load, say
         os.write(write, STARTING + SERVING)
         supervisor._read_beats(slot, 6.0)
         assert slot.serving == 6.0 and not slot.down(6.0)
@@ -754,7 +754,7 @@ def test_silence_the_supervisor_did_not_see_is_not_held_against_the_workers(
     monkeypatch.setattr(workers_module.time, "monotonic", lambda: clock[0])
     procs = [_Running(), _Running()]
     for slot, proc in zip(supervisor._slots, procs, strict=True):
-        slot.proc, slot.heard = proc, True  # type: ignore[assignment]
+        slot.proc = proc  # type: ignore[assignment]
         slot.started = slot.last_beat = slot.serving = clock[0]
     try:
         assert supervisor._watch() is None
