@@ -16,6 +16,7 @@ import pytest
 
 from matchmaker.client import MatchmakerClient
 from matchmaker.settings import Settings
+from matchmaker.workers import KILL_MARGIN
 from tests.deploy.conftest import ROOT, Container, Image, http_get
 from tests.deploy.dockerfile import Dockerfile
 
@@ -102,6 +103,22 @@ def _k8s_deployment() -> dict[str, Any]:
     docs = _deploy_yaml("k8s", "matchmaker.yaml")
     deployment: dict[str, Any] = next(d for d in docs if d["kind"] == "Deployment")
     return deployment
+
+
+def test_stop_grace_periods_cover_a_workers_supervisor(dockerfile: Dockerfile) -> None:
+    """With workers the supervisor may wait the shutdown timeout + KILL_MARGIN for a
+    draining worker before it kills it: the orchestrator's SIGKILL must come later."""
+    (compose,) = _deploy_yaml("docker-compose.yml")
+    shutdown = float(dockerfile.final_env["MATCHMAKER_SHUTDOWN_TIMEOUT"])
+    for name, service in compose["services"].items():
+        if "build" in service:  # the matchmaker replicas
+            assert "MATCHMAKER_SHUTDOWN_TIMEOUT" not in service["environment"], name
+            grace = _duration(service["stop_grace_period"])
+            assert grace > shutdown + KILL_MARGIN, (name, grace, shutdown)
+    (configmap,) = _deploy_yaml("k8s", "configmap.yaml")
+    k8s_shutdown = float(configmap["data"]["MATCHMAKER_SHUTDOWN_TIMEOUT"])
+    grace = _k8s_deployment()["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > k8s_shutdown + KILL_MARGIN, (grace, k8s_shutdown)
 
 
 def test_read_only_root_with_an_in_memory_tmp() -> None:
