@@ -85,3 +85,35 @@ def test_monitoring_published_on_loopback_only(tmp_path: Path) -> None:
     assert "services.grafana.ports: '3000:3000' is not bound to 127.0.0.1" in result.stderr
     assert "--web.enable-lifecycle" in result.stderr
     assert "prometheus.ports" not in result.stderr
+
+
+@pytest.mark.parametrize("ci", ["true", None, "false"])
+def test_ci_run_fails_without_redis_and_prometheus_only_in_ci(
+    ci: str | None, tmp_path: Path
+) -> None:
+    """.ci/run refuses to go on in CI when the tests that need redis-server or
+    prometheus would be skipped; a local run goes on (here, to `make`, which is absent
+    too, as is apt-get: nothing is installed)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "id"):
+        found = shutil.which(tool)
+        assert found is not None, tool
+        (bin_dir / tool).symlink_to(found)
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    if ci is not None:
+        env["CI"] = ci
+    result = subprocess.run(
+        [str(bin_dir / "bash"), str(ROOT / ".ci" / "run")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if ci == "true":
+        assert result.returncode == 1, result.stderr
+        assert "CI is set but redis-server prometheus is missing" in result.stderr
+    else:
+        assert "CI is set" not in result.stderr
+        assert result.returncode == 127 and "make" in result.stderr, result.stderr
