@@ -39,7 +39,10 @@ RUN groupadd --system --gid 10001 matchmaker \
 COPY --from=build /opt/matchmaker /opt/matchmaker
 # Every setting is an environment variable; these are the image's defaults.
 # The shutdown timeout stays below Docker's default 10 s stop timeout, so a
-# `docker stop` ends with the daemon's own graceful shutdown, not SIGKILL.
+# `docker stop` ends with the daemon's own graceful shutdown, not SIGKILL. With
+# MATCHMAKER_WORKERS above 1 the supervisor waits up to the shutdown timeout
+# + 20 s for a draining worker before killing it: give such a container a stop
+# timeout above that (`docker stop -t 30`; the compose file gives 35 s).
 ENV VIRTUAL_ENV=/opt/matchmaker \
     PATH=/opt/matchmaker/bin:$PATH \
     PYTHONUNBUFFERED=1 \
@@ -57,5 +60,9 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as r; b = os.environ.get('MATCHMAKER_HTTP_BIND', '0.0.0.0'); h = {'0.0.0.0': '127.0.0.1', '::': '::1'}.get(b, b); h = '[%s]' % h if ':' in h else h; r.urlopen('http://%s:%s/healthz' % (h, os.environ.get('MATCHMAKER_HTTP_PORT', '27951')), timeout=2)"]
 STOPSIGNAL SIGTERM
 # Exec form: the daemon is PID 1 and gets SIGTERM itself; it installs its own
-# SIGTERM/SIGINT handlers and starts no child processes, so no init is needed.
+# SIGTERM/SIGINT handlers. A single process starts no children. With
+# MATCHMAKER_WORKERS the supervisor (PID 1) starts the worker processes, forwards
+# the stop to them and waits for each itself, so they leave no zombies and no
+# init is needed for them; an init (`docker run --init`) would only reap orphans
+# of processes started in the container from outside (`docker exec`).
 CMD ["matchmaker"]

@@ -17,6 +17,9 @@ import yaml  # type: ignore[import-untyped, unused-ignore]
 DEPLOY = Path(__file__).resolve().parent
 ROOT = DEPLOY.parent
 REQUIRED_SERVICES = ("redis", "prometheus", "grafana")
+# Published on loopback only: Prometheus's API and Grafana (admin/admin by default)
+# are not for every address that reaches the host (docs/operations.md).
+LOOPBACK_ONLY = ("prometheus", "grafana")
 PORT_RE = re.compile(r"^(?:(?:\d{1,3}\.){3}\d{1,3}:)?(\d+):(\d+)(?:/(tcp|udp))?$")
 
 
@@ -72,6 +75,8 @@ def check_compose(problems: list[str]) -> list[str]:
             if not m:
                 problems.append(f"{where}.ports: cannot parse {port!r}")
                 continue
+            if name in LOOPBACK_ONLY and not str(port).startswith("127.0.0.1:"):
+                problems.append(f"{where}.ports: {port!r} is not bound to 127.0.0.1")
             key = f"{m.group(1)}/{m.group(3) or 'tcp'}"
             if key in host_ports:
                 problems.append(f"{where}.ports: host port {key} also used by {host_ports[key]}")
@@ -85,6 +90,8 @@ def check_compose(problems: list[str]) -> list[str]:
                 problems.append(f"{where}.volumes: named volume {source!r} not declared")
         if name in matchmakers:
             check_matchmaker(where, svc, services, replica_ids, problems)
+        if name == "prometheus" and "--web.enable-lifecycle" in (svc.get("command") or []):
+            problems.append(f"{where}.command: --web.enable-lifecycle lets anyone POST /-/quit")
     if len(matchmakers) < 2:
         problems.append(f"expected at least 2 matchmaker replicas, found {matchmakers}")
     return matchmakers

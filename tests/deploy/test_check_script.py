@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.deploy.conftest import CHECK_SCRIPT, ROOT
 
 
@@ -59,3 +61,59 @@ def test_check_script_fails_on_a_broken_file(deploy_tools: None, tmp_path: Path)
     assert "4 check(s) failed" in result.stderr
     assert "FAILED: hadolint" not in result.stderr
     assert "check_compose: ok" in result.stdout
+
+
+def test_monitoring_published_on_loopback_only(tmp_path: Path) -> None:
+    """Prometheus (its admin API) and Grafana (admin/admin unless set) must not be
+    published on every address by the shipped compose file."""
+    pytest.importorskip("yaml")
+    root = _copy_of_repo_files(tmp_path)
+    compose = root / "deploy" / "docker-compose.yml"
+    text = compose.read_text()
+    for published in ('"127.0.0.1:9090:9090"', '"127.0.0.1:3000:3000"'):
+        assert published in text, published
+    text = text.replace('"127.0.0.1:3000:3000"', '"3000:3000"')
+    text = text.replace("--storage.tsdb.retention.time=15d", "--web.enable-lifecycle", 1)
+    compose.write_text(text)
+    result = subprocess.run(
+        [sys.executable, str(root / "deploy" / "check_compose.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "services.grafana.ports: '3000:3000' is not bound to 127.0.0.1" in result.stderr
+    assert "--web.enable-lifecycle" in result.stderr
+    assert "prometheus.ports" not in result.stderr
+
+
+@pytest.mark.parametrize("ci", ["true", None, "false"])
+def test_ci_run_fails_without_redis_and_prometheus_only_in_ci(
+    ci: str | None, tmp_path: Path
+) -> None:
+    """.ci/run refuses to go on in CI when the tests that need redis-server or
+    prometheus would be skipped; a local run goes on (here, to `make`, which is absent
+    too, as is apt-get: nothing is installed)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "id"):
+        found = shutil.which(tool)
+        assert found is not None, tool
+        (bin_dir / tool).symlink_to(found)
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    if ci is not None:
+        env["CI"] = ci
+    result = subprocess.run(
+        [str(bin_dir / "bash"), str(ROOT / ".ci" / "run")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if ci == "true":
+        assert result.returncode == 1, result.stderr
+        assert "CI is set but redis-server prometheus is missing" in result.stderr
+    else:
+        assert "CI is set" not in result.stderr
+        assert result.returncode == 127 and "make" in result.stderr, result.stderr

@@ -10,10 +10,14 @@ import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from matchmaker.client import MatchmakerClient
 from matchmaker.settings import Settings
-from tests.deploy.conftest import Container, Image, http_get
+from matchmaker.workers import KILL_MARGIN
+from tests.deploy.conftest import ROOT, Container, Image, http_get
 from tests.deploy.dockerfile import Dockerfile
 
 # `docker stop`'s default grace period before SIGKILL.
@@ -88,6 +92,53 @@ def test_graceful_stop_fits_in_docker_stop_timeout(dockerfile: Dockerfile) -> No
     assert not dockerfile.final.all("ENTRYPOINT"), "no shell wrapper in front of the daemon"
     shutdown = float(dockerfile.final_env["MATCHMAKER_SHUTDOWN_TIMEOUT"])
     assert shutdown < DOCKER_STOP_TIMEOUT
+
+
+def _deploy_yaml(*parts: str) -> list[Any]:
+    yaml = pytest.importorskip("yaml")
+    return list(yaml.safe_load_all(ROOT.joinpath("deploy", *parts).read_text()))
+
+
+def _k8s_deployment() -> dict[str, Any]:
+    docs = _deploy_yaml("k8s", "matchmaker.yaml")
+    deployment: dict[str, Any] = next(d for d in docs if d["kind"] == "Deployment")
+    return deployment
+
+
+def test_stop_grace_periods_cover_a_workers_supervisor(dockerfile: Dockerfile) -> None:
+    """With workers the supervisor may wait the shutdown timeout + KILL_MARGIN for a
+    draining worker before it kills it: the orchestrator's SIGKILL must come later."""
+    (compose,) = _deploy_yaml("docker-compose.yml")
+    shutdown = float(dockerfile.final_env["MATCHMAKER_SHUTDOWN_TIMEOUT"])
+    for name, service in compose["services"].items():
+        if "build" in service:  # the matchmaker replicas
+            assert "MATCHMAKER_SHUTDOWN_TIMEOUT" not in service["environment"], name
+            grace = _duration(service["stop_grace_period"])
+            assert grace > shutdown + KILL_MARGIN, (name, grace, shutdown)
+    (configmap,) = _deploy_yaml("k8s", "configmap.yaml")
+    k8s_shutdown = float(configmap["data"]["MATCHMAKER_SHUTDOWN_TIMEOUT"])
+    grace = _k8s_deployment()["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > k8s_shutdown + KILL_MARGIN, (grace, k8s_shutdown)
+
+
+def test_read_only_root_with_an_in_memory_tmp() -> None:
+    """A workers' supervisor keeps its sockets in a directory under /tmp: the
+    deployments give it an in-memory /tmp and keep the root read-only."""
+    (compose,) = _deploy_yaml("docker-compose.yml")
+    replicas = {n: s for n, s in compose["services"].items() if "build" in s}
+    assert replicas
+    for name, service in replicas.items():
+        assert service["read_only"] is True, name
+        tmpfs = [str(t) for t in service.get("tmpfs", [])]
+        tmp = [t for t in tmpfs if t.split(":")[0] == "/tmp"]
+        assert tmp and "size=" in tmp[0], (name, tmpfs)
+    pod = _k8s_deployment()["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "matchmaker"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    assert "/tmp" in mounts, mounts
+    (volume,) = [v for v in pod.get("volumes", []) if v["name"] == mounts["/tmp"]]
+    assert volume["emptyDir"]["medium"] == "Memory" and volume["emptyDir"]["sizeLimit"]
 
 
 def test_healthcheck_is_exec_form_python(dockerfile: Dockerfile) -> None:

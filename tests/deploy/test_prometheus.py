@@ -9,9 +9,13 @@ run against what was scraped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -23,9 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import rudp
 from matchmaker.client import MatchmakerClient
+from matchmaker.workers import KILL_MARGIN
 from tests.deploy.conftest import ROOT, Container, free_port, http_get, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
+REDIS_SERVER = shutil.which("redis-server")
 DEPLOY = ROOT / "deploy"
 DEADLINE = 30.0
 
@@ -87,11 +93,12 @@ def container(run_container: Callable[..., Container]) -> Container:
     return run_container(MATCHMAKER_ALLOW_PRIVATE="true")
 
 
-@pytest.fixture
-def prometheus(deploy_tools: None, container: Container, tmp_path: Path) -> Iterator[Prometheus]:
+@contextlib.contextmanager
+def running_prometheus(http_port: int, tmp_path: Path) -> Iterator[Prometheus]:
+    """A Prometheus with the repository's config, scraping the daemon on `http_port`."""
     assert PROMETHEUS is not None
     address = f"127.0.0.1:{free_port()}"
-    config = derived_config(tmp_path, f"127.0.0.1:{container.http_port}", address)
+    config = derived_config(tmp_path, f"127.0.0.1:{http_port}", address)
     log = tmp_path / "prometheus.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -126,6 +133,12 @@ def prometheus(deploy_tools: None, container: Container, tmp_path: Path) -> Iter
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@pytest.fixture
+def prometheus(deploy_tools: None, container: Container, tmp_path: Path) -> Iterator[Prometheus]:
+    with running_prometheus(container.http_port, tmp_path) as server:
+        yield server
 
 
 @pytest.fixture
@@ -237,9 +250,23 @@ def _sample_names(text: str) -> set[str]:
     return names
 
 
+def _worker_series_names() -> set[str]:
+    """The series only a replica with workers exports: its supervisor's workers merge
+    their expositions (matchmaker.workers) and add the workers' own series."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from matchmaker.workers import count_restarts, merge_expositions
+
+    registry = CollectorRegistry()
+    count_restarts(registry, 0)
+    return _sample_names(merge_expositions([("0", generate_latest(registry))], 2).decode())
+
+
 def test_dashboard_alerts_and_docs_use_exported_metric_names(container: Container) -> None:
     _, body = http_get(container.http + "/metrics")
-    exported = _sample_names(body.decode()) | {"up"}
+    worker_series = _worker_series_names()
+    assert {"matchmaker_worker_up", "matchmaker_worker_restarts_total"} <= worker_series
+    exported = _sample_names(body.decode()) | worker_series | {"up"}
     # The transport metrics the dashboard is built on come from the daemon itself.
     transport = {"rudp_retransmissions_total", "rudp_rtt_seconds_bucket"}
     assert transport | {"rudp_datagrams_dropped_total"} <= exported
@@ -252,3 +279,92 @@ def test_dashboard_alerts_and_docs_use_exported_metric_names(container: Containe
     documented = set(re.findall(r"`((?:matchmaker|rudp)_[a-z0-9_]+)", docs))
     families = {f.name for f in text_string_to_metric_families(body.decode())}
     assert documented <= exported | families, documented - exported - families
+
+
+# ------------------------------------------------------------------ workers
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A redis-server of the test's own: MATCHMAKER_WORKERS needs a redis:// store."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not found (apt-get install -y redis-server; .ci/run installs it)")
+    port = free_port()
+    args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    args += ["--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def pong() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"redis-server exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    try:
+        wait_until(pong, timeout=10, what="redis-server to answer PING")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_worker_alerts_follow_each_worker(
+    deploy_tools: None,
+    run_container: Callable[..., Container],
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """With workers, `up` is 1 while any worker answers: the worker alerts read
+    matchmaker_worker_up and matchmaker_worker_restarts_total, one series per worker."""
+    container = run_container(
+        MATCHMAKER_ALLOW_PRIVATE="true", MATCHMAKER_STORE=redis_url, MATCHMAKER_WORKERS="2"
+    )
+    # 200 only once no worker is down.
+    wait_until(
+        lambda: http_get(container.http + "/readyz")[0] == 200,
+        timeout=DEADLINE,
+        what="/readyz 200 with both workers serving",
+    )
+    up = 'matchmaker_worker_up{job="matchmaker"}'
+    restarts = 'sum(matchmaker_worker_restarts_total{job="matchmaker", worker="1"})'
+    with running_prometheus(container.http_port, tmp_path) as prometheus:
+
+        def workers_up() -> list[tuple[str, str, str]]:
+            series = prometheus.query(up)
+            return sorted(
+                (s["metric"]["replica"], s["metric"]["worker"], s["value"][1]) for s in series
+            )
+
+        both = [("127.0.0.1", "0", "1"), ("127.0.0.1", "1", "1")]
+        wait_until(lambda: workers_up() == both, timeout=DEADLINE, what=f"{up} for each worker")
+        prometheus.wait_for(restarts, 0)
+
+        # Worker 1 dies: its supervisor restarts it, and the restart is counted.
+        events = [json.loads(line) for line in container.log().splitlines() if line.startswith("{")]
+        pids = {e["index"]: e["pid"] for e in events if e["event"] == "worker_started"}
+        os.kill(pids[1], signal.SIGKILL)
+        prometheus.wait_for(restarts, 1)
+        wait_until(lambda: workers_up() == both, timeout=DEADLINE, what="worker 1 up again")
+
+        # Every rule, the workers' included, evaluates against these series; none fires.
+        def all_rules_evaluated() -> bool:
+            rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+            assert not [r for r in rules if r["health"] == "err"]
+            return all(r["health"] == "ok" for r in rules)
+
+        wait_until(all_rules_evaluated, timeout=DEADLINE, what="every alerting rule evaluated")
+        for name in ("MatchmakerWorkerDown", "MatchmakerWorkerRestarting"):
+            expr = alert_queries()[name]
+            assert prometheus.query(expr) == [], (name, expr)
+        restarted = prometheus.query(
+            'increase(matchmaker_worker_restarts_total{job="matchmaker"}[1m]) > 0'
+        )
+        assert [s["metric"]["worker"] for s in restarted] == ["1"], restarted
+
+    # SIGTERM drains every worker within the compose file's stop grace period.
+    shutdown = float(container.env["MATCHMAKER_SHUTDOWN_TIMEOUT"])
+    assert container.stop(timeout=shutdown + KILL_MARGIN) == 0, container.log()
