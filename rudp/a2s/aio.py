@@ -40,7 +40,11 @@ def serve_a2s(
         max_datagram=server.endpoint.config.base_datagram_size,
     )
 
+    endpoint = server.endpoint
+
     def handle(data: bytes, address: Any) -> list[bytes]:
+        if endpoint.is_closing:  # going away: browsers must not list it as hosting
+            return responder.not_hosting()
         return responder.datagram_received(data, address, monotonic())
 
     server.on_foreign = handle

@@ -30,6 +30,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 HEADER = b"\xff\xff\xff\xff"
 SPLIT_HEADER = b"\xfe\xff\xff\xff"
@@ -37,6 +38,7 @@ INFO_PAYLOAD = b"Source Engine Query\x00"
 PROTOCOL = 17  # the Source engine's A2S_INFO protocol number
 SPLIT = struct.Struct("<4sIBBH")
 U16 = struct.Struct("<H")
+U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
 PLAYER_TAIL = struct.Struct("<if")
 INFO_COUNTS = struct.Struct("<HBBBccBB")
@@ -124,13 +126,39 @@ def decode_request(data: bytes) -> Request | None:
     return None
 
 
-def _str(text: str) -> bytes:
-    # A NUL inside would end the string early and shift every later field.
+def _str(text: object) -> bytes:
+    # A NUL inside would end the string early and shift every later field. What the
+    # game gives is written as text whatever it is (a rule's value of 30, or None).
+    if type(text) is not str:
+        text = "" if text is None else str(text)
     return text.replace("\x00", "").encode("utf-8", "replace") + b"\x00"
 
 
-def _u8(value: int) -> int:
-    return max(0, min(255, value))
+def _int(value: Any, low: int, high: int) -> int:
+    """`value` as an int clamped to `low`..`high`: what the game gives (a float, a
+    counter past 2**31, None) never makes a whole answer fail."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    return max(low, min(high, number))
+
+
+def _u8(value: Any) -> int:
+    return _int(value, 0, 255)
+
+
+_F32_MAX = 3.4028234663852886e38
+
+
+def _f32(value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    if number != number:  # NaN
+        return 0.0
+    return max(-_F32_MAX, min(_F32_MAX, number))
 
 
 def encode_challenge(challenge: bytes) -> bytes:
@@ -138,7 +166,10 @@ def encode_challenge(challenge: bytes) -> bytes:
 
 
 def encode_info(info: ServerInfo) -> bytes:
+    app_id = _int(info.app_id, 0, 0xFFFFFF)  # a Steam app id: 24 bits in the GameID
     edf = (Edf.PORT if info.port is not None else 0) | (Edf.KEYWORDS if info.keywords else 0)
+    if app_id > 0xFFFF:
+        edf |= Edf.GAME_ID  # the 16-bit field holds its low bits only
     parts = [
         HEADER,
         bytes((Kind.INFO_REPLY, PROTOCOL)),
@@ -147,22 +178,24 @@ def encode_info(info: ServerInfo) -> bytes:
         _str(info.folder),
         _str(info.game),
         INFO_COUNTS.pack(
-            info.app_id & 0xFFFF,
+            app_id & 0xFFFF,
             _u8(info.players),
             _u8(info.max_players),
             _u8(info.bots),
-            info.server_type[:1].encode("ascii", "replace") or b"d",
-            info.environment[:1].encode("ascii", "replace") or b"l",
-            int(info.password),
-            int(info.vac),
+            str(info.server_type)[:1].encode("ascii", "replace") or b"d",
+            str(info.environment)[:1].encode("ascii", "replace") or b"l",
+            1 if info.password else 0,
+            1 if info.vac else 0,
         ),
         _str(info.version),
         bytes((edf,)),
     ]
     if info.port is not None:
-        parts.append(U16.pack(info.port & 0xFFFF))
+        parts.append(U16.pack(_int(info.port, 0, 0xFFFF)))
     if info.keywords:
         parts.append(_str(info.keywords))
+    if app_id > 0xFFFF:
+        parts.append(U64.pack(app_id))  # the GameID: the app id in its low 24 bits
     return b"".join(parts)
 
 
@@ -171,7 +204,8 @@ def encode_players(players: list[Player], limit: int) -> bytes:
     out = bytearray(HEADER + bytes((Kind.PLAYER_REPLY, 0)))
     count = 0
     for index, player in enumerate(players[:255]):
-        row = bytes((index,)) + _str(player.name) + PLAYER_TAIL.pack(player.score, player.duration)
+        score = _int(player.score, -(2**31), 2**31 - 1)
+        row = bytes((index,)) + _str(player.name) + PLAYER_TAIL.pack(score, _f32(player.duration))
         if len(out) + len(row) > limit:
             break
         out += row

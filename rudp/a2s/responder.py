@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import inspect
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,10 +51,13 @@ InfoSource = Callable[[], ServerInfo | None]
 PlayerSource = Callable[[], Sequence[Player]]
 RuleSource = Callable[[], Mapping[str, str]]
 _NO_CHALLENGE = (b"\x00\x00\x00\x00", b"\xff\xff\xff\xff")
-DROP_REASONS = ("not_a2s", "too_short", "not_hosting")
+log = logging.getLogger(__name__)
+
+DROP_REASONS = ("not_a2s", "too_short", "not_hosting", "source_failed")
 """Why a datagram got no answer: no A2S request; a request without a valid
 challenge shorter than the challenge it would get; a valid request while `info`
-returns None."""
+returns None (or the server closes); the game's `info`, `players` or `rules`
+raised, or what they gave could not be sent (too large to split)."""
 
 
 def _check_source(source: object, name: str, what: str) -> None:
@@ -138,20 +142,42 @@ class Responder:
         request = decode_request(data)
         if request is None:
             return self._drop("not_a2s")
-        info = self._info()
-        if info is None:
-            return self._drop("not_hosting")
         validated = request.challenge is not None and self._valid(request.challenge, address, now)
-        reply = self._reply(request.kind, info, validated)
-        if validated or len(reply) <= len(data):
-            self.answered += 1
+        try:
+            info = self._info()
+            if info is None:
+                return self._drop("not_hosting")
+            if not validated and request.kind != Kind.INFO_REQUEST:
+                # Players or rules for a source not validated: a challenge (no larger
+                # than the request), without running the game's lists or encoding them.
+                return self._challenge_reply(data, address, now)
+            reply = self._reply(request.kind, info, validated)
+            if not validated and len(reply) > len(data):
+                return self._challenge_reply(data, address, now)
             self._split_id = (self._split_id + 1) & 0x7FFF
-            return split(reply, self._split_id, self._max_datagram)
+            pieces = split(reply, self._split_id, self._max_datagram)
+        except Exception:
+            # The game's code (or what it gave) failed: counted, never raised into the
+            # socket's read (the answer is lost, the next request tries again); logged
+            # the 1st, 2nd, 4th... time (anyone can send the requests that run it).
+            dropped = self._drop("source_failed")
+            count = self.drops["source_failed"]
+            if count & (count - 1) == 0:
+                log.exception("a2s_source_failed peer=%s count=%d", address, count)
+            return dropped
+        self.answered += 1
+        return pieces
+
+    def _challenge_reply(self, data: bytes, address: Any, now: float) -> list[bytes]:
         challenge = encode_challenge(self.challenge_for(address, now))
         if len(challenge) > len(data):
             return self._drop("too_short")
         self.challenged += 1
         return [challenge]
+
+    def not_hosting(self) -> list[bytes]:
+        """Count a request that comes while the server closes: no answer."""
+        return self._drop("not_hosting")
 
     def _drop(self, reason: str) -> list[bytes]:
         self.dropped += 1

@@ -813,8 +813,8 @@ class AioEndpoint:
                 future.set_result((event.payload, event.rtt))
 
     def _answer_query(self, event: QueryReceived) -> None:
-        if self.on_query is None:
-            return
+        if self.on_query is None or self._closing:
+            return  # (closing: a server going away does not say it is there)
         try:
             reply = self.on_query(event.payload, event.address)
         except BaseException as exc:

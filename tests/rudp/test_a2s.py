@@ -130,9 +130,29 @@ def test_a_padded_request_is_answered_at_once() -> None:
     padded = INFO_REQUEST + b"\x00" * 4
     # The 4 extra bytes are read as a (wrong) challenge; the reply is still larger.
     assert challenge_of(r.datagram_received(padded, ALICE, 0.0)[0])
-    small = Responder(lambda: ServerInfo(name=""), key=KEY)
-    reply = small.datagram_received(HEADER + b"V" + b"\xff" * 4, ALICE, 0.0)
-    assert reply == [HEADER + b"E\x00\x00"]  # 7 bytes, no larger than the 9 received
+    small = Responder(lambda: ServerInfo(name="", folder="x"), key=KEY)
+    reply = small.datagram_received(INFO_REQUEST, ALICE, 0.0)
+    assert len(reply[0]) <= len(INFO_REQUEST) and reply[0][4:5] == b"I"  # fits: answered
+
+
+def test_players_and_rules_for_a_source_not_validated_run_no_game_code() -> None:
+    # They ran the game's lists and encoded them just to send a 9-byte challenge (and a
+    # list that raised lost the challenge too).
+    calls: list[str] = []
+
+    def players() -> list[Player]:
+        calls.append("players")
+        return [Player(name="p")]
+
+    def rules() -> dict[str, str]:
+        calls.append("rules")
+        return {"a": "b"}
+
+    r = Responder(lambda: INFO, key=KEY, players=players, rules=rules)
+    for kind in (b"U", b"V"):
+        reply = r.datagram_received(HEADER + kind + b"\xff" * 4, ALICE, 0.0)
+        assert challenge_of(reply[0]) and len(reply[0]) == 9
+    assert calls == [] and r.challenged == 2
 
 
 def test_silent_when_not_hosting_and_for_what_is_not_a2s() -> None:
@@ -149,7 +169,7 @@ def test_what_is_not_answered_is_counted_by_reason() -> None:
     for request in (INFO_REQUEST, HEADER + b"U" + b"\xff" * 4, HEADER + b"V" + b"\xff" * 4):
         assert r.datagram_received(request, ALICE, 0.0) == []
     assert r.datagram_received(HEADER + b"W", ALICE, 0.0) == []
-    assert r.drops == {"not_a2s": 1, "too_short": 0, "not_hosting": 3}
+    assert r.drops == {"not_a2s": 1, "too_short": 0, "not_hosting": 3, "source_failed": 0}
     assert (r.answered, r.challenged, r.dropped) == (0, 0, 4)
     hosting[0] = INFO
     assert challenge_of(r.datagram_received(INFO_REQUEST, ALICE, 0.0)[0])
@@ -409,3 +429,69 @@ async def test_other_first_bytes_reach_their_handler_beside_a2s() -> None:
         conn.send(b"still rudp")
         assert (await asyncio.wait_for(conn.recv(), 5)).data == b"still rudp"
         await conn.close()
+
+
+def _validated(r: Responder, kind: bytes) -> list[bytes]:
+    """Ask with the challenge `r` gives ALICE: the answer itself."""
+    challenge = r.challenge_for(ALICE, 0.0)
+    request = INFO_REQUEST + challenge if kind == b"T" else HEADER + kind + challenge
+    return r.datagram_received(request, ALICE, 0.0)
+
+
+def test_what_the_game_gives_out_of_range_is_clamped_not_raised() -> None:
+    # A score past 2**31, a float score or count, None, a rule value of 30: one bad
+    # row lost the whole answer (struct.error) for everyone, for as long as it stayed.
+    players = [
+        Player("big", 2**40, 1e39),  # type: ignore[arg-type]
+        Player("float", 3.7, float("nan")),  # type: ignore[arg-type]
+        Player(None, None, None),  # type: ignore[arg-type]
+    ]
+    rules = {"count": 30, "none": None, 7: "seven"}
+    info = ServerInfo(name="x", players=3.0, max_players=None, port=70000)  # type: ignore[arg-type]
+    r = Responder(lambda: info, key=KEY, players=lambda: players, rules=lambda: rules)  # type: ignore[arg-type,return-value]
+    (reply,) = _validated(r, b"U")
+    assert reply[4:6] == bytes((Kind.PLAYER_REPLY, 3))
+    (rules_reply,) = _validated(r, b"V")
+    assert b"count\x0030\x00none\x00\x007\x00seven\x00" in rules_reply
+    (info_reply,) = _validated(r, b"T")
+    assert info_reply[4:5] == b"I" and r.dropped == 0 and r.answered == 3
+
+
+def test_a_game_callable_that_raises_is_counted_and_answers_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken() -> ServerInfo:
+        raise RuntimeError("game bug")
+
+    r = Responder(broken, key=KEY)
+    for _ in range(5):
+        assert r.datagram_received(INFO_REQUEST, ALICE, 0.0) == []
+    assert r.drops["source_failed"] == 5 and r.answered == 0
+    assert len([rec for rec in caplog.records if "a2s_source_failed" in rec.getMessage()]) == 3
+    huge = Responder(lambda: ServerInfo(name="n" * 400_000), key=KEY)  # too large to split
+    assert _validated(huge, b"T") == []
+    assert huge.drops["source_failed"] == 1 and huge.answered == 0
+
+
+def test_an_app_id_over_16_bits_is_sent_whole_in_the_game_id() -> None:
+    # It was cut to its low 16 bits (252490 became 55882) and the GameID never sent.
+    reply = encode_info(ServerInfo(name="x", app_id=252490))
+    # Header, kind, protocol, four strings ("x", "", "", ""), then the 16-bit app id.
+    assert struct.unpack_from("<H", reply, 4 + 2 + 5)[0] == 252490 & 0xFFFF
+    edf = reply[-9]
+    assert edf & 0x01 and struct.unpack("<Q", reply[-8:])[0] == 252490
+    small = encode_info(ServerInfo(name="x", app_id=440))
+    assert small[-1] & 0x01 == 0
+
+
+async def test_a_closing_server_answers_no_browser() -> None:
+    # Installed before the close, the responder answered through the whole graceful
+    # close: browsers listed a server that was going away.
+    server = await rudp.serve(lambda conn: conn.wait_closed(), "127.0.0.1", 0)
+    responder = serve_a2s(server, INFO)
+    handler = server.on_foreign
+    assert handler is not None and handler(INFO_REQUEST, ALICE) != []
+    closing = server.close()
+    assert handler(INFO_REQUEST, ALICE) == []
+    assert responder.drops["not_hosting"] == 1
+    await asyncio.wait_for(closing, 5)
