@@ -210,6 +210,9 @@ class LockstepHost(Generic[P]):
 
     def kick(self, client_id: int, now: float) -> None:
         """Remove a client (it is told LEFT/KICKED, then its peer is listed to close)."""
+        if type(client_id) is not int:
+            # True == 1 and 1.0 == 1 would find client 1 and send a LEFT nobody can decode.
+            raise TypeError(f"client_id must be an int, not {type(client_id).__name__}")
         if client_id not in self._clients:
             raise LocalProtocolError(f"no client {client_id}")
         self._remove(client_id, m.LeaveReason.KICKED, now)

@@ -811,3 +811,17 @@ def test_a_client_that_acks_slowly_is_dropped_by_its_lag() -> None:
     assert [c.peer for c in host.clients.values()] == ["a"]
     assert t <= cfg.drop_after + 2.0
     assert len(host._reports) < 10  # the turns it held back were settled
+
+
+def test_kick_takes_an_int_client_id_only() -> None:
+    host: LockstepHost[str] = LockstepHost()
+    for peer in ("a", "b"):
+        host.receive(peer, m.encode(m.Join(PROTOCOL_VERSION, "", peer)), 0.0)
+    host.start(0.0)
+    host.messages_to_send()
+    for bad in (True, 1.0):
+        with pytest.raises(TypeError):
+            host.kick(bad, 0.0)  # type: ignore[arg-type]
+    assert sorted(host.clients) == [0, 1] and host.messages_to_send() == []
+    host.kick(1, 0.0)
+    assert sorted(host.clients) == [0]
