@@ -185,6 +185,10 @@ class LockstepClient:
 
     def complete_turn(self, number: int, checksum: int) -> None:
         """Report turn ``number`` executed, with a checksum of the resulting state (uint64)."""
+        if type(number) is not int:
+            # Checked first: 1.0, True or a numpy integer compare equal to the turn but
+            # would be sent malformed, or fail to encode once the turn is consumed.
+            raise TypeError(f"turn number must be an int, not {type(number).__name__}")
         if not self._pending or self._pending[0].number != number:
             raise LocalProtocolError(f"turn {number} is not the next turn to complete")
         if type(checksum) is not int or not 0 <= checksum <= MAX_CHECKSUM:

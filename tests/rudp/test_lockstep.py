@@ -825,3 +825,21 @@ def test_kick_takes_an_int_client_id_only() -> None:
     assert sorted(host.clients) == [0, 1] and host.messages_to_send() == []
     host.kick(1, 0.0)
     assert sorted(host.clients) == [0]
+
+
+def test_complete_turn_takes_an_int_turn_number_only() -> None:
+    from fractions import Fraction
+
+    host, running = running_lockstep_pair()
+    host.handle_timer(0.1)
+    for _, data in host.messages_to_send():
+        running.receive(data, 0.1)
+    running.messages_to_send()
+    turn = running.next_turn()
+    assert turn is not None and turn.number == 0
+    for bad in (False, 0.0, Fraction(0)):
+        with pytest.raises(TypeError):
+            running.complete_turn(bad, 1)  # type: ignore[arg-type]
+        assert running.next_turn() == turn and running.messages_to_send() == []
+    running.complete_turn(0, 1)
+    assert [m.decode(d, running.config) for d in running.messages_to_send()] == [m.DoneTurn(0, 1)]
