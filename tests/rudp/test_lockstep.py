@@ -843,3 +843,34 @@ def test_complete_turn_takes_an_int_turn_number_only() -> None:
         assert running.next_turn() == turn and running.messages_to_send() == []
     running.complete_turn(0, 1)
     assert [m.decode(d, running.config) for d in running.messages_to_send()] == [m.DoneTurn(0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("max_catchup", 2.5, TypeError),
+        ("input_delay", 1.5, TypeError),
+        ("input_delay", 2.0, TypeError),
+        ("max_command_size", 200.5, TypeError),
+        ("max_clients", True, TypeError),
+        ("max_message_size", 1100.0, TypeError),
+        ("max_backlog", "1000", TypeError),
+        ("turn_interval", True, TypeError),
+        ("drop_after", "10", TypeError),
+        ("game_version", 5, TypeError),
+        ("game_version", b"1.0", TypeError),
+        ("game_version", "v" * 65, ValueError),
+        ("game_version", "é" * 33, ValueError),  # 66 UTF-8 bytes
+    ],
+)
+def test_config_refuses_wrong_types_at_construction(field: str, value: Any, error: type) -> None:
+    with pytest.raises(error):
+        LockstepConfig(**{field: value})
+
+
+def test_longest_game_version_still_joins() -> None:
+    cfg = LockstepConfig(game_version="é" * 32)  # 64 UTF-8 bytes: the most JOIN carries
+    assert LockstepConfig(turn_interval=1, drop_after=10).turn_interval == 1
+    lab = Lab(config=cfg)
+    (alice,) = lab.join("alice")
+    assert alice.client.state is ClientState.LOBBY and len(lab.host.clients) == 1
