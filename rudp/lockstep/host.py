@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -198,6 +199,10 @@ class LockstepHost(Generic[P]):
 
     def start(self, now: float) -> None:
         """Close the lobby and start sending turns (the first one interval from now)."""
+        if not isinstance(now, (int, float)) or isinstance(now, bool):
+            raise TypeError(f"now must be a number, not {type(now).__name__}")
+        if not math.isfinite(now):
+            raise ValueError("now must be finite")  # every turn deadline counts from it
         if self.state is not HostState.LOBBY:
             raise LocalProtocolError("the game has already started")
         self.state = HostState.RUNNING

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from rudp.lockstep import (
     Event,
     GameStarted,
     HostResponsive,
+    HostState,
     HostUnresponsive,
     Joined,
     JoinRefused,
@@ -874,3 +876,19 @@ def test_longest_game_version_still_joins() -> None:
     lab = Lab(config=cfg)
     (alice,) = lab.join("alice")
     assert alice.client.state is ClientState.LOBBY and len(lab.host.clients) == 1
+
+
+@pytest.mark.parametrize(
+    ("now", "error"),
+    [(math.nan, ValueError), (math.inf, ValueError), (-math.inf, ValueError), ("0", TypeError)],
+)
+def test_start_refuses_a_time_that_is_not_a_finite_number(now: Any, error: type) -> None:
+    host: LockstepHost[str] = LockstepHost()
+    host.receive("a", m.encode(m.Join(PROTOCOL_VERSION, "", "a")), 0.0)
+    host.messages_to_send()
+    with pytest.raises(error):
+        host.start(now)
+    assert host.state is HostState.LOBBY and host.messages_to_send() == []
+    host.start(0.0)  # still in the lobby: a valid start works
+    host.handle_timer(0.1)
+    assert host.next_turn == 1
