@@ -892,3 +892,23 @@ def test_start_refuses_a_time_that_is_not_a_finite_number(now: Any, error: type)
     host.start(0.0)  # still in the lobby: a valid start works
     host.handle_timer(0.1)
     assert host.next_turn == 1
+
+
+def test_send_command_takes_bytes_like_data_measured_in_bytes() -> None:
+    import array
+
+    _, running = running_lockstep_pair()
+    running.messages_to_send()
+    size = running.max_command_size
+    doubles = memoryview(array.array("d", [0.0] * size))  # size items, 8 * size bytes
+    with pytest.raises(LocalProtocolError):
+        running.send_command(doubles)
+    for bad in ([1, 2, 3], 3, "abc"):
+        with pytest.raises(TypeError):
+            running.send_command(bad)  # type: ignore[arg-type]
+    assert running.messages_to_send() == []
+    fits = memoryview(array.array("d", [1.0] * (size // 8)))
+    running.send_command(fits)
+    running.send_command(bytearray(b"ab"))
+    sent = [m.decode(d, running.config) for d in running.messages_to_send()]
+    assert [c.data for c in sent if isinstance(c, m.Command)] == [fits.tobytes(), b"ab"]
