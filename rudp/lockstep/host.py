@@ -344,8 +344,7 @@ class LockstepHost(Generic[P]):
             self.stats.deferred_commands += len(deferred)
             self._scheduled[turn + 1] = deferred + self._scheduled.get(turn + 1, [])
         for client_id, _ in commands:
-            if client_id in self._clients:
-                self._clients[client_id].pending_commands -= 1
+            self._clients[client_id].pending_commands -= 1
         self._broadcast(m.NetTurn(turn, tuple(commands)))
         if self._clients:  # with nobody to answer there is nothing to compare
             self._reports[turn] = _TurnReports(now, set(self._clients))
@@ -462,6 +461,14 @@ class LockstepHost(Generic[P]):
         del self._by_peer[client.peer]
         self._broadcast(left)
         self._events.append(ClientLeft(client_id, reason))
+        # Its commands for unsent turns (deferred ones included) go with it: a later
+        # NETTURN must not carry orders from a player nobody has in the game any more.
+        for turn, commands in list(self._scheduled.items()):
+            kept = [(cid, data) for cid, data in commands if cid != client_id]
+            if kept:
+                self._scheduled[turn] = kept
+            else:
+                del self._scheduled[turn]
         for reports in self._reports.values():
             reports.expected.discard(client_id)
         self._settle_turns()  # its departure may complete turns it was holding up

@@ -912,3 +912,29 @@ def test_send_command_takes_bytes_like_data_measured_in_bytes() -> None:
     running.send_command(bytearray(b"ab"))
     sent = [m.decode(d, running.config) for d in running.messages_to_send()]
     assert [c.data for c in sent if isinstance(c, m.Command)] == [fits.tobytes(), b"ab"]
+
+
+@pytest.mark.parametrize("how", ["kick", "leave", "disconnect", "time_out"])
+def test_a_removed_players_queued_commands_are_not_sent(how: str) -> None:
+    lab = Lab(delay=0.0, jitter=0.0, config=LockstepConfig(unresponsive_after=0.2, drop_after=0.5))
+    alice, bob = lab.start("alice", "bob")
+    for i in range(100):  # 20 turns' worth: most are deferred, some past bob's removal
+        bob.client.send_command(bytes([i]) * 200)
+    lab.pump()
+    lab.run_until(lambda: any(c == 1 for t in lab.sent_turns for c, _ in t.commands))
+    assert lab.host.stats.deferred_commands > 0
+    if how == "kick":
+        lab.host.kick(1, lab.now)
+    elif how == "leave":
+        lab.host.receive("bob", m.encode(m.Leave()), lab.now)
+    elif how == "disconnect":
+        lab.host.peer_disconnected("bob", lab.now)
+    else:
+        bob.frozen = True
+        lab.run_until(lambda: 1 not in lab.host.clients, limit=30)
+    lab.pump()
+    assert 1 not in lab.host.clients
+    removed_after = lab.host.next_turn
+    lab.run_for(2.0)
+    later = [t for t in lab.sent_turns if t.turn >= removed_after]
+    assert later and not any(c == 1 for t in later for c, _ in t.commands)
