@@ -149,6 +149,8 @@ class LockstepHost(Generic[P]):
         self._clients: dict[int, ClientRecord[P]] = {}
         self._by_peer: dict[P, int] = {}
         self._scheduled: dict[int, list[tuple[int, bytes]]] = {}
+        self._first_packed = -1
+        """The client whose command went first in the last NETTURN with commands."""
         self._reports: dict[int, _TurnReports] = {}
         self._blamed: set[int] = set()
         self._outbox: list[tuple[P, bytes]] = []
@@ -355,23 +357,36 @@ class LockstepHost(Generic[P]):
         """Split into what fits one NETTURN and what must wait.
 
         Clients take turns, one command each, so a client flooding commands
-        cannot push everyone else's out of the turn; each client's own order is kept.
+        cannot push everyone else's out of the turn; each client's own order is
+        kept. A client whose next command does not fit waits for the next turn
+        while the others' commands that still fit go on. The client that goes
+        first moves on each turn, cyclically by id, so a client whose commands
+        fill a whole NETTURN cannot keep another's out for more than as many
+        turns as there are clients.
         """
         queues: dict[int, deque[bytes]] = {}
         for client_id, data in commands:
             queues.setdefault(client_id, deque()).append(data)
+        start = self._first_packed + 1
+        order = sorted(queues, key=lambda client_id: (client_id - start) % MAX_CLIENTS_LIMIT)
+        if order:
+            self._first_packed = order[0]
         budget = self.config.max_message_size - NETTURN_OVERHEAD
         taken: list[tuple[int, bytes]] = []
-        while queues:
-            for client_id, queue in list(queues.items()):
+        active = order
+        while active:
+            still: list[int] = []
+            for client_id in active:
+                queue = queues[client_id]
                 cost = len(queue[0]) + COMMAND_OVERHEAD
                 if cost > budget:
-                    return taken, [(c, d) for c, q in queues.items() for d in q]
+                    continue  # it waits for the next turn; smaller commands may still fit
                 budget -= cost
                 taken.append((client_id, queue.popleft()))
-                if not queue:
-                    del queues[client_id]
-        return taken, []
+                if queue:
+                    still.append(client_id)
+            active = still
+        return taken, [(c, d) for c in order for d in queues[c]]
 
     def _on_done_turn(self, client: ClientRecord[P], msg: m.DoneTurn, now: float) -> None:
         if msg.turn != client.acked + 1 or msg.turn >= self.next_turn:

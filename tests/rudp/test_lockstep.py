@@ -938,3 +938,23 @@ def test_a_removed_players_queued_commands_are_not_sent(how: str) -> None:
     lab.run_for(2.0)
     later = [t for t in lab.sent_turns if t.turn >= removed_after]
     assert later and not any(c == 1 for t in later for c, _ in t.commands)
+
+
+def test_a_flood_of_full_size_commands_cannot_starve_another_player() -> None:
+    """Each of alice's commands fills a whole NETTURN and she keeps her queue full;
+    bob's small command still goes out within as many turns as there are players."""
+    cfg = LockstepConfig(max_command_size=1078, max_message_size=1100)
+    lab = Lab(delay=0.0, jitter=0.0, config=cfg)
+    alice, bob = lab.start("alice", "bob")
+    for _ in range(10):
+        alice.client.send_command(b"F" * 1078)
+    target = bob.client.send_command(b"honest")
+    lab.pump()
+    for _ in range(30):
+        sent = lab.host.next_turn
+        lab.run_until(lambda s=sent: lab.host.next_turn > s)
+        alice.client.send_command(b"F" * 1078)  # keep the flood going
+        lab.pump()
+    carried = [t.turn for t in lab.sent_turns if (1, b"honest") in t.commands]
+    assert carried and carried[0] < target + len(lab.players)
+    assert all(len(m.encode(t)) <= cfg.max_message_size for t in lab.sent_turns)
