@@ -300,7 +300,7 @@ class LockstepSession:
         self.client.complete_turn(number, checksum)
         self._flush()
 
-    def send_command(self, data: bytes) -> int:
+    def send_command(self, data: bytes | bytearray | memoryview) -> int:
         self._check_open()
         turn = self.client.send_command(data)
         self._flush()

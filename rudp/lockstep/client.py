@@ -185,6 +185,10 @@ class LockstepClient:
 
     def complete_turn(self, number: int, checksum: int) -> None:
         """Report turn ``number`` executed, with a checksum of the resulting state (uint64)."""
+        if type(number) is not int:
+            # Checked first: 1.0, True or a numpy integer compare equal to the turn but
+            # would be sent malformed, or fail to encode once the turn is consumed.
+            raise TypeError(f"turn number must be an int, not {type(number).__name__}")
         if not self._pending or self._pending[0].number != number:
             raise LocalProtocolError(f"turn {number} is not the next turn to complete")
         if type(checksum) is not int or not 0 <= checksum <= MAX_CHECKSUM:
@@ -193,16 +197,23 @@ class LockstepClient:
         self.executed_turn = number
         self._send(m.DoneTurn(number, checksum))
 
-    def send_command(self, data: bytes) -> int:
-        """Queue a command; returns the turn it is scheduled for (the host may delay it)."""
+    def send_command(self, data: bytes | bytearray | memoryview) -> int:
+        """Queue a command (bytes-like, at most ``max_command_size`` bytes); returns the
+        turn it is scheduled for (the host may delay it)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            # bytes() would turn a list of ints, or an int, into some other command.
+            raise TypeError(f"command must be bytes-like, not {type(data).__name__}")
         if self.state is not ClientState.RUNNING:
             raise LocalProtocolError(f"cannot send commands while {self.state.value}")
-        if len(data) > self.max_command_size:
+        # Measured in bytes: len() of a memoryview counts its items (a double is 8 bytes).
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size > self.max_command_size:
             raise LocalProtocolError(f"command larger than {self.max_command_size} bytes")
+        payload = bytes(data)
         turn = self.latest_turn + self.input_delay
         if turn > MAX_TURN:
             raise LocalProtocolError("no turn left to schedule a command for")
-        self._send(m.Command(turn, bytes(data)))
+        self._send(m.Command(turn, payload))
         return turn
 
     def leave(self) -> None:

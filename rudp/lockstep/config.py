@@ -26,6 +26,8 @@ MAX_TURN = 2**31 - 1
 MAX_CHECKSUM = 2**64 - 1
 #: Player names longer than this many UTF-8 bytes are refused as malformed.
 MAX_NAME_LENGTH = 32
+#: Game versions longer than this many UTF-8 bytes are refused as malformed.
+MAX_GAME_VERSION_LENGTH = 64
 #: Worst-case msgpack bytes around the commands of a NETTURN (array, type, turn, list).
 NETTURN_OVERHEAD = 16
 #: Worst-case msgpack bytes around one command in a NETTURN (pair, client id, bin header).
@@ -120,6 +122,18 @@ class LockstepConfig:
     than this ends the client with ``BACKLOG_FULL`` before the host drops it."""
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+        if not isinstance(self.game_version, str):
+            raise TypeError(f"game_version must be a str, not {type(self.game_version).__name__}")
+        if len(self.game_version.encode()) > MAX_GAME_VERSION_LENGTH:
+            raise ValueError(f"game_version longer than {MAX_GAME_VERSION_LENGTH} UTF-8 bytes")
         if not (
             math.isfinite(self.turn_interval) and MIN_TURN_INTERVAL <= self.turn_interval <= 10.0
         ):
@@ -142,3 +156,23 @@ class LockstepConfig:
             raise ValueError("max_message_size must fit a NETTURN carrying one largest command")
         if self.max_clients * ROSTER_ENTRY_MAX + NETTURN_OVERHEAD > self.max_message_size:
             raise ValueError("max_message_size must fit a roster of max_clients players")
+
+
+#: Counts and sizes: a float or a bool here breaks joins or the host's timer later.
+_INT_FIELDS = (
+    "input_delay",
+    "max_catchup",
+    "max_clients",
+    "max_command_size",
+    "max_command_lead",
+    "max_pending_commands",
+    "max_message_size",
+    "max_backlog",
+)
+#: Times in seconds (ints are fine; bools are not).
+_FLOAT_FIELDS = (
+    "turn_interval",
+    "unresponsive_after",
+    "drop_after",
+    "max_backlog_seconds",
+)

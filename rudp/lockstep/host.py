@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ class LockstepHost(Generic[P]):
         self._clients: dict[int, ClientRecord[P]] = {}
         self._by_peer: dict[P, int] = {}
         self._scheduled: dict[int, list[tuple[int, bytes]]] = {}
+        self._first_packed = -1
+        """The client whose command went first in the last NETTURN with commands."""
         self._reports: dict[int, _TurnReports] = {}
         self._blamed: set[int] = set()
         self._outbox: list[tuple[P, bytes]] = []
@@ -198,6 +201,10 @@ class LockstepHost(Generic[P]):
 
     def start(self, now: float) -> None:
         """Close the lobby and start sending turns (the first one interval from now)."""
+        if not isinstance(now, (int, float)) or isinstance(now, bool):
+            raise TypeError(f"now must be a number, not {type(now).__name__}")
+        if not math.isfinite(now):
+            raise ValueError("now must be finite")  # every turn deadline counts from it
         if self.state is not HostState.LOBBY:
             raise LocalProtocolError("the game has already started")
         self.state = HostState.RUNNING
@@ -210,6 +217,9 @@ class LockstepHost(Generic[P]):
 
     def kick(self, client_id: int, now: float) -> None:
         """Remove a client (it is told LEFT/KICKED, then its peer is listed to close)."""
+        if type(client_id) is not int:
+            # True == 1 and 1.0 == 1 would find client 1 and send a LEFT nobody can decode.
+            raise TypeError(f"client_id must be an int, not {type(client_id).__name__}")
         if client_id not in self._clients:
             raise LocalProtocolError(f"no client {client_id}")
         self._remove(client_id, m.LeaveReason.KICKED, now)
@@ -336,8 +346,7 @@ class LockstepHost(Generic[P]):
             self.stats.deferred_commands += len(deferred)
             self._scheduled[turn + 1] = deferred + self._scheduled.get(turn + 1, [])
         for client_id, _ in commands:
-            if client_id in self._clients:
-                self._clients[client_id].pending_commands -= 1
+            self._clients[client_id].pending_commands -= 1
         self._broadcast(m.NetTurn(turn, tuple(commands)))
         if self._clients:  # with nobody to answer there is nothing to compare
             self._reports[turn] = _TurnReports(now, set(self._clients))
@@ -348,23 +357,36 @@ class LockstepHost(Generic[P]):
         """Split into what fits one NETTURN and what must wait.
 
         Clients take turns, one command each, so a client flooding commands
-        cannot push everyone else's out of the turn; each client's own order is kept.
+        cannot push everyone else's out of the turn; each client's own order is
+        kept. A client whose next command does not fit waits for the next turn
+        while the others' commands that still fit go on. The client that goes
+        first moves on each turn, cyclically by id, so a client whose commands
+        fill a whole NETTURN cannot keep another's out for more than as many
+        turns as there are clients.
         """
         queues: dict[int, deque[bytes]] = {}
         for client_id, data in commands:
             queues.setdefault(client_id, deque()).append(data)
+        start = self._first_packed + 1
+        order = sorted(queues, key=lambda client_id: (client_id - start) % MAX_CLIENTS_LIMIT)
+        if order:
+            self._first_packed = order[0]
         budget = self.config.max_message_size - NETTURN_OVERHEAD
         taken: list[tuple[int, bytes]] = []
-        while queues:
-            for client_id, queue in list(queues.items()):
+        active = order
+        while active:
+            still: list[int] = []
+            for client_id in active:
+                queue = queues[client_id]
                 cost = len(queue[0]) + COMMAND_OVERHEAD
                 if cost > budget:
-                    return taken, [(c, d) for c, q in queues.items() for d in q]
+                    continue  # it waits for the next turn; smaller commands may still fit
                 budget -= cost
                 taken.append((client_id, queue.popleft()))
-                if not queue:
-                    del queues[client_id]
-        return taken, []
+                if queue:
+                    still.append(client_id)
+            active = still
+        return taken, [(c, d) for c in order for d in queues[c]]
 
     def _on_done_turn(self, client: ClientRecord[P], msg: m.DoneTurn, now: float) -> None:
         if msg.turn != client.acked + 1 or msg.turn >= self.next_turn:
@@ -454,6 +476,14 @@ class LockstepHost(Generic[P]):
         del self._by_peer[client.peer]
         self._broadcast(left)
         self._events.append(ClientLeft(client_id, reason))
+        # Its commands for unsent turns (deferred ones included) go with it: a later
+        # NETTURN must not carry orders from a player nobody has in the game any more.
+        for turn, commands in list(self._scheduled.items()):
+            kept = [(cid, data) for cid, data in commands if cid != client_id]
+            if kept:
+                self._scheduled[turn] = kept
+            else:
+                del self._scheduled[turn]
         for reports in self._reports.values():
             reports.expected.discard(client_id)
         self._settle_turns()  # its departure may complete turns it was holding up

@@ -43,6 +43,7 @@ from rudp.lockstep.config import (
     MAX_CATCHUP_LIMIT,
     MAX_CHECKSUM,
     MAX_CLIENTS_LIMIT,
+    MAX_GAME_VERSION_LENGTH,
     MAX_NAME_LENGTH,
     MAX_TURN,
     MIN_TURN_INTERVAL,
@@ -358,7 +359,9 @@ def _unique_ids(pairs: list[tuple[int, Any]]) -> None:
 
 def _join(f: list[Any], c: LockstepConfig) -> Join:
     _arity(f, 3)
-    return Join(_int(f[0], 0, 0xFFFF), _str(f[1], 64), _str(f[2], MAX_NAME_LENGTH))
+    return Join(
+        _int(f[0], 0, 0xFFFF), _str(f[1], MAX_GAME_VERSION_LENGTH), _str(f[2], MAX_NAME_LENGTH)
+    )
 
 
 def _welcome(f: list[Any], c: LockstepConfig) -> Welcome:

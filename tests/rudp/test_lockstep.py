@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from rudp.lockstep import (
     Event,
     GameStarted,
     HostResponsive,
+    HostState,
     HostUnresponsive,
     Joined,
     JoinRefused,
@@ -811,3 +813,148 @@ def test_a_client_that_acks_slowly_is_dropped_by_its_lag() -> None:
     assert [c.peer for c in host.clients.values()] == ["a"]
     assert t <= cfg.drop_after + 2.0
     assert len(host._reports) < 10  # the turns it held back were settled
+
+
+def test_kick_takes_an_int_client_id_only() -> None:
+    host: LockstepHost[str] = LockstepHost()
+    for peer in ("a", "b"):
+        host.receive(peer, m.encode(m.Join(PROTOCOL_VERSION, "", peer)), 0.0)
+    host.start(0.0)
+    host.messages_to_send()
+    for bad in (True, 1.0):
+        with pytest.raises(TypeError):
+            host.kick(bad, 0.0)  # type: ignore[arg-type]
+    assert sorted(host.clients) == [0, 1] and host.messages_to_send() == []
+    host.kick(1, 0.0)
+    assert sorted(host.clients) == [0]
+
+
+def test_complete_turn_takes_an_int_turn_number_only() -> None:
+    from fractions import Fraction
+
+    host, running = running_lockstep_pair()
+    host.handle_timer(0.1)
+    for _, data in host.messages_to_send():
+        running.receive(data, 0.1)
+    running.messages_to_send()
+    turn = running.next_turn()
+    assert turn is not None and turn.number == 0
+    for bad in (False, 0.0, Fraction(0)):
+        with pytest.raises(TypeError):
+            running.complete_turn(bad, 1)  # type: ignore[arg-type]
+        assert running.next_turn() == turn and running.messages_to_send() == []
+    running.complete_turn(0, 1)
+    assert [m.decode(d, running.config) for d in running.messages_to_send()] == [m.DoneTurn(0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("max_catchup", 2.5, TypeError),
+        ("input_delay", 1.5, TypeError),
+        ("input_delay", 2.0, TypeError),
+        ("max_command_size", 200.5, TypeError),
+        ("max_clients", True, TypeError),
+        ("max_message_size", 1100.0, TypeError),
+        ("max_backlog", "1000", TypeError),
+        ("turn_interval", True, TypeError),
+        ("drop_after", "10", TypeError),
+        ("game_version", 5, TypeError),
+        ("game_version", b"1.0", TypeError),
+        ("game_version", "v" * 65, ValueError),
+        ("game_version", "é" * 33, ValueError),  # 66 UTF-8 bytes
+    ],
+)
+def test_config_refuses_wrong_types_at_construction(field: str, value: Any, error: type) -> None:
+    with pytest.raises(error):
+        LockstepConfig(**{field: value})
+
+
+def test_longest_game_version_still_joins() -> None:
+    cfg = LockstepConfig(game_version="é" * 32)  # 64 UTF-8 bytes: the most JOIN carries
+    assert LockstepConfig(turn_interval=1, drop_after=10).turn_interval == 1
+    lab = Lab(config=cfg)
+    (alice,) = lab.join("alice")
+    assert alice.client.state is ClientState.LOBBY and len(lab.host.clients) == 1
+
+
+@pytest.mark.parametrize(
+    ("now", "error"),
+    [(math.nan, ValueError), (math.inf, ValueError), (-math.inf, ValueError), ("0", TypeError)],
+)
+def test_start_refuses_a_time_that_is_not_a_finite_number(now: Any, error: type) -> None:
+    host: LockstepHost[str] = LockstepHost()
+    host.receive("a", m.encode(m.Join(PROTOCOL_VERSION, "", "a")), 0.0)
+    host.messages_to_send()
+    with pytest.raises(error):
+        host.start(now)
+    assert host.state is HostState.LOBBY and host.messages_to_send() == []
+    host.start(0.0)  # still in the lobby: a valid start works
+    host.handle_timer(0.1)
+    assert host.next_turn == 1
+
+
+def test_send_command_takes_bytes_like_data_measured_in_bytes() -> None:
+    import array
+
+    _, running = running_lockstep_pair()
+    running.messages_to_send()
+    size = running.max_command_size
+    doubles = memoryview(array.array("d", [0.0] * size))  # size items, 8 * size bytes
+    with pytest.raises(LocalProtocolError):
+        running.send_command(doubles)
+    for bad in ([1, 2, 3], 3, "abc"):
+        with pytest.raises(TypeError):
+            running.send_command(bad)  # type: ignore[arg-type]
+    assert running.messages_to_send() == []
+    fits = memoryview(array.array("d", [1.0] * (size // 8)))
+    running.send_command(fits)
+    running.send_command(bytearray(b"ab"))
+    sent = [m.decode(d, running.config) for d in running.messages_to_send()]
+    assert [c.data for c in sent if isinstance(c, m.Command)] == [fits.tobytes(), b"ab"]
+
+
+@pytest.mark.parametrize("how", ["kick", "leave", "disconnect", "time_out"])
+def test_a_removed_players_queued_commands_are_not_sent(how: str) -> None:
+    lab = Lab(delay=0.0, jitter=0.0, config=LockstepConfig(unresponsive_after=0.2, drop_after=0.5))
+    alice, bob = lab.start("alice", "bob")
+    for i in range(100):  # 20 turns' worth: most are deferred, some past bob's removal
+        bob.client.send_command(bytes([i]) * 200)
+    lab.pump()
+    lab.run_until(lambda: any(c == 1 for t in lab.sent_turns for c, _ in t.commands))
+    assert lab.host.stats.deferred_commands > 0
+    if how == "kick":
+        lab.host.kick(1, lab.now)
+    elif how == "leave":
+        lab.host.receive("bob", m.encode(m.Leave()), lab.now)
+    elif how == "disconnect":
+        lab.host.peer_disconnected("bob", lab.now)
+    else:
+        bob.frozen = True
+        lab.run_until(lambda: 1 not in lab.host.clients, limit=30)
+    lab.pump()
+    assert 1 not in lab.host.clients
+    removed_after = lab.host.next_turn
+    lab.run_for(2.0)
+    later = [t for t in lab.sent_turns if t.turn >= removed_after]
+    assert later and not any(c == 1 for t in later for c, _ in t.commands)
+
+
+def test_a_flood_of_full_size_commands_cannot_starve_another_player() -> None:
+    """Each of alice's commands fills a whole NETTURN and she keeps her queue full;
+    bob's small command still goes out within as many turns as there are players."""
+    cfg = LockstepConfig(max_command_size=1078, max_message_size=1100)
+    lab = Lab(delay=0.0, jitter=0.0, config=cfg)
+    alice, bob = lab.start("alice", "bob")
+    for _ in range(10):
+        alice.client.send_command(b"F" * 1078)
+    target = bob.client.send_command(b"honest")
+    lab.pump()
+    for _ in range(30):
+        sent = lab.host.next_turn
+        lab.run_until(lambda s=sent: lab.host.next_turn > s)
+        alice.client.send_command(b"F" * 1078)  # keep the flood going
+        lab.pump()
+    carried = [t.turn for t in lab.sent_turns if (1, b"honest") in t.commands]
+    assert carried and carried[0] < target + len(lab.players)
+    assert all(len(m.encode(t)) <= cfg.max_message_size for t in lab.sent_turns)
