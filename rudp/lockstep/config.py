@@ -30,8 +30,17 @@ MAX_NAME_LENGTH = 32
 MAX_GAME_VERSION_LENGTH = 64
 #: Worst-case msgpack bytes around the commands of a NETTURN (array, type, turn, list).
 NETTURN_OVERHEAD = 16
-#: Worst-case msgpack bytes around one command in a NETTURN (pair, client id, bin header).
+#: Worst-case msgpack bytes around one command in a NETTURN (pair, client id, bin header)
+#: of less than 65,536 bytes; see `command_overhead`.
 COMMAND_OVERHEAD = 6
+
+
+def command_overhead(size: int) -> int:
+    """Worst-case msgpack bytes around a command of ``size`` bytes in a NETTURN: a
+    command of 65,536 bytes or more has a 5-byte bin header, not 3."""
+    return COMMAND_OVERHEAD if size <= 0xFFFF else COMMAND_OVERHEAD + 2
+
+
 #: Worst-case msgpack bytes of one WELCOME roster or DESYNC entry.
 ROSTER_ENTRY_MAX = MAX_NAME_LENGTH + 8
 #: Shortest turn interval, and largest ``max_catchup``, a config (and a WELCOME) may have.
@@ -152,7 +161,8 @@ class LockstepConfig:
             raise ValueError("max_backlog_seconds must be a finite number of seconds, at least 0")
         if min(self.max_command_size, self.max_pending_commands, self.max_backlog) < 1:
             raise ValueError("size limits must be positive")
-        if self.max_command_size + COMMAND_OVERHEAD + NETTURN_OVERHEAD > self.max_message_size:
+        command = self.max_command_size + command_overhead(self.max_command_size)
+        if command + NETTURN_OVERHEAD > self.max_message_size:
             raise ValueError("max_message_size must fit a NETTURN carrying one largest command")
         if self.max_clients * ROSTER_ENTRY_MAX + NETTURN_OVERHEAD > self.max_message_size:
             raise ValueError("max_message_size must fit a roster of max_clients players")

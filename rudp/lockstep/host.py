@@ -52,12 +52,12 @@ from rudp.errors import LocalProtocolError
 from rudp.lockstep import messages as m
 from rudp.lockstep.clock import TurnClock
 from rudp.lockstep.config import (
-    COMMAND_OVERHEAD,
     MAX_CLIENTS_LIMIT,
     MAX_TURN,
     NETTURN_OVERHEAD,
     PROTOCOL_VERSION,
     LockstepConfig,
+    command_overhead,
 )
 from rudp.lockstep.events import (
     ClientJoined,
@@ -378,7 +378,7 @@ class LockstepHost(Generic[P]):
             still: list[int] = []
             for client_id in active:
                 queue = queues[client_id]
-                cost = len(queue[0]) + COMMAND_OVERHEAD
+                cost = len(queue[0]) + command_overhead(len(queue[0]))
                 if cost > budget:
                     continue  # it waits for the next turn; smaller commands may still fit
                 budget -= cost

@@ -958,3 +958,41 @@ def test_a_flood_of_full_size_commands_cannot_starve_another_player() -> None:
     carried = [t.turn for t in lab.sent_turns if (1, b"honest") in t.commands]
     assert carried and carried[0] < target + len(lab.players)
     assert all(len(m.encode(t)) <= cfg.max_message_size for t in lab.sent_turns)
+
+
+def test_turns_of_commands_over_64_kib_fit_the_message_size() -> None:
+    # A command of 65,536 bytes or more has a 5-byte bin header, not 3: a NETTURN
+    # packed "to fit" came out a byte over max_message_size, and every client ended
+    # with MALFORMED_MESSAGE.
+    size, count = 65536, 13
+    config = LockstepConfig(
+        max_command_size=size,
+        max_message_size=count * (size + 6) + 16,
+        max_pending_commands=count,
+    )
+    host: LockstepHost[str] = LockstepHost(config=config)
+    client = LockstepClient(name="p0", config=config)
+
+    def pump(now: float) -> None:
+        for _ in range(20):
+            moved = False
+            for data in client.messages_to_send():
+                host.receive("p0", data, now)
+                moved = True
+            for _peer, data in host.messages_to_send():
+                assert len(data) <= config.max_message_size
+                client.receive(data, now)
+                moved = True
+            if not moved:
+                return
+
+    pump(0.0)
+    host.start(0.0)
+    pump(0.0)
+    for _ in range(count):
+        client.send_command(b"x" * size)
+    pump(0.0)
+    for tick in range(1, 40):
+        host.handle_timer(tick * config.turn_interval)
+        pump(tick * config.turn_interval)
+    assert client.fault is None and host.stats.deferred_commands > 0
