@@ -47,7 +47,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from rudp import frames, wire
 from rudp.config import BUFFER_ENTRY_COST, Config
-from rudp.errors import LocalProtocolError, MessageTooLarge, SendQueueFull, check_sequence
+from rudp.errors import (
+    LocalProtocolError,
+    MessageTooLarge,
+    SendQueueFull,
+    as_bytes,
+    check_sequence,
+)
 from rudp.events import MessageAcked
 from rudp.graph import GraphNode, mark_executed
 from rudp.wire import (
@@ -282,7 +288,7 @@ class Sender:
         """Queue a message (see ``Connection.send``)."""
         self.room_wanted = 0  # set again only if this is a fragmented message refused
         if type(data) is not bytes:
-            data = _as_bytes(data)
+            data = as_bytes(data, "message data")
         if channel and not 0 < channel < self._peer_channels:
             self._bad_channel(channel)
         if len(data) > self._peer_max_message:
@@ -727,9 +733,3 @@ def _fail(msg: OutMessage) -> None:
     parent = msg.parent
     if parent is not None and parent.state <= SENT:
         parent.state = FAILED
-
-
-def _as_bytes(data: object) -> bytes:
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"message data must be bytes-like, not {type(data).__name__}")
-    return bytes(data)

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rudp.errors import LocalProtocolError
+from rudp.errors import LocalProtocolError, as_bytes
 from rudp.lockstep import messages as m
 from rudp.lockstep.config import (
     MAX_CHECKSUM,
@@ -200,16 +200,13 @@ class LockstepClient:
     def send_command(self, data: bytes | bytearray | memoryview) -> int:
         """Queue a command (bytes-like, at most ``max_command_size`` bytes); returns the
         turn it is scheduled for (the host may delay it)."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            # bytes() would turn a list of ints, or an int, into some other command.
-            raise TypeError(f"command must be bytes-like, not {type(data).__name__}")
+        # Measured in bytes (a memoryview's len() counts its items); bytes() would
+        # turn a list of ints, or an int, into some other command.
+        payload = as_bytes(data, "command")
         if self.state is not ClientState.RUNNING:
             raise LocalProtocolError(f"cannot send commands while {self.state.value}")
-        # Measured in bytes: len() of a memoryview counts its items (a double is 8 bytes).
-        size = data.nbytes if isinstance(data, memoryview) else len(data)
-        if size > self.max_command_size:
+        if len(payload) > self.max_command_size:
             raise LocalProtocolError(f"command larger than {self.max_command_size} bytes")
-        payload = bytes(data)
         turn = self.latest_turn + self.input_delay
         if turn > MAX_TURN:
             raise LocalProtocolError("no turn left to schedule a command for")
